@@ -1,0 +1,436 @@
+"""Progress bars: one tick per microbatch (also under VPP), one drawing rank, closed on every path,
+one log line per phase when quiet, no host sync per microbatch, an ETA on the run bar."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+
+import pytest
+import torch
+from tqdm import tqdm
+
+from unirl.core import progress
+from unirl.core.errors import ConfigError
+from unirl.core.progress import MicrobatchProgress, RunProgress, progress_enabled
+from unirl.core.topology import Topology
+
+LOGGER = "unirl.core.progress"
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class FakeClock:
+    """Returns the scripted times in order, then keeps the last; or steps by `step` per call."""
+
+    def __init__(self, times=(0.0,), step=0.0):
+        self.times, self.step, self.now = list(times), step, None
+
+    def __call__(self) -> float:
+        if self.times:
+            self.now = self.times.pop(0)
+        else:
+            self.now += self.step
+        return self.now
+
+
+class Chunk:
+    """A model chunk as Megatron hands it to the forward-step function."""
+
+    def __init__(self, vp_stage):
+        self.vp_stage = vp_stage
+
+
+def chunk_vp_stage(data_iterator, model, *rest):
+    return model.vp_stage
+
+
+@pytest.fixture(autouse=True)
+def no_env_override(monkeypatch):
+    monkeypatch.delenv("UNIRL_PROGRESS", raising=False)
+
+
+@pytest.fixture
+def spy_tqdm(monkeypatch):
+    """Records every tqdm created by progress.py, and every close."""
+    created, closed = [], []
+
+    class Spy(tqdm):
+        def __init__(self, *args, **kwargs):
+            created.append(self)
+            super().__init__(*args, **kwargs)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    monkeypatch.setattr(progress, "tqdm", Spy)
+    return created, closed
+
+
+# -- ticks ----------------------------------------------------------------------------------------
+
+# Megatron's interleaved schedule, vpp=2, pp=2, 4 microbatches, microbatch groups of pp=2: the
+# forward step runs for (microbatch, chunk) in this order on every pipeline rank (8 calls).
+VPP_ORDER = [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+
+
+@pytest.mark.parametrize(
+    "pp_rank, expected_counts",
+    [
+        (0, [0, 0, 0, 0, 0, 0, 0, 0]),  # never the last stage: never ticks
+        (1, [0, 0, 1, 2, 2, 2, 3, 4]),  # ticks on chunk 1 calls only: 4 ticks for 4 microbatches
+    ],
+)
+def test_vpp_ticks_once_per_microbatch_on_last_stage(pp_rank, expected_counts):
+    topo = Topology.from_rank(pp_rank, 2, pp=2, vpp=2)
+    calls = []
+    with MicrobatchProgress(
+        "actor train", 4, topo, enabled=False, vp_stage_of=chunk_vp_stage
+    ) as bar:
+        step = bar.wrap(lambda data_iterator, model: calls.append(model.vp_stage))
+        counts = []
+        for mb, chunk in VPP_ORDER:
+            step(iter([mb]), Chunk(chunk))
+            counts.append(bar.count)
+    assert len(calls) == 8  # the step function itself ran VPP x microbatches times
+    assert counts == expected_counts
+
+
+def test_vpp_also_ticks_with_keyword_arguments():
+    topo = Topology.from_rank(1, 2, pp=2, vpp=2)
+    with MicrobatchProgress(
+        "ref forward", 4, topo, enabled=False, vp_stage_of=lambda **kw: kw["model"].vp_stage
+    ) as bar:
+        step = bar.wrap(lambda *, data_iterator, model: None)
+        for _mb, chunk in VPP_ORDER:
+            step(data_iterator=None, model=Chunk(chunk))
+    assert bar.count == 4
+
+
+@pytest.mark.parametrize("pp, pp_rank, expected", [(2, 0, 0), (2, 1, 4), (1, 0, 4)])
+def test_without_vpp_every_call_on_last_stage_ticks(pp, pp_rank, expected):
+    topo = Topology.from_rank(pp_rank, pp, pp=pp)
+    with MicrobatchProgress("actor forward", 4, topo, enabled=False) as bar:
+        step = bar.wrap(lambda data_iterator, model: None)
+        for mb in range(4):  # one call per microbatch
+            step(iter([mb]), Chunk(None))
+    assert bar.count == expected
+
+
+def test_vpp_without_vp_stage_of_fails_at_wrap_time():
+    topo = Topology.from_rank(1, 2, pp=2, vpp=2)
+    bar = MicrobatchProgress("actor train", 4, topo, enabled=False)
+    with pytest.raises(ConfigError, match=r"vpp_size=2 needs vp_stage_of"):
+        bar.wrap(lambda *a: None)
+
+
+def test_tick_counts_n():
+    with MicrobatchProgress("actor train", 5, Topology(), enabled=False) as bar:
+        bar.tick()
+        bar.tick(4)
+    assert bar.count == 5  # 1 + 4
+
+
+def test_wrapped_function_keeps_identity_and_result():
+    def forward_step(data_iterator, model):
+        """Docstring of the step."""
+        return ("output", model)
+
+    model = Chunk(None)
+    with MicrobatchProgress("actor train", 1, Topology(), enabled=False) as bar:
+        step = bar.wrap(forward_step)
+        result = step(None, model)
+    assert step.__name__ == "forward_step"
+    assert step.__doc__ == "Docstring of the step."
+    assert step.__wrapped__ is forward_step
+    assert result == ("output", model) and result[1] is model
+
+
+# -- which rank draws ------------------------------------------------------------------------------
+
+
+def test_only_reporting_rank_creates_a_bar(spy_tqdm, monkeypatch):
+    created, _ = spy_tqdm
+    monkeypatch.setenv("UNIRL_PROGRESS", "1")  # force bars everywhere a bar may be drawn
+    counts = {}
+    # tp=2, dp=2: only rank 0 is dp rank 0 and tp rank 0 (pp=1, so every rank is the last stage).
+    for rank in range(4):
+        topo = Topology.from_rank(rank, 4, tp=2)
+        with MicrobatchProgress("actor train", 3, topo, stream=FakeTTY()) as bar:
+            step = bar.wrap(lambda data_iterator, model: None)
+            for _ in range(3):
+                step(None, None)
+                bar.report(loss=torch.tensor(1.0), tokens=10)
+        counts[rank] = bar.count
+        assert len(created) == 1, f"rank {rank}: {len(created)} bars"  # rank 0's only
+    assert counts == {0: 3, 1: 3, 2: 3, 3: 3}  # counted on every rank, drawn on one
+
+
+def test_non_reporting_ranks_log_nothing_when_quiet(spy_tqdm, caplog):
+    created, _ = spy_tqdm
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    for rank in (1, 2, 3):
+        topo = Topology.from_rank(rank, 4, tp=2)
+        with MicrobatchProgress("actor train", 2, topo, stream=io.StringIO()) as bar:
+            bar.tick(2)
+        with RunProgress(5, topo, stream=io.StringIO()) as run:
+            run.advance({"reward": 1.0})
+        assert run.step == 1
+    assert created == [] and caplog.records == []
+
+
+# -- closing ---------------------------------------------------------------------------------------
+
+
+def test_bar_closed_after_exception_in_with_block(spy_tqdm, caplog):
+    created, closed = spy_tqdm
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with (
+        pytest.raises(KeyError),
+        MicrobatchProgress("actor train", 4, Topology(), stream=FakeTTY()) as bar,
+    ):
+        bar.tick()
+        raise KeyError("boom")
+    assert len(created) == 1 and closed == created
+    assert bar.count == 1
+
+
+def test_bar_closed_after_exception_in_wrapped_fn(spy_tqdm):
+    created, closed = spy_tqdm
+
+    def failing_step(data_iterator, model):
+        if data_iterator == 1:
+            raise RuntimeError("CUDA error")
+
+    with (
+        pytest.raises(RuntimeError, match="CUDA error"),
+        MicrobatchProgress("actor train", 4, Topology(), stream=FakeTTY()) as bar,
+    ):
+        step = bar.wrap(failing_step)
+        step(0, None)
+        step(1, None)
+    assert len(created) == 1 and closed == created
+    assert bar.count == 1  # the failed call did not tick
+
+
+def test_close_is_idempotent(spy_tqdm):
+    _, closed = spy_tqdm
+    bar = MicrobatchProgress("actor train", 0, Topology(), stream=FakeTTY())
+    bar.close()
+    bar.close()
+    assert len(closed) == 1
+
+
+# -- quiet mode ------------------------------------------------------------------------------------
+
+
+def test_quiet_mode_one_line_per_phase(spy_tqdm, caplog):
+    created, _ = spy_tqdm
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    stream = io.StringIO()  # not a terminal: quiet even though enabled
+    # Phase 1 from t=0 to t=2: losses 0.5, 0.25, 0.125, 0.125 -> mean 1.0 / 4 = 0.25;
+    # tokens 4 x 100 = 400 in 2 s -> 200 tok/s.
+    clock = FakeClock([0.0], step=0.0)
+    with MicrobatchProgress("actor train", 4, Topology(), stream=stream, clock=clock) as bar:
+        step = bar.wrap(lambda data_iterator, model: None)
+        for loss in (0.5, 0.25, 0.125, 0.125):
+            step(None, None)
+            bar.report(loss=torch.tensor(loss), tokens=100)
+        clock.now = 2.0
+    # Phase 2: no loss or tokens reported, from t=0 to t=0.5.
+    clock = FakeClock([0.0, 0.5])
+    with MicrobatchProgress("ref forward", 2, Topology(), stream=stream, clock=clock) as bar:
+        bar.tick(2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "actor train: 4 microbatches in 2.00 s (loss 0.25, 200 tok/s)",
+        "ref forward: 2 microbatches in 0.50 s",
+    ]
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+    assert created == [] and stream.getvalue() == ""
+
+
+def test_quiet_mode_after_exception_says_where_it_stopped(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clock = FakeClock([0.0, 1.5])
+    with (
+        pytest.raises(ValueError),
+        MicrobatchProgress("actor train", 8, Topology(), enabled=False, clock=clock) as bar,
+    ):
+        bar.tick(3)
+        raise ValueError
+    assert [r.getMessage() for r in caplog.records] == [
+        "actor train: stopped by ValueError after 3 of 8 microbatches in 1.50 s"
+    ]
+
+
+def test_count_mismatch_warns(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with MicrobatchProgress("actor train", 4, Topology(), enabled=False) as bar:
+        bar.tick(8)  # e.g. a VPP=2 schedule counted per call
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "counted 8 microbatches, planned 4" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "flag, stream, env, expected",
+    [
+        (True, FakeTTY(), None, True),
+        (True, io.StringIO(), None, False),  # a log file: quiet
+        (False, FakeTTY(), None, False),  # disabled in config
+        (True, object(), None, False),  # no isatty at all
+        (False, io.StringIO(), "1", True),  # env wins over config and terminal
+        (True, FakeTTY(), "0", False),
+        (True, FakeTTY(), "off", False),
+        (False, io.StringIO(), "yes", True),
+    ],
+)
+def test_progress_enabled(monkeypatch, flag, stream, env, expected):
+    if env is not None:
+        monkeypatch.setenv("UNIRL_PROGRESS", env)
+    assert progress_enabled(flag, stream) is expected
+
+
+def test_progress_enabled_rejects_bad_env(monkeypatch):
+    monkeypatch.setenv("UNIRL_PROGRESS", "maybe")
+    with pytest.raises(ConfigError, match=r"UNIRL_PROGRESS='maybe'.*set it to 1"):
+        progress_enabled(True, FakeTTY())
+
+
+def test_env_override_draws_on_non_tty(spy_tqdm, monkeypatch):
+    created, _ = spy_tqdm
+    monkeypatch.setenv("UNIRL_PROGRESS", "1")
+    stream = io.StringIO()
+    with MicrobatchProgress("actor train", 2, Topology(), enabled=False, stream=stream) as bar:
+        bar.tick(2)
+    assert len(created) == 1 and "actor train" in stream.getvalue()
+
+
+# -- no host sync per microbatch -------------------------------------------------------------------
+
+_HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+    torch.Tensor.__format__,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.cpu,
+}
+
+
+class SyncCountingTensor(torch.Tensor):
+    """Counts every read of its value on the host (each would be a sync on a GPU); results of
+    operations on it stay of this type, so sums of reported losses are counted too."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            SyncCountingTensor.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def counting(x):
+    return torch.tensor(x).as_subclass(SyncCountingTensor)
+
+
+def test_postfix_reads_device_values_at_most_twice_per_refresh(spy_tqdm, monkeypatch):
+    monkeypatch.setattr(SyncCountingTensor, "reads", 0)
+    stream = FakeTTY()
+    # Each clock call (one per tick, one per report) advances 0.05 s: 40 microbatches -> 80 calls
+    # -> 4 s of clock -> at most 4 / 0.5 = 8 refreshes + the close, 2 reads each (loss, tokens).
+    clock = FakeClock([0.0], step=0.05)
+    with MicrobatchProgress("actor train", 40, Topology(), stream=stream, clock=clock) as bar:
+        step = bar.wrap(lambda data_iterator, model: None)
+        for _ in range(40):
+            step(None, None)
+            bar.report(loss=counting(0.5), tokens=counting(10))
+    assert 2 <= SyncCountingTensor.reads <= 2 * (8 + 1)  # vs 80 reads if converted per report
+    assert "loss 0.5" in stream.getvalue() and "tok/s" in stream.getvalue()
+
+
+def test_quiet_mode_reads_device_values_once_per_phase(monkeypatch, caplog):
+    monkeypatch.setattr(SyncCountingTensor, "reads", 0)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with MicrobatchProgress(
+        "actor train", 16, Topology(), enabled=False, clock=FakeClock([0.0, 1.0])
+    ) as bar:
+        for _ in range(16):
+            bar.tick()
+            bar.report(loss=counting(2.0), tokens=counting(8))
+    assert SyncCountingTensor.reads <= 2  # the loss sum and the token sum, at close
+    # 16 x 2.0 / 16 = 2; 16 x 8 = 128 tokens in 1 s.
+    assert (
+        caplog.records[0].getMessage()
+        == "actor train: 16 microbatches in 1.00 s (loss 2, 128 tok/s)"
+    )
+
+
+def test_after_exception_device_values_are_not_read(monkeypatch):
+    monkeypatch.setattr(SyncCountingTensor, "reads", 0)
+    with (
+        pytest.raises(RuntimeError),
+        MicrobatchProgress("actor train", 4, Topology(), enabled=False) as bar,
+    ):
+        bar.report(loss=counting(1.0))
+        raise RuntimeError
+    assert SyncCountingTensor.reads == 0
+
+
+def test_report_rejects_non_scalar():
+    bar = MicrobatchProgress("actor train", 1, Topology(), enabled=False)
+    with pytest.raises(ValueError, match=r"loss=.*shape \(2,\)"):
+        bar.report(loss=torch.ones(2))
+
+
+# -- run-level bar ---------------------------------------------------------------------------------
+
+
+def test_run_bar_total_initial_and_eta(spy_tqdm):
+    created, closed = spy_tqdm
+    stream = FakeTTY()
+    with RunProgress(10, Topology(), initial=3, stream=stream) as run:
+        assert run.step == 3
+        run.advance({"reward": 0.5, "kl": torch.tensor(0.0125), "note": "text"})
+        run.advance({"reward": 0.75})
+    assert run.step == 5 and len(created) == 1 and closed == created
+    text = stream.getvalue()
+    assert "3/10" in text and "5/10" in text
+    assert re.search(r"ETA (\d+:)?\d\d:\d\d", text), text
+    assert "reward=0.5" in text and "kl=0.0125" in text and "note" not in text
+
+
+def test_run_bar_show_selects_metrics():
+    stream = FakeTTY()
+    with RunProgress(4, Topology(), stream=stream, show=["kl", "missing"]) as run:
+        run.advance({"reward": 0.5, "kl": 0.25})
+    assert "kl=0.25" in stream.getvalue() and "reward" not in stream.getvalue()
+
+
+def test_run_quiet_logs_eta_from_this_runs_steps(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    # Resumed at step 3 of 10, started at t=0.
+    # t=6:  1 step in 6 s -> 6 s/step; 10 - 4 = 6 steps left -> 36 s.
+    # t=10: 2 steps in 10 s -> 5 s/step; 10 - 5 = 5 steps left -> 25 s.
+    clock = FakeClock([0.0, 6.0, 10.0])
+    with RunProgress(10, Topology(), enabled=False, initial=3, clock=clock) as run:
+        run.advance({"reward": 0.5})
+        run.advance({})
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 4/10 (40%): 6.00 s/step, ETA 0:00:36 | reward=0.5",
+        "step 5/10 (50%): 5.00 s/step, ETA 0:00:25",
+    ]
+
+
+def test_run_initial_past_total_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"initial=12 .*total_steps=10"):
+        RunProgress(10, Topology(), initial=12)

@@ -1,0 +1,1 @@
+"""Megatron-core backend (TP, PP, VPP, CP). Imported only when `backend: megatron` is chosen."""

@@ -1,0 +1,45 @@
+"""The core `Topology` filled from megatron-core's parallel state."""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state as ps
+
+from unirl.core.config import ParallelConfig
+from unirl.core.topology import ProcessGroups, Topology
+
+
+def initialize_parallel_state(parallel: ParallelConfig) -> None:
+    """Create Megatron's process groups from unirl's parallel config (dp is derived)."""
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+            virtual_pipeline_model_parallel_size=parallel.vpp,
+            context_parallel_size=parallel.cp,
+        )
+
+
+def topology_from_parallel_state() -> Topology:
+    import torch.distributed as dist
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return Topology(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        cp_size=ps.get_context_parallel_world_size(),
+        dp_size=ps.get_data_parallel_world_size(),
+        vpp_size=vpp if vpp and vpp > 1 else None,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        groups=ProcessGroups(
+            dp=ps.get_data_parallel_group(),
+            dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+            tp=ps.get_tensor_model_parallel_group(),
+            pp=ps.get_pipeline_model_parallel_group(),
+            cp=ps.get_context_parallel_group(),
+        ),
+    )

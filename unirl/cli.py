@@ -1,0 +1,121 @@
+"""The `unirl` command.
+
+    unirl check CONFIG [--set key.path=value ...] [--world-size N] [--json]
+
+validates a config and explains what a run would do: the resolved config, the parallel layout,
+the microbatch plan and the old-log-prob decision with its reasons. A bad config exits with
+status 2 and a message naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from unirl.core.config import UnirlConfig, load_config
+from unirl.core.errors import UnirlError
+from unirl.core.reuse import decide_old_logprobs
+
+logger = logging.getLogger("unirl")
+
+
+def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
+    b, lay = cfg.batch, cfg.layout
+    summary: dict[str, Any] = {
+        "rollout_samples": lay.rollout_samples,
+        "optimizer_steps_per_rollout": lay.optimizer_steps_per_rollout,
+        "epochs_per_rollout": b.epochs_per_rollout,
+        "samples_per_optimizer_step": b.samples_per_optimizer_step,
+        "samples_per_rank_per_step": lay.samples_per_rank_per_step,
+    }
+    if lay.microbatches_per_step is not None:
+        summary["micro_batch_size"] = b.micro_batch_size
+        summary["microbatches_per_step_per_rank"] = lay.microbatches_per_step
+    else:
+        summary["max_tokens_per_microbatch"] = b.max_tokens_per_microbatch
+        summary["microbatches_per_step_per_rank"] = (
+            "decided per rollout from the sample lengths (same count on every data-parallel rank)"
+        )
+    return summary
+
+
+def check_report(cfg: UnirlConfig) -> dict[str, Any]:
+    decision = decide_old_logprobs(cfg)
+    lay, p = cfg.layout, cfg.parallel
+    return {
+        "config": cfg.to_dict(),
+        "layout": {
+            "backend": cfg.backend,
+            "world_size": lay.world_size,
+            "dp": lay.dp,
+            "tp": p.tp,
+            "pp": p.pp,
+            "vpp": p.vpp,
+            "cp": p.cp,
+            "zero_stage": p.zero_stage,
+        },
+        "plan": _plan_summary(cfg),
+        "old_logprobs": decision.to_dict() | {"explanation": decision.explain()},
+    }
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    out = sys.stdout
+    out.write("# resolved config\n")
+    out.write(yaml.safe_dump(report["config"], sort_keys=False))
+    out.write("\n# layout\n")
+    lay = report["layout"]
+    out.write(
+        f"backend={lay['backend']} world_size={lay['world_size']} dp={lay['dp']} tp={lay['tp']} "
+        f"pp={lay['pp']} vpp={lay['vpp']} cp={lay['cp']} zero_stage={lay['zero_stage']}\n"
+    )
+    out.write("\n# microbatch plan\n")
+    for key, value in report["plan"].items():
+        out.write(f"{key}: {value}\n")
+    out.write("\n# old-log-prob decision\n")
+    out.write(report["old_logprobs"]["explanation"] + "\n")
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set, world_size=args.world_size)
+    report = check_report(cfg)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        _print_report(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unirl", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="validate a config and explain its decisions")
+    check.add_argument("config", help="YAML config file")
+    check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a key, e.g. --set batch.micro_batch_size=2")
+    check.add_argument("--world-size", type=int, default=None,
+                       help="number of processes to plan for (default: WORLD_SIZE or 1)")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.set_defaults(func=_cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UnirlError as exc:
+        sys.stderr.write(f"unirl: error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

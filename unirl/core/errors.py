@@ -1,0 +1,18 @@
+"""Exception types for mistakes a user can fix. Each message names the key or field, the value
+seen, and what to set instead; `assert` stays for internal invariants."""
+
+
+class UnirlError(Exception):
+    """Base of every user-facing unirl error."""
+
+
+class ConfigError(UnirlError, ValueError):
+    """A config key is unknown, has the wrong type, or contradicts another key."""
+
+
+class RolloutDataError(UnirlError, ValueError):
+    """A rollout record breaks the data contract (names the sample index and field)."""
+
+
+class LossInputError(UnirlError, ValueError):
+    """A loss, estimator or log-prob function got tensors that do not fit together."""
