@@ -8,12 +8,14 @@ with that rank's traceback. CUDA is never touched.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -40,7 +42,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # torch.save bytes: tensors shared through the queue would vanish with the worker's
+        # shared memory before the parent reads them
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report every failure to the parent, then exit
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -73,7 +79,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             continue
         rank, status, payload = queue.get()
         if status == "ok":
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
     for p in procs:

@@ -98,17 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate a config and explain its decisions")
     check.add_argument("config", help="YAML config file")
-    check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a key, e.g. --set batch.micro_batch_size=2")
-    check.add_argument("--world-size", type=int, default=None,
-                       help="number of processes to plan for (default: WORLD_SIZE or 1)")
+    check.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, e.g. --set batch.micro_batch_size=2",
+    )
+    check.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="number of processes to plan for (default: WORLD_SIZE or 1)",
+    )
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(func=_cmd_check)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

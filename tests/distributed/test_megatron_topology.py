@@ -19,7 +19,10 @@ def _read(rank, world, tp, pp, cp, vpp):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
+    from unirl.backends.megatron.topology import (
+        initialize_parallel_state,
+        topology_from_parallel_state,
+    )
     from unirl.core.config import ParallelConfig
     from unirl.core.topology import Topology
 
@@ -32,14 +35,25 @@ def _read(rank, world, tp, pp, cp, vpp):
 
     out = {
         "ranks": (topo.tp_rank, topo.pp_rank, topo.cp_rank, topo.dp_rank, topo.dp_cp_rank),
-        "predicted": (predicted.tp_rank, predicted.pp_rank, predicted.cp_rank, predicted.dp_rank,
-                      predicted.dp_cp_rank),
-        "megatron": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                     ps.get_context_parallel_rank(), ps.get_data_parallel_rank(),
-                     ps.get_data_parallel_rank(with_context_parallel=True)),
+        "predicted": (
+            predicted.tp_rank,
+            predicted.pp_rank,
+            predicted.cp_rank,
+            predicted.dp_rank,
+            predicted.dp_cp_rank,
+        ),
+        "megatron": (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_context_parallel_rank(),
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_rank(with_context_parallel=True),
+        ),
         "reporting": topo.is_reporting_rank,
         "megatron_last": ps.is_pipeline_last_stage(ignore_virtual=True),
-        "groups": {name: members(getattr(topo.groups, name)) for name in ("tp", "pp", "cp", "dp", "dp_cp")},
+        "groups": {
+            name: members(getattr(topo.groups, name)) for name in ("tp", "pp", "cp", "dp", "dp_cp")
+        },
         "vpp": topo.vpp_size,
     }
     ps.destroy_model_parallel()
@@ -65,12 +79,14 @@ def _check_layout(results, vpp):
         # group membership: ranks that share every coordinate but the group's own
         for name, coord in (("tp", 0), ("pp", 1), ("cp", 2), ("dp", 3)):
             expected = sorted(
-                r for r, other in enumerate(results)
+                r
+                for r, other in enumerate(results)
                 if all(other["megatron"][i] == res["megatron"][i] for i in range(4) if i != coord)
             )
             assert res["groups"][name] == expected, (rank, name)
         expected_dpcp = sorted(
-            r for r, other in enumerate(results)
+            r
+            for r, other in enumerate(results)
             if other["megatron"][0] == t and other["megatron"][1] == res["megatron"][1]
         )
         assert res["groups"]["dp_cp"] == expected_dpcp

@@ -58,39 +58,88 @@ def test_config_is_frozen():
 @pytest.mark.parametrize(
     "data, message",
     [
-        (base(algorithm={"clip_lo": 0.1}), r"unknown key 'algorithm.clip_lo' \(did you mean 'clip_low'\?\)"),
+        (
+            base(algorithm={"clip_lo": 0.1}),
+            r"unknown key 'algorithm.clip_lo' \(did you mean 'clip_low'\?\)",
+        ),
         (base(bogus=1), r"unknown key 'bogus'"),
-        (base(batch={"micro_batch_size": "2"}), r"batch.micro_batch_size: expected an integer, got '2'"),
+        (
+            base(batch={"micro_batch_size": "2"}),
+            r"batch.micro_batch_size: expected an integer, got '2'",
+        ),
         (base(optimizer={"lr": "fast"}), r"optimizer.lr: expected a number"),
         (base(progress={"enabled": "yes"}), r"progress.enabled: expected true or false"),
-        (base(backend="fsdp"), r"backend: 'fsdp' is not valid; choose one of \['megatron', 'deepspeed'\]"),
+        (
+            base(backend="fsdp"),
+            r"backend: 'fsdp' is not valid; choose one of \['megatron', 'deepspeed'\]",
+        ),
         (base(old_logprobs="sometimes"), r"old_logprobs: 'sometimes' is not valid"),
         (base(parallel={"zero_stage": 4}), r"parallel.zero_stage: 4 is not valid"),
         (base(optimizer={"betas": [0.9]}), r"optimizer.betas: expected a list of 2 values"),
         (base(optimizer={"lr": -1.0}), r"optimizer.lr must be > 0, got -1.0"),
         (base(model="x"), r"model: expected a mapping"),
-        (base(parallel={"pp": 2, "world_size": 4}), r"parallel.pp=2 is not supported with backend: deepspeed"),
-        (base(parallel={"cp": 2, "world_size": 4}), r"parallel.cp=2 is not supported with backend: deepspeed"),
-        (base(parallel={"tp": 2, "world_size": 4}), r"parallel.tp=2 is not supported with backend: deepspeed"),
+        (
+            base(parallel={"pp": 2, "world_size": 4}),
+            r"parallel.pp=2 is not supported with backend: deepspeed",
+        ),
+        (
+            base(parallel={"cp": 2, "world_size": 4}),
+            r"parallel.cp=2 is not supported with backend: deepspeed",
+        ),
+        (
+            base(parallel={"tp": 2, "world_size": 4}),
+            r"parallel.tp=2 is not supported with backend: deepspeed",
+        ),
         (base(backend="megatron", parallel={"vpp": 2}), r"parallel.vpp=2 needs parallel.pp > 1"),
         (base(parallel={"vpp": 2}), r"parallel.vpp is set but backend: deepspeed"),
-        (base(backend="megatron", parallel={"zero_stage": 3}), r"parallel.zero_stage=3 with backend: megatron"),
-        (base(backend="megatron", parallel={"pp": 2, "vpp": 4, "world_size": 2}),
-         r"num_hidden_layers=4 is not divisible by parallel.pp x parallel.vpp = 2 x 4"),
-        (base(backend="megatron", parallel={"tp": 2, "world_size": 3}), r"world size 3 is not divisible by parallel.tp"),
-        (base(batch={"samples_per_optimizer_step": 6}), r"samples_per_optimizer_step=6 does not divide the rollout"),
-        (base(batch={"micro_batch_size": 3}), r"not divisible by batch.micro_batch_size x data-parallel size = 3 x 2"),
-        (base(parallel={"world_size": 16}), r"samples_per_optimizer_step=8 is not divisible by the data-parallel size 16"),
-        (base(batch={"micro_batch_size": None}), r"set batch.micro_batch_size .* or batch.max_tokens_per_microbatch"),
-        (base(batch={"max_tokens_per_microbatch": 100}, model={"max_seq_len": 512}),
-         r"max_tokens_per_microbatch=100 is smaller than model.max_seq_len=512"),
+        (
+            base(backend="megatron", parallel={"zero_stage": 3}),
+            r"parallel.zero_stage=3 with backend: megatron",
+        ),
+        (
+            base(backend="megatron", parallel={"pp": 2, "vpp": 4, "world_size": 2}),
+            r"num_hidden_layers=4 is not divisible by parallel.pp x parallel.vpp = 2 x 4",
+        ),
+        (
+            base(backend="megatron", parallel={"tp": 2, "world_size": 3}),
+            r"world size 3 is not divisible by parallel.tp",
+        ),
+        (
+            base(batch={"samples_per_optimizer_step": 6}),
+            r"samples_per_optimizer_step=6 does not divide the rollout",
+        ),
+        (
+            base(batch={"micro_batch_size": 3}),
+            r"not divisible by batch.micro_batch_size x data-parallel size = 3 x 2",
+        ),
+        (
+            base(parallel={"world_size": 16}),
+            r"samples_per_optimizer_step=8 is not divisible by the data-parallel size 16",
+        ),
+        (
+            base(batch={"micro_batch_size": None}),
+            r"set batch.micro_batch_size .* or batch.max_tokens_per_microbatch",
+        ),
+        (
+            base(batch={"max_tokens_per_microbatch": 100}, model={"max_seq_len": 512}),
+            r"max_tokens_per_microbatch=100 is smaller than model.max_seq_len=512",
+        ),
         (base(model={"hf_config": None}), r"set model.path .* or model.hf_config"),
         (base(algorithm={"clip_low": 1.5}), r"algorithm.clip_low=1.5 must be in \[0, 1\)"),
         (base(algorithm={"dual_clip": 0.5}), r"algorithm.dual_clip=0.5 must be > 1"),
-        (base(algorithm={"rollout_correction": {"mode": "tis", "low": 3.0, "high": 2.0}}),
-         r"rollout_correction.low=3.0 must be below .high=2.0"),
-        (base(algorithm={"kl_loss": {"estimator": "k4"}}), r"algorithm.kl_loss.estimator: 'k4' is not valid"),
+        (
+            base(algorithm={"rollout_correction": {"mode": "tis", "low": 3.0, "high": 2.0}}),
+            r"rollout_correction.low=3.0 must be below .high=2.0",
+        ),
+        (
+            base(algorithm={"kl_loss": {"estimator": "k4"}}),
+            r"algorithm.kl_loss.estimator: 'k4' is not valid",
+        ),
         (base(rollout={"source": "file"}), r"rollout.source: file needs rollout.file"),
+        (
+            base(old_logprobs="rollout", algorithm={"rollout_correction": {"mode": "tis"}}),
+            r"rollout_correction.mode='tis' with old_logprobs: rollout corrects nothing",
+        ),
         (base(rollout={"top_p": 1.5}), r"rollout.top_p=1.5 must be in \(0, 1\]"),
     ],
 )
@@ -102,12 +151,14 @@ def test_errors_name_the_key(data, message):
 def test_load_yaml_with_overrides(tmp_path: Path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(base()))
-    cfg = load_config(path, ["batch.micro_batch_size=4", "algorithm.kl_loss.coef=0.01", "backend=megatron"])
+    cfg = load_config(
+        path, ["batch.micro_batch_size=4", "algorithm.kl_loss.coef=0.01", "backend=megatron"]
+    )
     assert cfg.batch.micro_batch_size == 4 and cfg.layout.microbatches_per_step == 1
     assert cfg.algorithm.kl_loss.coef == 0.01 and cfg.backend == "megatron"
-    with pytest.raises(ConfigError, match="expected key.path=value"):
+    with pytest.raises(ConfigError, match=r"expected key\.path=value"):
         load_config(path, ["batch.micro_batch_size"])
-    with pytest.raises(ConfigError, match="unknown key 'batch.micro'"):
+    with pytest.raises(ConfigError, match=r"unknown key .batch\.micro."):
         load_config(path, ["batch.micro=1"])
 
 

@@ -25,7 +25,9 @@ from unirl.core.errors import ConfigError
 Backend = Literal["megatron", "deepspeed"]
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
 Dtype = Literal["fp32", "bf16"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 KLEstimatorName = Literal["k1", "k2", "k3", "low_var_kl", "k3+"]
 RolloutCorrectionMode = Literal["none", "tis", "icepop", "seq_mask"]
 Schedule = Literal["constant", "linear", "cosine"]
@@ -253,7 +255,9 @@ def _check_combinations(cfg: UnirlConfig) -> None:
                     f"(DeepSpeed shards with ZeRO only); set parallel.{key}: 1 or backend: megatron"
                 )
         if p.vpp is not None:
-            raise ConfigError("parallel.vpp is set but backend: deepspeed has no pipeline; remove it")
+            raise ConfigError(
+                "parallel.vpp is set but backend: deepspeed has no pipeline; remove it"
+            )
     if cfg.backend == "megatron" and p.zero_stage > 1:
         raise ConfigError(
             f"parallel.zero_stage={p.zero_stage} with backend: megatron; Megatron shards optimizer "
@@ -287,7 +291,10 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             f"rollout of batch.prompts_per_rollout x batch.samples_per_prompt = {rollout_samples} "
             "samples; choose a divisor"
         )
-    if b.max_tokens_per_microbatch is not None and b.max_tokens_per_microbatch < cfg.model.max_seq_len:
+    if (
+        b.max_tokens_per_microbatch is not None
+        and b.max_tokens_per_microbatch < cfg.model.max_seq_len
+    ):
         raise ConfigError(
             f"batch.max_tokens_per_microbatch={b.max_tokens_per_microbatch} is smaller than "
             f"model.max_seq_len={cfg.model.max_seq_len}: a full-length sample would not fit; "
@@ -302,8 +309,12 @@ def _check_combinations(cfg: UnirlConfig) -> None:
         raise ConfigError(
             f"algorithm.rollout_correction.low={rc.low} must be below .high={rc.high}"
         )
-    if a.loss_aggregation == "seq-mean-token-sum-norm" and a.norm_length is None:
-        pass  # defaults to rollout.max_new_tokens (see norm_length below)
+    if rc.mode != "none" and cfg.old_logprobs == "rollout":
+        raise ConfigError(
+            f"algorithm.rollout_correction.mode={rc.mode!r} with old_logprobs: rollout corrects "
+            "nothing (the weight exp(old - rollout) is 1 when old log-probs are the rollout's); "
+            "use old_logprobs: auto or recompute, or set rollout_correction.mode: none"
+        )
     if cfg.rollout.source == "file" and not cfg.rollout.file:
         raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
     if cfg.rollout.top_p > 1:
@@ -395,7 +406,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed or isinstance(value, bool) != any(isinstance(v, bool) for v in allowed):
+        if value not in allowed or isinstance(value, bool) != any(
+            isinstance(v, bool) for v in allowed
+        ):
             raise ConfigError(f"{path}: {value!r} is not valid; choose one of {list(allowed)}")
         return value
     if attrs.has(tp):

@@ -63,7 +63,9 @@ class Topology:
                 raise ConfigError(f"topology.{name}_rank={r} outside [0, {s})")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"topology.rank={self.rank} outside [0, {self.world_size})")
-        if self.vpp_size is not None and (self.vpp_size < 1 or self.pp_size == 1 and self.vpp_size > 1):
+        if self.vpp_size is not None and (
+            self.vpp_size < 1 or (self.pp_size == 1 and self.vpp_size > 1)
+        ):
             raise ConfigError(
                 f"topology.vpp_size={self.vpp_size} needs pp_size > 1 (got pp_size={self.pp_size})"
             )

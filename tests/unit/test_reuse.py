@@ -1,0 +1,209 @@
+"""The old-log-prob decision as a table, and as a property over random feature combinations."""
+
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unirl.core.config import config_from_dict
+from unirl.core.errors import ConfigError
+from unirl.core.reuse import DecisionLog, decide_old_logprobs, registered_needs
+
+# 8 prompts x 4 samples = 32 per rollout; one optimizer step of 32 by default.
+BASE = {
+    "model": {"hf_config": {"model_type": "llama"}},
+    "batch": {
+        "prompts_per_rollout": 8,
+        "samples_per_prompt": 4,
+        "samples_per_optimizer_step": 32,
+        "micro_batch_size": 4,
+    },
+    "parallel": {"world_size": 1},
+}
+
+
+def make(mode="auto", **overrides):
+    data = {k: dict(v) for k, v in BASE.items()}
+    data["old_logprobs"] = mode
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__", 1)
+        node = data.setdefault(section, {})
+        if "__" in key:
+            sub, leaf = key.split("__")
+            node.setdefault(sub, {})[leaf] = value
+        else:
+            node[key] = value
+    return config_from_dict(data)
+
+
+TWO_STEPS = {"batch__samples_per_optimizer_step": 16}
+TWO_EPOCHS = {"batch__epochs_per_rollout": 2}
+KL_REWARD = {"algorithm__kl_in_reward__coef": 0.05}
+DISTILL = {"algorithm__distillation_coef": 0.5}
+MISMATCH = {"algorithm__mismatch_metrics": True}
+SNAPSHOT = {"algorithm__old_actor_snapshot": True}
+ROUTING = {"algorithm__moe_routing_replay": True}
+HOOK = {"algorithm__rollout_postprocess_hook": "mypkg.hooks:filter"}
+HOOK_NO_LP = {**HOOK, "algorithm__rollout_postprocess_hook_reads_logprobs": False}
+HOOK_LP = {**HOOK, "algorithm__rollout_postprocess_hook_reads_logprobs": True}
+GAE = {"algorithm__advantage_estimator": "gae"}
+CUSTOM_LOSS = {"algorithm__policy_loss": "tests.unit.custom_components:undeclared_loss"}
+CUSTOM_LOSS_OK = {"algorithm__policy_loss": "tests.unit.custom_components:reuse_safe_loss"}
+CUSTOM_EST = {"algorithm__advantage_estimator": "tests.unit.custom_components:undeclared_estimator"}
+CUSTOM_EST_OK = {
+    "algorithm__advantage_estimator": "tests.unit.custom_components:reuse_safe_estimator"
+}
+KL_LOSS = {"algorithm__kl_loss__coef": 0.01}  # KL *loss* uses ref log-probs, not old ones
+TIS = {"algorithm__rollout_correction__mode": "tis"}
+ENTROPY = {"algorithm__entropy_coef": 0.01}
+
+TABLE = [
+    # (mode, overrides, expected source, expected active needs)
+    ("auto", {}, "reuse", set()),
+    ("auto", TWO_STEPS, "recompute", {"multiple_optimizer_steps"}),
+    ("auto", TWO_EPOCHS, "recompute", {"multiple_optimizer_steps"}),
+    ("auto", KL_REWARD, "recompute", {"kl_in_reward"}),
+    ("auto", DISTILL, "recompute", {"distillation_shaping"}),
+    ("auto", MISMATCH, "recompute", {"mismatch_metrics"}),
+    ("auto", SNAPSHOT, "recompute", {"old_actor_snapshot"}),
+    ("auto", ROUTING, "recompute", {"moe_routing_replay"}),
+    ("auto", HOOK, "recompute", {"rollout_postprocess_hook"}),
+    ("auto", HOOK_LP, "recompute", {"rollout_postprocess_hook"}),
+    ("auto", HOOK_NO_LP, "reuse", set()),
+    ("auto", GAE, "recompute", {"value_estimator"}),
+    ("auto", CUSTOM_LOSS, "recompute", {"policy_loss"}),
+    ("auto", CUSTOM_LOSS_OK, "reuse", set()),
+    ("auto", CUSTOM_EST, "recompute", {"advantage_estimator"}),
+    ("auto", CUSTOM_EST_OK, "reuse", set()),
+    ("auto", KL_LOSS, "reuse", set()),
+    ("auto", TIS, "reuse", set()),
+    ("auto", ENTROPY, "reuse", set()),
+    ("auto", {"algorithm__advantage_estimator": "rloo"}, "reuse", set()),
+    ("auto", {"algorithm__policy_loss": "gspo"}, "reuse", set()),
+    ("auto", {"algorithm__policy_loss": "cispo", **KL_LOSS}, "reuse", set()),
+    (
+        "auto",
+        {**TWO_STEPS, **KL_REWARD, **MISMATCH},
+        "recompute",
+        {"multiple_optimizer_steps", "kl_in_reward", "mismatch_metrics"},
+    ),
+    ("recompute", {}, "recompute", set()),
+    ("recompute", TWO_STEPS, "recompute", {"multiple_optimizer_steps"}),
+    ("reuse", {}, "reuse", set()),
+    ("reuse", {**KL_LOSS, **ENTROPY, **TIS}, "reuse", set()),
+    ("rollout", {}, "rollout", set()),
+    ("rollout", TWO_STEPS, "rollout", {"multiple_optimizer_steps"}),
+    ("rollout", {**DISTILL, **ROUTING}, "rollout", {"distillation_shaping", "moe_routing_replay"}),
+]
+
+
+@pytest.mark.parametrize("mode, overrides, source, needs", TABLE)
+def test_decision_table(mode, overrides, source, needs):
+    decision = decide_old_logprobs(make(mode, **overrides))
+    assert decision.source == source
+    assert {n.feature for n in decision.needs} == needs
+    assert decision.requested == mode
+    text = decision.explain()
+    for feature in needs:
+        assert feature in text
+
+
+@pytest.mark.parametrize(
+    "overrides, feature",
+    [
+        (TWO_STEPS, "multiple_optimizer_steps"),
+        (KL_REWARD, "kl_in_reward"),
+        (GAE, "value_estimator"),
+        (HOOK, "rollout_postprocess_hook"),
+        (CUSTOM_LOSS, "policy_loss"),
+    ],
+)
+def test_forced_reuse_with_a_need_is_a_config_error(overrides, feature):
+    with pytest.raises(ConfigError, match=f"old_logprobs: reuse is invalid.*{feature}"):
+        decide_old_logprobs(make("reuse", **overrides))
+
+
+def test_rollout_size_changes_the_decision():
+    cfg = make("auto")  # 32 samples per optimizer step
+    assert decide_old_logprobs(cfg).source == "reuse"
+    assert decide_old_logprobs(cfg, rollout_samples=64).source == "recompute"  # 2 steps
+    assert decide_old_logprobs(cfg, rollout_samples=20).source == "reuse"  # one short step
+
+
+def test_decision_logged_once_and_again_on_change(caplog):
+    cfg = make("auto")
+    log = DecisionLog()
+    with caplog.at_level(logging.INFO, logger="unirl.core.reuse"):
+        assert log.update(decide_old_logprobs(cfg))
+        assert not log.update(decide_old_logprobs(cfg))
+        assert log.update(decide_old_logprobs(cfg, rollout_samples=64))
+        assert not log.update(decide_old_logprobs(cfg, rollout_samples=64))
+    assert len(caplog.records) == 2
+    assert "changed:" in caplog.records[1].getMessage()
+    assert "multiple_optimizer_steps" in caplog.records[1].getMessage()
+
+
+FEATURES = {
+    "steps": TWO_STEPS,
+    "epochs": TWO_EPOCHS,
+    "kl_reward": KL_REWARD,
+    "distill": DISTILL,
+    "mismatch": MISMATCH,
+    "snapshot": SNAPSHOT,
+    "routing": ROUTING,
+    "hook": HOOK,
+    "hook_no_lp": HOOK_NO_LP,
+    "gae": GAE,
+    "custom_loss": CUSTOM_LOSS,
+    "custom_est": CUSTOM_EST,
+    "kl_loss": KL_LOSS,
+    "tis": TIS,
+    "entropy": ENTROPY,
+}
+# Which features, by their definition, read the policy's log-probs before the first step.
+NEEDY = {
+    "steps",
+    "epochs",
+    "kl_reward",
+    "distill",
+    "mismatch",
+    "snapshot",
+    "routing",
+    "hook",
+    "gae",
+    "custom_loss",
+    "custom_est",
+}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    chosen=st.sets(st.sampled_from(sorted(FEATURES))),
+    mode=st.sampled_from(["auto", "recompute", "reuse", "rollout"]),
+)
+def test_reuse_never_chosen_while_a_need_is_active(chosen, mode):
+    if {"hook", "hook_no_lp"} <= chosen:
+        chosen = chosen - {"hook"}
+    if {"gae", "custom_est"} <= chosen:
+        chosen = chosen - {"custom_est"}
+    overrides = {}
+    for name in sorted(chosen):
+        overrides.update(FEATURES[name])
+    cfg = make(mode, **overrides)
+    needy = bool(chosen & NEEDY)
+    if mode == "reuse" and needy:
+        with pytest.raises(ConfigError):
+            decide_old_logprobs(cfg)
+        return
+    decision = decide_old_logprobs(cfg)
+    assert bool(decision.needs) == needy
+    if mode == "auto":
+        assert decision.source == ("recompute" if needy else "reuse")
+    else:
+        assert decision.source == mode
+
+
+def test_every_need_is_exercised_by_the_table():
+    seen = {feature for *_, needs in TABLE for feature in needs}
+    assert seen == set(registered_needs())
