@@ -121,7 +121,10 @@ def test_config_is_frozen():
             r"set batch.micro_batch_size .* or batch.max_tokens_per_microbatch",
         ),
         (
-            base(batch={"max_tokens_per_microbatch": 100}, model={"max_seq_len": 512}),
+            base(
+                batch={"max_tokens_per_microbatch": 100, "micro_batch_size": None},
+                model={"max_seq_len": 512},
+            ),
             r"max_tokens_per_microbatch=100 is smaller than model.max_seq_len=512",
         ),
         (base(model={"hf_config": None}), r"set model.path .* or model.hf_config"),
@@ -129,7 +132,11 @@ def test_config_is_frozen():
         (base(algorithm={"dual_clip": 0.5}), r"algorithm.dual_clip=0.5 must be > 1"),
         (
             base(algorithm={"rollout_correction": {"mode": "tis", "low": 3.0, "high": 2.0}}),
-            r"rollout_correction.low=3.0 must be below .high=2.0",
+            r"rollout_correction.low=3.0 / .high=2.0 must satisfy low <= 1 <= high",
+        ),
+        (
+            base(batch={"max_tokens_per_microbatch": 4096}),
+            r"set either batch.micro_batch_size .* not both",
         ),
         (
             base(algorithm={"kl_loss": {"estimator": "k4"}}),

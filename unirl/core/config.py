@@ -284,6 +284,11 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             "batch: set batch.micro_batch_size (samples per microbatch) or "
             "batch.max_tokens_per_microbatch (a token budget per microbatch)"
         )
+    if b.micro_batch_size is not None and b.max_tokens_per_microbatch is not None:
+        raise ConfigError(
+            "batch: set either batch.micro_batch_size (a fixed number of samples per microbatch) "
+            "or batch.max_tokens_per_microbatch (a token budget, balanced by length), not both"
+        )
     rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
     if rollout_samples % b.samples_per_optimizer_step:
         raise ConfigError(
@@ -305,9 +310,10 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     if a.dual_clip is not None and a.dual_clip <= 1:
         raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (typically 3.0) or null")
     rc = a.rollout_correction
-    if rc.mode != "none" and rc.low >= rc.high:
+    if rc.mode != "none" and not rc.low <= 1.0 <= rc.high:
         raise ConfigError(
-            f"algorithm.rollout_correction.low={rc.low} must be below .high={rc.high}"
+            f"algorithm.rollout_correction.low={rc.low} / .high={rc.high} must satisfy "
+            "low <= 1 <= high (an on-policy token keeps weight 1); typical: 0.5 and 2.0"
         )
     if rc.mode != "none" and cfg.old_logprobs == "rollout":
         raise ConfigError(

@@ -1,0 +1,115 @@
+"""The interface every training engine implements, and the one piece of maths they share.
+
+The seam (../DESIGN.md): a backend turns a `TrainMicrobatch` into logits, calls
+`token_logprobs` (core) to get per-token log-probs, hands them to the core loss function it is
+given, and multiplies the returned loss by exactly one factor that cancels its own averaging
+(`loss_scale`). It never computes a log-softmax, a ratio or a normaliser itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from unirl.core.logprobs import logprobs_from_logits
+from unirl.core.losses import Metric
+from unirl.core.microbatch import TrainMicrobatch
+from unirl.core.progress import MicrobatchProgress
+from unirl.core.topology import Topology
+
+# loss_fn(microbatch, logprobs [T] fp32 with grad, entropy [T] or None) -> (loss, metrics);
+# the loss is this microbatch's share of the step objective (core normalises globally).
+LossFn = Callable[
+    [TrainMicrobatch, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Metric]]
+]
+ModelRole = Literal["policy", "reference"]
+
+
+@attrs.frozen(kw_only=True)
+class LogprobSpec:
+    """How logits become log-probs: the sampling temperature (train and rollout log-probs must
+    describe the same distribution), the true vocabulary (Megatron pads it), and whether entropy
+    (and its gradient) is needed."""
+
+    temperature: float = 1.0
+    vocab_size: int | None = None
+    with_entropy: bool = False
+    entropy_grad: bool = False
+
+
+def token_logprobs(
+    logits_tv: torch.Tensor,
+    targets_t: torch.Tensor,
+    spec: LogprobSpec,
+    *,
+    tp_group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of `targets_t` from local logits ``[T, V_local]``."""
+    if spec.with_entropy:
+        logp, ent = logprobs_from_logits(
+            logits_tv,
+            targets_t,
+            tp_group=tp_group,
+            temperature=spec.temperature,
+            vocab_size=spec.vocab_size,
+            with_entropy=True,
+            entropy_grad=spec.entropy_grad,
+        )
+        return logp, ent
+    logp = logprobs_from_logits(
+        logits_tv, targets_t, tp_group=tp_group, temperature=spec.temperature, vocab_size=spec.vocab_size
+    )
+    return logp, None
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerStepStats:
+    grad_norm: float
+    lr: float
+    skipped: bool = False  # e.g. a non-finite gradient norm: weights untouched
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """What core's RL step needs from an engine. Implementations live in unirl/backends/<name>."""
+
+    topology: Topology
+    vocab_size: int
+
+    def forward_logprobs(
+        self,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        role: ModelRole,
+        spec: LogprobSpec,
+        progress: MicrobatchProgress,
+    ) -> list[torch.Tensor]:
+        """Forward-only pass; per microbatch the detached fp32 log-probs ``[T]`` (logit-position
+        alignment, CP-local). Ranks that hold no loss (non-last pipeline stages) return []."""
+        ...
+
+    def forward_backward(
+        self,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        loss_fn: LossFn,
+        spec: LogprobSpec,
+        progress: MicrobatchProgress,
+    ) -> list[Mapping[str, Metric]]:
+        """Accumulate gradients of every microbatch of one optimizer step; per-microbatch metrics
+        (empty on ranks without the loss)."""
+        ...
+
+    def optimizer_step(self) -> OptimizerStepStats: ...
+
+    def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None: ...
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]: ...
+
+    def export_hf(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...

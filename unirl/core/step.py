@@ -1,0 +1,298 @@
+"""One RL step on a batch of rollouts, driving any `TrainingBackend`.
+
+    validate -> decide old log-probs -> plan -> [forward-only passes] -> advantages
+             -> for each optimizer step: forward_backward + optimizer_step -> metrics
+
+Every rank holds the whole rollout batch (it is small next to the model) and plans from it
+identically, so the plan, the global counts and the advantages need no communication; only the
+forward-only log-probs, computed for this rank's share, are summed over the data-parallel group
+(each sample lives on exactly one data-parallel rank) after context-parallel pieces are gathered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from unirl.core.advantages import AdvantageInputs, compute_advantages
+from unirl.core.algorithm import (
+    advantage_settings,
+    forward_logprob_spec,
+    loss_settings,
+    needs_reference,
+    train_logprob_spec,
+)
+from unirl.core.backend import ModelRole, TrainingBackend
+from unirl.core.config import UnirlConfig, norm_length
+from unirl.core.context_parallel import gather_from_cp
+from unirl.core.counts import GlobalCounts
+from unirl.core.errors import RolloutDataError
+from unirl.core.losses import LossInputs, Metric, compute_loss, reduce_metrics
+from unirl.core.microbatch import TrainMicrobatch, build_microbatch
+from unirl.core.plan import MicrobatchPlan
+from unirl.core.progress import MicrobatchProgress, progress_enabled
+from unirl.core.reuse import DecisionLog, OldLogprobDecision, decide_old_logprobs
+from unirl.core.rollout import PackedMicrobatch, RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    metrics: dict[str, float]
+    decision: OldLogprobDecision
+
+
+class RLStep:
+    """Runs RL steps for one run: built once (settings, decision log), called per rollout."""
+
+    def __init__(self, cfg: UnirlConfig, backend: TrainingBackend) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.topology = backend.topology
+        self.loss_settings = loss_settings(cfg)
+        self.advantage_settings = advantage_settings(cfg)
+        self.uses_reference = needs_reference(cfg)
+        self.decisions = DecisionLog()
+        self.show_bars = progress_enabled(cfg.progress.enabled)
+
+    # -- public -------------------------------------------------------------------------
+
+    def run(self, batch: RolloutBatch, *, rl_step: int = 0) -> StepResult:
+        cfg, topo = self.cfg, self.topology
+        t_start = time.perf_counter()
+        batch.validate(
+            vocab_size=self.backend.vocab_size,
+            max_seq_len=cfg.model.max_seq_len,
+            samples_per_prompt=cfg.batch.samples_per_prompt,
+        )
+        decision = decide_old_logprobs(cfg, len(batch))
+        if topo.is_reporting_rank:
+            self.decisions.update(decision)
+        self._check_data_for(decision, batch)
+        plans = self._plans(batch, rl_step)
+        timings: dict[str, float] = {}
+
+        # Forward-only passes over this rank's share (the first epoch's microbatches).
+        first = [batch.pack(idx) for step in plans[0].steps for idx in step.microbatches(topo.dp_rank)]
+        old_bl = ref_bl = None
+        if decision.source == "recompute":
+            t0 = time.perf_counter()
+            old_bl = self._forward_to_responses(batch, first, "policy", "actor forward")
+            timings["time/actor_forward_s"] = time.perf_counter() - t0
+        if self.uses_reference and not batch.has("ref_logprobs"):
+            t0 = time.perf_counter()
+            ref_bl = self._forward_to_responses(batch, first, "reference", "ref forward")
+            timings["time/ref_forward_s"] = time.perf_counter() - t0
+        padded = batch.padded_responses()
+        if ref_bl is None and padded.ref_logprobs is not None:
+            ref_bl = padded.ref_logprobs
+        if decision.source == "rollout":
+            old_bl = padded.rollout_logprobs
+
+        t0 = time.perf_counter()
+        adv = compute_advantages(
+            AdvantageInputs(
+                rewards=batch.rewards.to(torch.float32),
+                group_ids=batch.group_ids,
+                response_mask=padded.loss_mask.to(torch.float32) * padded.mask,
+                old_logprobs=old_bl,
+                ref_logprobs=ref_bl,
+                values=padded.values,
+                teacher_logprobs=ref_bl if cfg.algorithm.distillation_coef > 0 else None,
+            ),
+            self.advantage_settings,
+        )
+        timings["time/advantages_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        step_metrics: list[dict[str, float]] = []
+        for plan in plans:
+            for step in plan.steps:
+                step_metrics.append(self._optimizer_step(batch, step, adv.advantages, old_bl, ref_bl))
+        timings["time/train_s"] = time.perf_counter() - t0
+        timings["time/step_s"] = time.perf_counter() - t_start
+
+        metrics = _mean_over_steps(step_metrics)
+        metrics.update(_batch_metrics(batch))
+        metrics.update(timings)
+        tokens = int(batch.lengths.sum()) * cfg.batch.epochs_per_rollout
+        metrics["throughput/train_tokens_per_s"] = tokens / max(timings["time/train_s"], 1e-9)
+        metrics["optimizer_steps"] = float(len(step_metrics))
+        metrics["old_logprobs/recompute"] = float(decision.source == "recompute")
+        return StepResult(metrics=metrics, decision=decision)
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _check_data_for(self, decision: OldLogprobDecision, batch: RolloutBatch) -> None:
+        users = []
+        if decision.source == "rollout":
+            users.append("old_logprobs: rollout")
+        if self.loss_settings.rollout_correction != "none":
+            users.append(f"algorithm.rollout_correction.mode: {self.loss_settings.rollout_correction}")
+        if self.cfg.algorithm.mismatch_metrics:
+            users.append("algorithm.mismatch_metrics: true")
+        if users and not batch.has("rollout_logprobs"):
+            raise RolloutDataError(
+                f"the rollout has no 'rollout_logprobs', but {', '.join(users)} needs them; give "
+                "the rollout engine's per-token log-probs for every sample, or change those settings"
+            )
+
+    def _plans(self, batch: RolloutBatch, rl_step: int) -> list[MicrobatchPlan]:
+        cfg, b = self.cfg, self.cfg.batch
+        if len(batch) % b.samples_per_optimizer_step:
+            raise RolloutDataError(
+                f"the rollout has {len(batch)} samples, not a multiple of "
+                f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step}; send whole "
+                "optimizer steps (or change batch.samples_per_optimizer_step)"
+            )
+        plans = []
+        for epoch in range(b.epochs_per_rollout):
+            plans.append(
+                MicrobatchPlan.build(
+                    batch.lengths.tolist(),
+                    batch.valid_token_counts.tolist(),
+                    num_optimizer_steps=len(batch) // b.samples_per_optimizer_step,
+                    dp_size=self.topology.dp_size,
+                    micro_batch_size=b.micro_batch_size,
+                    max_tokens_per_microbatch=b.max_tokens_per_microbatch,
+                    norm_length=norm_length(cfg),
+                    # later epochs see the groups in a new order (same on every rank)
+                    shuffle_seed=None if epoch == 0 else (cfg.train.seed * 1_000_003 + rl_step) * 101 + epoch,
+                    group_ids=batch.group_ids.tolist(),
+                )
+            )
+        return plans
+
+    def _microbatch(
+        self,
+        packed: PackedMicrobatch,
+        advantages_bl: torch.Tensor | None,
+        old_bl: torch.Tensor | None,
+        ref_bl: torch.Tensor | None,
+    ) -> TrainMicrobatch:
+        topo = self.topology
+
+        def place(values: torch.Tensor | None) -> torch.Tensor | None:
+            if values is None or packed.num_tokens == 0:
+                return None if values is None else torch.zeros(0)
+            return packed.place_responses(values.to(torch.float32).cpu())
+
+        return build_microbatch(
+            packed,
+            advantages=place(advantages_bl),
+            old_logprobs=place(old_bl),
+            ref_logprobs=place(ref_bl),
+            cp_size=topo.cp_size,
+            cp_rank=topo.cp_rank,
+            cp_group=topo.groups.cp,
+        )
+
+    def _forward_to_responses(
+        self, batch: RolloutBatch, packs: Sequence[PackedMicrobatch], role: ModelRole, phase: str
+    ) -> torch.Tensor:
+        """Forward-only log-probs of every response token, as a batch ``[B, L]`` tensor."""
+        topo = self.topology
+        mbs = [self._microbatch(p, None, None, None) for p in packs]
+        spec = forward_logprob_spec(self.cfg, self.backend.vocab_size)
+        with MicrobatchProgress(phase, len(mbs), topo, enabled=self.show_bars) as bar:
+            results = self.backend.forward_logprobs(mbs, role=role, spec=spec, progress=bar)
+        width = int(batch.response_lengths.max())
+        out = torch.zeros(len(batch), width, dtype=torch.float32)
+        for packed, mb, logp in zip(packs, mbs, results):  # empty on non-last pipeline stages
+            logp = logp.detach().float()
+            if topo.cp_size > 1:
+                logp = gather_from_cp(logp, packed.cu_seqlens, topo.groups.cp)
+            logp = logp.cpu()
+            if packed.num_tokens == 0:
+                continue
+            # response token at packed position j is predicted by the logits at j - 1
+            values = logp[packed.response_index - 1]
+            for k, (sample, n) in enumerate(zip(mb.sample_indices, packed.response_lengths.tolist())):
+                start = int(packed.response_lengths[:k].sum())
+                out[sample, :n] = values[start : start + n]
+        group = topo.groups.dp
+        if group is not None and topo.dp_size > 1:
+            device = getattr(self.backend, "device", torch.device("cpu"))
+            reduced = out.to(device)
+            dist.all_reduce(reduced, group=group)  # each sample lives on exactly one dp rank
+            out = reduced.cpu()
+        return out
+
+    def _optimizer_step(
+        self,
+        batch: RolloutBatch,
+        step: Any,
+        advantages_bl: torch.Tensor,
+        old_bl: torch.Tensor | None,
+        ref_bl: torch.Tensor | None,
+    ) -> dict[str, float]:
+        topo, settings = self.topology, self.loss_settings
+        counts: GlobalCounts = step.counts
+        packs = [batch.pack(idx) for idx in step.microbatches(topo.dp_rank)]
+        mbs = [self._microbatch(p, advantages_bl, old_bl, ref_bl) for p in packs]
+
+        def loss_fn(
+            mb: TrainMicrobatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
+        ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
+            device = logprobs.device
+
+            def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.to(device, non_blocking=True)
+
+            out = compute_loss(
+                LossInputs(
+                    logprobs=logprobs,
+                    old_logprobs=dev(mb.old_logprobs),
+                    rollout_logprobs=dev(mb.rollout_logprobs),
+                    ref_logprobs=dev(mb.ref_logprobs),
+                    advantages=dev(mb.advantages),
+                    loss_mask=dev(mb.loss_mask),
+                    seq_ids=dev(mb.seq_ids),
+                    num_seqs=mb.num_seqs,
+                    seq_token_counts=dev(mb.seq_token_counts),
+                    entropy=entropy,
+                    cp_group=mb.cp_group,
+                ),
+                counts,
+                settings,
+                validate=False,  # the batch was validated once, before anything ran
+            )
+            return out.loss, out.metrics
+
+        spec = train_logprob_spec(self.cfg, self.backend.vocab_size)
+        with MicrobatchProgress("actor train", len(mbs), topo, enabled=self.show_bars) as bar:
+            per_mb = self.backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
+        stats = self.backend.optimizer_step()
+        metrics: dict[str, float] = {}
+        if topo.is_last_pipeline_stage():
+            metrics = reduce_metrics(per_mb, group=topo.groups.dp_cp)
+        metrics["grad_norm"] = stats.grad_norm
+        metrics["lr"] = stats.lr
+        metrics["skipped_steps"] = float(stats.skipped)
+        return metrics
+
+
+def _mean_over_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    keys = {k for s in steps for k in s}
+    return {k: sum(s[k] for s in steps if k in s) / sum(1 for s in steps if k in s) for k in sorted(keys)}
+
+
+def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+    rewards = batch.rewards.to(torch.float64)
+    lengths = batch.response_lengths.to(torch.float64)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "reward/max": float(rewards.max()),
+        "reward/min": float(rewards.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "samples": float(len(batch)),
+    }
