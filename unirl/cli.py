@@ -1,10 +1,14 @@
 """The `unirl` command.
 
     unirl check CONFIG [--set key.path=value ...] [--world-size N] [--json]
+    unirl train CONFIG [--set key.path=value ...] [--rollouts FILE] [--resume]
+    unirl plot RUN_DIR [--out FILE.png]
 
-validates a config and explains what a run would do: the resolved config, the parallel layout,
-the microbatch plan and the old-log-prob decision with its reasons. A bad config exits with
-status 2 and a message naming the key.
+`check` validates a config and explains what a run would do: the resolved config, the parallel
+layout, the microbatch plan and the old-log-prob decision with its reasons. `train` runs the RL
+job (under torchrun / the deepspeed launcher for several processes). `plot` draws the reward and
+loss curves of a run. A bad config or bad rollout data exits with status 2 and a message naming
+the key or the sample.
 """
 
 from __future__ import annotations
@@ -93,18 +97,48 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="unirl", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="validate a config and explain its decisions")
-    check.add_argument("config", help="YAML config file")
-    check.add_argument(
+def _cmd_train(args: argparse.Namespace) -> int:
+    from unirl.train import train, with_rollout_file
+
+    cfg = load_config(args.config, args.set)
+    if args.rollouts:
+        cfg = with_rollout_file(cfg, args.rollouts)
+    summary = train(cfg, resume=args.resume)
+    reward = summary.last_metrics.get("reward/mean")
+    logger.info(
+        "done: %d RL steps in %s (last reward mean %s)%s",
+        summary.steps_done,
+        summary.run_dir,
+        "n/a" if reward is None else f"{reward:.3f}",
+        f"; Hugging Face export in {summary.hf_export}" if summary.hf_export else "",
+    )
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from unirl.plot import plot_run
+
+    out = plot_run(args.run_dir, args.out)
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="override a key, e.g. --set batch.micro_batch_size=2",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unirl", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="validate a config and explain its decisions")
+    check.add_argument("config", help="YAML config file")
+    _add_set(check)
     check.add_argument(
         "--world-size",
         type=int,
@@ -113,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(func=_cmd_check)
+
+    train = sub.add_parser("train", help="run RL training")
+    train.add_argument("config", help="YAML config file")
+    _add_set(train)
+    train.add_argument("--rollouts", metavar="FILE", help="train on rollouts from a JSONL file")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.set_defaults(func=_cmd_train)
+
+    plot = sub.add_parser("plot", help="plot reward and loss curves of a run (needs matplotlib)")
+    plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    plot.set_defaults(func=_cmd_plot)
     return parser
 
 

@@ -24,7 +24,8 @@ from unirl.core.topology import Topology
 # loss_fn(microbatch, logprobs [T] fp32 with grad, entropy [T] or None) -> (loss, metrics);
 # the loss is this microbatch's share of the step objective (core normalises globally).
 LossFn = Callable[
-    [TrainMicrobatch, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Metric]]
+    [TrainMicrobatch, torch.Tensor, "torch.Tensor | None"],
+    tuple[torch.Tensor, Mapping[str, Metric]],
 ]
 ModelRole = Literal["policy", "reference"]
 
@@ -61,7 +62,11 @@ def token_logprobs(
         )
         return logp, ent
     logp = logprobs_from_logits(
-        logits_tv, targets_t, tp_group=tp_group, temperature=spec.temperature, vocab_size=spec.vocab_size
+        logits_tv,
+        targets_t,
+        tp_group=tp_group,
+        temperature=spec.temperature,
+        vocab_size=spec.vocab_size,
     )
     return logp, None
 
@@ -111,5 +116,10 @@ class TrainingBackend(Protocol):
     def load_checkpoint(self, path: Path) -> dict[str, Any]: ...
 
     def export_hf(self, path: Path) -> None: ...
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights in Hugging Face names, on the CPU, on every rank (the weight
+        sync to a rollout engine)."""
+        ...
 
     def close(self) -> None: ...

@@ -1,0 +1,61 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unirl.cli import main
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_check_every_example(path, capsys):
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    for section in (
+        "# resolved config",
+        "# layout",
+        "# microbatch plan",
+        "# old-log-prob decision",
+    ):
+        assert section in out
+    assert "old log-probs:" in out
+
+
+def test_check_json_explains_the_decision(capsys):
+    tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
+    # 16 prompts x 8 samples = 128, in 2 optimizer steps of 64 -> recompute
+    argv = ["check", str(tiny), "--json", "--set", "batch.samples_per_optimizer_step=64"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plan"]["optimizer_steps_per_rollout"] == 2
+    assert report["old_logprobs"]["source"] == "recompute"
+    assert [n["feature"] for n in report["old_logprobs"]["needs"]] == ["multiple_optimizer_steps"]
+    assert (
+        report["layout"]["dp"] == 1
+        and report["config"]["batch"]["samples_per_optimizer_step"] == 64
+    )
+
+
+def test_check_world_size(capsys):
+    tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
+    assert main(["check", str(tiny), "--json", "--world-size", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # 128 samples per step over dp 2 = 64 per rank, micro batch 32 -> 2 microbatches
+    assert report["layout"]["dp"] == 2
+    assert report["plan"]["microbatches_per_step_per_rank"] == 2
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "backend: deepspeed\nmodel: {hf_config: {}}\nbatch: {micro_batch_size: 1}\nalgorithm: {clip_lo: 0.1}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "unirl.cli", "check", str(bad)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "unknown key 'algorithm.clip_lo' (did you mean 'clip_low'?)" in proc.stderr
+    assert "Traceback" not in proc.stderr
