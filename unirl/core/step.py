@@ -80,7 +80,9 @@ class RLStep:
         timings: dict[str, float] = {}
 
         # Forward-only passes over this rank's share (the first epoch's microbatches).
-        first = [batch.pack(idx) for step in plans[0].steps for idx in step.microbatches(topo.dp_rank)]
+        first = [
+            batch.pack(idx) for step in plans[0].steps for idx in step.microbatches(topo.dp_rank)
+        ]
         old_bl = ref_bl = None
         if decision.source == "recompute":
             t0 = time.perf_counter()
@@ -115,7 +117,9 @@ class RLStep:
         step_metrics: list[dict[str, float]] = []
         for plan in plans:
             for step in plan.steps:
-                step_metrics.append(self._optimizer_step(batch, step, adv.advantages, old_bl, ref_bl))
+                step_metrics.append(
+                    self._optimizer_step(batch, step, adv.advantages, old_bl, ref_bl)
+                )
         timings["time/train_s"] = time.perf_counter() - t0
         timings["time/step_s"] = time.perf_counter() - t_start
 
@@ -135,7 +139,9 @@ class RLStep:
         if decision.source == "rollout":
             users.append("old_logprobs: rollout")
         if self.loss_settings.rollout_correction != "none":
-            users.append(f"algorithm.rollout_correction.mode: {self.loss_settings.rollout_correction}")
+            users.append(
+                f"algorithm.rollout_correction.mode: {self.loss_settings.rollout_correction}"
+            )
         if self.cfg.algorithm.mismatch_metrics:
             users.append("algorithm.mismatch_metrics: true")
         if users and not batch.has("rollout_logprobs"):
@@ -164,7 +170,9 @@ class RLStep:
                     max_tokens_per_microbatch=b.max_tokens_per_microbatch,
                     norm_length=norm_length(cfg),
                     # later epochs see the groups in a new order (same on every rank)
-                    shuffle_seed=None if epoch == 0 else (cfg.train.seed * 1_000_003 + rl_step) * 101 + epoch,
+                    shuffle_seed=None
+                    if epoch == 0
+                    else (cfg.train.seed * 1_000_003 + rl_step) * 101 + epoch,
                     group_ids=batch.group_ids.tolist(),
                 )
             )
@@ -214,7 +222,9 @@ class RLStep:
                 continue
             # response token at packed position j is predicted by the logits at j - 1
             values = logp[packed.response_index - 1]
-            for k, (sample, n) in enumerate(zip(mb.sample_indices, packed.response_lengths.tolist())):
+            for k, (sample, n) in enumerate(
+                zip(mb.sample_indices, packed.response_lengths.tolist())
+            ):
                 start = int(packed.response_lengths[:k].sum())
                 out[sample, :n] = values[start : start + n]
         group = topo.groups.dp
@@ -281,7 +291,10 @@ class RLStep:
 
 def _mean_over_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
     keys = {k for s in steps for k in s}
-    return {k: sum(s[k] for s in steps if k in s) / sum(1 for s in steps if k in s) for k in sorted(keys)}
+    return {
+        k: sum(s[k] for s in steps if k in s) / sum(1 for s in steps if k in s)
+        for k in sorted(keys)
+    }
 
 
 def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
