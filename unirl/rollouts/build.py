@@ -1,0 +1,94 @@
+"""The rollout source a config asks for, and rollout files written from a built-in task.
+
+source = build_rollout_source(cfg, hf_model=policy_hf_model)  # rollout.source: sampler | file
+write_task_rollouts("rollouts.jsonl", cfg, n_rollouts=4, seed=0)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from unirl.core.config import UnirlConfig
+from unirl.core.errors import ConfigError
+from unirl.core.rollout_io import write_rollouts
+from unirl.rollouts.model import build_task_model
+from unirl.rollouts.sampler_source import SamplerRolloutSource
+from unirl.rollouts.source import FileRolloutSource, RolloutSource
+from unirl.rollouts.tasks import Task, make_task
+
+
+def check_task_lengths(cfg: UnirlConfig, task: Task) -> None:
+    """Every answer must fit the generation budget, and prompt + budget the sequence length."""
+    budget, max_seq_len = cfg.rollout.max_new_tokens, cfg.model.max_seq_len
+    if budget < task.max_target_length:
+        raise ConfigError(
+            f"rollout.max_new_tokens={budget} is shorter than the longest answer of task "
+            f"{task.name!r} ({task.max_target_length} tokens with <eos>), so some prompts could "
+            f"never earn reward 1; set it to {task.max_target_length} or more"
+        )
+    if task.max_prompt_length + budget > max_seq_len:
+        raise ConfigError(
+            f"task {task.name!r} prompts of up to {task.max_prompt_length} tokens plus "
+            f"rollout.max_new_tokens={budget} exceed model.max_seq_len={max_seq_len}; raise "
+            f"model.max_seq_len to {task.max_prompt_length + budget} or lower the budget"
+        )
+
+
+def _sampler_source(
+    cfg: UnirlConfig,
+    hf_model: torch.nn.Module | None,
+    device: torch.device | str | None,
+    seed: int,
+) -> SamplerRolloutSource:
+    task = make_task(cfg.rollout.task)
+    check_task_lengths(cfg, task)
+    if hf_model is None:
+        hf_model = build_task_model(cfg.model, task.tokenizer)
+    return SamplerRolloutSource(
+        task,
+        hf_model,
+        prompts_per_rollout=cfg.batch.prompts_per_rollout,
+        samples_per_prompt=cfg.batch.samples_per_prompt,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=seed,
+        device=device,
+    )
+
+
+def build_rollout_source(
+    cfg: UnirlConfig,
+    *,
+    hf_model: torch.nn.Module | None = None,
+    device: torch.device | str | None = None,
+) -> RolloutSource:
+    """``rollout.source: file`` reads ``rollout.file``; ``sampler`` samples ``rollout.task`` with
+    a copy of ``hf_model`` (the policy in Hugging Face form; built from ``cfg.model`` when None),
+    on ``device`` (default: the model's), seeded by ``train.seed``. Call ``sync_weights`` with
+    the policy's weights before the first rollout when ``hf_model`` is not the policy's init."""
+    if cfg.rollout.source == "file":
+        assert cfg.rollout.file is not None  # the config checks it
+        return FileRolloutSource(cfg.rollout.file, rollout_size=cfg.layout.rollout_samples)
+    return _sampler_source(cfg, hf_model, device, cfg.train.seed)
+
+
+def write_task_rollouts(
+    path: str | os.PathLike[str],
+    cfg: UnirlConfig,
+    n_rollouts: int,
+    seed: int,
+    *,
+    hf_model: torch.nn.Module | None = None,
+) -> int:
+    """Sample ``n_rollouts`` rollouts of ``rollout.task`` with a freshly initialised model from
+    ``cfg.model`` (or ``hf_model``) and write them as JSONL (with rollout log-probs), whatever
+    ``rollout.source`` says. Returns the number of samples written."""
+    if n_rollouts < 1:
+        raise ConfigError(f"write_task_rollouts: n_rollouts must be >= 1, got {n_rollouts}")
+    source = _sampler_source(cfg, hf_model, None, seed)
+    samples = [s for step in range(n_rollouts) for s in source.next_rollout(step).samples]
+    write_rollouts(path, samples)
+    return len(samples)

@@ -1,0 +1,185 @@
+"""Token-by-token sampling from a Hugging Face causal LM, reporting the log-prob of every token.
+
+The built-in rollout engine for demos and tests: temperature, top-p, a budget of new tokens, a
+KV cache, and a seeded `torch.Generator` so a seed fixes the samples. Each sampled token's
+rollout log-prob is
+
+    log softmax(logits / temperature)[token]
+
+under the temperature-scaled but *unfiltered* distribution: the distribution the trainer
+computes (`unirl.core.logprobs.logprobs_from_logits` with the same temperature), so train-vs-
+rollout mismatch metrics compare like with like. Top-p only decides which tokens may be drawn
+(with top_p < 1 the reported log-prob is not that of the truncated distribution the token was
+drawn from; keep top_p at 1.0, the default, for exact on-policy log-probs).
+
+Prompts of equal length are generated together, so no padding or attention mask is needed and
+every row computes what a forward of that sequence alone would (up to float rounding; the tests
+compare with such a forward to 1e-5 in fp32). Generation ends at ``<eos>``
+(kept as the last response token) or after ``max_new_tokens``.
+
+    sampler = Sampler(hf_model, temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, seed=0)
+    gens = sampler.generate([[1, 5, 6, 3], [1, 7, 3]])
+    gens[0].response_tokens, gens[0].logprobs
+    sampler.sync_weights(policy_state_dict)  # after every optimizer step
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from unirl.core.errors import ConfigError
+
+
+@attrs.frozen(kw_only=True)
+class Generation:
+    """One response: its tokens (ending with ``<eos>`` when ``finished``), the rollout log-prob
+    of each token, and whether it ended by ``<eos>`` rather than by the token budget."""
+
+    response_tokens: torch.Tensor  # [N] int64, CPU
+    logprobs: torch.Tensor  # [N] float32, CPU
+    finished: bool
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set of most likely tokens whose probability reaches
+    ``top_p`` (nucleus sampling, Holtzman et al. 2020, "The Curious Case of Neural Text
+    Degeneration"). The most likely token is always kept. Rows are not renormalised."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # A token is dropped when the tokens ranked above it already reach top_p.
+    drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)
+
+
+class Sampler:
+    """Samples responses from its own eval-mode copy of ``model``; `sync_weights` loads the
+    policy's latest weights into that copy."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        eos_id: int,
+        seed: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not temperature > 0:
+            raise ConfigError(f"rollout.temperature={temperature} must be > 0")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"rollout.top_p={top_p} must be in (0, 1]")
+        if max_new_tokens < 1:
+            raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} must be >= 1")
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.max_new_tokens = int(max_new_tokens)
+        self.eos_id = int(eos_id)
+        if device is None:
+            device = next(model.parameters()).device
+        self.device = torch.device(device)
+        self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+        # transformers >= 5.x names the KV cache argument `cache`, earlier `past_key_values`.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    # -- weights and state ---------------------------------------------------------------
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy the policy's weights (Hugging Face names) into the sampling model. A key left
+        out is accepted only when its tensor is tied to one given (e.g. ``lm_head.weight`` to
+        the embedding)."""
+        try:
+            missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
+        except RuntimeError as err:  # a shape mismatch
+            raise ConfigError(
+                f"sync_weights: the policy's weights do not fit the sampler's model ({err}); "
+                "build both from the same model config (model.hf_config / model.path)"
+            ) from None
+        own = self.model.state_dict()
+        given = {own[k].data_ptr() for k in state_dict if k in own}
+        untied = [k for k in missing if own[k].data_ptr() not in given]
+        if untied or unexpected:
+            raise ConfigError(
+                f"sync_weights: the state dict lacks {untied[:5]} and has unexpected keys "
+                f"{list(unexpected)[:5]}; the sampler's model and the policy must be built from "
+                "the same model config (model.hf_config / model.path)"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
+    # -- generation ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]]) -> list[Generation]:
+        """One response per prompt, in the order given."""
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"Sampler.generate: prompt {i} is empty; give at least <bos>")
+            by_length.setdefault(len(prompt), []).append(i)
+        results: list[Generation | None] = [None] * len(prompts)
+        # A fixed order of the length groups keeps the generator's draws reproducible.
+        for length in sorted(by_length):
+            indices = by_length[length]
+            ids = torch.tensor([list(prompts[i]) for i in indices], dtype=torch.long)
+            for i, gen in zip(indices, self._generate_equal_length(ids.to(self.device))):
+                results[i] = gen
+        assert all(g is not None for g in results)
+        return results  # type: ignore[return-value]
+
+    def _forward(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        kwargs = {self._cache_arg: cache} if cache is not None else {}
+        out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
+        new_cache = out.cache if self._cache_arg == "cache" else out.past_key_values
+        return out.logits[:, -1, :], new_cache
+
+    def _draw(self, logp_bv: torch.Tensor) -> torch.Tensor:
+        probs = top_p_filter(logp_bv.exp(), self.top_p)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+
+    def _generate_equal_length(self, ids_bp: torch.Tensor) -> list[Generation]:
+        rows = ids_bp.shape[0]
+        logits_bv, cache = self._forward(ids_bp, None)
+        tokens, logprobs = [], []
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=self.device)
+        for step in range(self.max_new_tokens):
+            # The trainer's distribution: fp32 logits divided by the temperature, unfiltered.
+            logp_bv = torch.log_softmax(logits_bv.float() / self.temperature, dim=-1)
+            token_b = self._draw(logp_bv)
+            tokens.append(token_b)
+            logprobs.append(logp_bv.gather(1, token_b[:, None])[:, 0])
+            ended = ~done & (token_b == self.eos_id)
+            lengths[ended] = step + 1
+            done |= ended
+            if bool(done.all()) or step == self.max_new_tokens - 1:
+                break
+            # Finished rows keep decoding (batch shapes stay fixed); their extra tokens are cut.
+            logits_bv, cache = self._forward(token_b[:, None], cache)
+        tokens_bn = torch.stack(tokens, dim=1).cpu()
+        logprobs_bn = torch.stack(logprobs, dim=1).cpu()
+        lengths, done = lengths.cpu(), done.cpu()
+        return [
+            Generation(
+                response_tokens=tokens_bn[r, : int(lengths[r])].clone(),
+                logprobs=logprobs_bn[r, : int(lengths[r])].clone(),
+                finished=bool(done[r]),
+            )
+            for r in range(rows)
+        ]

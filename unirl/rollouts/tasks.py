@@ -1,0 +1,221 @@
+"""Built-in tasks with verifiable rewards, and the registry that names them.
+
+A task draws problems from a seeded `random.Random` (the same seed gives the same prompts) and
+scores a response by comparing it with the one right answer, so a run needs no reward model and
+no download. Rewards lie in [0, 1] with partial credit (`positional_reward`), which gives GRPO a
+signal before the policy solves anything exactly.
+
+    task = make_task("reverse_digits")          # or "add_small", or "package.module:factory"
+    problem = task.sample_problem(random.Random(0))
+    task.reward(problem, response_tokens)        # 1.0 only for the exact answer ended by <eos>
+
+Add a task with ``register_task("name", factory)`` (``factory()`` returns a `Task`), e.g. a
+longer reversal: ``register_task("reverse_long", lambda: ReverseDigits(min_digits=5,
+max_digits=8))``, then ``rollout.task: reverse_long``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from unirl.core.errors import ConfigError
+from unirl.rollouts.tokenizer import EOS_ID, CharTokenizer
+
+DIGITS = "0123456789"
+
+
+@attrs.frozen(kw_only=True)
+class Problem:
+    """One prompt and its answer. ``target_tokens`` ends with ``<eos>``."""
+
+    prompt_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    target_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    prompt_text: str
+    target_text: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What a rollout source needs from a task."""
+
+    name: str
+    tokenizer: CharTokenizer
+    # Bounds over every problem the task can draw (the answer counts its <eos>), checked
+    # against rollout.max_new_tokens and model.max_seq_len before a run starts.
+    max_prompt_length: int
+    max_target_length: int
+
+    def sample_problem(self, rng: random.Random) -> Problem: ...
+
+    def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float: ...
+
+
+def positional_reward(response_tokens: Sequence[int], target_tokens: Sequence[int]) -> float:
+    """Fraction of answer positions the response gets right, the final ``<eos>`` included.
+
+    ``reward = #{i < len(target) : response[i] == target[i]} / len(target)``, reading the
+    response up to its first ``<eos>``. So the exact answer ended by ``<eos>`` scores 1; the
+    right digits without ``<eos>`` (cut off by max_new_tokens) or followed by an extra digit
+    score ``n / (n + 1)``; a response that starts wrong keeps credit for later positions.
+    """
+    response = [int(t) for t in response_tokens]
+    if EOS_ID in response:
+        response = response[: response.index(EOS_ID) + 1]
+    correct = sum(1 for r, t in zip(response, target_tokens) if r == t)
+    return correct / len(target_tokens)
+
+
+@attrs.frozen
+class ReverseDigits:
+    """Prompt ``<bos> d1 .. dn <sep>``, answer ``dn .. d1 <eos>``; n uniform in
+    [min_digits, max_digits], digits uniform 0-9 (leading zeros allowed)."""
+
+    min_digits: int = 2
+    max_digits: int = 4
+    name: str = "reverse_digits"
+    tokenizer: CharTokenizer = attrs.field(factory=lambda: CharTokenizer(DIGITS))
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ConfigError(
+                f"ReverseDigits: need 1 <= min_digits <= max_digits, got "
+                f"min_digits={self.min_digits}, max_digits={self.max_digits}"
+            )
+
+    @property
+    def max_prompt_length(self) -> int:
+        return self.max_digits + 2  # <bos> digits <sep>
+
+    @property
+    def max_target_length(self) -> int:
+        return self.max_digits + 1  # digits <eos>
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        n = rng.randint(self.min_digits, self.max_digits)
+        digits = "".join(rng.choice(DIGITS) for _ in range(n))
+        answer = digits[::-1]
+        return Problem(
+            prompt_tokens=self.tokenizer.encode(digits, bos=True, sep=True),
+            target_tokens=self.tokenizer.encode(answer, eos=True),
+            prompt_text=digits,
+            target_text=answer,
+        )
+
+    def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float:
+        return positional_reward(response_tokens, problem.target_tokens)
+
+
+@attrs.frozen
+class AddSmall:
+    """Prompt ``<bos> a + b <sep>``, answer the decimal digits of ``a + b`` then ``<eos>``;
+    a and b uniform in [0, max_operand] (default: single and double digits)."""
+
+    max_operand: int = 99
+    name: str = "add_small"
+    tokenizer: CharTokenizer = attrs.field(factory=lambda: CharTokenizer(DIGITS + "+"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_operand < 1:
+            raise ConfigError(f"AddSmall: max_operand must be >= 1, got {self.max_operand}")
+
+    @property
+    def max_prompt_length(self) -> int:
+        return 2 * len(str(self.max_operand)) + 3  # <bos> a + b <sep>
+
+    @property
+    def max_target_length(self) -> int:
+        return len(str(2 * self.max_operand)) + 1
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        a = rng.randint(0, self.max_operand)
+        b = rng.randint(0, self.max_operand)
+        question, answer = f"{a}+{b}", str(a + b)
+        return Problem(
+            prompt_tokens=self.tokenizer.encode(question, bos=True, sep=True),
+            target_tokens=self.tokenizer.encode(answer, eos=True),
+            prompt_text=question,
+            target_text=answer,
+        )
+
+    def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float:
+        # Left-aligned digit comparison: a sum of the wrong length is wrong from its first digit.
+        return positional_reward(response_tokens, problem.target_tokens)
+
+
+# -- registry ------------------------------------------------------------------------------
+
+TaskFactory = Callable[[], Task]
+_TASKS: dict[str, TaskFactory] = {}
+
+
+def register_task(name: str, factory: TaskFactory) -> None:
+    """Make ``rollout.task: name`` build ``factory()``. Re-registering the same factory is a
+    no-op (a reloaded module); a different one under a taken name is an error."""
+    old = _TASKS.get(name)
+    if old is not None and not _same_factory(old, factory):
+        raise ConfigError(f"task {name!r} is already registered ({old!r}); pick another name")
+    _TASKS[name] = factory
+
+
+def _same_factory(a: TaskFactory, b: TaskFactory) -> bool:
+    # A module reloaded (or imported under a second name) re-registers an equal class or
+    # function; two lambdas cannot be told apart that way.
+    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
+    return a is b or (key(a) == key(b) and "<lambda>" not in str(key(a)[1]))
+
+
+def registered_tasks() -> list[str]:
+    return sorted(_TASKS)
+
+
+def make_task(name: str) -> Task:
+    """The task registered as ``name`` (``rollout.task``), or ``factory()`` for a name written
+    ``"package.module:factory"``."""
+    if ":" in name:
+        factory = _import_factory(name)
+    elif name in _TASKS:
+        factory = _TASKS[name]
+    else:
+        close = difflib.get_close_matches(name, _TASKS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"rollout.task={name!r} is not a registered task{hint}; valid: {registered_tasks()}, "
+            "or a custom task factory as 'package.module:factory'"
+        )
+    task = factory()
+    if not isinstance(task, Task):
+        raise ConfigError(
+            f"rollout.task={name!r}: the factory returned {type(task).__name__}, which lacks the "
+            "Task attributes (name, tokenizer, max_prompt_length, max_target_length, "
+            "sample_problem, reward)"
+        )
+    return task
+
+
+def _import_factory(spec: str) -> TaskFactory:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"rollout.task={spec!r} must look like 'package.module:factory' for a custom task"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"rollout.task={spec!r}: cannot import module {module_name!r} ({e}); make it "
+            "importable (installed or on PYTHONPATH)"
+        ) from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"rollout.task={spec!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+register_task("reverse_digits", ReverseDigits)
+register_task("add_small", AddSmall)
