@@ -1,0 +1,402 @@
+"""Megatron-core `GPTModel` built from a Hugging Face Llama / Qwen2 config.
+
+The architecture is read from the HF config (RMSNorm, SwiGLU, RoPE with its base and Llama-3
+scaling, GQA, tied or untied embeddings, Qwen2's qkv bias); the weights come afterwards from
+`unirl.backends.megatron.convert.load_hf_weights` (the init is skipped: every parameter is
+overwritten). Build after `initialize_parallel_state`; one model chunk per virtual pipeline stage::
+
+    initialize_parallel_state(parallel)
+    chunks = build_model_chunks(hf_config, parallel, dtype=torch.bfloat16)
+    load_hf_weights(chunks, "/models/qwen2.5-0.5b", hf_config, topology_from_parallel_state())
+
+Layer spec: Transformer Engine's when TE is importable, else megatron's local spec with its core
+attention replaced by `SDPACoreAttention` (PyTorch SDPA). megatron-core 0.16.1's local
+`DotProductAttention` cannot run on the CPU (it allocates its score buffer and its causal mask on
+CUDA and forks the CUDA RNG tracker) and is unfused on GPUs; SDPA runs on both and uses the
+flash / memory-efficient kernels on GPUs without flash-attn.
+
+Outputs: with ``parallel_output=True`` the last chunk returns vocabulary-parallel logits
+``[B, S, V_padded / tp]`` (batch-first: GPTModel transposes back when no labels are given);
+other chunks return hidden states ``[S, B, H]``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
+from unirl.core.config import ParallelConfig
+from unirl.core.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# Megatron-LM's default for --make-vocab-size-divisible-by.
+VOCAB_DIVISIBLE_BY = 128
+# megatron-core implements Llama-3 RoPE scaling with these constants fixed.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA3_ORIGINAL_MAX = 8192
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+# --- the HF config, read and checked ----------------------------------------------------------
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings from either transformers 5 (``rope_parameters``) or 4 (``rope_theta`` +
+    ``rope_scaling``)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_settings(hf_config: Any) -> dict[str, Any]:
+    """``rotary_base`` / ``rope_scaling`` / ``rope_scaling_factor`` for `GPTModel`."""
+    rope = _rope_parameters(hf_config)
+    kind = rope["rope_type"]
+    if kind == "default":
+        return {"rotary_base": rope["rope_theta"], "rope_scaling": False}
+    if kind == "llama3":
+        fixed = {k: float(rope.get(k, v)) for k, v in _LLAMA3_FIXED.items()}
+        original = int(rope.get("original_max_position_embeddings", _LLAMA3_ORIGINAL_MAX))
+        if fixed == _LLAMA3_FIXED and original == _LLAMA3_ORIGINAL_MAX:
+            return {
+                "rotary_base": rope["rope_theta"],
+                "rope_scaling": True,
+                "rope_scaling_factor": float(rope["factor"]),
+            }
+    raise ConfigError(
+        f"model.hf_config.rope_scaling (rope_parameters) = {rope!r} is not supported by the "
+        "Megatron backend: it implements plain RoPE and Llama-3 scaling with low_freq_factor=1, "
+        "high_freq_factor=4, original_max_position_embeddings=8192 only; use a model with one of "
+        "those or backend: deepspeed"
+    )
+
+
+def check_hf_config(hf_config: Any, parallel: ParallelConfig) -> None:
+    """Reject what the Megatron model or the weight conversion does not reproduce exactly."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model.hf_config.model_type={model_type!r} is not supported by the Megatron backend; "
+            f"supported: {list(SUPPORTED_MODEL_TYPES)} (or use backend: deepspeed)"
+        )
+    if hf_config.hidden_act != "silu":
+        raise ConfigError(
+            f"model.hf_config.hidden_act={hf_config.hidden_act!r}: the Megatron backend builds "
+            "SwiGLU MLPs only; hidden_act must be 'silu'"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, key, False):
+            raise ConfigError(
+                f"model.hf_config.{key}=True is not supported by the Megatron backend (only "
+                "Qwen2's q/k/v bias is); set it to false or use backend: deepspeed"
+            )
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ConfigError(
+            "model.hf_config.use_sliding_window=True is not supported by the Megatron backend; "
+            "set it to false or use backend: deepspeed"
+        )
+    dims = attention_dims(hf_config)
+    heads, groups = dims["num_heads"], dims["num_query_groups"]
+    if heads % groups:
+        raise ConfigError(
+            f"model.hf_config.num_attention_heads={heads} is not divisible by "
+            f"num_key_value_heads={groups}"
+        )
+    if groups % parallel.tp:
+        raise ConfigError(
+            f"parallel.tp={parallel.tp} does not divide model.hf_config.num_key_value_heads="
+            f"{groups}: each tensor-parallel rank must hold whole key/value heads; choose a tp "
+            "that divides the number of key/value heads"
+        )
+    if hf_config.intermediate_size % parallel.tp:
+        raise ConfigError(
+            f"parallel.tp={parallel.tp} does not divide model.hf_config.intermediate_size="
+            f"{hf_config.intermediate_size}"
+        )
+    stages = parallel.pp * (parallel.vpp or 1)
+    if hf_config.num_hidden_layers % stages:
+        raise ConfigError(
+            f"model.hf_config.num_hidden_layers={hf_config.num_hidden_layers} is not divisible "
+            f"by parallel.pp x parallel.vpp = {parallel.pp} x {parallel.vpp or 1}"
+        )
+    if parallel.cp > 1 and not te_available():
+        raise ConfigError(
+            f"parallel.cp={parallel.cp} needs Transformer Engine's attention, which is not "
+            "installed (the local attention has no context parallel); set parallel.cp: 1"
+        )
+    rope_settings(hf_config)
+
+
+def transformer_config(
+    hf_config: Any, parallel: ParallelConfig, *, dtype: torch.dtype, **overrides: Any
+) -> TransformerConfig:
+    """The `TransformerConfig` of the HF architecture under ``parallel``.
+
+    ``overrides`` are further TransformerConfig fields (recompute, variable_seq_lengths ...).
+    Dropout is off (RL fine-tuning; and the SDPA attention has no TP-aware dropout RNG).
+    """
+    check_hf_config(hf_config, parallel)
+    dims = attention_dims(hf_config)
+    fields: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=dims["num_query_groups"],
+        kv_channels=dims["head_dim"],
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2",
+        # HF's rotate_half convention: the two halves of each head, not interleaved pairs
+        rotary_interleaved=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # weights are loaded right after the build: skip the (slow, discarded) random init
+        perform_initialization=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+# --- attention and host fixes ----------------------------------------------------------------
+
+
+class SDPACoreAttention(MegatronModule):
+    """Megatron's core-attention slot filled by `torch.nn.functional.scaled_dot_product_attention`.
+
+    Input ``query [Sq, B, heads, D]``, ``key`` / ``value [Sk, B, groups, D]`` (GQA: each group
+    serves ``heads / groups`` consecutive query heads, as `repeat_interleave` and SDPA's
+    ``enable_gqa`` both assume); output ``[Sq, B, heads * D]``. With no mask it is causal; a mask
+    given follows Megatron's convention (True = masked out).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        assert config.context_parallel_size == 1, "SDPACoreAttention has no context parallel"
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        assert dropout == 0.0, "SDPACoreAttention has no tensor-parallel dropout RNG"
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "SDPACoreAttention takes padded [S, B] batches only (no packed THD sequences, no "
+                "attention bias)"
+            )
+        mask_type = attn_mask_type or self.attn_mask_type
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, D]
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if attention_mask is None else ~attention_mask,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class _HostRotaryEmbedding(RotaryEmbedding):
+    """megatron-core 0.16.1's `RotaryEmbedding.get_emb` moves ``inv_freq`` to CUDA
+    unconditionally; on a host without CUDA it stays on the CPU (same computation otherwise)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
+                freqs.shape[0], -1
+            )
+        return emb[:, None, None, :]
+
+
+class UnirlGPTModel(GPTModel):
+    """`GPTModel` that also builds and runs on hosts without CUDA (the CPU test tier).
+
+    megatron-core 0.16.1 moves the last stage's copy of tied embeddings to CUDA before the
+    all-reduce that makes it equal the first stage's; without CUDA that all-reduce runs on the
+    host tensor. Behaviour with CUDA is GPTModel's, unchanged.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not torch.cuda.is_available() and isinstance(
+            getattr(self, "rotary_pos_emb", None), RotaryEmbedding
+        ):
+            self.rotary_pos_emb.__class__ = _HostRotaryEmbedding
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        if torch.cuda.is_available():
+            super().setup_embeddings_and_output_layer()
+            return
+        in_group = self._is_in_embd_group()
+        self._is_in_embd_group = lambda: False  # skip the parent's CUDA all-reduce
+        try:
+            super().setup_embeddings_and_output_layer()
+        finally:
+            del self._is_in_embd_group
+        tied_across_stages = (
+            self.share_embeddings_and_output_weights
+            and self.config.pipeline_model_parallel_size > 1
+        )
+        if tied_across_stages and in_group and dist.is_initialized():
+            dist.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+
+
+def layer_spec(*, use_te: bool | None = None) -> ModuleSpec:
+    """Transformer Engine's layer spec when TE is importable, else the local spec with SDPA."""
+    if use_te if use_te is not None else te_available():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+# --- building -------------------------------------------------------------------------------
+
+
+def build_gpt_model(
+    hf_config: Any,
+    parallel: ParallelConfig,
+    *,
+    dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    use_te: bool | None = None,
+) -> GPTModel:
+    """One model chunk (the layers of this pipeline stage / virtual stage), weights uninitialised,
+    every parameter in ``dtype`` on the current CUDA device when there is one (else the CPU).
+
+    Needs megatron's parallel state initialised with the same ``parallel`` sizes.
+    """
+    config = transformer_config(hf_config, parallel, dtype=dtype, **(config_overrides or {}))
+    rope = rope_settings(hf_config)
+    model = UnirlGPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_te=use_te),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, parallel.tp, VOCAB_DIVISIBLE_BY),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        vp_stage=vp_stage,
+        **rope,
+    )
+    # torch norms are created in fp32 on the CPU whatever params_dtype / use_cpu_initialization
+    # say: one dtype and one device for every parameter (as Float16Module / get_model would do)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    )
+    return model.to(device=device, dtype=dtype)
+
+
+def build_model_chunks(
+    hf_config: Any,
+    parallel: ParallelConfig,
+    *,
+    dtype: torch.dtype,
+    config_overrides: dict[str, Any] | None = None,
+    use_te: bool | None = None,
+) -> list[GPTModel]:
+    """This rank's model chunks, one per virtual pipeline stage (one without VPP), in vp order.
+
+    Which layers a chunk holds is megatron's choice (``get_transformer_layer_offset``): with
+    pp=2, vpp=2 and 8 layers, stage 0 holds layers [0, 1] and [4, 5], stage 1 [2, 3] and [6, 7].
+    Each layer's ``layer_number`` (1-based, global) says it; the conversion reads it from there.
+    """
+    if (parallel.tp, parallel.pp, parallel.cp) != (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+    ):
+        raise ConfigError(
+            f"parallel (tp={parallel.tp}, pp={parallel.pp}, cp={parallel.cp}) differs from the "
+            "initialised megatron parallel state; call initialize_parallel_state(parallel) first"
+        )
+    chunks = []
+    for vp in range(parallel.vpp or 1):
+        vp_stage = vp if parallel.vpp is not None else None
+        chunks.append(
+            build_gpt_model(
+                hf_config,
+                parallel,
+                dtype=dtype,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage,
+                config_overrides=config_overrides,
+                use_te=use_te,
+            )
+        )
+    return chunks
+
+
+def chunk_layer_numbers(chunk: GPTModel) -> list[int]:
+    """The 0-based global (HF) indices of the decoder layers a chunk holds."""
+    return [layer.layer_number - 1 for layer in chunk.decoder.layers]
