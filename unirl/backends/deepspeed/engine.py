@@ -1,0 +1,184 @@
+"""DeepSpeed engines from unirl's config: the policy (ZeRO 0-3, AdamW, LR schedule, clipping) and
+the frozen reference.
+
+Choices, and why:
+
+- The optimizer is a client ``torch.optim.AdamW``: DeepSpeed's own "AdamW" type JIT-compiles a
+  fused op on the CPU (slow, fragile), while torch's AdamW works under ZeRO 0-3. Weight decay
+  skips 1-D parameters (biases, norm weights), as Megatron and the HF Trainer do.
+- Gradient accumulation is unirl's, not DeepSpeed's: the number of microbatches per optimizer
+  step can change from step to step (token-budget plans), so the engine runs with
+  ``gradient_accumulation_steps: 1``, the backend calls ``engine.backward(loss,
+  scale_wrt_gas=False)`` and marks the last microbatch with
+  ``engine.set_gradient_accumulation_boundary(True)``. DeepSpeed then only averages gradients
+  over data-parallel ranks, which the backend's ``loss_scale = dp`` cancels.
+- The LR schedule is `unirl.core.lr_schedule` (shared with Megatron), applied by a small
+  scheduler that DeepSpeed steps after each applied optimizer step and saves in checkpoints.
+- ``cfg.deepspeed_extra`` is merged recursively over the generated config, except for the keys
+  unirl owns (batch sizes, accumulation, optimizer, scheduler, precision, ZeRO stage, clipping):
+  overriding those would silently break the numbers above, so it is a `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from unirl.core.config import UnirlConfig
+from unirl.core.errors import ConfigError
+from unirl.core.lr_schedule import check_schedule, learning_rate
+
+logger = logging.getLogger(__name__)
+
+# deepspeed_extra key paths whose value unirl sets from its own config -> the key to use instead.
+OWNED_KEYS = {
+    ("train_batch_size",): "batch.* (unirl plans microbatches itself)",
+    ("train_micro_batch_size_per_gpu",): "batch.* (unirl plans microbatches itself)",
+    ("gradient_accumulation_steps",): "batch.* (unirl accumulates over the plan's microbatches)",
+    ("managed_gradient_accumulation",): "nothing (unirl marks the accumulation boundary)",
+    ("optimizer",): "optimizer.*",
+    ("scheduler",): "optimizer.lr_schedule / warmup_steps / min_lr_ratio",
+    ("gradient_clipping",): "optimizer.grad_clip",
+    ("bf16", "enabled"): "model.dtype",
+    ("fp16", "enabled"): "model.dtype (fp16 is not supported; use bf16)",
+    ("zero_optimization", "stage"): "parallel.zero_stage",
+}
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`, recursing into nested mappings (a copy; inputs untouched)."""
+    out = copy.deepcopy(dict(base))
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _lookup(tree: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    node: Any = tree
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def deepspeed_config(cfg: UnirlConfig, dp_size: int) -> dict[str, Any]:
+    """The DeepSpeed config dict of the policy engine."""
+    generated: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": dp_size,
+        "gradient_clipping": float(cfg.optimizer.grad_clip or 0.0),
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "bf16": {"enabled": cfg.model.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,  # the client torch AdamW under ZeRO
+        "steps_per_print": 2**31 - 1,  # unirl logs; DeepSpeed's periodic prints stay off
+        "wall_clock_breakdown": False,
+    }
+    for path, instead in OWNED_KEYS.items():
+        present, value = _lookup(cfg.deepspeed_extra, path)
+        if not present:
+            continue
+        ours = _lookup(generated, path)[1]
+        if value != ours:
+            dotted = ".".join(path)
+            raise ConfigError(
+                f"deepspeed_extra.{dotted}={value!r} overrides a key unirl sets itself "
+                f"(to {ours!r}); remove it and set {instead}"
+            )
+    return deep_merge(generated, cfg.deepspeed_extra)
+
+
+class ScheduledLR:
+    """Sets ``lr = schedule(optimizer steps taken)`` on every param group; DeepSpeed calls
+    `step` after each applied optimizer step and saves `state_dict` in its checkpoints."""
+
+    def __init__(self, optimizer: Any, schedule: Callable[[int], float]) -> None:
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.steps_done = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = self.schedule(self.steps_done)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.steps_done += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps_done": self.steps_done}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.steps_done = int(state["steps_done"])
+        self._apply()
+
+
+def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices and embeddings; not biases and norm weights (1-D)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def initialize_policy(model: torch.nn.Module, cfg: UnirlConfig, *, total_steps: int, dp_size: int):
+    """``deepspeed.initialize`` of the policy; returns ``(engine, scheduler)``."""
+    import deepspeed
+
+    check_schedule(cfg.optimizer, total_steps)
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model, opt.weight_decay),
+        lr=opt.lr,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
+    schedule = functools.partial(learning_rate, optimizer=opt, total_steps=total_steps)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lambda basic_optimizer: ScheduledLR(basic_optimizer, schedule),
+        config=deepspeed_config(cfg, dp_size),
+    )
+    return engine, scheduler
+
+
+def initialize_reference(model: torch.nn.Module, cfg: UnirlConfig, device: torch.device) -> Any:
+    """The frozen reference: a ZeRO-3 inference engine when the policy uses ZeRO-3 (parameters
+    sharded like the policy's; offloaded to CPU memory with ``model.ref_offload``), else the plain
+    module, on `device` or, with ``model.ref_offload``, in CPU memory (moved in per forward pass)."""
+    if cfg.parallel.zero_stage == 3:
+        import deepspeed
+
+        zero: dict[str, Any] = {"stage": 3}
+        if cfg.model.ref_offload:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": zero,
+            "bf16": {"enabled": cfg.model.dtype == "bf16"},
+            "steps_per_print": 2**31 - 1,
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+    return model.to("cpu" if cfg.model.ref_offload else device)

@@ -1,0 +1,108 @@
+"""The Hugging Face causal LM that DeepSpeed trains: loaded from a local folder, or built from a
+config dict with a seeded random init (tests, demos, from-scratch runs).
+
+Attention is PyTorch SDPA (``attn_implementation="sdpa"``): it runs on the CPU and on GPUs without
+flash-attn. A bf16 model built from a config is the fp32 init rounded to bf16, so one seed names
+one set of weights whatever the dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unirl.core.config import ModelConfig
+from unirl.core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "sdpa"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def torch_dtype(model_cfg: ModelConfig) -> torch.dtype:
+    return _DTYPES[model_cfg.dtype]
+
+
+def _check_folder(path: str, key: str) -> Path:
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        what = "does not exist" if not folder.exists() else "has no config.json"
+        raise ConfigError(
+            f"{key}={path!r} {what}; set {key} to a local Hugging Face model folder "
+            "(the output of save_pretrained, with config.json and the weights), or use "
+            "model.hf_config for a random init"
+        )
+    return folder
+
+
+def load_pretrained(path: str, dtype: torch.dtype, *, key: str = "model.path") -> Any:
+    """`AutoModelForCausalLM.from_pretrained` from a local folder (nothing is downloaded)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = _check_folder(path, key)
+    return AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+    )
+
+
+def build_from_config(hf_config: dict[str, Any], seed: int, dtype: torch.dtype) -> Any:
+    """A randomly initialised model from a config dict; the same seed gives the same weights.
+
+    The init draws from a forked torch RNG, so building a model does not move the caller's
+    random stream (a resumed run must see the same stream as an uninterrupted one).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(hf_config)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(
+            f"model.hf_config={hf_config!r} has no model_type; add one such as model_type: llama"
+        )
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except ValueError as err:
+        raise ConfigError(f"model.hf_config.model_type={model_type!r}: {err}") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+        )
+    return model.to(dtype)
+
+
+def load_policy(model_cfg: ModelConfig) -> Any:
+    """The policy at its initial weights, in the configured dtype, in train mode."""
+    dtype = torch_dtype(model_cfg)
+    if model_cfg.path is not None:
+        model = load_pretrained(model_cfg.path, dtype)
+    else:
+        assert model_cfg.hf_config is not None  # the config checks one of the two is set
+        model = build_from_config(model_cfg.hf_config, model_cfg.init_seed, dtype)
+    model.config.use_cache = False  # training never decodes; the KV cache only costs memory
+    if model_cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing works with ZeRO-3's parameter hooks and frozen inputs.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def load_reference(model_cfg: ModelConfig) -> Any:
+    """The frozen reference for KL: ``model.ref_path`` if set, else the policy's initial weights
+    (reloaded from ``model.path`` or rebuilt from the same seed, so it never sees training)."""
+    dtype = torch_dtype(model_cfg)
+    if model_cfg.ref_path is not None:
+        model = load_pretrained(model_cfg.ref_path, dtype, key="model.ref_path")
+    elif model_cfg.path is not None:
+        model = load_pretrained(model_cfg.path, dtype)
+    else:
+        assert model_cfg.hf_config is not None
+        model = build_from_config(model_cfg.hf_config, model_cfg.init_seed, dtype)
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    model.eval()
+    return model
