@@ -1,0 +1,154 @@
+"""The backend contract as a table: backend x layout x clause -> the measured error.
+
+Runs the clauses of the contract suite (`tests/contract`) on this machine for the given backends
+and layouts, and writes, for every (backend, layout, clause), the largest absolute and relative
+error against the single-process fp32 reference, whether it is within the tolerance of the
+chosen dtype, and the failing checks. On a GPU machine each layout runs one process per GPU
+(NCCL); on the CPU, gloo processes. The reference itself always runs in fp32 on the CPU.
+
+    PYTHONPATH=$PWD python benchmarks/contract_table.py --device cuda --dtype bf16 \\
+        --out benchmarks/results/contract_h200_bf16.json
+    PYTHONPATH=$PWD python benchmarks/contract_table.py --device cpu --dtype fp32 \\
+        --backends deepspeed --layouts zero0-dp1,zero3-dp2 --out /tmp/contract_cpu.json
+
+Needs torch, transformers and the engines of the chosen backends (deepspeed, megatron-core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import logging
+import math
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.contract import clauses, launch
+from tests.contract.backends import REGISTRY, skip_reason
+
+logger = logging.getLogger("contract_table")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no inf
+
+
+def summarise(checks: dict[str, list[clauses.Check]]) -> dict[str, Any]:
+    """Per clause (1..8): the worst errors over its checks, pass/fail, and the failed checks."""
+    out: dict[str, Any] = {}
+    for key, items in checks.items():
+        clause = key.split(":")[0]
+        entry = out.setdefault(
+            clause, {"max_abs_err": 0.0, "max_rel_err": 0.0, "ok": True, "checks": 0, "failed": []}
+        )
+        for c in items:
+            entry["checks"] += 1
+            entry["max_abs_err"] = max(entry["max_abs_err"], c.max_abs)
+            entry["max_rel_err"] = max(entry["max_rel_err"], c.max_rel)
+            if not c.ok:
+                entry["ok"] = False
+                entry["failed"].append(c.describe())
+    for entry in out.values():
+        entry["max_abs_err"] = _finite(entry["max_abs_err"])
+        entry["max_rel_err"] = _finite(entry["max_rel_err"])
+        entry["failed"] = entry["failed"][:50]
+    return dict(sorted(out.items()))
+
+
+def environment(device: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+    for dist_name in ("transformers", "deepspeed", "megatron-core"):
+        try:
+            env[dist_name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            env[dist_name] = None
+    if device == "cuda":
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--dtype", choices=tuple(clauses.TOLERANCES), default="bf16")
+    parser.add_argument("--out", type=Path, required=True, help="the JSON table to write")
+    parser.add_argument("--backends", default=",".join(REGISTRY), help="comma-separated names")
+    parser.add_argument("--layouts", default="", help="comma-separated layout names (default: all)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary folder")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no CUDA device")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    wanted = {x for x in args.layouts.split(",") if x}
+    tol = clauses.TOLERANCES[args.dtype]
+    root = args.work_dir or Path(tempfile.mkdtemp(prefix="unirl-contract-"))
+    root.mkdir(parents=True, exist_ok=True)
+
+    model_dir, records = launch.prepare(root)
+    reference = clauses.compute_reference(model_dir, records)
+    results: dict[str, dict[str, Any]] = {}
+    for name in [x for x in args.backends.split(",") if x]:
+        entry = REGISTRY[name]
+        for layout in entry.layouts:
+            if wanted and layout.name not in wanted:
+                continue
+            row: dict[str, Any] = {
+                "world_size": layout.world_size,
+                "parallel": layout.parallel_dict,
+            }
+            results.setdefault(name, {})[layout.name] = row
+            reason = skip_reason(entry, layout, args.device, gpus)
+            if reason:
+                row["skipped"] = reason
+                logger.info("%s/%s: skipped (%s)", name, layout.name, reason)
+                continue
+            logger.info("%s/%s: running", name, layout.name)
+            try:
+                measured = launch.run_group(
+                    entry,
+                    layout,
+                    model_dir=model_dir,
+                    records=records,
+                    work_dir=root / f"{name}-{layout.name}",
+                    device=args.device,
+                    dtype=args.dtype,
+                )
+            except Exception as err:  # a crash or hang of the whole group
+                row["error"] = str(err)[-4000:]
+                logger.info("%s/%s: the group failed: %s", name, layout.name, str(err)[-500:])
+                continue
+            row["wall_s"] = round(measured.wall_s, 2)
+            row["section_s"] = {k: round(v, 3) for k, v in measured.timings().items()}
+            row["harness_errors"] = {k: v[-2000:] for k, v in measured.errors.items()}
+            row["clauses"] = summarise(clauses.all_checks(measured, reference, records, tol))
+            verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in row["clauses"].items()}
+            logger.info("%s/%s: %.1f s, %s", name, layout.name, measured.wall_s, verdict)
+
+    table = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "tolerance": {"rtol": tol.rtol, "atol": tol.atol},
+        "environment": environment(args.device),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(table, indent=2) + "\n")
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Session fixtures of the contract suite: the tiny model on disk, the rollout records, the
+independent reference (computed once), and one cached run per (backend, layout)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.contract import clauses, launch
+from tests.contract.backends import BackendEntry, Layout
+
+_TIMINGS: list[tuple[str, float, dict[str, float]]] = []
+
+
+@pytest.fixture(scope="session")
+def contract_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """(model folder, rollout records)."""
+    return launch.prepare(tmp_path_factory.mktemp("contract-model"))
+
+
+@pytest.fixture(scope="session")
+def contract_reference(
+    contract_data: tuple[Path, list[dict[str, Any]]],
+) -> clauses.ReferenceResults:
+    model_dir, records = contract_data
+    return clauses.compute_reference(model_dir, records)
+
+
+class GroupRuns:
+    """Runs each (backend, layout) group once per session and keeps its results (or error)."""
+
+    def __init__(
+        self, tmp: pytest.TempPathFactory, data: tuple[Path, list[dict[str, Any]]]
+    ) -> None:
+        self._tmp = tmp
+        self._data = data
+        self._done: dict[tuple[str, str], clauses.Measured | BaseException] = {}
+
+    def get(self, entry: BackendEntry, layout: Layout) -> clauses.Measured:
+        key = (entry.name, layout.name)
+        if key not in self._done:
+            model_dir, records = self._data
+            try:
+                measured = launch.run_group(
+                    entry,
+                    layout,
+                    model_dir=model_dir,
+                    records=records,
+                    work_dir=self._tmp.mktemp(f"{entry.name}-{layout.name}"),
+                )
+                _TIMINGS.append(
+                    (f"{entry.name}/{layout.name}", measured.wall_s, measured.timings())
+                )
+                self._done[key] = measured
+            except BaseException as err:  # a hang or crash: every test of the group reports it
+                self._done[key] = err
+        result = self._done[key]
+        if isinstance(result, BaseException):
+            pytest.fail(
+                f"the {entry.name}/{layout.name} group did not finish: {result}", pytrace=False
+            )
+        return result
+
+
+@pytest.fixture(scope="session")
+def contract_runs(tmp_path_factory: pytest.TempPathFactory, contract_data: Any) -> GroupRuns:
+    return GroupRuns(tmp_path_factory, contract_data)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _TIMINGS:
+        return
+    terminalreporter.section("contract suite: wall time per backend/layout group")
+    for name, wall, sections in _TIMINGS:
+        slow = sorted(sections.items(), key=lambda kv: -kv[1])[:4]
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in slow)
+        terminalreporter.write_line(f"{name}: {wall:.1f}s (slowest sections: {parts})")

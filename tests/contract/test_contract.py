@@ -1,0 +1,123 @@
+"""The backend contract: every backend x parallel layout computes the numbers of an independent
+single-process fp32 reference (`tests/contract/reference.py`) on one fixture set.
+
+Each (backend, layout) runs ONE group of processes that executes every clause
+(`tests/contract/harness.py`); the tests below assert on its numbers, one test per clause (and per
+variant where a clause has several), so a failure names the clause. Tolerances are in
+`tests.contract.clauses.TOLERANCES` (fp32 on the CPU: 1e-5 relative and absolute).
+
+    python -m pytest tests/contract -q                      # all layouts that run here
+    python -m pytest tests/contract -q -k zero3-dp2         # one layout
+
+Clauses: 1 forward-only log-probs; 2 loss and metrics per policy loss / KL estimator /
+aggregation; 3 gradient norm and weights after one AdamW step; 4 independence of the microbatch
+split and of the data-parallel size; 5 reuse == recompute and no forward-only pass with reuse;
+6 one progress bar per phase on the reporting rank, one update per microbatch; 7 checkpoint at
+step k + resume == uninterrupted; 8 the HF export loads into transformers with the same log-probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from tests.contract import clauses, fixtures
+from tests.contract.backends import REGISTRY, skip_reason
+
+TOL = clauses.TOLERANCES["fp32"]
+
+
+def _cases() -> list:
+    params = []
+    for entry in REGISTRY.values():
+        for layout in entry.layouts:
+            reason = skip_reason(entry, layout, device="cpu", devices_available=0)
+            marks = [pytest.mark.skip(reason=reason)] if reason else []
+            params.append(
+                pytest.param((entry, layout), id=f"{entry.name}-{layout.name}", marks=marks)
+            )
+    return params
+
+
+@pytest.fixture(scope="module", params=_cases())
+def case(request: pytest.FixtureRequest) -> tuple:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def group(case: tuple, contract_runs) -> clauses.Measured:
+    entry, layout = case
+    return contract_runs.get(entry, layout)
+
+
+def assert_checks(checks: Sequence[clauses.Check]) -> None:
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        lines = [c.describe() for c in failed[:40]]
+        more = f"\n... and {len(failed) - 40} more" if len(failed) > 40 else ""
+        pytest.fail(
+            f"{len(failed)} of {len(checks)} checks failed:\n" + "\n".join(lines) + more,
+            pytrace=False,
+        )
+
+
+def _run(fn, *args) -> list[clauses.Check]:
+    try:
+        return fn(*args)
+    except clauses.SectionFailed as err:
+        pytest.fail(str(err), pytrace=False)
+
+
+VARIANTS = list(fixtures.VARIANTS)
+SPLITS = [n for n, v in fixtures.VARIANTS.items() if v.get("same_as") == "ppo_dual_k1_token_mean"]
+
+
+def test_clause1_forward_logprobs(group, contract_reference):
+    assert_checks(_run(clauses.clause1_forward, group, contract_reference, TOL))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_clause2_loss_and_metrics(group, contract_reference, variant):
+    assert_checks(_run(clauses.clause2_metrics, group, contract_reference, variant, TOL))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_clause3_grad_norm_and_weights(group, contract_reference, variant):
+    assert_checks(_run(clauses.clause3_update, group, contract_reference, variant, TOL))
+
+
+@pytest.mark.parametrize("variant", SPLITS)
+def test_clause4_microbatch_split(group, variant):
+    assert_checks(_run(clauses.clause4_microbatching, group, variant, TOL))
+
+
+def test_clause4_data_parallel_size(case, group, contract_runs):
+    """This layout gives the numbers of the backend's first layout (a different dp size or ZeRO
+    stage), directly, on top of both matching the reference."""
+    entry, layout = case
+    baseline = entry.layouts[0]
+    if layout == baseline:
+        pytest.skip(
+            f"{layout.name} is the baseline the other {entry.name} layouts are compared with"
+        )
+    other = contract_runs.get(entry, baseline)
+    label = f"{layout.name} vs {baseline.name}"
+    assert_checks(_run(clauses.compare_layouts, group, other, TOL, label))
+
+
+def test_clause5_reuse_equals_recompute(group):
+    assert_checks(_run(clauses.clause5_reuse, group, TOL))
+
+
+def test_clause6_progress_bars(group):
+    assert_checks(_run(clauses.clause6_progress, group))
+
+
+def test_clause7_checkpoint_resume(group, contract_reference):
+    assert_checks(_run(clauses.clause7_resume, group, contract_reference, TOL))
+
+
+def test_clause8_hf_export(group, contract_data):
+    _, records = contract_data
+    assert_checks(_run(clauses.clause8_export, group, records, TOL))
