@@ -169,6 +169,17 @@ def test_load_yaml_with_overrides(tmp_path: Path):
         load_config(path, ["batch.micro=1"])
 
 
+def test_exponent_without_dot_is_a_number(tmp_path: Path):
+    # YAML 1.1 reads 3e-4 as a string; the config takes it as the number users mean
+    path = tmp_path / "c.yaml"
+    data = base()
+    path.write_text(yaml.safe_dump(data) + "optimizer:\n  lr: 3e-4\n")
+    assert load_config(path).optimizer.lr == 3e-4
+    assert load_config(path, ["optimizer.eps=1E-6"]).optimizer.eps == 1e-6
+    with pytest.raises(ConfigError, match="optimizer.lr: expected a number, got '3e-4x'"):
+        load_config(path, ["optimizer.lr=3e-4x"])
+
+
 def test_load_errors(tmp_path: Path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -378,6 +379,9 @@ def norm_length(cfg: UnirlConfig) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -430,6 +434,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            # YAML 1.1 reads "3e-4" (no dot) as a string; users mean the number.
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)

@@ -72,6 +72,15 @@ def _lookup(tree: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
 
 def deepspeed_config(cfg: UnirlConfig, dp_size: int) -> dict[str, Any]:
     """The DeepSpeed config dict of the policy engine."""
+    if cfg.model.dtype == "bf16" and cfg.parallel.zero_stage == 0:
+        # Measured on 2 x H200 (benchmarks/results/contract_h200_bf16.json): ZeRO-0 keeps bf16
+        # gradients and bf16 weights, and DeepSpeed 0.19 refuses fp32 accumulation there, so
+        # runs drift from fp32 much more than ZeRO 1-3, whose optimizer keeps fp32 masters.
+        logger.warning(
+            "model.dtype: bf16 with parallel.zero_stage: 0 accumulates gradients and updates "
+            "weights in bf16 (no fp32 master weights); use parallel.zero_stage: 1 or more for "
+            "bf16 training"
+        )
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
