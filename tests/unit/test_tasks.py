@@ -211,3 +211,14 @@ def test_register_custom_task_and_module_path():
 
 def digit_count() -> int:
     return 10
+
+
+def test_task_options_reach_the_factory():
+    from unirl.core.errors import ConfigError
+    from unirl.rollouts import make_task
+
+    task = make_task("reverse_digits", {"min_digits": 2, "max_digits": 3})
+    # <bos> 3 digits <sep> = 5 prompt tokens; 3 digits + <eos> = 4 answer tokens
+    assert (task.max_prompt_length, task.max_target_length) == (5, 4)
+    with pytest.raises(ConfigError, match=r"rollout.task_options=\{'digits': 3\} do not fit"):
+        make_task("reverse_digits", {"digits": 3})

@@ -156,6 +156,8 @@ class RolloutConfig:
     source: Literal["sampler", "file"] = "sampler"
     file: str | None = None
     task: str = "reverse_digits"
+    # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
+    task_options: dict[str, Any] = attrs.field(factory=dict)
     temperature: float = attrs.field(default=1.0, validator=_positive)
     top_p: float = attrs.field(default=1.0, validator=_positive)
     max_new_tokens: int = attrs.field(default=64, validator=_positive)

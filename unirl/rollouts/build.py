@@ -42,7 +42,7 @@ def _sampler_source(
     device: torch.device | str | None,
     seed: int,
 ) -> SamplerRolloutSource:
-    task = make_task(cfg.rollout.task)
+    task = make_task(cfg.rollout.task, cfg.rollout.task_options)
     check_task_lengths(cfg, task)
     if hf_model is None:
         hf_model = build_task_model(cfg.model, task.tokenizer)

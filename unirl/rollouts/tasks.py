@@ -19,8 +19,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import random
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -150,7 +150,7 @@ class AddSmall:
 
 # -- registry ------------------------------------------------------------------------------
 
-TaskFactory = Callable[[], Task]
+TaskFactory = Callable[..., Task]
 _TASKS: dict[str, TaskFactory] = {}
 
 
@@ -174,9 +174,10 @@ def registered_tasks() -> list[str]:
     return sorted(_TASKS)
 
 
-def make_task(name: str) -> Task:
+def make_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
     """The task registered as ``name`` (``rollout.task``), or ``factory()`` for a name written
-    ``"package.module:factory"``."""
+    ``"package.module:factory"``, built with ``options`` (``rollout.task_options``, e.g.
+    ``{max_digits: 3}``) as keyword arguments."""
     if ":" in name:
         factory = _import_factory(name)
     elif name in _TASKS:
@@ -188,7 +189,12 @@ def make_task(name: str) -> Task:
             f"rollout.task={name!r} is not a registered task{hint}; valid: {registered_tasks()}, "
             "or a custom task factory as 'package.module:factory'"
         )
-    task = factory()
+    try:
+        task = factory(**dict(options or {}))
+    except TypeError as exc:
+        raise ConfigError(
+            f"rollout.task_options={dict(options or {})!r} do not fit task {name!r}: {exc}"
+        ) from None
     if not isinstance(task, Task):
         raise ConfigError(
             f"rollout.task={name!r}: the factory returned {type(task).__name__}, which lacks the "
