@@ -176,7 +176,7 @@ def test_exponent_without_dot_is_a_number(tmp_path: Path):
     path.write_text(yaml.safe_dump(data) + "optimizer:\n  lr: 3e-4\n")
     assert load_config(path).optimizer.lr == 3e-4
     assert load_config(path, ["optimizer.eps=1E-6"]).optimizer.eps == 1e-6
-    with pytest.raises(ConfigError, match="optimizer.lr: expected a number, got '3e-4x'"):
+    with pytest.raises(ConfigError, match=r"optimizer\.lr: expected a number, got '3e-4x'"):
         load_config(path, ["optimizer.lr=3e-4x"])
 
 
