@@ -37,7 +37,9 @@ def test_prune_keeps_newest_and_removes_crash_leftovers(tmp_path):
 def test_metrics_log_writes_jsonl_and_truncates_on_resume(tmp_path):
     log = MetricsLog(tmp_path, tensorboard=False)
     for step in (1, 2, 3):
-        log.write(step, {"reward/mean": step / 10, "old_logprobs/source": "reuse", "bad": float("nan")})
+        log.write(
+            step, {"reward/mean": step / 10, "old_logprobs/source": "reuse", "bad": float("nan")}
+        )
     log.close()
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]

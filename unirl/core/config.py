@@ -68,6 +68,8 @@ class ModelConfig:
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"
     lr: float = attrs.field(default=1e-6, validator=_positive)
+    # AdamW's decoupled decay, on matrices only: norms and biases (1-D parameters) are not
+    # decayed, as in Megatron-core and the Hugging Face Trainer (every backend does the same).
     weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = attrs.field(default=1e-8, validator=_positive)

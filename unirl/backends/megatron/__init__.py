@@ -1,1 +1,28 @@
-"""Megatron-core backend (TP, PP, VPP, CP). Imported only when `backend: megatron` is chosen."""
+"""Megatron-core backend (TP, PP, VPP; DP with DDP and the distributed optimizer). Imported only
+when `backend: megatron` is chosen, so `import unirl` needs neither megatron-core nor
+transformers.
+
+Files: `topology` (parallel state -> core `Topology`), `model` (GPTModel chunks from an HF
+config), `convert` / `hf_io` (HF weights in and out), `padded` (packed microbatches as padded
+batches), `schedule` (one call of megatron's pipeline schedule, the loss factor), `optimizer`
+(DDP, optimizer, LR schedule), `checkpoint` (distributed checkpointing), `backend`
+(`MegatronBackend`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unirl.backends.megatron.backend import MegatronBackend
+    from unirl.core.config import UnirlConfig
+
+
+def build_backend(cfg: UnirlConfig, **kwargs: Any) -> MegatronBackend:
+    """`MegatronBackend(cfg, total_optimizer_steps=..., needs_reference=...)`."""
+    from unirl.backends.megatron.backend import MegatronBackend
+
+    return MegatronBackend(cfg, **kwargs)
+
+
+__all__ = ["build_backend"]
