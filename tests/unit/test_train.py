@@ -1,0 +1,123 @@
+"""The main job end to end on the CPU: a few RL steps of the tiny task on the embedded default
+(DeepSpeed, one process), its outputs, resume, and training on a rollout file."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
+pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
+
+from unirl.core.metrics_log import read_metrics
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def _run_train_in_subprocess(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    # a fresh process per run: DeepSpeed keeps process-global state
+    return subprocess.run(
+        [sys.executable, "-m", "unirl.cli", "train", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_tiny_run_learns_and_writes_outputs(tmp_path):
+    steps = 40
+    proc = _run_train_in_subprocess(
+        [str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"logging.run_dir={tmp_path / 'run'}",
+         "--set", f"train.rl_steps={steps}", "--set", "checkpoint.every=20",
+         "--set", "logging.tensorboard=false"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "loss",
+        "pg_loss",
+        "ppo_kl",
+        "entropy",
+        "pg_clipfrac",
+        "grad_norm",
+        "throughput/train_tokens_per_s",
+        "time/train_s",
+        "old_logprobs/source",
+    ):
+        assert key in rows[-1], key
+    assert rows[0]["old_logprobs/source"] == "reuse"
+    first = rows[0]["reward/mean"]
+    last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    assert last > first, (first, last)
+    # checkpoints at 20 and 40, both complete; the HF export loads as safetensors
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_0000020", "step_0000040"]
+    assert all((run / "checkpoints" / c / "COMPLETE").is_file() for c in ckpts)
+    weights = load_file(str(run / "hf" / "model.safetensors"))
+    assert weights and json.loads((run / "hf" / "config.json").read_text())["vocab_size"] == 16
+    assert (run / "config.yaml").is_file()
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    base = [str(EXAMPLES / "tiny_grpo.yaml"), "--set", "logging.tensorboard=false",
+            "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=32"]  # fmt: skip
+    full = _run_train_in_subprocess(
+        [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
+        tmp_path,
+    )
+    assert full.returncode == 0, full.stderr[-3000:]
+    # stop after step 2 (a checkpoint), then resume the same run dir to step 4
+    cut = [*base, "--set", f"logging.run_dir={tmp_path / 'cut'}", "--set", "checkpoint.every=2"]
+    first = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=4", "--resume"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ("reward/mean", "loss", "grad_norm", "entropy", "ppo_kl"):
+            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    wa = load_file(str(tmp_path / "full" / "hf" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "cut" / "hf" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_train_on_rollout_file(tmp_path):
+    proc = _run_train_in_subprocess(
+        [str(EXAMPLES / "tiny_grpo.yaml"), "--rollouts", str(EXAMPLES / "tiny_rollouts.jsonl"),
+         "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.tensorboard=false",
+         "--set", "algorithm.rollout_correction.mode=tis"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    # the file holds 2 rollouts of 128 samples: 2 RL steps, then a checkpoint and the export
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "is_weight_mean" in rows[0] and "train_rollout_logprob_abs_diff" in rows[0]
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002" / "COMPLETE").is_file()
+    assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip(
+        "matplotlib", reason="unirl plot needs matplotlib (pip install unirl[plot])"
+    )
+    from unirl.cli import main
+    from unirl.core.metrics_log import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for step in range(1, 4):
+        log.write(step, {"reward/mean": step / 3, "loss": 1.0 / step, "grad_norm": 0.5})
+    log.close()
+    assert main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(tmp_path / "missing")]) == 2  # names the missing metrics file
