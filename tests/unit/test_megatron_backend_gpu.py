@@ -1,0 +1,60 @@
+"""The Megatron backend on GPUs: every clause of the contract suite (`tests/contract`) in fp32,
+against the suite's independent single-process reference, for the layouts the fixture's 2-layer
+model and the machine's GPUs allow. One NCCL process per GPU.
+
+TP and PP layouts, VPP, and bf16 run in `benchmarks/megatron_contract.py` (results in
+`benchmarks/results/megatron_contract_h200.json`); their known harness-side differences (TP ranks
+each return the forward log-probs; core reports loss metrics on the last pipeline stage only)
+are explained there.
+"""
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL schedules)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None,
+        reason="needs megatron-core (pip install unirl[megatron])",
+    ),
+]
+
+LAYOUTS = {"tp1-pp1-dp1": 1, "dp2": 2, "zero1-dp2": 2}
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    from tests.contract import clauses, launch
+
+    root = Path(tempfile.mkdtemp(prefix="unirl-megatron-gpu-"))
+    model_dir, records = launch.prepare(root)
+    return root, model_dir, records, clauses.compute_reference(model_dir, records)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_contract_clauses_fp32(name, prepared):
+    from tests.contract import clauses, launch
+    from tests.contract.backends import REGISTRY
+
+    if LAYOUTS[name] > torch.cuda.device_count():
+        pytest.skip(f"layout {name} needs {LAYOUTS[name]} GPUs")
+    root, model_dir, records, ref = prepared
+    entry = REGISTRY["megatron"]
+    layout = next(x for x in entry.layouts if x.name == name)
+    measured = launch.run_group(
+        entry,
+        layout,
+        model_dir=model_dir,
+        records=records,
+        work_dir=root / name,
+        device="cuda",
+        dtype="fp32",
+    )
+    checks = clauses.all_checks(measured, ref, records, clauses.TOLERANCES["fp32"])
+    failed = [c.describe() for items in checks.values() for c in items if not c.ok]
+    assert not failed, "\n".join(failed[:20])

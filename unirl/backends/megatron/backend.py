@@ -1,0 +1,409 @@
+"""`MegatronBackend`: unirl's `TrainingBackend` on megatron-core (TP, PP, VPP; DP with DDP and the
+distributed optimizer) with a Hugging Face Llama / Qwen2 model.
+
+One optimizer step, as core's RL step drives it::
+
+    backend = MegatronBackend(cfg, total_optimizer_steps=n, needs_reference=kl_on)
+    old = backend.forward_logprobs(mbs, role="policy", spec=spec, progress=bar)   # if recompute
+    metrics = backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
+    stats = backend.optimizer_step()            # grad norm before clipping, lr used
+
+Each packed microbatch runs as a right-padded batch (`padded`) through megatron's schedule for the
+layout (`schedule`); on the last pipeline stage the vocabulary-parallel logits of the real tokens
+go to core's `token_logprobs` (TP all-reduces of per-token statistics only, never the full
+vocabulary) and then to core's loss. The only loss arithmetic here is `schedule.loss_scale`, the
+factor that cancels megatron's mean over microbatches and data-parallel ranks.
+
+Megatron's schedules, DDP and optimizer allocate on the GPU: without CUDA the backend still builds
+(model chunks, weights, topology, reference) and exports weights, and every schedule- or
+optimizer-based method raises, saying to use backend: deepspeed on the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from unirl.backends.megatron import checkpoint
+from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
+from unirl.backends.megatron.model import build_model_chunks
+from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
+from unirl.backends.megatron.padded import valid_logits
+from unirl.backends.megatron.schedule import (
+    ScheduledMicrobatch,
+    loss_scale,
+    require_cuda,
+    run_schedule,
+    schedule_config,
+    schedule_items,
+)
+from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
+from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
+from unirl.core.config import UnirlConfig
+from unirl.core.errors import ConfigError
+from unirl.core.losses import Metric
+from unirl.core.lr_schedule import check_schedule
+from unirl.core.microbatch import TrainMicrobatch
+from unirl.core.progress import MicrobatchProgress
+
+logger = logging.getLogger(__name__)
+
+_ROLES = ("policy", "reference")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@attrs.frozen(kw_only=True)
+class ModelSource:
+    """Where a model's initial weights come from: an HF config and a local folder or state dict."""
+
+    hf_config: Any
+    weights: Any  # str (local safetensors folder) or Mapping[str, Tensor]
+
+
+def policy_source(cfg: UnirlConfig) -> ModelSource:
+    """``model.path``, or ``model.hf_config`` + ``init_seed`` built exactly as the DeepSpeed
+    backend builds it (same seed -> same weights in both backends)."""
+    from unirl.backends.megatron.hf_io import read_hf_config
+
+    if cfg.model.path is not None:
+        return ModelSource(hf_config=read_hf_config(cfg.model.path), weights=cfg.model.path)
+    from unirl.backends.deepspeed.model import build_from_config
+
+    assert cfg.model.hf_config is not None  # the config checks one of the two is set
+    model = build_from_config(cfg.model.hf_config, cfg.model.init_seed, torch.float32)
+    return ModelSource(hf_config=model.config, weights=model.state_dict())
+
+
+def reference_source(cfg: UnirlConfig) -> ModelSource:
+    """``model.ref_path`` if set, else the policy's initial weights (reloaded from
+    ``model.path`` or rebuilt from the same seed, so it never sees training)."""
+    from unirl.backends.megatron.hf_io import read_hf_config
+
+    if cfg.model.ref_path is not None:
+        return ModelSource(
+            hf_config=read_hf_config(cfg.model.ref_path, key="model.ref_path"),
+            weights=cfg.model.ref_path,
+        )
+    return policy_source(cfg)
+
+
+def _init_distributed(cfg: UnirlConfig) -> tuple[bool, torch.device]:
+    """Join or create the default process group (NCCL on GPUs, gloo on the CPU); returns
+    ``(we created it, device)``."""
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world_env == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        owns = True
+    world = dist.get_world_size()
+    if cfg.parallel.world_size is not None and cfg.parallel.world_size != world:
+        raise ConfigError(
+            f"parallel.world_size={cfg.parallel.world_size} but {world} processes were launched; "
+            "launch that many ranks or remove parallel.world_size"
+        )
+    return owns, device
+
+
+def _seed_model_parallel_rng(seed: int, device: torch.device) -> None:
+    """megatron's tensor-parallel CUDA RNG tracker (used by its layers for dropout and
+    recompute), seeded without moving the caller's default CUDA generator."""
+    from megatron.core import tensor_parallel
+
+    if device.type != "cuda" or tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        return
+    with torch.random.fork_rng(devices=[device]):
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class MegatronBackend:
+    """See the module docstring. `forward_calls` counts model forwards per role and microbatch
+    (training and forward-only alike; under VPP once per microbatch, not once per chunk)."""
+
+    def __init__(
+        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    ) -> None:
+        if cfg.model.gradient_checkpointing:
+            logger.warning("model.gradient_checkpointing is not implemented by backend: megatron")
+        check_schedule(cfg.optimizer, total_optimizer_steps)
+        self.cfg = cfg
+        self.total_optimizer_steps = total_optimizer_steps
+        self.dtype = _DTYPES[cfg.model.dtype]
+        self._owns_process_group, self.device = _init_distributed(cfg)
+        initialize_parallel_state(cfg.parallel)
+        self.topology = topology_from_parallel_state()
+        _seed_model_parallel_rng(cfg.train.seed, self.device)
+        source = policy_source(cfg)
+        self.hf_config = source.hf_config
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.chunks = self._build_chunks(source)
+        self.forward_calls = dict.fromkeys(_ROLES, 0)
+        self._reference: list[torch.nn.Module] | None = None
+        self._steps_done = 0
+        self._grads_pending = False
+        self._closed = False
+        self.ddp: list[Any] = []
+        self.optimizer: Any = None
+        if self.device.type == "cuda":
+            self.ddp = wrap_ddp(self.chunks, cfg)
+            self.optimizer = build_optimizer(self.ddp, cfg)
+            self._zero_grads()
+        else:
+            logger.info("no CUDA: the Megatron backend is built for export only (%s)", cfg.backend)
+        if needs_reference:
+            self._reference_chunks()
+
+    # -- building ----------------------------------------------------------------------------
+
+    def _build_chunks(self, source: ModelSource) -> list[torch.nn.Module]:
+        chunks = build_model_chunks(
+            source.hf_config,
+            self.cfg.parallel,
+            dtype=self.dtype,
+            config_overrides=schedule_config(self.cfg.parallel),
+        )
+        load_hf_weights(chunks, source.weights, source.hf_config, self.topology)
+        return chunks
+
+    def _reference_chunks(self) -> list[torch.nn.Module]:
+        if self._reference is None:
+            source = reference_source(self.cfg)
+            if source.hf_config.vocab_size != self.vocab_size:
+                raise ConfigError(
+                    f"model.ref_path has vocab_size={source.hf_config.vocab_size}, the policy "
+                    f"{self.vocab_size}; the reference must share the policy's tokenizer"
+                )
+            chunks = self._build_chunks(source)
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+                if self.cfg.model.ref_offload:
+                    chunk.to("cpu")
+            self._reference = chunks
+        return self._reference
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def model(self) -> list[torch.nn.Module]:
+        """This rank's policy model chunks (megatron GPTModels, one per virtual stage)."""
+        return self.chunks
+
+    # -- forward passes ----------------------------------------------------------------------
+
+    def forward_logprobs(
+        self,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        role: ModelRole,
+        spec: LogprobSpec,
+        progress: MicrobatchProgress,
+    ) -> list[torch.Tensor]:
+        """Detached fp32 log-probs ``[T]`` per microbatch, on the device, on the last pipeline
+        stage ([] elsewhere)."""
+        require_cuda("forward_logprobs")
+        if role not in _ROLES:
+            raise ValueError(f"forward_logprobs role={role!r}; choose one of {_ROLES}")
+        if not microbatches:
+            return []
+        spec = attrs.evolve(spec, with_entropy=False, entropy_grad=False)
+        if role == "policy":
+            model: list[torch.nn.Module] = list(self.ddp)
+        else:
+            model = self._reference_chunks()
+        offloaded = role == "reference" and self.cfg.model.ref_offload
+        items, rows, seq_len = schedule_items(microbatches, self.topology, self.device)
+        results: dict[int, torch.Tensor] = {}
+        tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
+
+        def loss_func(item: ScheduledMicrobatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            zero = torch.zeros((), device=self.device)
+            if item.mb is None:
+                return zero, {}
+            logp, _ = token_logprobs(
+                valid_logits(logits, item.batch), item.mb.targets, spec, tp_group=tp_group
+            )
+            results[item.index] = logp.detach().float()
+            progress.report(tokens=item.mb.num_tokens)
+            return zero, {}
+
+        was_training = [m.training for m in model]
+        for m in model:
+            m.eval()
+            if offloaded:
+                m.to(self.device)
+        try:
+            with torch.no_grad():
+                run_schedule(
+                    model,
+                    items,
+                    rows=rows,
+                    seq_len=seq_len,
+                    loss_func=loss_func,
+                    forward_only=True,
+                    topology=self.topology,
+                    on_forward=lambda: self._count_forward(role),
+                    on_microbatch=progress.tick,
+                )
+        finally:
+            for m, training in zip(model, was_training):
+                m.train(training)
+                if offloaded:
+                    m.to("cpu")
+        if not self.topology.is_last_pipeline_stage():
+            return []
+        return [results[i] for i in range(len(microbatches))]
+
+    def _count_forward(self, role: ModelRole) -> None:
+        self.forward_calls[role] += 1
+
+    def forward_backward(
+        self,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        loss_fn: LossFn,
+        spec: LogprobSpec,
+        progress: MicrobatchProgress,
+    ) -> list[Mapping[str, Metric]]:
+        """Accumulate the gradients of every microbatch of one optimizer step (one schedule
+        call; megatron reduces the gradients at its end, so call it once per optimizer step)."""
+        require_cuda("forward_backward")
+        if not microbatches:
+            raise ValueError(
+                "forward_backward got no microbatches; the plan gives every rank at least one "
+                "(an empty one where a rank has no tokens) so the collectives stay in step"
+            )
+        if self._grads_pending:
+            raise RuntimeError(
+                "forward_backward called twice without optimizer_step: megatron's schedule "
+                "reduces the gradients at the end of each call; pass all microbatches of one "
+                "optimizer step in one call"
+            )
+        items, rows, seq_len = schedule_items(microbatches, self.topology, self.device)
+        scale = loss_scale(len(items), self.topology)
+        metrics: dict[int, Mapping[str, Metric]] = {}
+        tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
+
+        def loss_func(item: ScheduledMicrobatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            if item.mb is None:  # VPP padding: a zero that still reaches every parameter
+                return logits.sum() * 0.0, {}
+            mb = item.mb
+            logp, entropy = token_logprobs(
+                valid_logits(logits, item.batch), mb.targets, spec, tp_group=tp_group
+            )
+            loss, mb_metrics = loss_fn(mb, logp, entropy)
+            if mb.num_tokens == 0:
+                # zero loss connected to the graph, so the backward (and the pipeline's
+                # gradient sends) run as for any other microbatch
+                loss = loss + logits.sum() * 0.0
+            metrics[item.index] = mb_metrics
+            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
+            return loss * scale, {}
+
+        for ddp in self.ddp:
+            ddp.train()
+        self._grads_pending = True
+        run_schedule(
+            self.ddp,
+            items,
+            rows=rows,
+            seq_len=seq_len,
+            loss_func=loss_func,
+            forward_only=False,
+            topology=self.topology,
+            on_forward=lambda: self._count_forward("policy"),
+            on_microbatch=progress.tick,
+        )
+        if not self.topology.is_last_pipeline_stage():
+            return []
+        return [metrics[i] for i in range(len(microbatches))]
+
+    # -- optimizer ---------------------------------------------------------------------------
+
+    def _zero_grads(self) -> None:
+        for ddp in self.ddp:
+            ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._grads_pending = False
+
+    def optimizer_step(self) -> OptimizerStepStats:
+        """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
+        require_cuda("optimizer_step")
+        lr = apply_schedule(self.optimizer, self.cfg, self._steps_done, self.total_optimizer_steps)
+        applied, grad_norm, _ = self.optimizer.step()
+        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if applied:
+            self._steps_done += 1
+        else:
+            logger.warning("optimizer step skipped (gradient norm %s)", norm)
+        if not math.isfinite(norm):
+            logger.warning("non-finite gradient norm %s", norm)
+        self._zero_grads()
+        return OptimizerStepStats(grad_norm=norm, lr=lr, skipped=not applied)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
+        require_cuda("save_checkpoint")
+        checkpoint.save_checkpoint(
+            Path(path),
+            self.ddp,
+            self.optimizer,
+            self.topology,
+            client_state=client_state,
+            steps_done=self._steps_done,
+        )
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        require_cuda("load_checkpoint")
+        client, self._steps_done = checkpoint.load_checkpoint(
+            Path(path), self.ddp, self.optimizer, self.topology
+        )
+        self._zero_grads()
+        apply_schedule(self.optimizer, self.cfg, self._steps_done, self.total_optimizer_steps)
+        return client
+
+    def export_hf(self, path: Path) -> None:
+        save_hf(Path(path), self.chunks, self.hf_config, self.topology)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights in Hugging Face names, on the CPU, on every rank
+        (collective: TP all-gathers and PP broadcasts)."""
+        return export_hf_state_dict(self.chunks, self.hf_config, self.topology)
+
+    def close(self) -> None:
+        """Free the model and optimizer and megatron's parallel state; destroy the process group
+        only if this backend created it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.optimizer = None
+        self.ddp = []
+        self.chunks = []
+        self._reference = None
+        if dist.is_initialized():
+            dist.barrier()
+        ps.destroy_model_parallel()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,211 @@
+"""Training checkpoints of the Megatron backend: megatron-core's distributed checkpointing for the
+model chunks and the optimizer, plus each rank's RNG states, the LR schedule position and core's
+client state; written so that a crash never leaves a checkpoint that looks complete.
+
+Layout of ``<path>/`` (a filesystem every rank sees)::
+
+    dist/                  dist_checkpointing.save of {"model0": chunk 0, ..., "optimizer": ...}
+                           (each rank writes its own shards; megatron's sharded_state_dict names
+                           every tensor by its global position, so TP / PP shards never clash)
+    unirl.pt               {"client_state", "steps_done", "layout"} from rank 0
+    rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
+    complete               written last, by rank 0, after every rank has finished
+
+Every rank writes into ``<path>.partial``; after a barrier rank 0 writes ``complete`` and renames
+the folder (readers see all or nothing). Loading refuses a folder without ``complete`` and one
+written under another parallel layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unirl.backends.deepspeed.checkpoint import rng_state, set_rng_state
+from unirl.core.errors import ConfigError
+from unirl.core.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+COMPLETE = "complete"
+DIST = "dist"
+META = "unirl.pt"
+# The distributed optimizer's format: each rank's own flat buffers (no gather; reshardable over
+# data-parallel ranks only). megatron 0.16.1's default, fully_sharded_model_space, saves
+# flattened ranges, which its torch_dist format then refuses.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / f"rng_rank{rank:05d}.pt"
+
+
+def layout_of(topology: Topology) -> dict[str, int | None]:
+    return {
+        "world_size": topology.world_size,
+        "tp": topology.tp_size,
+        "pp": topology.pp_size,
+        "vpp": topology.vpp_size,
+        "cp": topology.cp_size,
+        "dp": topology.dp_size,
+    }
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return list(chained) if chained is not None else [optimizer]
+
+
+def has_optimizer_state(optimizer: Any) -> bool:
+    """Whether Adam's moments exist yet: torch creates them at the first step, and megatron's
+    sharded optimizer state can only be saved and loaded once they do."""
+    return any(len(o.optimizer.state) > 0 for o in _inner_optimizers(optimizer))
+
+
+def reset_optimizer_state(optimizer: Any) -> None:
+    """Back to a never-stepped optimizer at the current weights: no moments, fp32 main weights
+    copied from the model (a checkpoint saved before the first step)."""
+    for o in _inner_optimizers(optimizer):
+        o.optimizer.state.clear()
+    optimizer.reload_model_params()
+
+
+def materialize_optimizer_state(optimizer: Any) -> None:
+    """Give a never-stepped optimizer Adam's state (zeros, step 0) so that a checkpoint can be
+    loaded into it: megatron 0.16.1's distributed optimizer reads ``step`` from torch's AdamW
+    state while building its sharded state dict, and torch creates that state only at the first
+    step. The loaded values replace these."""
+    for o in _inner_optimizers(optimizer):
+        inner = o.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def set_adam_steps(optimizer: Any, steps_done: int) -> None:
+    """Give every parameter its own Adam ``step`` tensor, equal to the optimizer steps taken.
+
+    megatron 0.16.1's distributed optimizer without Apex / Transformer Engine restores torch
+    AdamW's ``step`` wrongly: measured on the CPU, one below the saved count after a resume, and
+    one tensor shared by every parameter (torch increments ``state["step"]`` in place, so a shared
+    counter would advance once per parameter per step). Either breaks Adam's bias correction.
+    Every applied optimizer step advances every parameter's count once, so the count is the
+    number of steps taken since the state was created, which the checkpoint records."""
+    for o in _inner_optimizers(optimizer):
+        for state in o.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(steps_done))
+
+
+def sharded_state(
+    ddp_chunks: Sequence[torch.nn.Module], optimizer: Any, *, is_loading: bool, with_optimizer: bool
+) -> dict[str, Any]:
+    """The sharded state dict of every chunk (``model<i>``) and, once it has state, of the
+    optimizer, which maps its state onto the chunks' sharded parameters."""
+    state: dict[str, Any] = {
+        f"model{i}": ddp.module.sharded_state_dict() for i, ddp in enumerate(ddp_chunks)
+    }
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
+    return state
+
+
+def save_checkpoint(
+    path: Path,
+    ddp_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    topology: Topology,
+    *,
+    client_state: Mapping[str, Any],
+    steps_done: int,
+) -> None:
+    """Collective: every rank calls it with the same `path`."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if topology.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+        (partial / DIST).mkdir(parents=True)
+    dist.barrier()
+    with_optimizer = has_optimizer_state(optimizer)
+    dist_checkpointing.save(
+        sharded_state(ddp_chunks, optimizer, is_loading=False, with_optimizer=with_optimizer),
+        str(partial / DIST),
+    )
+    torch.save(rng_state(), _rng_file(partial, topology.rank))
+    if topology.rank == 0:
+        meta = {
+            "client_state": dict(client_state),
+            "steps_done": steps_done,
+            "optimizer_state": with_optimizer,
+            "layout": layout_of(topology),
+        }
+        torch.save(meta, partial / META)
+    dist.barrier()
+    if topology.rank == 0:
+        with open(partial / COMPLETE, "w") as handle:
+            json.dump(layout_of(topology), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if path.exists():
+            logger.warning("overwriting checkpoint %s", path)
+            shutil.rmtree(path)
+        os.replace(partial, path)
+    dist.barrier()
+
+
+def load_checkpoint(
+    path: Path, ddp_chunks: Sequence[torch.nn.Module], optimizer: Any, topology: Topology
+) -> tuple[dict[str, Any], int]:
+    """Restore the chunks, the optimizer and this rank's RNG states; returns the client state
+    and the number of optimizer steps taken before the save (the LR schedule position)."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    marker = path / COMPLETE
+    if not marker.is_file():
+        what = "does not exist" if not path.exists() else f"has no '{COMPLETE}' marker"
+        raise ConfigError(
+            f"checkpoint {str(path)!r} {what}: it was never written or was interrupted while "
+            "being written; resume from another checkpoint"
+        )
+    saved = json.loads(marker.read_text())
+    ours = layout_of(topology)
+    if saved != ours:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} was written with parallel layout {saved}, this run has "
+            f"{ours}; resume with the same parallel settings and number of ranks"
+        )
+    meta = torch.load(path / META, weights_only=False)
+    with_optimizer = bool(meta["optimizer_state"])
+    if with_optimizer:
+        materialize_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(
+        sharded_state(ddp_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer),
+        str(path / DIST),
+    )
+    for i, ddp in enumerate(ddp_chunks):
+        ddp.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    with torch.no_grad():  # megatron copies into the main parameters in place
+        if with_optimizer:
+            optimizer.load_state_dict(loaded["optimizer"])
+            set_adam_steps(optimizer, int(meta["steps_done"]))
+        else:
+            reset_optimizer_state(optimizer)
+    set_rng_state(torch.load(_rng_file(path, topology.rank), weights_only=False))
+    return dict(meta["client_state"]), int(meta["steps_done"])

@@ -1,0 +1,222 @@
+"""One call of megatron-core's pipeline schedule over a list of microbatches.
+
+`get_forward_backward_func()` picks the schedule for the layout: no pipelining, 1F1B, or
+interleaved 1F1B under virtual pipeline stages (VPP), where the forward-step function runs once
+per model chunk per microbatch. The forward step here:
+
+- reads the next `ScheduledMicrobatch` from its chunk's iterator (every chunk sees every
+  microbatch in order; the iterator knows its chunk's ``vp_stage``),
+- runs the chunk on the right-padded batch (`unirl.backends.megatron.padded`),
+- counts one model forward per microbatch (on chunk 0) and, after it returns, ticks the progress
+  bar once per microbatch: only where `Topology.counts_microbatch(vp_stage)` (the last chunk of
+  the last stage), the rule of `MicrobatchProgress.wrap`,
+- returns a loss function that megatron calls on the last stage only.
+
+Megatron's averaging, and the one factor that cancels it. A loss function returning ``(loss,
+data)`` has its loss multiplied by the context-parallel size and divided by ``num_microbatches``
+(megatron-core 0.16.1, ``forward_step_calc_loss``), and DDP then scales gradients by ``1 / (dp *
+cp)`` before summing them over the data-with-context-parallel group. Core losses are globally
+normalised (their SUM over microbatches and ranks is the objective), so each microbatch's loss is
+multiplied by ``num_microbatches * dp`` (`loss_scale`): ``cp / (n * dp * cp) * n * dp = 1``.
+
+Under VPP megatron runs the microbatches in groups of ``microbatch_group_size_per_vp_stage``
+(default ``pp``) per chunk and needs ``pp <= group <= M`` with ``M % group`` either 0 or at
+least ``pp``. `vpp_group_size` picks the smallest group that fits ``M`` (memory grows with the
+group); only a call with fewer than ``pp`` microbatches is padded, with empty microbatches that
+count for nothing (no loss, no progress tick, no forward count, no result) but still run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from unirl.backends.megatron.padded import PaddedBatch, padded_shape, to_padded
+from unirl.core.config import ParallelConfig
+from unirl.core.microbatch import TrainMicrobatch
+from unirl.core.topology import Topology
+
+CUDA_REQUIRED = (
+    "Megatron's pipeline schedules need CUDA (megatron-core allocates their buffers on the GPU); "
+    "use backend: deepspeed on the CPU"
+)
+
+
+def schedule_config(parallel: ParallelConfig) -> dict[str, Any]:
+    """TransformerConfig fields for the schedule.
+
+    Interleaved 1F1B with two pipeline stages: each stage's previous and next stage are the same
+    rank, and megatron's batched p2p (``batch_p2p_comm``, the default) posts a forward activation
+    and a backward gradient of the same shape to that rank in an order the receiver does not
+    mirror, so they can swap (measured on the CPU over gloo: training log-probs wrong, gradient
+    norm 1500x too large, while forward-only passes were right). The unbatched path sends the
+    two directions over two process groups, which keeps them apart.
+    """
+    if parallel.vpp is not None and parallel.vpp > 1 and parallel.pp == 2:
+        return {"batch_p2p_comm": False}
+    return {}
+
+
+def require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"MegatronBackend.{what}: {CUDA_REQUIRED}")
+
+
+@attrs.frozen(kw_only=True)
+class ScheduledMicrobatch:
+    index: int  # position in the caller's list; -1 for padding
+    batch: PaddedBatch  # on the device
+    mb: TrainMicrobatch | None  # on the device; None for padding
+
+    @property
+    def is_pad(self) -> bool:
+        return self.mb is None
+
+
+class ChunkIterator(Iterator[ScheduledMicrobatch]):
+    """The microbatches in order, for one model chunk (megatron takes one iterator per chunk)."""
+
+    def __init__(self, items: Sequence[ScheduledMicrobatch], vp_stage: int | None) -> None:
+        self._items = iter(items)
+        self.vp_stage = vp_stage
+        self.current: ScheduledMicrobatch | None = None
+
+    def __next__(self) -> ScheduledMicrobatch:
+        self.current = next(self._items)
+        return self.current
+
+
+def loss_scale(num_microbatches: int, topology: Topology) -> float:
+    """The factor that cancels megatron's averaging (module docstring): ``n * dp``."""
+    return float(num_microbatches * topology.dp_size)
+
+
+def _to_device(mb: TrainMicrobatch, device: torch.device) -> TrainMicrobatch:
+    moved = {
+        f.name: getattr(mb, f.name).to(device, non_blocking=True)
+        for f in attrs.fields(TrainMicrobatch)
+        if isinstance(getattr(mb, f.name), torch.Tensor)
+    }
+    return mb.with_fields(**moved)
+
+
+def _schedule_shape(
+    microbatches: Sequence[TrainMicrobatch], topology: Topology, device: torch.device
+) -> tuple[int, int]:
+    """``(rows, L)`` for the call, agreed over the model-parallel ranks that exchange
+    activations (they hold the same microbatches; the MAX makes a mismatch harmless), and a
+    check that they run the same number of microbatches (else the schedule would hang)."""
+    rows, length = padded_shape(microbatches)
+    group = _model_parallel_group(topology)
+    if group is None:
+        return rows, length
+    n = len(microbatches)
+    t = torch.tensor([rows, length, n, -n], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[2]) != -int(t[3]):
+        raise RuntimeError(
+            f"tensor / pipeline-parallel ranks of one data-parallel rank got different "
+            f"microbatch counts ({-int(t[3])} to {int(t[2])}); every rank of a data-parallel "
+            "replica must be given the same microbatches"
+        )
+    return int(t[0]), int(t[1])
+
+
+def _model_parallel_group(topology: Topology) -> Any:
+    if topology.tp_size * topology.pp_size == 1:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_model_parallel_group()
+
+
+def schedule_items(
+    microbatches: Sequence[TrainMicrobatch], topology: Topology, device: torch.device
+) -> tuple[list[ScheduledMicrobatch], int, int]:
+    """The call's microbatches on the device, padded to one shape (and, under VPP, in number);
+    returns ``(items, rows, L)``."""
+    rows, length = _schedule_shape(microbatches, topology, device)
+    items = [
+        ScheduledMicrobatch(
+            index=i, batch=to_padded(mb, rows, length).to(device), mb=_to_device(mb, device)
+        )
+        for i, mb in enumerate(microbatches)
+    ]
+    if topology.vpp_size is not None and topology.vpp_size > 1 and len(items) < topology.pp_size:
+        total = topology.pp_size
+        empty = torch.zeros(0, dtype=torch.long)
+        pad = PaddedBatch(
+            tokens=torch.zeros(rows, length, dtype=torch.long),
+            position_ids=torch.arange(length).expand(rows, length).contiguous(),
+            flat_index=empty,
+        ).to(device)
+        items += [ScheduledMicrobatch(index=-1, batch=pad, mb=None)] * (total - len(items))
+    return items, rows, length
+
+
+def vpp_group_size(num_microbatches: int, pp: int) -> int:
+    """The smallest ``g`` in ``[pp, M]`` with ``M % g == 0`` or ``M % g >= pp`` (megatron's
+    interleaved-schedule constraint; ``g = M`` always fits)."""
+    assert num_microbatches >= pp, (num_microbatches, pp)
+    for g in range(pp, num_microbatches + 1):
+        rest = num_microbatches % g
+        if rest == 0 or rest >= pp:
+            return g
+    raise AssertionError("unreachable: g = M fits")
+
+
+# (item, logits [rows, L, V_local] on the last stage) -> (loss tensor, data for megatron)
+LossFunc = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, Any]]
+
+
+def run_schedule(
+    model: Sequence[torch.nn.Module],
+    items: Sequence[ScheduledMicrobatch],
+    *,
+    rows: int,
+    seq_len: int,
+    loss_func: LossFunc,
+    forward_only: bool,
+    topology: Topology,
+    on_forward: Callable[[], None],
+    on_microbatch: Callable[[], None],
+) -> None:
+    """One schedule call. `on_forward` runs once per real microbatch (after chunk 0's forward),
+    `on_microbatch` once per real microbatch where the microbatch completes (progress tick)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    vpp = topology.vpp_size is not None and topology.vpp_size > 1
+    if vpp:
+        group = vpp_group_size(len(items), topology.pp_size)
+        for chunk in model:
+            chunk.config.microbatch_group_size_per_vp_stage = group
+    iterators = [ChunkIterator(items, vp if vpp else None) for vp in range(len(model))]
+
+    def forward_step(data_iterator: ChunkIterator, chunk: torch.nn.Module) -> Any:
+        item = next(data_iterator)
+        output = chunk(
+            input_ids=item.batch.tokens,
+            position_ids=item.batch.position_ids,
+            attention_mask=None,  # causal: SDPA's is_causal; right padding is never attended to
+        )
+        if not item.is_pad:
+            if data_iterator.vp_stage in (None, 0):
+                on_forward()
+            if topology.counts_microbatch(data_iterator.vp_stage):
+                on_microbatch()
+        return output, functools.partial(loss_func, item)
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if vpp else iterators[0],
+        model=list(model) if vpp else model[0],
+        num_microbatches=len(items),
+        seq_length=seq_len,
+        micro_batch_size=rows,
+        forward_only=forward_only,
+    )
