@@ -154,6 +154,8 @@ def forward_only(
     spec = LogprobSpec(temperature=fixtures.TEMPERATURE, vocab_size=backend.vocab_size)
     with MicrobatchProgress("contract forward", len(mbs), topo, enabled=False) as bar:
         results = backend.forward_logprobs(mbs, role=role, spec=spec, progress=bar)
+    if topo.tp_rank != 0:
+        results = []  # tensor-parallel ranks return the same log-probs: count each sample once
     out: dict[int, list[float]] = {}
     for pack, logp in zip(packs, results):  # empty on ranks without the loss
         logp = logp.detach().float()

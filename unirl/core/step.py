@@ -283,10 +283,20 @@ class RLStep:
         metrics: dict[str, float] = {}
         if topo.is_last_pipeline_stage():
             metrics = reduce_metrics(per_mb, group=topo.groups.dp_cp)
+        if topo.pp_size > 1:
+            metrics = _from_last_stage(metrics, topo.groups.pp, topo.pp_size)
         metrics["grad_norm"] = stats.grad_norm
         metrics["lr"] = stats.lr
         metrics["skipped_steps"] = float(stats.skipped)
         return metrics
+
+
+def _from_last_stage(metrics: dict[str, float], pp_group: Any, pp_size: int) -> dict[str, float]:
+    """The loss lives on the last pipeline stage: give every stage its metrics (one small object
+    broadcast per optimizer step), so any rank can log and the run's metrics agree everywhere."""
+    box = [metrics]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pp_group, pp_size - 1), group=pp_group)
+    return box[0]
 
 
 def _mean_over_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
