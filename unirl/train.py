@@ -131,10 +131,8 @@ def _save(
 ) -> None:
     path = checkpointing.step_dir(root, done)
     client = {"rl_step": done, "config": cfg.to_dict(), "rollout_source": source.state_dict()}
-    backend.save_checkpoint(path, client)
-    _barrier()
+    backend.save_checkpoint(path, client)  # collective; complete (marker written) on return
     if reporting:
-        checkpointing.mark_complete(path)
         checkpointing.prune(root, cfg.checkpoint.keep)
     _barrier()
     logger.info("checkpoint saved: %s", path)

@@ -59,7 +59,7 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path):
     # checkpoints at 20 and 40, both complete; the HF export loads as safetensors
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step_0000020", "step_0000040"]
-    assert all((run / "checkpoints" / c / "COMPLETE").is_file() for c in ckpts)
+    assert all((run / "checkpoints" / c / "complete").is_file() for c in ckpts)
     weights = load_file(str(run / "hf" / "model.safetensors"))
     assert weights and json.loads((run / "hf" / "config.json").read_text())["vocab_size"] == 16
     assert (run / "config.yaml").is_file()
@@ -102,7 +102,7 @@ def test_train_on_rollout_file(tmp_path):
     # the file holds 2 rollouts of 128 samples: 2 RL steps, then a checkpoint and the export
     assert [r["step"] for r in rows] == [1, 2]
     assert "is_weight_mean" in rows[0] and "train_rollout_logprob_abs_diff" in rows[0]
-    assert (tmp_path / "run" / "checkpoints" / "step_0000002" / "COMPLETE").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_0000002" / "complete").is_file()
     assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
 
 

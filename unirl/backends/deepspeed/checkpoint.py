@@ -17,10 +17,7 @@ bit-exact: the same weights, optimizer moments, learning rate and random streams
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import random
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,12 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unirl.core.checkpointing import partial_dir, publish, read_marker, rng_state, set_rng_state
 from unirl.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 TAG = "state"
-COMPLETE = "complete"
 _CLIENT_KEY = "unirl"
 
 
@@ -42,36 +39,12 @@ def _rng_file(folder: Path, rank: int) -> Path:
     return folder / f"rng_rank{rank:05d}.pt"
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def save_checkpoint(
     engine: Any, path: Path, client_state: Mapping[str, Any], *, rank: int, world_size: int
 ) -> None:
     """Collective: every rank calls it with the same `path`."""
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
+    partial = partial_dir(path)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         partial.mkdir(parents=True)
@@ -82,29 +55,18 @@ def save_checkpoint(
     torch.save(rng_state(), _rng_file(partial, rank))
     dist.barrier()
     if rank == 0:
-        meta = {"world_size": world_size, "zero_stage": engine.zero_optimization_stage()}
-        with open(partial / COMPLETE, "w") as handle:
-            json.dump(meta, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if path.exists():
-            logger.warning("overwriting checkpoint %s", path)
-            shutil.rmtree(path)
-        os.replace(partial, path)
+        publish(
+            partial,
+            path,
+            {"world_size": world_size, "zero_stage": engine.zero_optimization_stage()},
+        )
     dist.barrier()
 
 
 def load_checkpoint(engine: Any, path: Path, *, rank: int, world_size: int) -> dict[str, Any]:
     """Restore the engine and this rank's RNG states; returns the client state saved with it."""
     path = Path(path)
-    marker = path / COMPLETE
-    if not marker.is_file():
-        what = "does not exist" if not path.exists() else f"has no '{COMPLETE}' marker"
-        raise ConfigError(
-            f"checkpoint {str(path)!r} {what}: it was never written or was interrupted while "
-            "being written; resume from another checkpoint"
-        )
-    meta = json.loads(marker.read_text())
+    meta = read_marker(path)
     if meta["world_size"] != world_size:
         raise ConfigError(
             f"checkpoint {str(path)!r} was written by {meta['world_size']} ranks, this run has "

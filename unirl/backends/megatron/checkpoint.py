@@ -18,9 +18,7 @@ written under another parallel layout.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,13 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unirl.backends.deepspeed.checkpoint import rng_state, set_rng_state
+from unirl.core.checkpointing import partial_dir, publish, read_marker, rng_state, set_rng_state
 from unirl.core.errors import ConfigError
 from unirl.core.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-COMPLETE = "complete"
 DIST = "dist"
 META = "unirl.pt"
 # The distributed optimizer's format: each rank's own flat buffers (no gather; reshardable over
@@ -137,7 +134,7 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
+    partial = partial_dir(path)
     if topology.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         (partial / DIST).mkdir(parents=True)
@@ -158,14 +155,7 @@ def save_checkpoint(
         torch.save(meta, partial / META)
     dist.barrier()
     if topology.rank == 0:
-        with open(partial / COMPLETE, "w") as handle:
-            json.dump(layout_of(topology), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if path.exists():
-            logger.warning("overwriting checkpoint %s", path)
-            shutil.rmtree(path)
-        os.replace(partial, path)
+        publish(partial, path, layout_of(topology))
     dist.barrier()
 
 
@@ -177,14 +167,7 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    marker = path / COMPLETE
-    if not marker.is_file():
-        what = "does not exist" if not path.exists() else f"has no '{COMPLETE}' marker"
-        raise ConfigError(
-            f"checkpoint {str(path)!r} {what}: it was never written or was interrupted while "
-            "being written; resume from another checkpoint"
-        )
-    saved = json.loads(marker.read_text())
+    saved = read_marker(path)
     ours = layout_of(topology)
     if saved != ours:
         raise ConfigError(
