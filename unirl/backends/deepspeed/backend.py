@@ -29,9 +29,9 @@ import torch
 from unirl.backends.deepspeed import checkpoint, export
 from unirl.backends.deepspeed.distributed import close_distributed, init_distributed
 from unirl.backends.deepspeed.engine import initialize_policy, initialize_reference
-from unirl.backends.deepspeed.model import load_policy, load_reference
 from unirl.backends.deepspeed.packed import forward_packed, use_packed_attention
 from unirl.backends.deepspeed.topology import deepspeed_topology
+from unirl.backends.hf_model import load_policy, load_reference
 from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
 from unirl.core.config import UnirlConfig
 from unirl.core.losses import Metric

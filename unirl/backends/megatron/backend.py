@@ -77,7 +77,7 @@ def policy_source(cfg: UnirlConfig) -> ModelSource:
 
     if cfg.model.path is not None:
         return ModelSource(hf_config=read_hf_config(cfg.model.path), weights=cfg.model.path)
-    from unirl.backends.deepspeed.model import build_from_config
+    from unirl.backends.hf_model import build_from_config
 
     assert cfg.model.hf_config is not None  # the config checks one of the two is set
     model = build_from_config(cfg.model.hf_config, cfg.model.init_seed, torch.float32)

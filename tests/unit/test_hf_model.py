@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from unirl.backends.deepspeed.model import (  # noqa: E402
+from unirl.backends.hf_model import (  # noqa: E402
     build_from_config,
     load_policy,
     load_reference,

@@ -1,5 +1,6 @@
-"""The Hugging Face causal LM that DeepSpeed trains: loaded from a local folder, or built from a
-config dict with a seeded random init (tests, demos, from-scratch runs).
+"""The policy as a Hugging Face causal LM: loaded from a local folder, or built from a config dict
+with a seeded random init (tests, demos, from-scratch runs). The DeepSpeed backend trains it; the
+Megatron backend converts its weights, so one seed names the same weights on both backends.
 
 Attention is PyTorch SDPA (``attn_implementation="sdpa"``): it runs on the CPU and on GPUs without
 flash-attn. A bf16 model built from a config is the fp32 init rounded to bf16, so one seed names
