@@ -104,6 +104,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.rollouts:
         cfg = with_rollout_file(cfg, args.rollouts)
     summary = train(cfg, resume=args.resume)
+    if not summary.reporting:
+        return 0
     reward = summary.last_metrics.get("reward/mean")
     logger.info(
         "done: %d RL steps in %s (last reward mean %s)%s",

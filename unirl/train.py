@@ -38,6 +38,7 @@ class RunSummary:
     resumed_from: int | None
     last_metrics: dict[str, float]
     hf_export: Path | None
+    reporting: bool  # this process is the one that logs
 
 
 def with_rollout_file(cfg: UnirlConfig, path: str) -> UnirlConfig:
@@ -75,14 +76,16 @@ def train(cfg: UnirlConfig, *, resume: bool = False) -> RunSummary:
         start, resumed_from = 0, None
         if resume:
             found = checkpointing.latest_complete(ckpt_root)
-            if found is None:
-                logger.info("--resume: no complete checkpoint under %s, starting fresh", ckpt_root)
-            else:
+            if found is not None:
                 resumed_from, path = found
                 client = backend.load_checkpoint(path)
                 start = int(client["rl_step"])
                 source.load_state_dict(client["rollout_source"])
-                logger.info("resumed from %s (RL step %d)", path, start)
+            if topo.is_reporting_rank:
+                if found is None:
+                    logger.info("--resume: no complete checkpoint in %s, starting fresh", ckpt_root)
+                else:
+                    logger.info("resumed from %s (RL step %d)", found[1], start)
         if topo.is_reporting_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -112,7 +115,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False) -> RunSummary:
             export = run_dir / "hf"
             backend.export_hf(export)
             _barrier()
-            logger.info("policy exported in Hugging Face layout to %s", export)
+            if topo.is_reporting_rank:
+                logger.info("policy exported in Hugging Face layout to %s", export)
         if metrics_log is not None:
             metrics_log.close()
         return RunSummary(
@@ -121,6 +125,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False) -> RunSummary:
             resumed_from=resumed_from,
             last_metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
             hf_export=export,
+            reporting=topo.is_reporting_rank,
         )
     finally:
         backend.close()
@@ -134,5 +139,5 @@ def _save(
     backend.save_checkpoint(path, client)  # collective; complete (marker written) on return
     if reporting:
         checkpointing.prune(root, cfg.checkpoint.keep)
+        logger.info("checkpoint saved: %s", path)
     _barrier()
-    logger.info("checkpoint saved: %s", path)
