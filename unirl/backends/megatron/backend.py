@@ -142,8 +142,6 @@ class MegatronBackend:
     def __init__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> None:
-        if cfg.model.gradient_checkpointing:
-            logger.warning("model.gradient_checkpointing is not implemented by backend: megatron")
         check_schedule(cfg.optimizer, total_optimizer_steps)
         self.cfg = cfg
         self.total_optimizer_steps = total_optimizer_steps
@@ -155,7 +153,7 @@ class MegatronBackend:
         source = policy_source(cfg)
         self.hf_config = source.hf_config
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.chunks = self._build_chunks(source)
+        self.chunks = self._build_chunks(source, recompute=cfg.model.gradient_checkpointing)
         self.forward_calls = dict.fromkeys(_ROLES, 0)
         self._reference: list[torch.nn.Module] | None = None
         self._steps_done = 0
@@ -174,12 +172,20 @@ class MegatronBackend:
 
     # -- building ----------------------------------------------------------------------------
 
-    def _build_chunks(self, source: ModelSource) -> list[torch.nn.Module]:
+    def _build_chunks(
+        self, source: ModelSource, *, recompute: bool = False
+    ) -> list[torch.nn.Module]:
+        overrides = schedule_config(self.cfg.parallel)
+        if recompute:
+            # model.gradient_checkpointing: megatron's full activation recompute, one layer at a
+            # time (keeps only each layer's input; recomputes the layer in backward)
+            overrides |= {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
         chunks = build_model_chunks(
-            source.hf_config,
-            self.cfg.parallel,
-            dtype=self.dtype,
-            config_overrides=schedule_config(self.cfg.parallel),
+            source.hf_config, self.cfg.parallel, dtype=self.dtype, config_overrides=overrides
         )
         load_hf_weights(chunks, source.weights, source.hf_config, self.topology)
         return chunks
