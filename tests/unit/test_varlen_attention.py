@@ -1,0 +1,206 @@
+"""Packed causal attention against an explicit fp64 softmax per sequence, written here.
+
+Sequences of lengths 1, 3 and 8 (plus an empty one), GQA with 4 query heads over 2 key/value
+heads. The flash (varlen) path is checked on a GPU when there is one; on the CPU its query/key
+segment bookkeeping is checked with a bottom-right-causal kernel written in this file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unirl.backends.megatron import varlen_attention as va
+from unirl.core.context_parallel import CPLayout
+from unirl.core.errors import LossInputError
+
+LENGTHS = [1, 3, 0, 8]
+HQ, HKV, D = 4, 2, 8
+
+
+def reference(q, k, v, lengths, scale=None):
+    """Per sequence: softmax(Q K^T * scale + causal mask) V in fp64; kv head of query head h is
+    h // (HQ / HKV)."""
+    outs, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (t[start : start + n].double() for t in (q, k, v))
+        group = qs.shape[1] // ks.shape[1]
+        heads = []
+        for h in range(qs.shape[1]):
+            kh, vh = ks[:, h // group], vs[:, h // group]
+            s = qs[:, h] @ kh.T * (scale if scale is not None else 1 / math.sqrt(qs.shape[-1]))
+            allowed = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+            s = s.masked_fill(~allowed, float("-inf"))
+            heads.append(torch.softmax(s, dim=-1) @ vh)
+        if n:
+            outs.append(torch.stack(heads, dim=1))
+        start += n
+    return torch.cat(outs)
+
+
+def make_qkv(lengths, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, HQ, D, generator=g, dtype=torch.float64)
+    k = torch.randn(total, HKV, D, generator=g, dtype=torch.float64)
+    v = torch.randn(total, HKV, D, generator=g, dtype=torch.float64)
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+
+
+def cu_of(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+def forward_backward(fn, q, k, v, grad_out):
+    out = fn(q, k, v)
+    out.backward(grad_out)
+    return out.detach(), [t.grad.detach().clone() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_packed_matches_fp64_reference(scale):
+    q, k, v = make_qkv(LENGTHS)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(sum(LENGTHS), HQ, D, dtype=torch.float64)
+    out, grads = forward_backward(
+        lambda a, b, c: va.packed_causal_attention(a, b, c, cu_of(LENGTHS), scale=scale),
+        q,
+        k,
+        v,
+        grad_out,
+    )
+    ref, ref_grads = forward_backward(
+        lambda a, b, c: reference(a, b, c, LENGTHS, scale), qr, kr, vr, grad_out
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_single_token_sequence_returns_its_value():
+    # a 1-token sequence attends to itself only: softmax over one key = 1, so out = v (per group)
+    q, k, v = make_qkv([1])
+    out = va.packed_causal_attention(q, k, v, cu_of([1]))
+    torch.testing.assert_close(out[0, 0], v[0, 0].detach())
+    torch.testing.assert_close(out[0, 1], v[0, 0].detach())  # heads 0, 1 share kv head 0
+    torch.testing.assert_close(out[0, 3], v[0, 1].detach())
+
+
+def test_packing_metadata_matches_loop():
+    cu = cu_of(LENGTHS)
+    want = []
+    for n in LENGTHS:
+        want.extend(range(n))
+    assert va.packed_position_ids(cu).tolist() == want
+    assert va.max_seqlen(cu) == max(LENGTHS)
+    assert va.max_seqlen(torch.tensor([0])) == 0
+
+
+def test_cp_attention_index_matches_loop():
+    # lengths 1, 3, 8 with cp=2 pad to 4, 4, 8: chunks of 1, 1, 2 tokens.
+    cu = cu_of([1, 3, 8])
+    padded_starts, cp = [0, 4, 8], 2
+    # rank 0 holds chunks 0 and 3: key prefixes end at 1*c and 4*c; rank 1 (chunks 1, 2): 2c, 3c
+    want_k = {0: [1, 4, 1, 4, 2, 8], 1: [2, 3, 2, 3, 4, 6]}
+    for r in range(cp):
+        idx = va.CPAttentionIndex.build(CPLayout.build(cu, cp, r))
+        assert idx.cu_q.tolist() == [0, 1, 2, 3, 4, 6, 8]
+        assert idx.cu_k.diff().tolist() == want_k[r]
+        keys = []
+        for s, start in enumerate(padded_starts):
+            for end in want_k[r][2 * s : 2 * s + 2]:
+                keys.extend(range(start, start + end))
+        assert idx.key_index.tolist() == keys
+        assert (idx.max_q, idx.max_k) == (2, max(want_k[r]))
+    # rank-major all-gather: rank 0 holds padded positions [0,3, 4,7, 8,9,14,15], rank 1
+    # [1,2, 5,6, 10,11,12,13]; gather_order[p] = row of position p in that concatenation
+    gathered = [0, 3, 4, 7, 8, 9, 14, 15, 1, 2, 5, 6, 10, 11, 12, 13]
+    order = va.CPAttentionIndex.build(CPLayout.build(cu, cp, 0)).gather_order
+    assert [gathered[i] for i in order.tolist()] == list(range(16))
+
+
+def bottom_right_causal_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """Stand-in for flash's varlen kernel on the CPU: segment i's query j attends to its keys
+    0 .. len_k - len_q + j (causal aligned to the bottom right, as flash does)."""
+    outs = []
+    for i in range(cu_q.numel() - 1):
+        qs = q[int(cu_q[i]) : int(cu_q[i + 1])]
+        ks, vs = k[int(cu_k[i]) : int(cu_k[i + 1])], v[int(cu_k[i]) : int(cu_k[i + 1])]
+        nq, nk = qs.shape[0], ks.shape[0]
+        if nq == 0:
+            continue
+        group = qs.shape[1] // ks.shape[1]
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
+    return torch.cat(outs)
+
+
+def test_varlen_dispatch_with_cpu_kernel(monkeypatch):
+    monkeypatch.setattr(va, "varlen_available", lambda q: True)
+    monkeypatch.setattr(va, "_varlen_kernel", bottom_right_causal_kernel)
+    q, k, v = make_qkv(LENGTHS)
+    out = va.packed_causal_attention(q, k, v, cu_of(LENGTHS))
+    torch.testing.assert_close(out, reference(q, k, v, LENGTHS), rtol=1e-10, atol=1e-10)
+
+
+def test_bad_shapes_raise():
+    q, k, v = make_qkv([3])
+    with pytest.raises(LossInputError, match="cu_seqlens"):
+        va.packed_causal_attention(q, k, v, cu_of([4]))
+    with pytest.raises(LossInputError, match="multiple of k heads"):
+        va.packed_causal_attention(q[:, :3], k, v, cu_of([3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and va._varlen_attn is not None),
+    reason="needs CUDA and torch.nn.attention.varlen",
+)
+def test_varlen_flash_path_on_gpu():
+    lengths = [1, 3, 8, 37]
+    q, k, v = make_qkv(lengths, dtype=torch.bfloat16, device="cuda")
+    assert va.varlen_available(q)
+    grad_out = torch.randn(sum(lengths), HQ, D, dtype=torch.float64)
+    out, grads = forward_backward(
+        lambda a, b, c: va.packed_causal_attention(a, b, c, cu_of(lengths).cuda()),
+        q,
+        k,
+        v,
+        grad_out.to("cuda", torch.bfloat16),
+    )
+    qr, kr, vr = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref, ref_grads = forward_backward(
+        lambda a, b, c: reference(a, b, c, lengths), qr, kr, vr, grad_out.bfloat16().double()
+    )
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and va._varlen_attn is not None),
+    reason="needs CUDA and torch.nn.attention.varlen",
+)
+def test_flash_kernel_is_bottom_right_causal_on_gpu():
+    # the CP flash path relies on it: query segments shorter than their key segments (a local
+    # chunk against its sequence's key prefix) see keys <= len_k - len_q + j
+    g = torch.Generator().manual_seed(3)
+    q_lens, k_lens = [2, 2, 1, 4, 3], [2, 8, 4, 16, 3]
+    q = torch.randn(sum(q_lens), HQ, D, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(sum(k_lens), HKV, D, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(sum(k_lens), HKV, D, generator=g).to("cuda", torch.bfloat16)
+    cu_q, cu_k = cu_of(q_lens).cuda(), cu_of(k_lens).cuda()
+    out = va._varlen_kernel(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.25)
+    want = bottom_right_causal_kernel(
+        *(t.cpu().double() for t in (q, k, v)), cu_q.cpu(), cu_k.cpu(), 0, 0, 0.25
+    )
+    torch.testing.assert_close(out.cpu().double(), want, rtol=2e-2, atol=2e-2)
