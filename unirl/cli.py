@@ -137,6 +137,9 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unirl", description=__doc__.split("\n\n")[0])
+    # the deepspeed launcher passes --local_rank=N before the command; the backend reads the
+    # LOCAL_RANK environment variable instead
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate a config and explain its decisions")
     check.add_argument("config", help="YAML config file")

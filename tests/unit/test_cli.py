@@ -59,3 +59,10 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert proc.returncode == 2
     assert "unknown key 'algorithm.clip_lo' (did you mean 'clip_low'?)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys):
+    # `deepspeed unirl train ...` runs `unirl --local_rank=0 train ...`
+    tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
+    assert main(["--local_rank=0", "check", str(tiny), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["backend"] == "deepspeed"
