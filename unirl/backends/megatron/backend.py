@@ -143,6 +143,12 @@ class MegatronBackend:
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> None:
         check_schedule(cfg.optimizer, total_optimizer_steps)
+        if cfg.parallel.cp > 1:
+            raise ConfigError(
+                f"parallel.cp={cfg.parallel.cp}: the model runs context parallel on packed "
+                "sequences (unirl.backends.megatron.packed), but this backend's schedules still "
+                "feed padded batches; use parallel.cp: 1 for now"
+            )
         self.cfg = cfg
         self.total_optimizer_steps = total_optimizer_steps
         self.dtype = _DTYPES[cfg.model.dtype]

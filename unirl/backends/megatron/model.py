@@ -13,7 +13,10 @@ Layer spec: Transformer Engine's when TE is importable, else megatron's local sp
 attention replaced by `SDPACoreAttention` (PyTorch SDPA). megatron-core 0.16.1's local
 `DotProductAttention` cannot run on the CPU (it allocates its score buffer and its causal mask on
 CUDA and forks the CUDA RNG tracker) and is unfused on GPUs; SDPA runs on both and uses the
-flash / memory-efficient kernels on GPUs without flash-attn.
+flash / memory-efficient kernels on GPUs without flash-attn. The same module also takes packed
+(THD) sequences, with or without context parallel, through `varlen_attention` (inputs built by
+`unirl.backends.megatron.packed.packed_model_inputs`), so context parallel needs no Transformer
+Engine; padded batches run with cp == 1 only.
 
 Outputs: with ``parallel_output=True`` the last chunk returns vocabulary-parallel logits
 ``[B, S, V_padded / tp]`` (batch-first: GPTModel transposes back when no labels are given);
@@ -39,6 +42,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
+from unirl.backends.megatron.varlen_attention import (
+    cp_packed_causal_attention,
+    packed_causal_attention,
+)
 from unirl.core.config import ParallelConfig
 from unirl.core.errors import ConfigError
 
@@ -139,11 +146,6 @@ def check_hf_config(hf_config: Any, parallel: ParallelConfig) -> None:
             f"model.hf_config.num_hidden_layers={hf_config.num_hidden_layers} is not divisible "
             f"by parallel.pp x parallel.vpp = {parallel.pp} x {parallel.vpp or 1}"
         )
-    if parallel.cp > 1 and not te_available():
-        raise ConfigError(
-            f"parallel.cp={parallel.cp} needs Transformer Engine's attention, which is not "
-            "installed (the local attention has no context parallel); set parallel.cp: 1"
-        )
     rope_settings(hf_config)
 
 
@@ -193,12 +195,20 @@ def transformer_config(
 
 
 class SDPACoreAttention(MegatronModule):
-    """Megatron's core-attention slot filled by `torch.nn.functional.scaled_dot_product_attention`.
+    """Megatron's core-attention slot filled by PyTorch attention kernels, for two input formats.
 
-    Input ``query [Sq, B, heads, D]``, ``key`` / ``value [Sk, B, groups, D]`` (GQA: each group
-    serves ``heads / groups`` consecutive query heads, as `repeat_interleave` and SDPA's
-    ``enable_gqa`` both assume); output ``[Sq, B, heads * D]``. With no mask it is causal; a mask
-    given follows Megatron's convention (True = masked out).
+    **Padded** (``packed_seq_params`` None): ``query [Sq, B, heads, D]``, ``key`` / ``value
+    [Sk, B, groups, D]`` (GQA: each group serves ``heads / groups`` consecutive query heads, as
+    `repeat_interleave` and SDPA's ``enable_gqa`` both assume); output ``[Sq, B, heads * D]``,
+    by `torch.nn.functional.scaled_dot_product_attention`. With no mask it is causal; a mask given
+    follows Megatron's convention (True = masked out). No context parallel.
+
+    **Packed** (``packed_seq_params.qkv_format == "thd"``, see `unirl.backends.megatron.packed`):
+    ``SelfAttention`` has applied RoPE (at the global positions) and squeezed q/k/v to
+    ``[T_local, heads, D]``; causal attention within each packed sequence by
+    `packed_causal_attention` (cp == 1) or `cp_packed_causal_attention` (cp > 1: keys / values
+    all-gathered over the CP group); output ``[T_local, heads * D]`` (SelfAttention reshapes it
+    to ``[T_local, 1, heads * D]``).
     """
 
     def __init__(
@@ -213,13 +223,17 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        assert config.context_parallel_size == 1, "SDPACoreAttention has no context parallel"
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         assert dropout == 0.0, "SDPACoreAttention has no tensor-parallel dropout RNG"
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         )
+        self.cp_size = config.context_parallel_size
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if cp_group is None and self.cp_size > 1:
+            cp_group = ps.get_context_parallel_group()
+        self.cp_group = cp_group
 
     def forward(
         self,
@@ -231,10 +245,14 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention has no attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
+        if self.cp_size > 1:
             raise NotImplementedError(
-                "SDPACoreAttention takes padded [S, B] batches only (no packed THD sequences, no "
-                "attention bias)"
+                f"context_parallel_size={self.cp_size} needs packed (THD) inputs: pass "
+                "packed_seq_params from unirl.backends.megatron.packed.packed_model_inputs"
             )
         mask_type = attn_mask_type or self.attn_mask_type
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, D]
@@ -250,6 +268,44 @@ class SDPACoreAttention(MegatronModule):
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
+        if params.qkv_format != "thd":
+            raise NotImplementedError(
+                f"SDPACoreAttention: packed_seq_params.qkv_format={params.qkv_format!r}; only "
+                "'thd' is supported"
+            )
+        if self.cp_size == 1:
+            cu = params.cu_seqlens_q_padded
+            cu = params.cu_seqlens_q if cu is None else cu
+            out = packed_causal_attention(
+                query,
+                key,
+                value,
+                cu,
+                scale=self.softmax_scale,
+                longest_seq=params.max_seqlen_q,
+            )
+        else:
+            layout = getattr(params, "cp_layout", None)
+            if layout is None or layout.cp_size != self.cp_size:
+                raise NotImplementedError(
+                    f"context_parallel_size={self.cp_size}: packed_seq_params must carry the "
+                    "microbatch's CP layout (build it with "
+                    "unirl.backends.megatron.packed.packed_model_inputs)"
+                )
+            out = cp_packed_causal_attention(
+                query,
+                key,
+                value,
+                layout,
+                self.cp_group,
+                scale=self.softmax_scale,
+                index=params.cp_index,
+            )
+        return out.reshape(out.shape[0], -1)
 
 
 class _HostRotaryEmbedding(RotaryEmbedding):

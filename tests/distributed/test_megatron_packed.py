@@ -1,0 +1,206 @@
+"""The Megatron GPTModel on packed (THD) sequences through unirl's packed attention, with and
+without context parallel, on the CPU: per-token log-probs equal the Hugging Face model's, run on
+each sequence alone, and the CP=2 gradients summed over the CP ranks equal the CP=1 gradients,
+which equal the HF model's own gradients.
+
+One packed stream of four sequences of 7, 1, 3 and 6 tokens (with cp=2 each is padded to a
+multiple of 4: the 1- and 3-token sequences are shorter than ``2*cp``, so a CP rank holds only
+padding of some of them). A tiny Llama (hidden 64, 2 layers, 4 query heads over 2 key/value heads,
+vocabulary 100 that Megatron pads to 128), every parameter random, fp32.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.spawn import run_distributed
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core (pip install unirl[megatron])",
+)
+transformers = pytest.importorskip("transformers", reason="needs transformers (unirl[hf])")
+
+VOCAB = 100
+LENGTHS = [7, 1, 3, 6]
+LOGPROB_ATOL = 1e-4
+GRAD_ATOL = 1e-5
+
+
+def _config():
+    return transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 500.0},  # a small base: wrong positions show clearly
+    )
+
+
+def _hf_model(config):
+    gen = torch.Generator().manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else (0.2 if p.ndim == 2 else 0.1) * noise)
+    return model
+
+
+def _stream():
+    tokens = torch.randint(0, VOCAB, (sum(LENGTHS),), generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return tokens, cu
+
+
+def _hf_reference(model, tokens, cu):
+    """Each sequence through the HF model alone: ``logp[t] = log_softmax(logits[t])[ids[t+1]]``
+    (fp64) at every position with a next token, and the HF gradient of their sum."""
+    model.zero_grad()
+    logp, valid = torch.zeros(tokens.numel(), dtype=torch.float64), torch.zeros(tokens.numel())
+    total = 0.0
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b - a < 2:
+            continue  # a 1-token sequence predicts nothing
+        ids = tokens[a:b][None]
+        logits = model(ids).logits[0, :-1]
+        seq = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        total = total + seq.sum()
+        with torch.no_grad():
+            logp[a : b - 1] = torch.log_softmax(logits.double(), -1).gather(-1, ids[0, 1:, None])[
+                :, 0
+            ]
+        valid[a : b - 1] = 1
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logp, valid.bool(), grads
+
+
+# --- worker side ------------------------------------------------------------------------------
+
+
+def _microbatch(tokens, cu, cp, rank):
+    """A `TrainMicrobatch` as `build_microbatch` lays it out (tokens CP-local)."""
+    from unirl.core.context_parallel import CPLayout, shift_to_next_token
+    from unirl.core.microbatch import TrainMicrobatch
+
+    cu64 = cu.long()
+    layout = CPLayout.build(cu64, cp, rank)
+    targets = shift_to_next_token(tokens, cu64)
+    mask = shift_to_next_token(torch.ones(tokens.numel()), cu64, fill=0.0)
+    return TrainMicrobatch(
+        sample_indices=tuple(range(len(LENGTHS))),
+        tokens=layout.split(tokens),
+        position_ids=layout.position_ids,
+        cu_seqlens=layout.local_cu_seqlens.to(torch.int32),
+        targets=layout.split(targets),
+        loss_mask=layout.split(mask),
+        seq_ids=layout.seq_ids,
+        seq_token_counts=torch.tensor([n - 1 if n else 0 for n in LENGTHS]),
+        global_cu_seqlens=cu,
+    )
+
+
+def _thd_rope_positions(layout):
+    """The positions megatron's THD RoPE gives this rank's tokens: its frequency table replaced
+    by the positions themselves, sliced exactly as `_apply_rotary_pos_emb_thd` slices it."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    padded = layout.cu_seqlens_padded
+    table = torch.arange(int((padded[1:] - padded[:-1]).max()))
+    pieces = torch.split(
+        torch.zeros(int(padded[-1]) // layout.cp_size),
+        ((padded[1:] - padded[:-1]) // layout.cp_size).tolist(),
+    )
+    return torch.cat(
+        [_get_thd_freqs_on_this_cp_rank(layout.cp_rank, layout.cp_size, x, table) for x in pieces]
+    )
+
+
+def _run(cp, world, state, tokens, cu):
+    from megatron.core import parallel_state as ps
+
+    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
+    from unirl.backends.megatron.model import build_model_chunks
+    from unirl.backends.megatron.packed import packed_model_inputs
+    from unirl.backends.megatron.topology import (
+        initialize_parallel_state,
+        topology_from_parallel_state,
+    )
+    from unirl.core.config import ParallelConfig
+    from unirl.core.logprobs import logprobs_from_logits
+
+    parallel = ParallelConfig(cp=cp, world_size=world)
+    initialize_parallel_state(parallel)
+    topo = topology_from_parallel_state()
+    (model,) = build_model_chunks(_config(), parallel, dtype=torch.float32)
+    load_hf_weights([model], state, _config(), topo)
+    mb = _microbatch(tokens, cu, topo.cp_size, topo.cp_rank)
+    inputs = packed_model_inputs(mb, cp_size=topo.cp_size, cp_rank=topo.cp_rank, device="cpu")
+    logits = model(
+        inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params
+    )
+    assert logits.shape == (1, mb.num_tokens, 128)
+    logp = logprobs_from_logits(logits[0], mb.targets, tp_group=None, vocab_size=VOCAB)
+    (logp * mb.loss_mask).sum().backward()
+    # the objective is the sum over CP ranks: sum each parameter's gradient over them
+    grads = [p.grad for p in model.parameters()]
+    if topo.cp_size > 1:
+        for g in grads:
+            torch.distributed.all_reduce(g, group=topo.groups.cp)
+    with torch.no_grad():  # HF layout of the gradients: the export is a reshuffle of tensors
+        for p in model.parameters():
+            p.copy_(p.grad)
+    out = {
+        "logp": inputs.layout.gather(logp.detach(), topo.groups.cp if cp > 1 else None),
+        "grads": export_hf_state_dict([model], _config(), topo),
+        "rope_positions": _thd_rope_positions(inputs.layout),
+        "layout_positions": inputs.layout.position_ids,
+    }
+    ps.destroy_model_parallel()
+    return out
+
+
+def _two_ranks(rank, world, state, tokens, cu):
+    # one spawn for both layouts: CP=1 (run on both ranks as dp=2) then CP=2
+    return {"cp1": _run(1, world, state, tokens, cu), "cp2": _run(2, world, state, tokens, cu)}
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+
+def test_packed_forward_and_cp_gradients_match_hf():
+    model = _hf_model(_config())
+    tokens, cu = _stream()
+    ref_logp, valid, ref_grads = _hf_reference(model, tokens, cu)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    per_rank = run_distributed(_two_ranks, 2, state, tokens, cu)
+
+    # megatron's THD RoPE picks CPLayout's global positions; cp=2 rank 0 of the 7-token
+    # sequence (padded to 8, chunks of 2): positions 0, 1, 6, 7
+    for rank in range(2):
+        for name in ("cp1", "cp2"):
+            res = per_rank[rank][name]
+            assert torch.equal(res["rope_positions"], res["layout_positions"]), (rank, name)
+    assert per_rank[0]["cp2"]["layout_positions"][:4].tolist() == [0, 1, 6, 7]
+
+    for rank in range(2):
+        for name in ("cp1", "cp2"):
+            got = per_rank[rank][name]["logp"]
+            assert got.shape == (sum(LENGTHS),)
+            torch.testing.assert_close(
+                got.double()[valid], ref_logp[valid], atol=LOGPROB_ATOL, rtol=0
+            )
+    for key, ref in ref_grads.items():
+        cp1 = per_rank[0]["cp1"]["grads"][key]
+        torch.testing.assert_close(cp1, ref, atol=GRAD_ATOL, rtol=1e-4, msg=f"cp1 vs hf {key}")
+        for rank in range(2):
+            cp2 = per_rank[rank]["cp2"]["grads"][key]
+            torch.testing.assert_close(cp2, cp1, atol=GRAD_ATOL, rtol=1e-4, msg=f"cp2 {key}")
