@@ -1,8 +1,9 @@
 """Packed microbatches as right-padded ``[rows, L]`` batches, and the logits of their real tokens.
 
-megatron-core's local attention (here `SDPACoreAttention`) takes padded ``[S, B]`` batches only,
-not packed (THD) sequences. A packed `TrainMicrobatch` with sequences of lengths ``l_0 .. l_k``
-becomes one row per sequence, padded at the end to a common length ``L``::
+The backend's schedules feed padded batches (the model also runs THD-packed sequences, with
+context parallel, through `unirl.backends.megatron.packed`; the schedules do not use that yet).
+A packed `TrainMicrobatch` with sequences of lengths ``l_0 .. l_k`` becomes one row per
+sequence, padded at the end to a common length ``L``::
 
     tokens[r, :l_r] = the sequence's tokens     tokens[r, l_r:] = pad (0)
     position_ids[r] = 0 .. L-1                  (RoPE positions restart per sequence)
