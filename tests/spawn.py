@@ -1,9 +1,10 @@
-"""The one helper that runs a test function in several gloo processes on the CPU.
+"""The one helper that runs a test function in several processes.
 
 `run_distributed(fn, world_size, *args)` binds a free port, starts `world_size` spawned
 processes that each init a gloo process group, calls `fn(rank, world_size, *args)` and returns
 the list of per-rank return values (which must pickle). An exception on any rank fails the test
-with that rank's traceback. CUDA is never touched.
+with that rank's traceback. With gloo (the default, for the CPU tests) CUDA is never touched;
+``backend="nccl"`` runs one process per GPU instead (the GPU benchmark scripts).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, queue: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -36,11 +39,14 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        CUDA_VISIBLE_DEVICES="",
     )
-    torch.set_num_threads(1)
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # torch.save bytes: tensors shared through the queue would vanish with the worker's
         # shared memory before the parent reads them
@@ -54,12 +60,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo"
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:
