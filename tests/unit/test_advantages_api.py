@@ -220,7 +220,7 @@ def test_bad_custom_paths(isolated_registry):
     mod = isolated_registry("adv_custom_c", CUSTOM)
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz'"):
         get_advantage_estimator("no_such_module_xyz:fn")
-    with pytest.raises(ConfigError, match="has no function 'missing'"):
+    with pytest.raises(ConfigError, match="has no callable 'missing'"):
         get_advantage_estimator(f"{mod}:missing")
     with pytest.raises(LossInputError, match=r"returned advantages of shape \(2,\)"):
         compute_advantages(inputs(b=2), AdvantageSettings(estimator=f"{mod}:wrong_shape"))

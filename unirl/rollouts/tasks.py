@@ -17,7 +17,6 @@ max_digits=8))``, then ``rollout.task: reverse_long``.
 from __future__ import annotations
 
 import difflib
-import importlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -25,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from unirl.core.errors import ConfigError
+from unirl.core.imports import import_callable
 from unirl.rollouts.tokenizer import EOS_ID, CharTokenizer
 
 DIGITS = "0123456789"
@@ -205,22 +205,7 @@ def make_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
 
 
 def _import_factory(spec: str) -> TaskFactory:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"rollout.task={spec!r} must look like 'package.module:factory' for a custom task"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"rollout.task={spec!r}: cannot import module {module_name!r} ({e}); make it "
-            "importable (installed or on PYTHONPATH)"
-        ) from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"rollout.task={spec!r}: module {module_name!r} has no callable {attr!r}")
-    return factory
+    return import_callable(spec, key="rollout.task", what="a custom task factory")
 
 
 register_task("reverse_digits", ReverseDigits)

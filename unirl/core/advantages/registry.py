@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from unirl.core.errors import ConfigError
+from unirl.core.imports import import_callable
 
 if TYPE_CHECKING:
     from unirl.core.advantages.inputs import AdvantageInputs
@@ -109,23 +110,7 @@ def registered_advantage_estimators() -> list[str]:
 
 
 def _resolve_path(path: str) -> EstimatorSpec:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"advantage estimator {path!r}: a custom estimator is written 'package.module:function'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"advantage estimator {path!r}: cannot import module {module_name!r} ({e}); "
-            "check the name and that it is on PYTHONPATH"
-        ) from e
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ConfigError(
-            f"advantage estimator {path!r}: module {module_name!r} has no function {attr!r}"
-        )
+    fn = import_callable(path, key="algorithm.advantage_estimator", what="a custom estimator")
     # A function its module registered carries its declarations.
     for spec in _REGISTRY.values():
         if spec.fn is fn:

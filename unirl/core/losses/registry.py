@@ -19,13 +19,13 @@ with the reused ones on a single on-policy step (the ratio is 1), so they declar
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from unirl.core.errors import ConfigError
+from unirl.core.imports import import_callable
 
 if TYPE_CHECKING:
     from unirl.core.counts import GlobalCounts
@@ -79,19 +79,4 @@ def policy_loss_needs_old_logprobs(name: str) -> bool:
 
 
 def _import_loss(spec: str) -> PolicyLossFn:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"policy_loss {spec!r} must look like 'package.module:function' for a custom loss"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"policy_loss {spec!r}: cannot import module {module_name!r} ({e}); make it "
-            "importable (installed or on PYTHONPATH)"
-        ) from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"policy_loss {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return import_callable(spec, key="algorithm.policy_loss", what="a custom loss")
