@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.spawn import run_distributed
+from tests.unit.test_varlen_attention import bottom_right_causal_kernel
 from unirl.backends.megatron import varlen_attention as va
 from unirl.core.context_parallel import CPLayout, merge_cp_pieces
 
@@ -51,24 +52,6 @@ def reference(q, k, v):
             heads.append(torch.softmax(s, dim=-1) @ vs)
         outs.append(torch.stack(heads, dim=1))
         start += n
-    return torch.cat(outs)
-
-
-def bottom_right_causal_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """CPU stand-in for flash's varlen kernel: segment query j sees keys <= len_k - len_q + j."""
-    outs = []
-    for i in range(cu_q.numel() - 1):
-        qs = q[int(cu_q[i]) : int(cu_q[i + 1])]
-        ks, vs = k[int(cu_k[i]) : int(cu_k[i + 1])], v[int(cu_k[i]) : int(cu_k[i + 1])]
-        nq, nk = qs.shape[0], ks.shape[0]
-        if nq == 0:
-            continue
-        group = qs.shape[1] // ks.shape[1]
-        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
-        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
     return torch.cat(outs)
 
 
