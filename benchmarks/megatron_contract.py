@@ -1,30 +1,35 @@
 """The Megatron backend's contract on GPUs: every clause of the contract suite (`tests/contract`)
-for the layouts 1 GPU, TP=2, PP=2, PP=2 with VPP=2 and DP=2, each launched with torchrun
-(``python -m torch.distributed.run``),
-in fp32 and bf16, plus the headline numbers:
+for each layout, each launched with torchrun (``python -m torch.distributed.run``), in fp32 and
+bf16, plus the headline numbers:
 
 - per-token log-prob max abs error against the Hugging Face fp32 reference (clause 1);
 - loss and gradient norm of every RL-step variant relative to the 1-GPU fp32 run;
 - progress-bar updates == microbatches on every layout (clause 6);
 - reuse == recompute (clause 5).
 
-The fixture model is the contract's tiny Llama with 4 layers instead of 2 (PP=2 x VPP=2 needs a
-layer per virtual stage). Results go to one JSON file, rewritten after every layout so that a run
-stopped by a deadline keeps what finished::
+Layouts: padded batches (``model.attention: padded``) on {1 GPU, TP=2, PP=2, PP=2 x VPP=2,
+DP=2}; packed sequences (THD, the default) on {1 GPU, TP=2, CP=2, PP=2 x VPP=2, DP=2}; and the
+4- and 8-GPU layouts, which run where the GPUs exist and are recorded as skipped elsewhere.
 
-    PYTHONPATH=$PWD python benchmarks/megatron_contract.py \\
+Fixtures. The contract's tiny Llama with 4 layers instead of 2 (PP=2 x VPP=2 needs a layer per
+virtual stage). fp32 runs use the suite's init std of 0.2, whose large logits make a misaligned
+or mis-tempered log-prob show. bf16 error grows with the logits' size: bf16 runs use the std of
+real checkpoints' init (0.02, HF's ``initializer_range`` default), and each fixture's row
+``hf_bf16_floor`` gives the error of the Hugging Face model itself run in bf16 against its fp32
+self (the best any bf16 engine can do on that fixture); one 1-GPU bf16 run on the std-0.2 fixture
+shows the difference. Each bf16 row is compared with the fp32 1-GPU run on its own fixture.
+
+Layouts run ``--jobs`` at a time (they share the GPUs: the models are tiny). Results go to one
+JSON file, rewritten after every layout so that a run stopped by a deadline keeps what finished::
+
+    PYTHONPATH=$PWD python benchmarks/megatron_contract.py --jobs 4 \
         --out benchmarks/results/megatron_contract_h200.json
-
-Known failures that are not the backend's (reported to the lead, see the JSON's ``notes``):
-under TP every tensor-parallel rank returns the forward log-probs and the harness counts them
-twice ("every sample once"; removed here before the checks, after checking the TP ranks agree
-exactly); under PP, core's `RLStep` returns the loss metrics on the last stage only, so clause 2's
-"rank 0 reports the reporting rank's metrics" fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import importlib.metadata
 import json
@@ -34,6 +39,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,14 +53,38 @@ logger = logging.getLogger("megatron_contract")
 
 BUILDER = "unirl.backends.megatron:build_backend"
 NUM_LAYERS = 4
+PADDED = {"attention": "padded"}
 LAYOUTS = (
-    Layout.of("tp1-pp1-dp1", 1),
-    Layout.of("tp2", 2, tp=2),
-    Layout.of("pp2", 2, pp=2),
-    Layout.of("pp2-vpp2", 2, pp=2, vpp=2),
-    Layout.of("dp2", 2),
+    Layout.of("tp1-pp1-dp1", 1, model=PADDED),
+    Layout.of("tp2", 2, model=PADDED, tp=2),
+    Layout.of("pp2", 2, model=PADDED, pp=2),
+    Layout.of("pp2-vpp2", 2, model=PADDED, pp=2, vpp=2),
+    Layout.of("dp2", 2, model=PADDED),
+    Layout.of("packed", 1),
+    Layout.of("packed-tp2", 2, tp=2),
+    Layout.of("packed-cp2", 2, cp=2),
+    Layout.of("packed-pp2-vpp2", 2, pp=2, vpp=2),
+    Layout.of("packed-dp2", 2),
+    # 4 GPUs
+    Layout.of("tp2-pp2", 4, model=PADDED, tp=2, pp=2),
+    Layout.of("tp2-pp2-vpp2", 4, model=PADDED, tp=2, pp=2, vpp=2),
+    Layout.of("packed-tp2-pp2-vpp2", 4, tp=2, pp=2, vpp=2),
+    Layout.of("packed-tp2-cp2", 4, tp=2, cp=2),
+    Layout.of("dp2-tp2", 4, model=PADDED, tp=2),
+    Layout.of("packed-dp2-tp2", 4, tp=2),
+    # 8 GPUs
+    Layout.of("packed-tp2-pp2-cp2-vpp2", 8, tp=2, pp=2, cp=2, vpp=2),
+    Layout.of("dp2-tp2-pp2", 8, model=PADDED, tp=2, pp=2),
+    Layout.of("packed-dp2-tp2-pp2", 8, tp=2, pp=2),
 )
-BASELINE = ("fp32", "tp1-pp1-dp1")
+BASELINE_LAYOUT = "tp1-pp1-dp1"
+# (run name, dtype, fixture init std, layouts: None = all)
+RUNS = (
+    ("fp32", "fp32", 0.2, None),
+    ("bf16", "bf16", 0.02, None),
+    ("fp32-std0.02", "fp32", 0.02, (BASELINE_LAYOUT,)),  # the bf16 rows' baseline
+    ("bf16-std0.2", "bf16", 0.2, (BASELINE_LAYOUT, "packed")),
+)
 # NVLink multicast stays off on shared hosts (device README); torchrun passes the environment on.
 SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -86,8 +116,10 @@ def worker(job_file: Path) -> None:
 # -- the driver ---------------------------------------------------------------------------------
 
 
-def run_layout(layout: Layout, dtype: str, model_dir: Path, records: list, root: Path) -> Any:
-    work = root / f"{dtype}-{layout.name}"
+def run_layout(
+    layout: Layout, dtype: str, model_dir: Path, records: list, root: Path, run: str
+) -> Any:
+    work = root / f"{run}-{layout.name}"
     work.mkdir(parents=True, exist_ok=True)
     job = harness.Job(
         backend="megatron",
@@ -110,7 +142,7 @@ def run_layout(layout: Layout, dtype: str, model_dir: Path, records: list, root:
         "--worker",
         str(job_file),
     ]
-    env = {**os.environ, **SAFE_ENV, "UNIRL_PROGRESS": "1"}
+    env = {**os.environ, **SAFE_ENV, "UNIRL_PROGRESS": "1", "OMP_NUM_THREADS": "2"}
     t0 = time.perf_counter()
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=LAYOUT_TIMEOUT_S, check=False
@@ -126,31 +158,6 @@ def run_layout(layout: Layout, dtype: str, model_dir: Path, records: list, root:
             )
         ranks.append(torch.load(out, weights_only=False))
     return clauses.Measured(ranks, wall_s=wall), " ".join(cmd)
-
-
-def dedup_tensor_parallel(m: clauses.Measured, tp: int) -> float:
-    """Keep the forward log-probs of tensor-parallel rank 0 only (the harness expects each sample
-    once); returns the largest difference between TP ranks' copies (0: they agree exactly)."""
-    if tp == 1:
-        return 0.0
-    worst = 0.0
-    by_rank = {r["rank"]: r for r in m.ranks}
-    for r in m.ranks:
-        if r["rank"] % tp == 0:
-            continue
-        lead = by_rank[r["rank"] - r["rank"] % tp]
-        for path in (("forward", "policy"), ("forward", "reference"), ("export", "logprobs")):
-            mine, theirs = (
-                r.get(path[0], {}).get(path[1], {}),
-                lead.get(path[0], {}).get(path[1], {}),
-            )
-            for sample, values in mine.items():
-                diff = (torch.tensor(values) - torch.tensor(theirs[sample])).abs().max()
-                worst = max(worst, float(diff) if len(values) else 0.0)
-            r.get(path[0], {})[path[1]] = {}
-        if "resume" in r:
-            r["resume"]["reference_after"] = {}
-    return worst
 
 
 def headline(m: clauses.Measured, ref: clauses.ReferenceResults) -> dict[str, Any]:
@@ -228,11 +235,32 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def hf_bf16_floor(model_dir: Path, records: list, ref: clauses.ReferenceResults) -> float:
+    """Max abs error of the HF model's own bf16 log-probs against its fp32 ones."""
+    from tests.contract import reference
+
+    model = reference.load_model(model_dir).to(torch.bfloat16)
+    got = reference.batch_logprobs(model, records, fixtures.TEMPERATURE)
+    return max(
+        float((g.double() - ref.logprobs[i].double()).abs().max())
+        for i, g in enumerate(got)
+        if g.numel()
+    )
+
+
+def prepare_fixture(root: Path, std: float) -> tuple[Path, list, clauses.ReferenceResults, float]:
+    fixtures.TINY_LLAMA["initializer_range"] = std
+    model_dir, records = launch.prepare(root / f"std{std}")
+    ref = clauses.compute_reference(model_dir, records)
+    return model_dir, records, ref, hf_bf16_floor(model_dir, records, ref)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=False)
-    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--runs", default=",".join(r[0] for r in RUNS))
     parser.add_argument("--layouts", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="layouts run at the same time")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no layout after")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -247,60 +275,73 @@ def main() -> None:
     fixtures.TINY_LLAMA["num_hidden_layers"] = NUM_LAYERS
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="unirl-megatron-contract-"))
     root.mkdir(parents=True, exist_ok=True)
-    model_dir, records = launch.prepare(root)
-    ref = clauses.compute_reference(model_dir, records)
+    wanted_runs = {x for x in args.runs.split(",") if x}
+    runs = [r for r in RUNS if r[0] in wanted_runs]
+    stds = sorted({r[2] for r in runs})
+    prepared = {std: prepare_fixture(root, std) for std in stds}
     wanted = {x for x in args.layouts.split(",") if x}
+    gpus = torch.cuda.device_count()
     table: dict[str, Any] = {
-        "model": {**fixtures.TINY_LLAMA},
+        "model": {**fixtures.TINY_LLAMA, "initializer_range": {r[0]: r[2] for r in runs}},
+        "hf_bf16_floor": {f"std{std}": prepared[std][3] for std in stds},
         "environment": environment(),
         "tolerance": {d: {"rtol": t.rtol, "atol": t.atol} for d, t in clauses.TOLERANCES.items()},
-        "notes": [
-            "tp layouts: forward log-probs deduplicated over TP ranks (tp_ranks_max_diff) before "
-            "clause 1/7/8's 'every sample once' check",
-            "pp layouts: clause 2 'rank 0 reports the reporting rank's metrics' fails because "
-            "core RLStep returns loss metrics on the last pipeline stage only",
-        ],
+        "layouts": {
+            x.name: {"world_size": x.world_size, "parallel": x.parallel_dict, "model": x.model_dict}
+            for x in LAYOUTS
+        },
         "results": {},
     }
-    baseline: dict[str, Any] | None = None
-    for dtype in [d for d in args.dtypes.split(",") if d]:
-        tol = clauses.TOLERANCES[dtype]
+    jobs = []
+    for run, dtype, std, only in runs:
         for layout in LAYOUTS:
-            if wanted and layout.name not in wanted:
+            if (wanted and layout.name not in wanted) or (only and layout.name not in only):
                 continue
-            row: dict[str, Any] = {
-                "world_size": layout.world_size,
-                "parallel": layout.parallel_dict,
-            }
-            table["results"].setdefault(dtype, {})[layout.name] = row
-            if time.monotonic() - t_start > args.deadline_s:
-                row["skipped"] = f"deadline of {args.deadline_s} s reached"
+            row: dict[str, Any] = {"world_size": layout.world_size, "fixture_std": std}
+            table["results"].setdefault(run, {})[layout.name] = row
+            if layout.world_size > gpus:
+                row["skipped"] = f"needs {layout.world_size} GPUs, {gpus} here"
                 continue
-            if torch.cuda.is_available() and layout.world_size > torch.cuda.device_count():
-                row["skipped"] = f"needs {layout.world_size} GPUs"
-                continue
-            logger.info("%s / %s: running", dtype, layout.name)
+            jobs.append((run, dtype, std, layout, row))
+
+    lock = threading.Lock()
+
+    def one(job: tuple) -> None:
+        run, dtype, std, layout, row = job
+        out: dict[str, Any] = {}
+        if time.monotonic() - t_start > args.deadline_s:
+            out["skipped"] = f"deadline of {args.deadline_s} s reached"
+        else:
+            model_dir, records, ref, _ = prepared[std]
+            logger.info("%s / %s: running", run, layout.name)
             try:
-                m, cmd = run_layout(layout, dtype, model_dir, records, root)
+                m, cmd = run_layout(layout, dtype, model_dir, records, root, run)
+                tol = clauses.TOLERANCES[dtype]
+                out["command"] = cmd
+                out["wall_s"] = round(m.wall_s, 1)
+                out["harness_errors"] = {k: v[-3000:] for k, v in m.errors.items()}
+                out["clauses"] = summarise(clauses.all_checks(m, ref, records, tol))
+                out["headline"] = headline(m, ref)
+                verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in out["clauses"].items()}
+                logger.info("%s / %s: %.1f s %s", run, layout.name, m.wall_s, verdict)
             except Exception as err:  # a crash or hang of the whole group
-                row["error"] = str(err)[-6000:]
-                logger.info("%s / %s failed: %s", dtype, layout.name, str(err)[-2000:])
-                _write(args.out, table)
-                continue
-            tp = layout.parallel_dict.get("tp", 1)
-            row["command"] = cmd
-            row["wall_s"] = round(m.wall_s, 1)
-            row["tp_ranks_max_diff"] = dedup_tensor_parallel(m, tp)
-            row["harness_errors"] = {k: v[-3000:] for k, v in m.errors.items()}
-            row["clauses"] = summarise(clauses.all_checks(m, ref, records, tol))
-            row["headline"] = headline(m, ref)
-            if (dtype, layout.name) == BASELINE:
-                baseline = row["headline"]
-            if baseline is not None:
-                row["vs_1gpu_fp32"] = relative_to(baseline, row["headline"])
-            verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in row["clauses"].items()}
-            logger.info("%s / %s: %.1f s %s", dtype, layout.name, m.wall_s, verdict)
+                out["error"] = str(err)[-6000:]
+                logger.info("%s / %s failed: %s", run, layout.name, str(err)[-2000:])
+        with lock:
+            row.update(out)
             _write(args.out, table)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(one, jobs))
+    baselines = {
+        std: table["results"].get(run, {}).get(BASELINE_LAYOUT, {}).get("headline")
+        for run, dtype, std, _ in runs
+        if dtype == "fp32"
+    }
+    for run, _, std, _ in runs:
+        for row in table["results"].get(run, {}).values():
+            if "headline" in row and baselines.get(std):
+                row["vs_1gpu_fp32"] = relative_to(baselines[std], row["headline"])
     table["total_s"] = round(time.monotonic() - t_start, 1)
     _write(args.out, table)
 

@@ -16,20 +16,33 @@ import attrs
 
 @attrs.frozen(kw_only=True)
 class Layout:
-    """One parallel layout: a name for test ids and tables, the process count and the config's
-    ``parallel`` section (without ``world_size``, which is the process count)."""
+    """One parallel layout: a name for test ids and tables, the process count, the config's
+    ``parallel`` section (without ``world_size``, which is the process count) and any ``model``
+    keys the layout sets (e.g. ``attention: padded``)."""
 
     name: str
     world_size: int
     parallel: tuple[tuple[str, Any], ...]
+    model: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, name: str, world_size: int, **parallel: Any) -> Layout:
-        return cls(name=name, world_size=world_size, parallel=tuple(sorted(parallel.items())))
+    def of(
+        cls, name: str, world_size: int, model: dict[str, Any] | None = None, **parallel: Any
+    ) -> Layout:
+        return cls(
+            name=name,
+            world_size=world_size,
+            parallel=tuple(sorted(parallel.items())),
+            model=tuple(sorted((model or {}).items())),
+        )
 
     @property
     def parallel_dict(self) -> dict[str, Any]:
         return dict(self.parallel)
+
+    @property
+    def model_dict(self) -> dict[str, Any]:
+        return dict(self.model)
 
     @property
     def dp_size(self) -> int:
@@ -94,11 +107,15 @@ register_backend(
         name="megatron",
         builder="unirl.backends.megatron:build_backend",
         engine_package="megatron.core",
+        # packed sequences (the default) everywhere; the padded form once, and context parallel
+        # (packed only)
         layouts=(
             Layout.of("tp1-pp1-dp1", 1),
+            Layout.of("padded", 1, model={"attention": "padded"}),
             Layout.of("dp2", 2),
             Layout.of("tp2", 2, tp=2),
             Layout.of("pp2", 2, pp=2),
+            Layout.of("cp2", 2, cp=2),
             Layout.of("zero1-dp2", 2, zero_stage=1),
         ),
         # pp2 with vpp2 needs 4 layers; the fixture model has 2.

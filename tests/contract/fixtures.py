@@ -154,12 +154,14 @@ def base_config(
     parallel: Mapping[str, Any],
     dtype: str,
     run_dir: str,
+    model: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The config every variant starts from (a plain dict for `config_from_dict`)."""
+    """The config every variant starts from (a plain dict for `config_from_dict`); ``model``:
+    extra ``model`` keys of the layout."""
     return {
         "backend": backend,
         "old_logprobs": "auto",
-        "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN},
+        "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN, **(model or {})},
         "optimizer": dict(OPTIMIZER),
         "batch": {
             "prompts_per_rollout": NUM_GROUPS,

@@ -154,13 +154,13 @@ def forward_only(
     spec = LogprobSpec(temperature=fixtures.TEMPERATURE, vocab_size=backend.vocab_size)
     with MicrobatchProgress("contract forward", len(mbs), topo, enabled=False) as bar:
         results = backend.forward_logprobs(mbs, role=role, spec=spec, progress=bar)
-    if topo.tp_rank != 0:
-        results = []  # tensor-parallel ranks return the same log-probs: count each sample once
     out: dict[int, list[float]] = {}
     for pack, logp in zip(packs, results):  # empty on ranks without the loss
         logp = logp.detach().float()
         if topo.cp_size > 1:
-            logp = gather_from_cp(logp, pack.cu_seqlens, topo.groups.cp)
+            logp = gather_from_cp(logp, pack.cu_seqlens, topo.groups.cp)  # collective
+        if topo.tp_rank != 0 or topo.cp_rank != 0:
+            continue  # TP and CP ranks then hold the same log-probs: count each sample once
         logp = logp.cpu()
         starts = pack.cu_seqlens.tolist()
         for k, sample in enumerate(pack.sample_indices):
@@ -204,6 +204,7 @@ class _GroupRun:
             model_dir=job.model_dir,
             world_size=world_size,
             parallel=job.layout.parallel_dict,
+            model=job.layout.model_dict,
             dtype=job.dtype,
             run_dir=str(self.work / "runs"),
         )

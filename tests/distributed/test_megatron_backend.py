@@ -114,6 +114,68 @@ def test_valid_logits_matches_a_per_sequence_loop():
     assert torch.equal(valid_logits(logits, batch), expected)
 
 
+# --- packed streams for the schedule, by hand --------------------------------------------------
+
+
+def test_schedule_stream_tokens_by_hand():
+    from unirl.backends.megatron.packed import schedule_stream_tokens
+
+    mbs = [_microbatch([5, 2, 7]), _microbatch([3])]
+    mbs = [mb.with_fields(global_cu_seqlens=mb.cu_seqlens) for mb in mbs]  # unsplit boundaries
+    assert schedule_stream_tokens(mbs, 1) == 14  # the longest stream
+    # cp=2: every sequence padded to a multiple of 4: 8 + 4 + 8 = 20 (and 4)
+    assert schedule_stream_tokens(mbs, 2) == 20
+    assert schedule_stream_tokens([_microbatch([])], 1) == 1  # an empty microbatch still runs
+    empty = _microbatch([])
+    assert schedule_stream_tokens([empty.with_fields(global_cu_seqlens=empty.cu_seqlens)], 2) == 4
+
+
+def test_packed_batch_padding_sequences_by_hand():
+    from unirl.backends.megatron.packed import to_packed_batch
+
+    mb = _microbatch([5, 2, 7])
+    batch = to_packed_batch(mb, cp_size=1, cp_rank=0, device="cpu", total_tokens=14 + 600)
+    # 600 padding tokens after the real 14, as sequences of at most 256: 256 + 256 + 88
+    assert batch.inputs.layout.cu_seqlens.tolist() == [0, 5, 7, 14, 270, 526, 614]
+    ids = batch.inputs.input_ids[0].tolist()
+    assert ids[:14] == mb.tokens.tolist() and ids[14:] == [0] * 600
+    positions = batch.inputs.position_ids[0].tolist()
+    assert positions[:14] == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4, 5, 6]
+    assert positions[14:270] == list(range(256)) and positions[526:] == list(range(88))
+    params = batch.model_kwargs()["packed_seq_params"]
+    assert params.qkv_format == "thd" and params.max_seqlen_q == 256
+    assert params.cu_seqlens_q.tolist() == [0, 5, 7, 14, 270, 526, 614]
+    logits = torch.randn(1, 614, 3)
+    assert torch.equal(batch.real_logits(logits), logits[0, :14])
+    # megatron's p2p length is the global stream; with nothing to pad, nothing is added
+    assert batch.schedule_tokens == 614
+    own = to_packed_batch(mb, cp_size=1, cp_rank=0, device="cpu")
+    assert own.total_tokens == 14 and own.inputs.layout.num_seqs == 3
+    with pytest.raises(ValueError, match="cannot be padded"):
+        to_packed_batch(mb, cp_size=1, cp_rank=0, device="cpu", total_tokens=13)
+
+
+def test_packed_batch_padding_under_cp_by_hand():
+    from unirl.backends.megatron.packed import to_packed_batch
+    from unirl.core.context_parallel import CPLayout
+
+    # cp=2, rank 1: sequences of 5 and 3 tokens padded to 8 and 4; then 12 padding tokens
+    tokens = torch.arange(10, 18)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    layout = CPLayout.build(cu.long(), 2, 1)
+    local = _microbatch([]).with_fields(
+        tokens=layout.split(tokens),
+        cu_seqlens=layout.local_cu_seqlens.to(torch.int32),
+        global_cu_seqlens=cu,
+    )
+    batch = to_packed_batch(local, cp_size=2, cp_rank=1, device="cpu", total_tokens=24)
+    # rank 1 holds chunks 1 and 2 of each sequence (chunk = len / 4): seq 0 positions 2, 3, 4, 5
+    # (tokens 12, 13, 14, pad) and seq 1 positions 1, 2 (tokens 16, 17), then its 6 of the pad
+    assert batch.inputs.input_ids[0].tolist() == [12, 13, 14, 0, 16, 17, 0, 0, 0, 0, 0, 0]
+    assert batch.inputs.position_ids[0].tolist() == [2, 3, 4, 5, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert batch.real_tokens == 6 and batch.schedule_tokens == 24
+
+
 # --- schedule arithmetic, by hand ---------------------------------------------------------------
 
 

@@ -129,7 +129,7 @@ def _run(cp, world, state, tokens, cu):
 
     from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
     from unirl.backends.megatron.model import build_model_chunks
-    from unirl.backends.megatron.packed import packed_model_inputs
+    from unirl.backends.megatron.packed import PAD_PIECE, packed_model_inputs, to_packed_batch
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
@@ -144,6 +144,17 @@ def _run(cp, world, state, tokens, cu):
     load_hf_weights([model], state, _config(), topo)
     mb = _microbatch(tokens, cu, topo.cp_size, topo.cp_rank)
     inputs = packed_model_inputs(mb, cp_size=topo.cp_size, cp_rank=topo.cp_rank, device="cpu")
+    # the same microbatch padded to a longer stream, as a pipeline schedule call pads it: more
+    # than two padding sequences after the real ones
+    own = int(inputs.layout.cu_seqlens_padded[-1])
+    padded = to_packed_batch(
+        mb, cp_size=cp, cp_rank=topo.cp_rank, device="cpu", total_tokens=own + 2 * PAD_PIECE + 4
+    )
+    with torch.no_grad():
+        padded_logits = model(**padded.model_kwargs())
+        padded_logp = logprobs_from_logits(
+            padded.real_logits(padded_logits), mb.targets, tp_group=None, vocab_size=VOCAB
+        )
     logits = model(
         inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params
     )
@@ -159,6 +170,9 @@ def _run(cp, world, state, tokens, cu):
         for p in model.parameters():
             p.copy_(p.grad)
     out = {
+        "pad_sequences": padded.inputs.layout.num_seqs - len(LENGTHS),
+        "padded_input_tokens": padded.inputs.input_ids.shape[1],
+        "padded_logp": inputs.layout.gather(padded_logp, topo.groups.cp if cp > 1 else None),
         "logp": inputs.layout.gather(logp.detach(), topo.groups.cp if cp > 1 else None),
         "grads": export_hf_state_dict([model], _config(), topo),
         "rope_positions": _thd_rope_positions(inputs.layout),
@@ -193,11 +207,22 @@ def test_packed_forward_and_cp_gradients_match_hf():
 
     for rank in range(2):
         for name in ("cp1", "cp2"):
-            got = per_rank[rank][name]["logp"]
-            assert got.shape == (sum(LENGTHS),)
-            torch.testing.assert_close(
-                got.double()[valid], ref_logp[valid], atol=LOGPROB_ATOL, rtol=0
-            )
+            for key in ("logp", "padded_logp"):
+                got = per_rank[rank][name][key]
+                assert got.shape == (sum(LENGTHS),)
+                torch.testing.assert_close(
+                    got.double()[valid],
+                    ref_logp[valid],
+                    atol=LOGPROB_ATOL,
+                    rtol=0,
+                    msg=f"rank {rank} {name} {key}",
+                )
+    # padding: 2 * 256 + 4 tokens after the real stream, as 3 sequences, split over the CP ranks
+    real = {"cp1": sum(LENGTHS), "cp2": sum(-(-n // 4) * 4 for n in LENGTHS)}
+    for name, cp in (("cp1", 1), ("cp2", 2)):
+        res = per_rank[0][name]
+        assert res["pad_sequences"] == 3
+        assert res["padded_input_tokens"] == (real[name] + 2 * 256 + 4) // cp
     for key, ref in ref_grads.items():
         cp1 = per_rank[0]["cp1"]["grads"][key]
         torch.testing.assert_close(cp1, ref, atol=GRAD_ATOL, rtol=1e-4, msg=f"cp1 vs hf {key}")

@@ -1,11 +1,10 @@
 """The Megatron backend on GPUs: every clause of the contract suite (`tests/contract`) in fp32,
-against the suite's independent single-process reference, for the layouts the fixture's 2-layer
-model and the machine's GPUs allow. One NCCL process per GPU.
+against the suite's independent single-process reference, for every layout the suite registers
+for Megatron (packed and padded, TP, PP, CP, DP, the distributed optimizer) that the machine's GPUs
+allow. One NCCL process per GPU.
 
-TP and PP layouts, VPP, and bf16 run in `benchmarks/megatron_contract.py` (results in
-`benchmarks/results/megatron_contract_h200.json`); their known harness-side differences (TP ranks
-each return the forward log-probs; core reports loss metrics on the last pipeline stage only)
-are explained there.
+VPP (its 4-layer fixture), bf16 and the larger layouts run in `benchmarks/megatron_contract.py`
+(results in `benchmarks/results/megatron_contract_h200.json`).
 """
 
 import importlib.util
@@ -24,7 +23,9 @@ pytestmark = [
     ),
 ]
 
-LAYOUTS = {"tp1-pp1-dp1": 1, "dp2": 2, "zero1-dp2": 2}
+from tests.contract.backends import REGISTRY  # noqa: E402
+
+LAYOUTS = {x.name: x.world_size for x in REGISTRY["megatron"].layouts}
 
 
 @pytest.fixture(scope="module")

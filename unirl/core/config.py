@@ -26,6 +26,10 @@ from unirl.core.errors import ConfigError
 Backend = Literal["megatron", "deepspeed"]
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
 Dtype = Literal["fp32", "bf16"]
+# How a microbatch reaches the attention: "packed" = one token stream, attention kept inside each
+# sequence (varlen flash attention on GPUs); "padded" = one right-padded row per sequence (PyTorch
+# SDPA); "unfused" = padded rows through megatron-core's own local attention (kept for comparison).
+Attention = Literal["packed", "padded", "unfused"]
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
@@ -58,6 +62,7 @@ class ModelConfig:
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
+    attention: Attention = "packed"
     max_seq_len: int = attrs.field(default=2048, validator=_positive)
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
@@ -263,6 +268,17 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             raise ConfigError(
                 "parallel.vpp is set but backend: deepspeed has no pipeline; remove it"
             )
+        if cfg.model.attention != "packed":
+            raise ConfigError(
+                f"model.attention={cfg.model.attention!r} is a Megatron backend option; the "
+                "DeepSpeed backend always runs packed sequences: remove model.attention or set "
+                "it to 'packed'"
+            )
+    if p.cp > 1 and cfg.model.attention != "packed":
+        raise ConfigError(
+            f"parallel.cp={p.cp} needs model.attention: packed (context parallel splits packed "
+            f"sequences), got {cfg.model.attention!r}; set model.attention: packed or parallel.cp: 1"
+        )
     if cfg.backend == "megatron" and p.zero_stage > 1:
         raise ConfigError(
             f"parallel.zero_stage={p.zero_stage} with backend: megatron; Megatron shards optimizer "

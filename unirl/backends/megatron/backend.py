@@ -8,8 +8,9 @@ One optimizer step, as core's RL step drives it::
     metrics = backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
     stats = backend.optimizer_step()            # grad norm before clipping, lr used
 
-Each packed microbatch runs as a right-padded batch (`padded`) through megatron's schedule for the
-layout (`schedule`); on the last pipeline stage the vocabulary-parallel logits of the real tokens
+Each microbatch runs through megatron's schedule for the layout (`schedule`) as one packed token
+stream (`packed`: THD with varlen flash attention, context parallel included) or, with
+``model.attention: padded | unfused``, as right-padded rows (`padded`); on the last pipeline stage the vocabulary-parallel logits of the real tokens
 go to core's `token_logprobs` (TP all-reduces of per-token statistics only, never the full
 vocabulary) and then to core's loss. The only loss arithmetic here is `schedule.loss_scale`, the
 factor that cancels megatron's mean over microbatches and data-parallel ranks.
@@ -38,7 +39,6 @@ from unirl.backends.megatron import checkpoint
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
 from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
-from unirl.backends.megatron.padded import valid_logits
 from unirl.backends.megatron.schedule import (
     ScheduledMicrobatch,
     loss_scale,
@@ -143,15 +143,10 @@ class MegatronBackend:
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> None:
         check_schedule(cfg.optimizer, total_optimizer_steps)
-        if cfg.parallel.cp > 1:
-            raise ConfigError(
-                f"parallel.cp={cfg.parallel.cp}: the model runs context parallel on packed "
-                "sequences (unirl.backends.megatron.packed), but this backend's schedules still "
-                "feed padded batches; use parallel.cp: 1 for now"
-            )
         self.cfg = cfg
         self.total_optimizer_steps = total_optimizer_steps
         self.dtype = _DTYPES[cfg.model.dtype]
+        self.packed = cfg.model.attention == "packed"
         self._owns_process_group, self.device = _init_distributed(cfg)
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
@@ -191,7 +186,11 @@ class MegatronBackend:
                 "recompute_num_layers": 1,
             }
         chunks = build_model_chunks(
-            source.hf_config, self.cfg.parallel, dtype=self.dtype, config_overrides=overrides
+            source.hf_config,
+            self.cfg.parallel,
+            dtype=self.dtype,
+            config_overrides=overrides,
+            unfused_attention=self.cfg.model.attention == "unfused",
         )
         load_hf_weights(chunks, source.weights, source.hf_config, self.topology)
         return chunks
@@ -243,7 +242,9 @@ class MegatronBackend:
         else:
             model = self._reference_chunks()
         offloaded = role == "reference" and self.cfg.model.ref_offload
-        items, rows, seq_len = schedule_items(microbatches, self.topology, self.device)
+        items, rows, seq_len = schedule_items(
+            microbatches, self.topology, self.device, packed=self.packed
+        )
         results: dict[int, torch.Tensor] = {}
         tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
 
@@ -252,7 +253,7 @@ class MegatronBackend:
             if item.mb is None:
                 return zero, {}
             logp, _ = token_logprobs(
-                valid_logits(logits, item.batch), item.mb.targets, spec, tp_group=tp_group
+                item.batch.real_logits(logits), item.mb.targets, spec, tp_group=tp_group
             )
             results[item.index] = logp.detach().float()
             progress.report(tokens=item.mb.num_tokens)
@@ -310,7 +311,9 @@ class MegatronBackend:
                 "reduces the gradients at the end of each call; pass all microbatches of one "
                 "optimizer step in one call"
             )
-        items, rows, seq_len = schedule_items(microbatches, self.topology, self.device)
+        items, rows, seq_len = schedule_items(
+            microbatches, self.topology, self.device, packed=self.packed
+        )
         scale = loss_scale(len(items), self.topology)
         metrics: dict[int, Mapping[str, Metric]] = {}
         tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
@@ -320,7 +323,7 @@ class MegatronBackend:
                 return logits.sum() * 0.0, {}
             mb = item.mb
             logp, entropy = token_logprobs(
-                valid_logits(logits, item.batch), mb.targets, spec, tp_group=tp_group
+                item.batch.real_logits(logits), mb.targets, spec, tp_group=tp_group
             )
             loss, mb_metrics = loss_fn(mb, logp, entropy)
             if mb.num_tokens == 0:

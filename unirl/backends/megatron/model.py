@@ -356,8 +356,12 @@ class UnirlGPTModel(GPTModel):
             dist.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
 
 
-def layer_spec(*, use_te: bool | None = None) -> ModuleSpec:
-    """Transformer Engine's layer spec when TE is importable, else the local spec with SDPA."""
+def layer_spec(*, use_te: bool | None = None, unfused_attention: bool = False) -> ModuleSpec:
+    """Transformer Engine's layer spec when TE is importable, else the local spec with SDPA
+    (``unfused_attention``: the local spec as megatron-core ships it, for comparison; padded
+    input on CUDA only)."""
+    if unfused_attention:
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
     if use_te if use_te is not None else te_available():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -382,6 +386,7 @@ def build_gpt_model(
     vp_stage: int | None = None,
     config_overrides: dict[str, Any] | None = None,
     use_te: bool | None = None,
+    unfused_attention: bool = False,
 ) -> GPTModel:
     """One model chunk (the layers of this pipeline stage / virtual stage), weights uninitialised,
     every parameter in ``dtype`` on the current CUDA device when there is one (else the CPU).
@@ -392,7 +397,7 @@ def build_gpt_model(
     rope = rope_settings(hf_config)
     model = UnirlGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te=use_te),
+        transformer_layer_spec=layer_spec(use_te=use_te, unfused_attention=unfused_attention),
         vocab_size=padded_vocab_size(hf_config.vocab_size, parallel.tp, VOCAB_DIVISIBLE_BY),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
@@ -419,6 +424,7 @@ def build_model_chunks(
     dtype: torch.dtype,
     config_overrides: dict[str, Any] | None = None,
     use_te: bool | None = None,
+    unfused_attention: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks, one per virtual pipeline stage (one without VPP), in vp order.
 
@@ -448,6 +454,7 @@ def build_model_chunks(
                 vp_stage=vp_stage,
                 config_overrides=config_overrides,
                 use_te=use_te,
+                unfused_attention=unfused_attention,
             )
         )
     return chunks

@@ -1,8 +1,7 @@
 """Packed microbatches as right-padded ``[rows, L]`` batches, and the logits of their real tokens.
 
-The backend's schedules feed padded batches (the model also runs THD-packed sequences, with
-context parallel, through `unirl.backends.megatron.packed`; the schedules do not use that yet).
-A packed `TrainMicrobatch` with sequences of lengths ``l_0 .. l_k`` becomes one row per
+The schedules feed this form when ``model.attention`` is ``padded`` or ``unfused`` (the default,
+``packed``, feeds the token stream as it is: `unirl.backends.megatron.packed`). A packed `TrainMicrobatch` with sequences of lengths ``l_0 .. l_k`` becomes one row per
 sequence, padded at the end to a common length ``L``::
 
     tokens[r, :l_r] = the sequence's tokens     tokens[r, l_r:] = pad (0)
@@ -22,6 +21,7 @@ row of padding whose logits are never read.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -47,6 +47,22 @@ class PaddedBatch:
     def seq_len(self) -> int:
         return int(self.tokens.shape[1])
 
+    @property
+    def schedule_tokens(self) -> int:
+        """The activation length megatron's p2p sends per row (its ``seq_length``)."""
+        return self.seq_len
+
+    def model_kwargs(self) -> dict[str, Any]:
+        # causal: no mask; right padding is never attended to from real tokens
+        return {
+            "input_ids": self.tokens,
+            "position_ids": self.position_ids,
+            "attention_mask": None,
+        }
+
+    def real_logits(self, logits_blv: torch.Tensor) -> torch.Tensor:
+        return valid_logits(logits_blv, self)
+
     def to(self, device: torch.device) -> PaddedBatch:
         return PaddedBatch(
             tokens=self.tokens.to(device, non_blocking=True),
@@ -64,6 +80,16 @@ def padded_shape(microbatches: Sequence[TrainMicrobatch]) -> tuple[int, int]:
         rows = max(rows, len(lengths))
         length = max(length, max(lengths, default=0))
     return rows, length
+
+
+def empty_padded(rows: int, seq_len: int) -> PaddedBatch:
+    """A batch of padding only (no real token): fills the schedule where a call needs more
+    microbatches than it has (VPP)."""
+    return PaddedBatch(
+        tokens=torch.full((rows, seq_len), PAD_ID, dtype=torch.long),
+        position_ids=torch.arange(seq_len).expand(rows, seq_len).contiguous(),
+        flat_index=torch.zeros(0, dtype=torch.long),
+    )
 
 
 def to_padded(mb: TrainMicrobatch, rows: int, seq_len: int) -> PaddedBatch:

@@ -6,7 +6,9 @@ per model chunk per microbatch. The forward step here:
 
 - reads the next `ScheduledMicrobatch` from its chunk's iterator (every chunk sees every
   microbatch in order; the iterator knows its chunk's ``vp_stage``),
-- runs the chunk on the right-padded batch (`unirl.backends.megatron.padded`),
+- runs the chunk on the microbatch's model inputs: the packed token stream with its
+  `PackedSeqParams` (`unirl.backends.megatron.packed`, the default) or right-padded rows
+  (`unirl.backends.megatron.padded`, ``model.attention: padded | unfused``),
 - counts one model forward per microbatch (on chunk 0) and, after it returns, ticks the progress
   bar once per microbatch: only where `Topology.counts_microbatch(vp_stage)` (the last chunk of
   the last stage), the rule of `MicrobatchProgress.wrap`,
@@ -36,7 +38,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.backends.megatron.padded import PaddedBatch, padded_shape, to_padded
+from unirl.backends.megatron.packed import PackedBatch, schedule_stream_tokens, to_packed_batch
+from unirl.backends.megatron.padded import PaddedBatch, empty_padded, padded_shape, to_padded
 from unirl.core.config import ParallelConfig
 from unirl.core.microbatch import TrainMicrobatch
 from unirl.core.topology import Topology
@@ -70,7 +73,7 @@ def require_cuda(what: str) -> None:
 @attrs.frozen(kw_only=True)
 class ScheduledMicrobatch:
     index: int  # position in the caller's list; -1 for padding
-    batch: PaddedBatch  # on the device
+    batch: PackedBatch | PaddedBatch  # the model's inputs, on the device
     mb: TrainMicrobatch | None  # on the device; None for padding
 
     @property
@@ -105,26 +108,22 @@ def _to_device(mb: TrainMicrobatch, device: torch.device) -> TrainMicrobatch:
     return mb.with_fields(**moved)
 
 
-def _schedule_shape(
-    microbatches: Sequence[TrainMicrobatch], topology: Topology, device: torch.device
-) -> tuple[int, int]:
-    """``(rows, L)`` for the call, agreed over the model-parallel ranks that exchange
-    activations (they hold the same microbatches; the MAX makes a mismatch harmless), and a
-    check that they run the same number of microbatches (else the schedule would hang)."""
-    rows, length = padded_shape(microbatches)
+def _agree(values: list[int], n: int, topology: Topology, device: torch.device) -> list[int]:
+    """The MAX of ``values`` over the model-parallel ranks that exchange activations (they hold
+    the same microbatches; the MAX makes a mismatch harmless), and a check that they run the
+    same number ``n`` of microbatches (else the schedule would hang)."""
     group = _model_parallel_group(topology)
     if group is None:
-        return rows, length
-    n = len(microbatches)
-    t = torch.tensor([rows, length, n, -n], dtype=torch.long, device=device)
+        return values
+    t = torch.tensor([*values, n, -n], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    if int(t[2]) != -int(t[3]):
+    if int(t[-2]) != -int(t[-1]):
         raise RuntimeError(
             f"tensor / pipeline-parallel ranks of one data-parallel rank got different "
-            f"microbatch counts ({-int(t[3])} to {int(t[2])}); every rank of a data-parallel "
+            f"microbatch counts ({-int(t[-1])} to {int(t[-2])}); every rank of a data-parallel "
             "replica must be given the same microbatches"
         )
-    return int(t[0]), int(t[1])
+    return [int(x) for x in t[:-2]]
 
 
 def _model_parallel_group(topology: Topology) -> Any:
@@ -136,27 +135,57 @@ def _model_parallel_group(topology: Topology) -> Any:
 
 
 def schedule_items(
-    microbatches: Sequence[TrainMicrobatch], topology: Topology, device: torch.device
+    microbatches: Sequence[TrainMicrobatch],
+    topology: Topology,
+    device: torch.device,
+    *,
+    packed: bool = True,
 ) -> tuple[list[ScheduledMicrobatch], int, int]:
-    """The call's microbatches on the device, padded to one shape (and, under VPP, in number);
-    returns ``(items, rows, L)``."""
-    rows, length = _schedule_shape(microbatches, topology, device)
+    """The call's microbatches on the device as model inputs of one shape (and, under VPP, in
+    sufficient number); returns ``(items, rows, seq_len)``: megatron's ``micro_batch_size`` and
+    ``seq_length``.
+
+    ``packed``: each microbatch is one token stream (``rows`` = 1) padded to the call's longest
+    stream only under pipeline parallel (the stages exchange one activation shape; without PP
+    each microbatch keeps its own length). Otherwise right-padded rows of the call's common
+    ``(rows, L)``."""
+    n = len(microbatches)
+    cp, cp_rank = topology.cp_size, topology.cp_rank
+    if packed:
+        pipelined = topology.pp_size > 1
+        total = None
+        if pipelined:
+            (total,) = _agree([schedule_stream_tokens(microbatches, cp)], n, topology, device)
+        else:
+            _agree([], n, topology, device)
+        batches: list[PackedBatch | PaddedBatch] = [
+            to_packed_batch(mb, cp_size=cp, cp_rank=cp_rank, device=device, total_tokens=total)
+            for mb in microbatches
+        ]
+        rows = 1
+        seq_len = total if total is not None else max(b.schedule_tokens for b in batches)
+    else:
+        rows, seq_len = _agree(list(padded_shape(microbatches)), n, topology, device)
+        batches = [to_padded(mb, rows, seq_len).to(device) for mb in microbatches]
     items = [
-        ScheduledMicrobatch(
-            index=i, batch=to_padded(mb, rows, length).to(device), mb=_to_device(mb, device)
-        )
-        for i, mb in enumerate(microbatches)
+        ScheduledMicrobatch(index=i, batch=batch, mb=_to_device(mb, device))
+        for i, (mb, batch) in enumerate(zip(microbatches, batches))
     ]
     if topology.vpp_size is not None and topology.vpp_size > 1 and len(items) < topology.pp_size:
-        total = topology.pp_size
-        empty = torch.zeros(0, dtype=torch.long)
-        pad = PaddedBatch(
-            tokens=torch.zeros(rows, length, dtype=torch.long),
-            position_ids=torch.arange(length).expand(rows, length).contiguous(),
-            flat_index=empty,
-        ).to(device)
-        items += [ScheduledMicrobatch(index=-1, batch=pad, mb=None)] * (total - len(items))
-    return items, rows, length
+        if packed:
+            empty = attrs.evolve(
+                microbatches[0],
+                tokens=torch.zeros(0, dtype=torch.long),
+                cu_seqlens=torch.zeros(1, dtype=torch.int32),
+                global_cu_seqlens=torch.zeros(1, dtype=torch.int32),
+            )
+            pad: PackedBatch | PaddedBatch = to_packed_batch(
+                empty, cp_size=cp, cp_rank=cp_rank, device=device, total_tokens=seq_len
+            )
+        else:
+            pad = empty_padded(rows, seq_len).to(device)
+        items += [ScheduledMicrobatch(index=-1, batch=pad, mb=None)] * (topology.pp_size - n)
+    return items, rows, seq_len
 
 
 def vpp_group_size(num_microbatches: int, pp: int) -> int:
@@ -170,7 +199,8 @@ def vpp_group_size(num_microbatches: int, pp: int) -> int:
     raise AssertionError("unreachable: g = M fits")
 
 
-# (item, logits [rows, L, V_local] on the last stage) -> (loss tensor, data for megatron)
+# (item, logits on the last stage: [1, T, V_local] packed, [rows, L, V_local] padded)
+#   -> (loss tensor, data for megatron); item.batch.real_logits(logits) is [T_real, V_local]
 LossFunc = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, Any]]
 
 
@@ -199,11 +229,7 @@ def run_schedule(
 
     def forward_step(data_iterator: ChunkIterator, chunk: torch.nn.Module) -> Any:
         item = next(data_iterator)
-        output = chunk(
-            input_ids=item.batch.tokens,
-            position_ids=item.batch.position_ids,
-            attention_mask=None,  # causal: SDPA's is_causal; right padding is never attended to
-        )
+        output = chunk(**item.batch.model_kwargs())
         if not item.is_pad:
             if data_iterator.vp_stage in (None, 0):
                 on_forward()

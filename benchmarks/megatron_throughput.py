@@ -1,0 +1,407 @@
+"""Megatron backend throughput: one RL training step of a Qwen2.5-shaped model on a rollout-like
+packed batch, its model FLOPs utilisation, the actor phase with ``old_logprobs: reuse`` against
+``recompute``, and unirl's overhead over a plain megatron-core training loop.
+
+    PYTHONPATH=$PWD python benchmarks/megatron_throughput.py \\
+        --out benchmarks/results/megatron_throughput_h200.json
+
+(several GPUs: ``python -m torch.distributed.run --nproc_per_node 4 benchmarks/... --tp 2 --pp 2
+--model qwen2.5-7b``). What is measured, all in one process group, on one model built once:
+
+- **rollout batch**: ``--samples`` sequences with lengths drawn uniformly in ``[--min-len,
+  --max-len]`` (seeded), a prompt of ``len // 8`` tokens and the rest response, random token ids
+  and rewards; token-budget microbatches (``--tokens-per-microbatch``, balanced by length), one
+  optimizer step per rollout (the on-policy case in which reuse is allowed).
+- **reuse**: `RLStep.run` with ``old_logprobs: reuse``: the actor phase is the training pass
+  alone (forward + backward of every microbatch + the optimizer step).
+- **recompute**: the same with ``old_logprobs: recompute``: a forward-only pass first.
+- **plain**: a plain megatron-core loop over the same packed microbatches (inputs built before
+  the clock starts), the same model chunks, DDP, optimizer and schedule function, with
+  megatron's own cross-entropy (``GPTModel(labels=...)``) in place of the RL loss; the overhead is
+  ``unirl reuse step time / plain step time - 1``.
+
+Model FLOPs (per real token, padding excluded): ``6 N`` for a training pass and ``2 N`` for a
+forward-only pass, ``N`` the matmul parameters (attention and MLP projections of every layer and
+the output layer; the embedding lookup is not a matmul), plus causal attention ``6 L d Σ s²``
+(training) or ``2 L d Σ s²`` (forward), ``d`` = heads x head dim, ``s`` each sequence's length.
+MFU = model FLOPs / (time x 989 TFLOP/s x GPUs), the H200's dense bf16 peak.
+
+Times are medians over ``--steps`` timed steps after ``--warmup`` untimed ones, with CUDA
+synchronised around each step. The model is randomly initialised (bf16 weights, fp32 optimizer
+state): the step's speed does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("megatron_throughput")
+
+PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16
+
+MODELS: dict[str, dict[str, Any]] = {
+    # Qwen2.5-1.5B's architecture (config.json of Qwen/Qwen2.5-1.5B)
+    "qwen2.5-1.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+    },
+    # Qwen2.5-7B's architecture
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
+}
+
+
+# -- FLOPs -------------------------------------------------------------------------------------
+
+
+def matmul_params(hf: dict[str, Any]) -> int:
+    """Parameters that multiply activations: q, k, v, o, gate, up, down per layer + output layer."""
+    h, f, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    head_dim = h // hf["num_attention_heads"]
+    kv = hf["num_key_value_heads"] * head_dim
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * f
+    return layers * per_layer + h * hf["vocab_size"]
+
+
+def model_flops(hf: dict[str, Any], lengths: list[int], *, training: bool) -> float:
+    """Model FLOPs of one pass over sequences of ``lengths`` (module docstring)."""
+    factor = 6 if training else 2
+    tokens = sum(lengths)
+    attention = hf["num_hidden_layers"] * hf["hidden_size"] * sum(s * s for s in lengths)
+    return factor * (matmul_params(hf) * tokens + attention)
+
+
+# -- the batch and the configs -----------------------------------------------------------------
+
+
+def rollout_lengths(args: argparse.Namespace) -> list[int]:
+    g = torch.Generator().manual_seed(args.seed)
+    return torch.randint(args.min_len, args.max_len + 1, (args.samples,), generator=g).tolist()
+
+
+def rollout_records(lengths: list[int], vocab: int, group: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed + 1)
+    records = []
+    for i, n in enumerate(lengths):
+        prompt = max(1, n // 8)
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        records.append(
+            {
+                "prompt_tokens": ids[:prompt],
+                "response_tokens": ids[prompt:],
+                "reward": float(torch.rand((), generator=g)),
+                "group_id": i // group,
+            }
+        )
+    return records
+
+
+def config_dict(args: argparse.Namespace, hf: dict[str, Any], old_logprobs: str) -> dict:
+    samples = args.samples
+    return {
+        "backend": "megatron",
+        "old_logprobs": old_logprobs,
+        "model": {
+            "hf_config": hf,
+            "init_seed": 0,
+            "dtype": "bf16",
+            "max_seq_len": args.max_len,
+            "attention": args.attention,
+            "gradient_checkpointing": args.recompute_activations,
+        },
+        "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
+        "batch": {
+            "prompts_per_rollout": samples // args.group,
+            "samples_per_prompt": args.group,
+            "samples_per_optimizer_step": samples,  # one optimizer step: on-policy
+            "max_tokens_per_microbatch": args.tokens_per_microbatch,
+        },
+        "parallel": {
+            "tp": args.tp,
+            "pp": args.pp,
+            "vpp": args.vpp,
+            "cp": args.cp,
+            "zero_stage": 1,
+        },
+        "algorithm": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip"},
+        "train": {"seed": 0},
+        "progress": {"enabled": True},
+        "logging": {"run_dir": tempfile.mkdtemp(prefix="unirl-throughput-"), "tensorboard": False},
+    }
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def timed(fn: Any, warmup: int, steps: int) -> tuple[list[float], Any]:
+    last = None
+    times = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        last = fn()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times, last
+
+
+def run_rl_steps(cfg: Any, backend: Any, batch: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from unirl.core.step import RLStep
+
+    step = RLStep(cfg, backend)
+    phases: list[dict[str, float]] = []
+
+    def one() -> Any:
+        result = step.run(batch)
+        phases.append(result.metrics)
+        return result
+
+    times, result = timed(one, args.warmup, args.steps)
+    timed_phases = phases[args.warmup :]
+    actor = [m.get("time/actor_forward_s", 0.0) + m["time/train_s"] for m in timed_phases]
+    return {
+        "step_s": times,
+        "actor_phase_s": actor,
+        "actor_forward_s": [m.get("time/actor_forward_s", 0.0) for m in timed_phases],
+        "train_s": [m["time/train_s"] for m in timed_phases],
+        "old_logprob_source": result.decision.source,
+        "loss": result.metrics.get("loss"),
+        "grad_norm": result.metrics.get("grad_norm"),
+    }
+
+
+def _labels(item: Any) -> torch.Tensor:
+    """Next-token labels in the model input's shape (0 where the input is padding)."""
+    shape = item.batch.model_kwargs()["input_ids"].shape
+    flat = torch.zeros(shape.numel(), dtype=torch.long, device=item.mb.targets.device)
+    index = getattr(item.batch, "flat_index", None)
+    if index is None:  # packed: the real tokens come first
+        index = torch.arange(item.batch.real_tokens, device=flat.device)
+    flat[index] = item.mb.targets
+    return flat.view(shape)
+
+
+def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Namespace) -> dict:
+    """The same packed microbatches through megatron-core alone: GPTModel's own cross-entropy,
+    the schedule function, DDP and the optimizer (module docstring)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from unirl.backends.megatron.schedule import schedule_items
+    from unirl.core.step import RLStep
+
+    topo = backend.topology
+    step = RLStep(cfg, backend)
+    (plan,) = step._plans(batch, 0)
+    (opt_step,) = plan.steps
+    packs = [batch.pack(idx) for idx in opt_step.microbatches(topo.dp_rank)]
+    mbs = [step._microbatch(p, None, None, None) for p in packs]
+    items, rows, seq_len = schedule_items(mbs, topo, backend.device, packed=backend.packed)
+    labels = [_labels(it) for it in items]
+    total_valid = sum(float(it.mb.loss_mask.sum()) for it in items)
+    n = len(items)
+    vpp = len(backend.ddp) > 1
+
+    def forward_step(data_iterator: Any, model: Any) -> Any:
+        i = next(data_iterator)
+        item = items[i]
+        # per-token fp32 cross-entropy [rows, L] on the last stage (hidden states elsewhere)
+        per_token = model(**item.batch.model_kwargs(), labels=labels[i])
+
+        def loss_func(output: torch.Tensor) -> Any:
+            ce = item.batch.real_logits(output[..., None])[:, 0]  # the real tokens' entries
+            loss = (ce * item.mb.loss_mask).sum() / total_valid
+            return loss * n * topo.dp_size, {}  # cancel megatron's mean (as unirl does)
+
+        return per_token, loss_func
+
+    def one() -> None:
+        iterators = [iter(range(n)) for _ in backend.ddp]
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if vpp else iterators[0],
+            model=list(backend.ddp) if vpp else backend.ddp[0],
+            num_microbatches=n,
+            seq_length=seq_len,
+            micro_batch_size=rows,
+            forward_only=False,
+        )
+        backend.optimizer.step()
+        for ddp in backend.ddp:
+            ddp.zero_grad_buffer()
+        backend.optimizer.zero_grad()
+
+    times, _ = timed(one, args.warmup, args.steps)
+    return {"step_s": times}
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def summary(
+    hf: dict[str, Any], lengths: list[int], res: dict[str, Any], gpus: int
+) -> dict[str, Any]:
+    med = {k: statistics.median(v) for k, v in res.items() if isinstance(v, list) and v}
+    tokens = sum(lengths)
+    train_flops = model_flops(hf, lengths, training=True)
+    fwd_flops = model_flops(hf, lengths, training=False)
+    out: dict[str, Any] = {"median_s": med}
+    if "train_s" in med:
+        out["train_tokens_per_s"] = tokens / med["train_s"]
+        out["train_mfu"] = train_flops / (med["train_s"] * PEAK_BF16_FLOPS * gpus)
+    if "actor_phase_s" in med:
+        recomputes = med.get("actor_forward_s", 0.0) > 0
+        flops = train_flops + (fwd_flops if recomputes else 0.0)
+        out["actor_phase_tokens_per_s"] = tokens / med["actor_phase_s"]
+        out["actor_phase_mfu"] = flops / (med["actor_phase_s"] * PEAK_BF16_FLOPS * gpus)
+    if "step_s" in med:
+        out["step_tokens_per_s"] = tokens / med["step_s"]
+        out["step_mfu_training_flops"] = train_flops / (med["step_s"] * PEAK_BF16_FLOPS * gpus)
+    return out
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    import importlib.metadata
+
+    env: dict[str, Any] = {
+        "command": "PYTHONPATH=$PWD python " + " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+    }
+    for name in ("megatron-core", "transformers"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
+    parser.add_argument("--layers", type=int, default=None, help="override (smoke runs)")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--min-len", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--tokens-per-microbatch", type=int, default=16384)
+    parser.add_argument("--attention", default="packed", choices=["packed", "padded", "unfused"])
+    parser.add_argument("--recompute-activations", action="store_true")
+    parser.add_argument("--modes", default="reuse,recompute,plain")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    from unirl.backends import build_backend
+    from unirl.core.config import config_from_dict
+    from unirl.core.rollout import RolloutBatch
+
+    hf = dict(MODELS[args.model])
+    if args.layers is not None:
+        hf["num_hidden_layers"] = args.layers
+    lengths = rollout_lengths(args)
+    batch = RolloutBatch.from_records(rollout_records(lengths, hf["vocab_size"], args.group, 0))
+    cfgs = {mode: config_from_dict(config_dict(args, hf, mode)) for mode in ("reuse", "recompute")}
+    t0 = time.perf_counter()
+    backend = build_backend(cfgs["reuse"], total_optimizer_steps=1000, needs_reference=False)
+    build_s = time.perf_counter() - t0
+    gpus = backend.topology.world_size
+    report: dict[str, Any] = {
+        "environment": environment(args),
+        "model": {"name": args.model, **hf, "matmul_params": matmul_params(hf)},
+        "batch": {
+            "samples": len(lengths),
+            "tokens": sum(lengths),
+            "min_len": min(lengths),
+            "max_len": max(lengths),
+            "tokens_per_microbatch": args.tokens_per_microbatch,
+            "attention": args.attention,
+            "activation_recompute": args.recompute_activations,
+        },
+        "parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "cp": args.cp, "gpus": gpus},
+        "flops": {
+            "train_pass": model_flops(hf, lengths, training=True),
+            "forward_pass": model_flops(hf, lengths, training=False),
+            "peak_per_gpu": PEAK_BF16_FLOPS,
+        },
+        "build_s": build_s,
+        "results": {},
+    }
+    results = report["results"]
+    for mode in [m for m in args.modes.split(",") if m]:
+        logger.info("mode %s", mode)
+        torch.cuda.reset_peak_memory_stats()
+        if mode == "plain":
+            res = plain_megatron_steps(backend, cfgs["reuse"], batch, args)
+        else:
+            res = run_rl_steps(cfgs[mode], backend, batch, args)
+        res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res["summary"] = summary(hf, lengths, res, gpus)
+        results[mode] = res
+        logger.info("%s: %s", mode, json.dumps(res["summary"]))
+    if "reuse" in results and "recompute" in results:
+        a = statistics.median(results["recompute"]["actor_phase_s"])
+        b = statistics.median(results["reuse"]["actor_phase_s"])
+        report["reuse_speedup_actor_phase"] = a / b
+    if "reuse" in results and "plain" in results:
+        u = statistics.median(results["reuse"]["step_s"])
+        p = statistics.median(results["plain"]["step_s"])
+        report["unirl_overhead_vs_plain"] = u / p - 1.0
+    if backend.topology.rank == 0:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        logger.info(
+            "speedup %s overhead %s",
+            report.get("reuse_speedup_actor_phase"),
+            report.get("unirl_overhead_vs_plain"),
+        )
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()
