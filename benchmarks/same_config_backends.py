@@ -39,7 +39,11 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _plot(curves: dict[str, list[dict[str, Any]]], out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine has none: `--replot JSON` draws it elsewhere
+        print("matplotlib is not installed: no PNG (run again with --replot JSON)", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -63,7 +67,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="processes per run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out-dir", default="benchmarks/results/same_config")
+    parser.add_argument("--replot", type=Path, default=None, help="draw the PNG of a JSON")
     args = parser.parse_args()
+    if args.replot is not None:
+        runs = json.loads(args.replot.read_text())["runs"]
+        curves = {name: run["steps"] for name, run in runs.items() if "steps" in run}
+        _plot(curves, args.replot.with_suffix(".png"))
+        return
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")

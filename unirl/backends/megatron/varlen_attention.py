@@ -27,6 +27,7 @@ rank per layer, fine for RL sequence lengths; ring attention would overlap the e
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from typing import Any
@@ -45,6 +46,12 @@ except ImportError:  # pragma: no cover - older torch
     _varlen_attn = None
 
 CAUSAL_WINDOW = (-1, 0)  # varlen_attn's causal mask (no left limit, nothing to the right)
+# Keyword arguments this torch's varlen_attn takes (torch 2.11 has no `enable_gqa`; 2.13 has).
+_VARLEN_PARAMS = (
+    frozenset(inspect.signature(_varlen_attn).parameters)
+    if _varlen_attn is not None
+    else frozenset()
+)
 
 
 def varlen_available(q: torch.Tensor) -> bool:
@@ -63,18 +70,18 @@ def _varlen_kernel(
     scale: float,
 ) -> torch.Tensor:
     """Causal (bottom-right aligned) flash attention over packed segments."""
-    return _varlen_attn(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        scale=scale,
-        window_size=CAUSAL_WINDOW,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+    kwargs: dict[str, Any] = {"window_size": CAUSAL_WINDOW}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:  # one key/value head per query head, Megatron's grouping (h -> h // group)
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if "scale" in _VARLEN_PARAMS:
+        kwargs["scale"] = scale
+    elif abs(scale * math.sqrt(q.shape[-1]) - 1.0) > 1e-12:
+        q = q * (scale * math.sqrt(q.shape[-1]))  # the kernel's own scale is 1/sqrt(D)
+    return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
