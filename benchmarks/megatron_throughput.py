@@ -168,6 +168,22 @@ def config_dict(args: argparse.Namespace, hf: dict[str, Any], old_logprobs: str)
 # -- timing ------------------------------------------------------------------------------------
 
 
+PROFILE: dict[str, Any] = {"dir": None}
+
+
+def profiled(fn: Any, name: str) -> None:
+    """One more step under torch.profiler (``--profile-dir``): kernel and CPU tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    text = table.table(sort_by="cuda_time_total", row_limit=45)
+    text += "\n\n" + table.table(sort_by="cpu_time_total", row_limit=45)
+    (Path(PROFILE["dir"]) / f"profile_{name}.txt").write_text(text)
+
+
 def timed(fn: Any, warmup: int, steps: int) -> tuple[list[float], Any]:
     last = None
     times = []
@@ -193,7 +209,9 @@ def run_rl_steps(cfg: Any, backend: Any, batch: Any, args: argparse.Namespace) -
         return result
 
     times, result = timed(one, args.warmup, args.steps)
-    timed_phases = phases[args.warmup :]
+    timed_phases = phases[args.warmup : args.warmup + args.steps]
+    if PROFILE["dir"]:
+        profiled(one, cfg.old_logprobs)
     actor = [m.get("time/actor_forward_s", 0.0) + m["time/train_s"] for m in timed_phases]
     return {
         "step_s": times,
@@ -267,6 +285,8 @@ def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Name
         backend.optimizer.zero_grad()
 
     times, _ = timed(one, args.warmup, args.steps)
+    if PROFILE["dir"]:
+        profiled(one, "plain")
     return {"step_s": times}
 
 
@@ -334,7 +354,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-dir", type=Path, default=None, help="profile one more step")
     args = parser.parse_args()
+    PROFILE["dir"] = args.profile_dir
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from unirl.backends import build_backend

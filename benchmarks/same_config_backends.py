@@ -83,7 +83,10 @@ def main() -> None:
         run_dir = out_dir / f"run_{backend}"
         cmd = _command(backend, args.config, run_dir, args.set, args.nproc)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log = run_dir / "train.log"  # written as the run goes (progress lines)
+        with log.open("w") as sink:
+            proc = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
         wall = time.perf_counter() - t0
         entry: dict[str, Any] = {
             "command": " ".join(cmd),
@@ -91,7 +94,7 @@ def main() -> None:
             "wall_s": wall,
         }
         if proc.returncode != 0:
-            entry["stderr_tail"] = proc.stderr[-4000:]
+            entry["log_tail"] = log.read_text()[-4000:]
         else:
             rows = _metrics(run_dir)
             curves[backend] = rows

@@ -176,6 +176,9 @@ def transformer_config(
         rotary_interleaved=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        # SwiGLU in one fused kernel (megatron's jit-scripted bias_swiglu; needs neither TE nor
+        # Apex): one pass over the [T, 2 * ffn] activation instead of three
+        bias_activation_fusion=True,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
@@ -278,8 +281,11 @@ class SDPACoreAttention(MegatronModule):
                 "'thd' is supported"
             )
         if self.cp_size == 1:
-            cu = params.cu_seqlens_q_padded
-            cu = params.cu_seqlens_q if cu is None else cu
+            cu = getattr(params, "cu_seqlens_device", None)  # unirl's params: on query's device
+            if cu is None:
+                cu = params.cu_seqlens_q_padded
+                cu = params.cu_seqlens_q if cu is None else cu
+            cu = cu.to(query.device)
             out = packed_causal_attention(
                 query,
                 key,

@@ -52,15 +52,30 @@ from unirl.core.microbatch import TrainMicrobatch
 
 @dataclass
 class UnirlPackedSeqParams(PackedSeqParams):
-    """`PackedSeqParams` plus what unirl's CP attention needs (None when cp == 1)."""
+    """`PackedSeqParams` plus what unirl's attention needs: the boundaries on the device, and
+    under CP the layout and its attention index (None when cp == 1)."""
 
+    cu_seqlens_device: torch.Tensor | None = None
     cp_layout: CPLayout | None = None
     cp_index: CPAttentionIndex | None = None
 
 
-def packed_seq_params(layout: CPLayout, device: torch.device | str) -> UnirlPackedSeqParams:
-    """THD params of one microbatch split by ``layout`` (cp == 1: the trivial layout)."""
-    padded = layout.cu_seqlens_padded.to(device=device, dtype=torch.int32)
+def packed_seq_params(
+    layout: CPLayout, device: torch.device | str, *, host_boundaries: bool | None = None
+) -> UnirlPackedSeqParams:
+    """THD params of one microbatch split by ``layout`` (cp == 1: the trivial layout).
+
+    ``host_boundaries`` (default: without Transformer Engine): the ``cu_seqlens*`` fields stay on
+    the CPU. megatron's THD RoPE reads them with ``.tolist()`` in every layer, which on a device
+    tensor is a host sync per layer that stops the CPU from queueing work ahead of the GPU;
+    unirl's attention reads the device copy ``cu_seqlens_device``. TE's attention needs them on
+    the device."""
+    if host_boundaries is None:
+        from unirl.backends.megatron.model import te_available
+
+        host_boundaries = not te_available()
+    on_device = layout.cu_seqlens_padded.to(device=device, dtype=torch.int32)
+    padded = layout.cu_seqlens_padded.to(torch.int32) if host_boundaries else on_device
     longest = max_seqlen(layout.cu_seqlens_padded)
     cp = layout.cp_size > 1
     return UnirlPackedSeqParams(
@@ -69,6 +84,7 @@ def packed_seq_params(layout: CPLayout, device: torch.device | str) -> UnirlPack
         cu_seqlens_kv=padded,
         cu_seqlens_q_padded=padded,
         cu_seqlens_kv_padded=padded,
+        cu_seqlens_device=on_device,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
         cp_layout=layout if cp else None,
