@@ -325,6 +325,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "torch_threads": torch.get_num_threads(),
     }
     for name in ("megatron-core", "transformers"):
         try:
@@ -357,6 +358,10 @@ def main() -> None:
     parser.add_argument("--profile-dir", type=Path, default=None, help="profile one more step")
     args = parser.parse_args()
     PROFILE["dir"] = args.profile_dir
+    # host ops here are small: many intra-op threads only contend with the thread that
+    # launches the GPU work (torchrun sets 1 per process for the same reason)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(8, os.cpu_count() or 1))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from unirl.backends import build_backend

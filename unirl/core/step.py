@@ -80,15 +80,18 @@ class RLStep:
         timings: dict[str, float] = {}
 
         # Forward-only passes over this rank's share (the first epoch's microbatches).
-        first = [
-            batch.pack(idx) for step in plans[0].steps for idx in step.microbatches(topo.dp_rank)
-        ]
+        needs_ref_forward = self.uses_reference and not batch.has("ref_logprobs")
+        first = (
+            [batch.pack(idx) for step in plans[0].steps for idx in step.microbatches(topo.dp_rank)]
+            if decision.source == "recompute" or needs_ref_forward
+            else []
+        )
         old_bl = ref_bl = None
         if decision.source == "recompute":
             t0 = time.perf_counter()
             old_bl = self._forward_to_responses(batch, first, "policy", "actor forward")
             timings["time/actor_forward_s"] = time.perf_counter() - t0
-        if self.uses_reference and not batch.has("ref_logprobs"):
+        if needs_ref_forward:
             t0 = time.perf_counter()
             ref_bl = self._forward_to_responses(batch, first, "reference", "ref forward")
             timings["time/ref_forward_s"] = time.perf_counter() - t0
