@@ -91,6 +91,15 @@ def test_config_is_frozen():
             r"parallel.tp=2 is not supported with backend: deepspeed",
         ),
         (base(backend="megatron", parallel={"vpp": 2}), r"parallel.vpp=2 needs parallel.pp > 1"),
+        (
+            base(model={"attention": "padded"}),
+            r"model.attention='padded' is a Megatron backend option",
+        ),
+        (
+            base(backend="megatron", model={"attention": "unfused"}, parallel={"cp": 2}),
+            r"parallel.cp=2 needs model.attention: packed",
+        ),
+        (base(model={"attention": "flash"}), r"model.attention: 'flash' is not valid"),
         (base(parallel={"vpp": 2}), r"parallel.vpp is set but backend: deepspeed"),
         (
             base(backend="megatron", parallel={"zero_stage": 3}),

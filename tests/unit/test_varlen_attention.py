@@ -151,6 +151,39 @@ def test_varlen_dispatch_with_cpu_kernel(monkeypatch):
     torch.testing.assert_close(out, reference(q, k, v, LENGTHS), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("takes", "scale"),
+    [
+        (frozenset({"scale", "window_size"}), 0.2),  # torch 2.11: no enable_gqa
+        (frozenset({"window_size"}), 0.2),  # no scale either: folded into q
+        (frozenset({"scale", "window_size", "enable_gqa"}), 0.2),  # torch 2.13
+    ],
+)
+def test_varlen_call_adapts_to_the_torch_signature(monkeypatch, takes, scale):
+    """`_varlen_kernel` passes only the keywords this torch's varlen_attn takes; a stand-in
+    that refuses what it does not know computes the same attention as the fp64 reference."""
+    calls = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        assert set(kw) <= takes, f"passed {set(kw) - takes}"
+        assert kw["window_size"] == (-1, 0)
+        if k.shape[1] != q.shape[1]:
+            assert kw.get("enable_gqa"), "GQA without enable_gqa"
+        calls.append(kw)
+        used = kw.get("scale", 1 / math.sqrt(q.shape[-1]))
+        return bottom_right_causal_kernel(q, k, v, cu_q, cu_k, max_q, max_k, used)
+
+    monkeypatch.setattr(va, "_varlen_attn", varlen_attn)
+    monkeypatch.setattr(va, "_VARLEN_PARAMS", takes)
+    q, k, v = make_qkv(LENGTHS)
+    cu = cu_of(LENGTHS)
+    out = va._varlen_kernel(q, k, v, cu, cu, 8, 8, scale)
+    torch.testing.assert_close(
+        out, reference(q, k, v, LENGTHS, scale=scale), rtol=1e-10, atol=1e-10
+    )
+    assert len(calls) == 1
+
+
 def test_bad_shapes_raise():
     q, k, v = make_qkv([3])
     with pytest.raises(LossInputError, match="cu_seqlens"):
