@@ -1,10 +1,12 @@
-"""Megatron-core backend (TP, PP, VPP; DP with DDP and the distributed optimizer). Imported only
-when `backend: megatron` is chosen, so `import unirl` needs neither megatron-core nor
+"""Megatron-core backend (TP, PP, VPP, CP; DP with DDP and the distributed optimizer). Imported
+only when `backend: megatron` is chosen, so `import unirl` needs neither megatron-core nor
 transformers.
 
 Files: `topology` (parallel state -> core `Topology`), `model` (GPTModel chunks from an HF
-config), `convert` / `hf_io` (HF weights in and out), `padded` (packed microbatches as padded
-batches), `schedule` (one call of megatron's pipeline schedule, the loss factor), `optimizer`
+config, the core attention), `varlen_attention` (causal attention over packed sequences, with
+context parallel), `convert` / `hf_io` (HF weights in and out), `packed` (microbatches as THD
+model inputs, the default) and `padded` (as right-padded rows), `schedule` (one call of
+megatron's pipeline schedule, the loss factor), `optimizer`
 (DDP, optimizer, LR schedule), `checkpoint` (distributed checkpointing), `backend`
 (`MegatronBackend`).
 """
