@@ -124,7 +124,7 @@ def _thd_rope_positions(layout):
     )
 
 
-def _run(cp, world, state, tokens, cu):
+def _run(cp, world, state, tokens, cu, tp=1):
     from megatron.core import parallel_state as ps
 
     from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
@@ -137,11 +137,12 @@ def _run(cp, world, state, tokens, cu):
     from unirl.core.config import ParallelConfig
     from unirl.core.logprobs import logprobs_from_logits
 
-    parallel = ParallelConfig(cp=cp, world_size=world)
+    parallel = ParallelConfig(tp=tp, cp=cp, world_size=world)
     initialize_parallel_state(parallel)
     topo = topology_from_parallel_state()
     (model,) = build_model_chunks(_config(), parallel, dtype=torch.float32)
     load_hf_weights([model], state, _config(), topo)
+    tp_group = topo.groups.tp if tp > 1 else None
     mb = _microbatch(tokens, cu, topo.cp_size, topo.cp_rank)
     inputs = packed_model_inputs(mb, cp_size=topo.cp_size, cp_rank=topo.cp_rank, device="cpu")
     # the same microbatch padded to a longer stream, as a pipeline schedule call pads it: more
@@ -153,13 +154,13 @@ def _run(cp, world, state, tokens, cu):
     with torch.no_grad():
         padded_logits = model(**padded.model_kwargs())
         padded_logp = logprobs_from_logits(
-            padded.real_logits(padded_logits), mb.targets, tp_group=None, vocab_size=VOCAB
+            padded.real_logits(padded_logits), mb.targets, tp_group=tp_group, vocab_size=VOCAB
         )
     logits = model(
         inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params
     )
-    assert logits.shape == (1, mb.num_tokens, 128)
-    logp = logprobs_from_logits(logits[0], mb.targets, tp_group=None, vocab_size=VOCAB)
+    assert logits.shape[:2] == (1, mb.num_tokens)
+    logp = logprobs_from_logits(logits[0], mb.targets, tp_group=tp_group, vocab_size=VOCAB)
     (logp * mb.loss_mask).sum().backward()
     # the objective is the sum over CP ranks: sum each parameter's gradient over them
     grads = [p.grad for p in model.parameters()]
@@ -229,3 +230,31 @@ def test_packed_forward_and_cp_gradients_match_hf():
         for rank in range(2):
             cp2 = per_rank[rank]["cp2"]["grads"][key]
             torch.testing.assert_close(cp2, cp1, atol=GRAD_ATOL, rtol=1e-4, msg=f"cp2 {key}")
+
+
+def _tp2_cp2(rank, world, state, tokens, cu):
+    return _run(2, world, state, tokens, cu, tp=2)
+
+
+def test_tp2_cp2_packed_forward_and_gradients_match_hf():
+    """4 ranks, TP=2 x CP=2 (a layout of the 4-GPU contract, scaled down to gloo): the
+    vocabulary-parallel log-probs of the packed stream, padded or not, and the gradients equal
+    the HF model's."""
+    model = _hf_model(_config())
+    tokens, cu = _stream()
+    ref_logp, valid, ref_grads = _hf_reference(model, tokens, cu)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    per_rank = run_distributed(_tp2_cp2, 4, state, tokens, cu)
+    for rank, res in enumerate(per_rank):
+        for key in ("logp", "padded_logp"):
+            torch.testing.assert_close(
+                res[key].double()[valid],
+                ref_logp[valid],
+                atol=LOGPROB_ATOL,
+                rtol=0,
+                msg=f"rank {rank} {key}",
+            )
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(
+                res["grads"][name], ref, atol=GRAD_ATOL, rtol=1e-4, msg=f"rank {rank} {name}"
+            )
