@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,17 +145,27 @@ def run_layout(
     ]
     env = {**os.environ, **SAFE_ENV, "UNIRL_PROGRESS": "1", "OMP_NUM_THREADS": "2"}
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=LAYOUT_TIMEOUT_S, check=False
+    # own process group: a timeout kills torchrun's workers too (else they keep the GPUs busy)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    try:
+        _, stderr = proc.communicate(timeout=LAYOUT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
     wall = time.perf_counter() - t0
     ranks = []
     for r in range(layout.world_size):
         out = work / f"rank{r}.pt"
         if not out.is_file():
             raise RuntimeError(
-                f"rank {r} wrote no result (torchrun exit {proc.returncode}):\n"
-                f"{proc.stderr[-6000:]}"
+                f"rank {r} wrote no result (torchrun exit {proc.returncode}):\n{stderr[-6000:]}"
             )
         ranks.append(torch.load(out, weights_only=False))
     return clauses.Measured(ranks, wall_s=wall), " ".join(cmd)
@@ -236,7 +247,8 @@ def environment() -> dict[str, Any]:
 
 
 def hf_bf16_floor(model_dir: Path, records: list, ref: clauses.ReferenceResults) -> float:
-    """Max abs error of the HF model's own bf16 log-probs against its fp32 ones."""
+    """Max abs error of the HF model's own bf16 log-probs against its fp32 ones (run on the CPU,
+    in the driver process)."""
     from tests.contract import reference
 
     model = reference.load_model(model_dir).to(torch.bfloat16)

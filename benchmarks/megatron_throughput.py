@@ -250,8 +250,8 @@ def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Name
     packs = [batch.pack(idx) for idx in opt_step.microbatches(topo.dp_rank)]
     mbs = [step._microbatch(p, None, None, None) for p in packs]
     items, rows, seq_len = schedule_items(mbs, topo, backend.device, packed=backend.packed)
-    labels = [_labels(it) for it in items]
-    total_valid = sum(float(it.mb.loss_mask.sum()) for it in items)
+    labels = [None if it.is_pad else _labels(it) for it in items]  # VPP pads: no labels
+    total_valid = sum(float(it.mb.loss_mask.sum()) for it in items if not it.is_pad)
     n = len(items)
     vpp = len(backend.ddp) > 1
 
@@ -262,6 +262,8 @@ def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Name
         per_token = model(**item.batch.model_kwargs(), labels=labels[i])
 
         def loss_func(output: torch.Tensor) -> Any:
+            if item.is_pad:  # a zero that still reaches every parameter
+                return output.sum() * 0.0, {}
             ce = item.batch.real_logits(output[..., None])[:, 0]  # the real tokens' entries
             loss = (ce * item.mb.loss_mask).sum() / total_valid
             return loss * n * topo.dp_size, {}  # cancel megatron's mean (as unirl does)

@@ -153,6 +153,12 @@ def test_packed_batch_padding_sequences_by_hand():
     assert own.total_tokens == 14 and own.inputs.layout.num_seqs == 3
     with pytest.raises(ValueError, match="cannot be padded"):
         to_packed_batch(mb, cp_size=1, cp_rank=0, device="cpu", total_tokens=13)
+    # an empty microbatch (a data-parallel rank with no samples left) still runs: one padding
+    # sequence of one token (cp=1), read by nobody
+    empty = _microbatch([])
+    alone = to_packed_batch(empty, cp_size=1, cp_rank=0, device="cpu")
+    assert alone.inputs.layout.cu_seqlens.tolist() == [0, 1]
+    assert alone.inputs.input_ids.tolist() == [[0]] and alone.real_tokens == 0
 
 
 def test_packed_batch_padding_under_cp_by_hand():

@@ -156,6 +156,14 @@ def _run(cp, world, state, tokens, cu, tp=1):
         padded_logp = logprobs_from_logits(
             padded.real_logits(padded_logits), mb.targets, tp_group=tp_group, vocab_size=VOCAB
         )
+    # a microbatch without tokens (a data-parallel rank with no samples left) still runs
+    empty = mb.with_fields(
+        tokens=mb.tokens[:0], cu_seqlens=cu[:1], global_cu_seqlens=cu[:1], targets=mb.targets[:0]
+    )
+    empty_batch = to_packed_batch(empty, cp_size=cp, cp_rank=topo.cp_rank, device="cpu")
+    with torch.no_grad():
+        empty_logits = model(**empty_batch.model_kwargs())
+    assert empty_batch.real_logits(empty_logits).shape[0] == 0
     logits = model(
         inputs.input_ids, inputs.position_ids, None, packed_seq_params=inputs.packed_seq_params
     )

@@ -176,8 +176,9 @@ def transformer_config(
         rotary_interleaved=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # SwiGLU in one fused kernel (megatron's jit-scripted bias_swiglu; needs neither TE nor
-        # Apex): one pass over the [T, 2 * ffn] activation instead of three
+        # SwiGLU in one fused kernel (megatron's bias_swiglu, compiled by torch.compile through
+        # its jit_fuser; needs neither TE nor Apex): one pass over the [T, 2 * ffn] activation
+        # instead of three
         bias_activation_fusion=True,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -281,11 +282,10 @@ class SDPACoreAttention(MegatronModule):
                 "'thd' is supported"
             )
         if self.cp_size == 1:
+            bounds = params.cu_seqlens_q_padded
+            bounds = params.cu_seqlens_q if bounds is None else bounds
             cu = getattr(params, "cu_seqlens_device", None)  # unirl's params: on query's device
-            if cu is None:
-                cu = params.cu_seqlens_q_padded
-                cu = params.cu_seqlens_q if cu is None else cu
-            cu = cu.to(query.device)
+            cu = bounds.to(query.device) if cu is None else cu
             out = packed_causal_attention(
                 query,
                 key,
@@ -293,6 +293,8 @@ class SDPACoreAttention(MegatronModule):
                 cu,
                 scale=self.softmax_scale,
                 longest_seq=params.max_seqlen_q,
+                # read from the host copy: no sync
+                total_tokens=None if bounds.is_cuda else int(bounds[-1]),
             )
         else:
             layout = getattr(params, "cp_layout", None)

@@ -25,12 +25,16 @@ call, so `schedule_items` pads every microbatch's stream to the call's longest
 (`schedule_stream_tokens`) with padding *sequences* appended after the real ones (`PackedBatch`):
 no real token attends to them, their logits are never read, and they are cut into pieces of at
 most `PAD_PIECE` tokens so their attention costs stay linear. With token-budget microbatches,
-balanced by length, the padding is small. Without pipeline parallel nothing is padded.
+balanced by length, the padding is small. Without pipeline parallel nothing is padded (an empty
+microbatch gets one padding piece, so that every rank still runs it).
 
 **CP state.** Under CP the core attention needs the microbatch's `CPLayout` and its
 `CPAttentionIndex` (built once here, shared by every layer); they travel explicitly in
-`UnirlPackedSeqParams`, a `PackedSeqParams` with two more fields, which GPTModel hands unchanged
-to every layer's core attention.
+`UnirlPackedSeqParams`, a `PackedSeqParams` with three more fields, which GPTModel hands unchanged
+to every layer's core attention, with a device copy of the boundaries (``cu_seqlens_device``):
+without Transformer Engine the ``cu_seqlens*`` fields themselves stay on the host, because
+megatron's THD RoPE reads them with ``.tolist()`` in every layer (a host sync per layer on a
+device tensor).
 """
 
 from __future__ import annotations
@@ -187,10 +191,12 @@ def to_packed_batch(
     total_tokens: int | None = None,
 ) -> PackedBatch:
     """`mb` (built with the same ``cp_size`` / ``cp_rank``) as model inputs, padded to a stream
-    of ``total_tokens`` global tokens (default: its own length, no padding)."""
+    of ``total_tokens`` global tokens (default: its own length, no padding; an empty microbatch
+    gets one padding piece)."""
     cu = _global_cu(mb, cp_size)
     own = stream_tokens(mb, cp_size)
-    total = own if total_tokens is None else total_tokens
+    # an empty microbatch still runs (every rank joins the schedule): one padding piece
+    total = max(own, cp_pad_multiple(cp_size)) if total_tokens is None else total_tokens
     extra = total - own
     if extra < 0 or extra % cp_pad_multiple(cp_size):
         raise ValueError(

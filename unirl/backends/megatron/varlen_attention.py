@@ -56,7 +56,12 @@ _VARLEN_PARAMS = (
 
 def varlen_available(q: torch.Tensor) -> bool:
     """Whether the flash (varlen) path runs for ``q``: CUDA, bf16/fp16, torch has varlen_attn."""
-    return _varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return (
+        _varlen_attn is not None
+        and "window_size" in _VARLEN_PARAMS  # torch 2.10's varlen_attn has no causal window
+        and q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 def _varlen_kernel(
@@ -143,13 +148,14 @@ def packed_causal_attention(
     *,
     scale: float | None = None,
     longest_seq: int | None = None,
+    total_tokens: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence; ``[T, Hq, D]`` out.
 
-    ``longest_seq`` (the longest sequence) saves the flash path a host sync per call; Megatron's
-    `PackedSeqParams.max_seqlen_q` carries it.
+    ``longest_seq`` (the longest sequence) and ``total_tokens`` (``cu_seqlens[-1]``) save the
+    flash path a host sync per call each; Megatron's `PackedSeqParams` carries both.
     """
-    _check_qkv(q, k, v, int(cu_seqlens[-1]))
+    _check_qkv(q, k, v, int(cu_seqlens[-1]) if total_tokens is None else total_tokens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if varlen_available(q):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
