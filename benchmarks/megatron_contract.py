@@ -32,6 +32,7 @@ import argparse
 import concurrent.futures
 import datetime
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
@@ -93,6 +94,7 @@ SAFE_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 LAYOUT_TIMEOUT_S = 150
+_NEXT_GPU = itertools.count()  # thread-safe enough: next() on a count is atomic under the GIL
 
 
 # -- one rank under torchrun ------------------------------------------------------------------
@@ -144,6 +146,11 @@ def run_layout(
         str(job_file),
     ]
     env = {**os.environ, **SAFE_ENV, "UNIRL_PROGRESS": "1", "OMP_NUM_THREADS": "2"}
+    gpus = torch.cuda.device_count()
+    if gpus > layout.world_size and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # spread parallel jobs over the GPUs (each group starts at LOCAL_RANK 0)
+        first = next(_NEXT_GPU) % (gpus - layout.world_size + 1)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(layout.world_size))
     t0 = time.perf_counter()
     # own process group: a timeout kills torchrun's workers too (else they keep the GPUs busy)
     proc = subprocess.Popen(
