@@ -16,7 +16,7 @@ virtual stage). fp32 runs use the suite's init std of 0.2, whose large logits ma
 or mis-tempered log-prob show. bf16 error grows with the logits' size: bf16 runs use the std of
 real checkpoints' init (0.02, HF's ``initializer_range`` default), and each fixture's row
 ``hf_bf16_floor`` gives the error of the Hugging Face model itself run in bf16 against its fp32
-self (the best any bf16 engine can do on that fixture); one 1-GPU bf16 run on the std-0.2 fixture
+self (a yardstick for what bf16 rounding alone costs on that fixture); one 1-GPU bf16 run on the std-0.2 fixture
 shows the difference. Each bf16 row is compared with the fp32 1-GPU run on its own fixture.
 
 Layouts run ``--jobs`` at a time (they share the GPUs: the models are tiny). Results go to one
