@@ -17,19 +17,16 @@ Needs torch, transformers and the engines of the chosen backends (deepspeed, meg
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import logging
 import math
-import platform
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.run_environment import run_environment
 from tests.contract import clauses, launch
 from tests.contract.backends import REGISTRY, skip_reason
 
@@ -60,23 +57,6 @@ def summarise(checks: dict[str, list[clauses.Check]]) -> dict[str, Any]:
         entry["max_rel_err"] = _finite(entry["max_rel_err"])
         entry["failed"] = entry["failed"][:50]
     return dict(sorted(out.items()))
-
-
-def environment(device: str) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-    }
-    for dist_name in ("transformers", "deepspeed", "megatron-core"):
-        try:
-            env[dist_name] = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            env[dist_name] = None
-    if device == "cuda":
-        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return env
 
 
 def main() -> None:
@@ -142,7 +122,7 @@ def main() -> None:
         "device": args.device,
         "dtype": args.dtype,
         "tolerance": {"rtol": tol.rtol, "atol": tol.atol},
-        "environment": environment(args.device),
+        "environment": run_environment(("transformers", "deepspeed", "megatron-core")),
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

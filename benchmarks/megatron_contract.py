@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
-import importlib.metadata
 import itertools
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -48,6 +45,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.run_environment import run_environment
 from tests.contract import clauses, fixtures, harness, launch
 from tests.contract.backends import Layout
 
@@ -237,22 +235,6 @@ def summarise(checks: dict[str, list[clauses.Check]]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-def environment() -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "PYTHONPATH=$PWD python " + " ".join(sys.argv),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-    for dist_name in ("transformers", "megatron-core"):
-        try:
-            env[dist_name] = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            env[dist_name] = None
-    return env
-
-
 def hf_bf16_floor(model_dir: Path, records: list, ref: clauses.ReferenceResults) -> float:
     """Max abs error of the HF model's own bf16 log-probs against its fp32 ones (run on the CPU,
     in the driver process)."""
@@ -303,7 +285,7 @@ def main() -> None:
     table: dict[str, Any] = {
         "model": {**fixtures.TINY_LLAMA, "initializer_range": {r[0]: r[2] for r in runs}},
         "hf_bf16_floor": {f"std{std}": prepared[std][3] for std in stds},
-        "environment": environment(),
+        "environment": run_environment(),
         "tolerance": {d: {"rtol": t.rtol, "atol": t.atol} for d, t in clauses.TOLERANCES.items()},
         "layouts": {
             x.name: {"world_size": x.world_size, "parallel": x.parallel_dict, "model": x.model_dict}

@@ -34,19 +34,18 @@ state): the step's speed does not depend on the values.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.run_environment import run_environment
 
 logger = logging.getLogger("megatron_throughput")
 
@@ -317,26 +316,6 @@ def summary(
     return out
 
 
-def environment(args: argparse.Namespace) -> dict[str, Any]:
-    import importlib.metadata
-
-    env: dict[str, Any] = {
-        "command": "PYTHONPATH=$PWD python " + " ".join(sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "torch_threads": torch.get_num_threads(),
-    }
-    for name in ("megatron-core", "transformers"):
-        try:
-            env[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            env[name] = None
-    return env
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -381,7 +360,11 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     gpus = backend.topology.world_size
     report: dict[str, Any] = {
-        "environment": environment(args),
+        "environment": {
+            **run_environment(),
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "torch_threads": torch.get_num_threads(),
+        },
         "model": {"name": args.model, **hf, "matmul_params": matmul_params(hf)},
         "batch": {
             "samples": len(lengths),
