@@ -346,8 +346,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from unirl.backends import build_backend
-    from unirl.core.config import config_from_dict
-    from unirl.core.rollout import RolloutBatch
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.config import config_from_dict
 
     hf = dict(MODELS[args.model])
     if args.layers is not None:

@@ -52,13 +52,13 @@ class Job:
 
 
 class BarSpy:
-    """Records every tqdm bar `unirl.core.progress` creates: phase, total, updates, closed."""
+    """Records every tqdm bar `unirl.core.run.progress` creates: phase, total, updates, closed."""
 
     def __init__(self) -> None:
         self.bars: list[dict[str, Any]] = []
 
     def install(self) -> None:
-        from unirl.core import progress
+        from unirl.core.run import progress
 
         base = progress.tqdm
         spy = self
@@ -137,10 +137,10 @@ def forward_only(
     (samples ``i`` with ``i % dp == dp_rank``, in microbatches of `FORWARD_MICROBATCH`), and the
     number of microbatches."""
     from unirl.core.backend import LogprobSpec
-    from unirl.core.context_parallel import gather_from_cp
-    from unirl.core.microbatch import build_microbatch
-    from unirl.core.progress import MicrobatchProgress
-    from unirl.core.rollout import RolloutBatch
+    from unirl.core.data.context_parallel import gather_from_cp
+    from unirl.core.data.microbatch import build_microbatch
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.progress import MicrobatchProgress
 
     topo = backend.topology
     batch = RolloutBatch.from_records(fixtures.select_fields(records, ()))
@@ -218,13 +218,13 @@ class _GroupRun:
         return section(name, self.errors, self.timings)
 
     def cfg_of(self, variant: Mapping[str, Any]) -> Any:
-        from unirl.core.config import config_from_dict
+        from unirl.core.run.config import config_from_dict
 
         data = fixtures.variant_config(self.base, variant)
         return config_from_dict(data, world_size=self.world_size)
 
     def batch_of(self, variant: Mapping[str, Any]) -> Any:
-        from unirl.core.rollout import RolloutBatch
+        from unirl.core.data.rollout import RolloutBatch
 
         return RolloutBatch.from_records(fixtures.select_fields(self.job.records, variant["data"]))
 

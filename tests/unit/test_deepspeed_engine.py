@@ -14,15 +14,15 @@ import torch
 
 from unirl.backends.deepspeed.distributed import clear_stale_baton, op_build_lock
 from unirl.backends.deepspeed.engine import ScheduledLR, adamw_param_groups, deepspeed_config
-from unirl.core.config import (
+from unirl.core.errors import ConfigError
+from unirl.core.run.config import (
     BatchConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     UnirlConfig,
 )
-from unirl.core.errors import ConfigError
-from unirl.core.lr_schedule import check_schedule, learning_rate, lr_multiplier
+from unirl.core.run.lr_schedule import check_schedule, learning_rate, lr_multiplier
 
 
 def _cfg(**over) -> UnirlConfig:

@@ -7,8 +7,8 @@ import importlib
 from typing import Any
 
 from unirl.core.backend import TrainingBackend
-from unirl.core.config import UnirlConfig
 from unirl.core.errors import ConfigError
+from unirl.core.run.config import UnirlConfig
 
 _INSTALL_HINT = {
     "deepspeed": "pip install 'unirl[deepspeed,hf]'",

@@ -15,10 +15,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import attrs
 import torch
 
-from unirl.core.logprobs import logprobs_from_logits
-from unirl.core.losses import Metric
-from unirl.core.microbatch import TrainMicrobatch
-from unirl.core.progress import MicrobatchProgress
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.logprobs import logprobs_from_logits
+from unirl.core.maths.losses import Metric
+from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
 
 # loss_fn(microbatch, logprobs [T] fp32 with grad, entropy [T] or None) -> (loss, metrics);

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from unirl.backends.deepspeed.backend import DeepSpeedBackend
-    from unirl.core.config import UnirlConfig
+    from unirl.core.run.config import UnirlConfig
 
 
 def build_backend(cfg: UnirlConfig, **kwargs: Any) -> DeepSpeedBackend:

@@ -33,10 +33,10 @@ from unirl.backends.deepspeed.packed import forward_packed, use_packed_attention
 from unirl.backends.deepspeed.topology import deepspeed_topology
 from unirl.backends.hf_model import load_policy, load_reference
 from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
-from unirl.core.config import UnirlConfig
-from unirl.core.losses import Metric
-from unirl.core.microbatch import TrainMicrobatch
-from unirl.core.progress import MicrobatchProgress
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.losses import Metric
+from unirl.core.run.config import UnirlConfig
+from unirl.core.run.progress import MicrobatchProgress
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.core.config import ParallelConfig
 from unirl.core.errors import ConfigError
+from unirl.core.run.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

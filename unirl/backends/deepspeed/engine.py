@@ -12,7 +12,7 @@ Choices, and why:
   scale_wrt_gas=False)`` and marks the last microbatch with
   ``engine.set_gradient_accumulation_boundary(True)``. DeepSpeed then only averages gradients
   over data-parallel ranks, which the backend's ``loss_scale = dp`` cancels.
-- The LR schedule is `unirl.core.lr_schedule` (shared with Megatron), applied by a small
+- The LR schedule is `unirl.core.run.lr_schedule` (shared with Megatron), applied by a small
   scheduler that DeepSpeed steps after each applied optimizer step and saves in checkpoints.
 - ``cfg.deepspeed_extra`` is merged recursively over the generated config, except for the keys
   unirl owns (batch sizes, accumulation, optimizer, scheduler, precision, ZeRO stage, clipping):
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from unirl.core.config import UnirlConfig
 from unirl.core.errors import ConfigError
-from unirl.core.lr_schedule import check_schedule, learning_rate
+from unirl.core.run.config import UnirlConfig
+from unirl.core.run.lr_schedule import check_schedule, learning_rate
 
 logger = logging.getLogger(__name__)
 

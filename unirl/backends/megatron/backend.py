@@ -49,12 +49,12 @@ from unirl.backends.megatron.schedule import (
 )
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
 from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
-from unirl.core.config import UnirlConfig
+from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
-from unirl.core.losses import Metric
-from unirl.core.lr_schedule import check_schedule
-from unirl.core.microbatch import TrainMicrobatch
-from unirl.core.progress import MicrobatchProgress
+from unirl.core.maths.losses import Metric
+from unirl.core.run.config import UnirlConfig
+from unirl.core.run.lr_schedule import check_schedule
+from unirl.core.run.progress import MicrobatchProgress
 
 logger = logging.getLogger(__name__)
 

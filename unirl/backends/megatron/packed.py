@@ -49,9 +49,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from unirl.backends.megatron.padded import PAD_ID
 from unirl.backends.megatron.varlen_attention import CPAttentionIndex, max_seqlen
-from unirl.core.context_parallel import CPLayout, cp_pad_multiple, pad_to_cp_multiple
+from unirl.core.data.context_parallel import CPLayout, cp_pad_multiple, pad_to_cp_multiple
+from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import LossInputError
-from unirl.core.microbatch import TrainMicrobatch
 
 
 @dataclass

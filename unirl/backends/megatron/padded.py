@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.core.microbatch import TrainMicrobatch
+from unirl.core.data.microbatch import TrainMicrobatch
 
 PAD_ID = 0  # any valid id: padded positions are never attended to from real ones nor read
 

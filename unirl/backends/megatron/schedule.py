@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from unirl.backends.megatron.packed import PackedBatch, schedule_stream_tokens, to_packed_batch
 from unirl.backends.megatron.padded import PaddedBatch, empty_padded, padded_shape, to_padded
-from unirl.core.config import ParallelConfig
-from unirl.core.microbatch import TrainMicrobatch
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.run.config import ParallelConfig
 from unirl.core.topology import Topology
 
 CUDA_REQUIRED = (
