@@ -1,0 +1,260 @@
+"""`Fsdp2Backend`: unirl's `TrainingBackend` on PyTorch FSDP2 (`fully_shard`) with a Hugging Face
+model, optionally with Ulysses sequence parallel.
+
+One optimizer step, as core's RL step drives it::
+
+    backend = Fsdp2Backend(cfg, fsdp, total_optimizer_steps=n, needs_reference=kl_on)
+    old = backend.forward_logprobs(mbs, role="policy", spec=spec, progress=bar)   # if recompute
+    metrics = backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
+    stats = backend.optimizer_step()            # grad norm before clipping, lr used
+
+The only loss arithmetic here is `loss_scale`. Core losses are normalised by the global counts of
+the optimizer step, so the objective is the SUM of the local losses over microbatches and ranks
+(data- and sequence-parallel: SP ranks hold disjoint tokens of the same sequences). Gradients
+accumulate over microbatches by plain summation, and FSDP2's reduce-scatter (and, under hybrid
+sharding, the all-reduce over replicas) AVERAGES them over all ``dp x sp`` ranks; multiplying
+each loss by the world size turns that average back into the sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from unirl.backends.fsdp2 import checkpoint, export, packed
+from unirl.backends.fsdp2.config import Fsdp2Config
+from unirl.backends.fsdp2.distributed import close_distributed, init_distributed
+from unirl.backends.fsdp2.engine import build_optimizer, shard_model
+from unirl.backends.fsdp2.topology import build_mesh
+from unirl.backends.hf_model import load_policy, load_reference, torch_dtype
+from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.losses import Metric
+from unirl.core.run.config import UnirlConfig
+from unirl.core.run.progress import MicrobatchProgress
+
+logger = logging.getLogger(__name__)
+
+_ROLES = ("policy", "reference")
+
+
+def _to_device(mb: TrainMicrobatch, device: torch.device) -> TrainMicrobatch:
+    moved = {
+        f.name: getattr(mb, f.name).to(device, non_blocking=True)
+        for f in attrs.fields(TrainMicrobatch)
+        if isinstance(getattr(mb, f.name), torch.Tensor)
+    }
+    return mb.with_fields(**moved)
+
+
+class Fsdp2Backend:
+    """See the module docstring. `forward_calls` counts model forward invocations per role."""
+
+    def __init__(
+        self,
+        cfg: UnirlConfig,
+        fsdp: Fsdp2Config,
+        *,
+        total_optimizer_steps: int,
+        needs_reference: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.fsdp = fsdp
+        self._dist = init_distributed(cfg.parallel.world_size)
+        self.device = self._dist.device
+        self._mesh = build_mesh(fsdp, self._dist.rank, self._dist.world_size, self.device)
+        self.topology = self._mesh.topology
+        model = load_policy(cfg.model)
+        packed.use_attention(model, fsdp.sp)
+        self.vocab_size = int(model.config.vocab_size)
+        self.model = shard_model(
+            model,
+            self._mesh.shard_mesh,
+            fsdp,
+            dtype=cfg.model.dtype,
+            device=self.device,
+            train=True,
+        )
+        self.optimizer, self._scheduler = build_optimizer(
+            self.model, cfg, total_steps=total_optimizer_steps
+        )
+        self.forward_calls = dict.fromkeys(_ROLES, 0)
+        self._reference: Any = None
+        self._closed = False
+        if needs_reference:
+            self._reference_module()
+
+    @property
+    def loss_scale(self) -> float:
+        """Cancels FSDP2's mean over all ``dp x sp`` ranks (see the module docstring)."""
+        return float(self.topology.world_size)
+
+    @property
+    def _sp_group(self) -> Any:
+        return self.topology.groups.cp
+
+    # -- forward passes ----------------------------------------------------------------------
+
+    def _reference_module(self) -> Any:
+        if self._reference is None:
+            ref = load_reference(self.cfg.model)
+            packed.use_attention(ref, self.fsdp.sp)
+            ref_fsdp = attrs.evolve(self.fsdp, cpu_offload=self.cfg.model.ref_offload)
+            self._reference = shard_model(
+                ref,
+                self._mesh.shard_mesh,
+                ref_fsdp,
+                dtype=self.cfg.model.dtype,
+                device=self.device,
+                train=False,
+            )
+        return self._reference
+
+    @contextlib.contextmanager
+    def _forward_only(self, role: ModelRole) -> Iterator[Any]:
+        if role == "policy":
+            module = self.model
+        elif role == "reference":
+            module = self._reference_module()
+        else:
+            raise ValueError(f"forward_logprobs role={role!r}; choose one of {_ROLES}")
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                yield module
+        finally:
+            module.train(was_training)
+
+    def forward_logprobs(
+        self,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        role: ModelRole,
+        spec: LogprobSpec,
+        progress: MicrobatchProgress,
+    ) -> list[torch.Tensor]:
+        """Detached fp32 log-probs ``[T]`` (SP-local) per microbatch, on the device."""
+        spec = attrs.evolve(spec, with_entropy=False, entropy_grad=False)
+        out = []
+        with self._forward_only(role) as module:
+            for mb in microbatches:
+                mb = _to_device(mb, self.device)
+                logits = packed.forward(module, mb, self.device, self._sp_group)
+                self.forward_calls[role] += 1
+                if mb.num_tokens == 0:
+                    logits = logits[:0]  # the pad token of an empty microbatch predicts nothing
+                logp, _ = token_logprobs(logits, mb.targets, spec)
+                out.append(logp.float())
+                progress.report(tokens=mb.num_tokens)
+                progress.tick()
+        return out
+
+    def forward_backward(
+        self,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        loss_fn: LossFn,
+        spec: LogprobSpec,
+        progress: MicrobatchProgress,
+    ) -> list[Mapping[str, Metric]]:
+        """Accumulate the gradients of every microbatch of one optimizer step (each backward
+        reduce-scatters its gradients into the sharded ``.grad``, which sums over microbatches)."""
+        if not microbatches:
+            raise ValueError(
+                "forward_backward got no microbatches; the plan gives every rank at least one "
+                "(an empty one where a rank has no tokens) so FSDP's collectives stay in step"
+            )
+        self.model.train()
+        metrics = []
+        for mb in microbatches:
+            mb = _to_device(mb, self.device)
+            logits = packed.forward(self.model, mb, self.device, self._sp_group)
+            self.forward_calls["policy"] += 1
+            empty = mb.num_tokens == 0
+            logp, entropy = token_logprobs(logits[:0] if empty else logits, mb.targets, spec)
+            loss, mb_metrics = loss_fn(mb, logp, entropy)
+            if empty:
+                # Zero loss that still reaches every parameter, so this rank's backward runs
+                # the same reduce-scatters as the others'.
+                loss = loss + logits.sum() * 0.0
+            (loss * self.loss_scale).backward()
+            metrics.append(mb_metrics)
+            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
+            progress.tick()
+        return metrics
+
+    # -- optimizer ---------------------------------------------------------------------------
+
+    def optimizer_step(self) -> OptimizerStepStats:
+        """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.optimizer.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf)
+        if hasattr(norm, "full_tensor"):  # a DTensor: the norm over every shard
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return OptimizerStepStats(grad_norm=grad_norm, lr=lr, skipped=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._scheduler.step()
+        return OptimizerStepStats(grad_norm=grad_norm, lr=lr)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
+        checkpoint.save_checkpoint(
+            self.model,
+            self.optimizer,
+            self._scheduler,
+            Path(path),
+            client_state,
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            meta={"sp": self.fsdp.sp, "sharding": self.fsdp.sharding},
+        )
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return checkpoint.load_checkpoint(
+            self.model,
+            self.optimizer,
+            self._scheduler,
+            Path(path),
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+        )
+
+    def export_hf(self, path: Path) -> None:
+        export.export_hf(
+            self.model,
+            self.cfg.model,
+            torch_dtype(self.cfg.model),
+            Path(path),
+            rank=self._dist.rank,
+        )
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights in Hugging Face names and the model's dtype, on the CPU, on
+        every rank (collective)."""
+        return export.hf_state_dict(self.model, torch_dtype(self.cfg.model))
+
+    def close(self) -> None:
+        """Drop the models; destroy the process group only if this backend created it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.model = None  # type: ignore[assignment]
+        self.optimizer = None  # type: ignore[assignment]
+        self._reference = None
+        close_distributed(self._dist)

@@ -1,0 +1,100 @@
+"""The policy and the reference under FSDP2: `fully_shard` per decoder layer and at the root,
+mixed precision, CPU offload, the AdamW optimizer and unirl's LR schedule.
+
+Choices, and why:
+
+- **One FSDP unit per decoder layer**, plus the root (embeddings, final norm, LM head): a layer's
+  weights are gathered just before it runs and freed after, so peak memory holds one layer's full
+  weights, and the next layer's all-gather overlaps this layer's compute (FSDP2 prefetches).
+- **Mixed precision (bf16).** The sharded parameters stay fp32 (they are the master weights the
+  optimizer updates); FSDP2 casts each gathered layer to bf16 for the forward and backward
+  (``param_dtype``) and reduce-scatters gradients in fp32 (``reduce_dtype``). The fp32 masters
+  start as the bf16 model upcast, so one seed names the same weights as on the other backends
+  (whose bf16 init is the fp32 init rounded to bf16).
+- **The optimizer** is torch's AdamW on the sharded (DTensor) parameters; weight decay skips
+  1-D parameters, as on the other backends. The LR follows `unirl.core.run.lr_schedule`, set by
+  `ScheduledLR` after each applied step (the DeepSpeed backend's scheduler: same values, same
+  checkpointed state).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from unirl.backends.deepspeed.engine import ScheduledLR, adamw_param_groups
+from unirl.backends.fsdp2.config import Fsdp2Config
+from unirl.core.errors import ConfigError
+from unirl.core.run.config import UnirlConfig
+from unirl.core.run.lr_schedule import check_schedule, learning_rate
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a Hugging Face causal LM (``model.model.layers`` for
+    Llama, Qwen, Mistral … — what HF's own `_no_split_modules` names)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(
+            f"model {type(model).__name__} declares no decoder layer class (_no_split_modules); "
+            "the FSDP2 backend shards one unit per decoder layer and cannot find them"
+        )
+    return layers
+
+
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    if dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    fsdp: Fsdp2Config,
+    *,
+    dtype: str,
+    device: torch.device,
+    train: bool,
+) -> torch.nn.Module:
+    """`fully_shard` every decoder layer, then the root; parameters end up as DTensors on
+    `device` (or in CPU memory with ``fsdp2.cpu_offload``). A trained model keeps fp32 masters;
+    a frozen one (the reference) keeps its own dtype."""
+    if train:
+        model = model.float()  # fp32 masters; bf16 compute through the policy below
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision(dtype) if train else MixedPrecisionPolicy(),
+    }
+    if fsdp.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    else:
+        model = model.to(device)
+    # shard_grad_op keeps the layers gathered from forward to backward; forward-only models
+    # always reshard (nothing comes back for them)
+    reshard = not train or fsdp.sharding != "shard_grad_op"
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    # the root's parameters (embeddings, head) are needed first by the backward: keep them
+    fully_shard(model, reshard_after_forward=False if train else reshard, **kwargs)
+    return model
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: UnirlConfig, *, total_steps: int
+) -> tuple[torch.optim.Optimizer, ScheduledLR]:
+    check_schedule(cfg.optimizer, total_steps)
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model, opt.weight_decay),
+        lr=opt.lr,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
+    schedule = functools.partial(learning_rate, optimizer=opt, total_steps=total_steps)
+    return optimizer, ScheduledLR(optimizer, schedule)
