@@ -67,8 +67,9 @@ class UlyssesPlan:
 
 def _exchange(x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
     """``[sp, ...]`` block ``r`` goes to rank ``r``; block ``r`` of the result came from rank ``r``."""
+    x = x.contiguous()  # the collective reads and writes flat memory
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 

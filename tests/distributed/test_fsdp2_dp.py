@@ -1,0 +1,133 @@
+"""FSDP2 backend on 2 gloo processes against the single-process full-batch step of plain PyTorch
+(`tests.unit.test_deepspeed_backend.reference_step`): gradient norm before clipping and updated
+weights, for every way the two ranks can share the work:
+
+- ``full_shard`` / ``shard_grad_op`` / ``hybrid`` (two replicas of one shard) with the batch
+  split over the 2 data-parallel ranks, rank 1 holding an empty microbatch;
+- Ulysses ``sp=2``: both ranks hold the same microbatches, each split into its half of every
+  sequence with core's context-parallel layout; attention exchanges heads for tokens.
+
+Each checks `loss_scale = world size`: losses are normalised by the global token count, FSDP2
+averages gradients over the 2 ranks, the factor 2 makes that average the gradient of the sum.
+The forward-only log-probs of the SP layout, gathered over the SP group, must equal the plain
+per-sequence transformers log-probs (SP = 2 equals SP = 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.spawn import run_distributed
+from tests.unit.test_deepspeed_backend import (
+    empty_microbatch,
+    make_config,
+    make_sequences,
+    num_response_tokens,
+    pack,
+    reference_logprobs,
+    reference_step,
+    save_tiny_model,
+    train_step,
+)
+
+# name -> (fsdp2 section, extra model keys)
+LAYOUTS = {
+    "full_shard": ({}, {}),
+    "shard_grad_op+ckpt": ({"sharding": "shard_grad_op"}, {"gradient_checkpointing": True}),
+    "hybrid": ({"sharding": "hybrid", "shard_size": 1}, {}),
+    "sp2": ({"sp": 2}, {}),
+    "sp2+ckpt": ({"sp": 2}, {"gradient_checkpointing": True}),
+}
+
+
+def split_for_sp(mb, sp: int, rank: int):
+    """This SP rank's part of a packed microbatch (core's CP layout), global sequence counts."""
+    from unirl.core.data.context_parallel import CPLayout
+
+    lay = CPLayout.build(mb.cu_seqlens.long(), sp, rank)
+    return mb.with_fields(
+        tokens=lay.split(mb.tokens),
+        position_ids=lay.position_ids,
+        cu_seqlens=lay.local_cu_seqlens.to(torch.int32),
+        targets=lay.split(mb.targets),
+        loss_mask=lay.split(mb.loss_mask),
+        seq_ids=lay.seq_ids,
+        global_cu_seqlens=mb.cu_seqlens,
+    )
+
+
+def _worker(rank: int, world_size: int, folder: str) -> dict:
+    from unirl.backends.fsdp2 import build_backend
+    from unirl.backends.fsdp2.config import Fsdp2Config
+    from unirl.core.backend import LogprobSpec
+    from unirl.core.data.context_parallel import gather_from_cp
+    from unirl.core.run.progress import MicrobatchProgress
+
+    seqs = make_sequences(11)
+    n = num_response_tokens(seqs)  # the global count: both ranks' tokens
+    out = {}
+    for name, (section, model) in LAYOUTS.items():
+        fsdp = Fsdp2Config(**section)
+        cfg = make_config(Path(folder), model=model)
+        backend = build_backend(cfg, fsdp=fsdp, total_optimizer_steps=2)
+        try:
+            topo = backend.topology
+            if fsdp.sp > 1:
+                assert (topo.cp_size, topo.cp_rank, topo.dp_size) == (2, rank, 1)
+                group = topo.groups.cp
+                whole = [pack(seqs[:3]), pack(seqs[3:])]
+                mine = [split_for_sp(mb, 2, rank) for mb in whole]
+                with MicrobatchProgress("t", 2, topo, enabled=False) as bar:
+                    logps = backend.forward_logprobs(
+                        mine, role="policy", spec=LogprobSpec(), progress=bar
+                    )
+                out[f"logp {name}"] = torch.cat(
+                    [gather_from_cp(lp, mb.cu_seqlens, group) for lp, mb in zip(logps, whole)]
+                )
+                mine.append(empty_microbatch())
+            else:
+                assert (topo.dp_size, topo.dp_rank) == (2, rank)
+                mine = (
+                    [pack(seqs[:2]), pack(seqs[2:3])]
+                    if rank == 0
+                    else [pack(seqs[3:]), empty_microbatch()]
+                )
+            _, stats = train_step(backend, mine, n)
+            out[name] = (backend.loss_scale, stats.grad_norm, backend.hf_state_dict())
+        finally:
+            backend.close()
+    return out
+
+
+def test_two_ranks_equal_full_batch_reference(tmp_path):
+    import transformers
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    results = run_distributed(_worker, 2, str(folder))
+    seqs = make_sequences(11)
+    norm, expected = reference_step(folder, seqs, lr=1e-2, clip=0.5, weight_decay=0.1)
+    assert norm > 0.5  # clipping is active
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        logps = reference_logprobs(model, seqs)
+    for name in LAYOUTS:
+        for rank in range(2):
+            scale, grad_norm, synced = results[rank][name]
+            assert scale == 2.0
+            assert grad_norm == pytest.approx(norm, rel=1e-5), (name, rank)
+            for key, value in expected.items():
+                msg = f"{name} rank {rank} {key}"
+                torch.testing.assert_close(synced[key], value, atol=2e-6, rtol=1e-5, msg=msg)
+            if name.startswith("sp2"):
+                got = results[rank][f"logp {name}"]
+                start = 0
+                for (ids, _), exp in zip(seqs, logps):
+                    torch.testing.assert_close(
+                        got[start : start + len(ids) - 1], exp, atol=1e-5, rtol=0
+                    )
+                    start += len(ids)
