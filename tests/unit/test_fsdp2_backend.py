@@ -1,0 +1,196 @@
+"""Fsdp2Backend in one process (world size 1) against plain transformers / PyTorch references
+(the helpers of tests/unit/test_deepspeed_backend.py): per-sequence log-probs, one optimizer step
+(gradient norm before clipping, updated weights) with and without CPU offload, bf16 mixed
+precision, the LR schedule with bit-exact DCP resume, the HF export round trip, the frozen
+reference model. Two-process layouts and Ulysses SP: tests/distributed/test_fsdp2_dp.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.unit.test_deepspeed_backend import (  # noqa: E402
+    assert_logprobs_match,
+    bar,
+    empty_microbatch,
+    make_config,
+    make_sequences,
+    num_response_tokens,
+    pack,
+    reference_logprobs,
+    reference_step,
+    save_tiny_model,
+    train_step,
+)
+from unirl.core.backend import LogprobSpec, TrainingBackend  # noqa: E402
+from unirl.core.errors import ConfigError  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def build(cfg, **fsdp):
+    from unirl.backends.fsdp2 import build_backend
+    from unirl.backends.fsdp2.config import Fsdp2Config
+
+    return build_backend(cfg, fsdp=Fsdp2Config(**fsdp), total_optimizer_steps=5)
+
+
+def forward(backend, seqs, role="policy"):
+    with bar(backend, 1) as progress:
+        (logp,) = backend.forward_logprobs(
+            [pack(seqs)], role=role, spec=LogprobSpec(), progress=progress
+        )
+    return logp
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "cpu-offload"])
+def test_step_matches_plain_pytorch(tiny_folder, offload):
+    """Forward log-probs; two microbatches plus an empty one accumulate into exactly the gradient
+    of the summed loss; clipping (norm > 0.5), AdamW with decay on matrices only; the weight sync
+    holds the updated weights under every HF key."""
+    seqs = make_sequences(2)
+    backend = build(make_config(tiny_folder), cpu_offload=offload)
+    try:
+        assert isinstance(backend, TrainingBackend)
+        assert backend.vocab_size == 64 and backend.loss_scale == 1.0
+        ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
+        with torch.no_grad():
+            assert_logprobs_match(
+                forward(backend, seqs), reference_logprobs(ref_model, seqs), seqs, 1e-5
+            )
+        mbs = [pack(seqs[:3]), empty_microbatch(), pack(seqs[3:])]
+        metrics, stats = train_step(backend, mbs, num_response_tokens(seqs))
+        norm, expected = reference_step(tiny_folder, seqs, lr=1e-2, clip=0.5, weight_decay=0.1)
+        assert norm > 0.5
+        assert stats.grad_norm == pytest.approx(norm, rel=1e-5)
+        assert stats.lr == pytest.approx(1e-2) and not stats.skipped
+        synced = backend.hf_state_dict()
+        assert synced.keys() == ref_model.state_dict().keys()
+        for name, value in expected.items():
+            assert synced[name].device.type == "cpu"
+            torch.testing.assert_close(synced[name], value, atol=2e-6, rtol=1e-5, msg=name)
+        assert len(metrics) == 3 and float(metrics[1]["nll"].denominator) == 0.0
+        assert backend.forward_calls == {"policy": 4, "reference": 0}
+    finally:
+        backend.close()
+
+
+def test_bf16_mixed_precision(tiny_folder):
+    """bf16 compute over fp32 master weights (the sharded parameters stay fp32; FSDP2 casts each
+    gathered layer): log-probs and gradient norm agree with fp32 to bf16 precision, the weight
+    sync is bf16."""
+    seqs = make_sequences(3)
+    backend = build(make_config(tiny_folder, model={"dtype": "bf16"}))
+    try:
+        assert next(backend.model.parameters()).dtype == torch.float32  # masters
+        ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
+        with torch.no_grad():
+            assert_logprobs_match(
+                forward(backend, seqs), reference_logprobs(ref_model, seqs), seqs, 0.05
+            )
+        _, stats = train_step(backend, [pack(seqs)], num_response_tokens(seqs))
+        norm, _ = reference_step(tiny_folder, seqs, lr=1e-2, clip=0.5, weight_decay=0.1)
+        assert stats.grad_norm == pytest.approx(norm, rel=0.03)
+        assert all(v.dtype == torch.bfloat16 for v in backend.hf_state_dict().values())
+    finally:
+        backend.close()
+
+
+def _run_steps(backend, steps: range, record: list) -> None:
+    for _ in steps:
+        seqs = make_sequences(int(torch.randint(0, 2**31 - 1, (1,))))
+        metrics, stats = train_step(
+            backend, [pack(seqs[:3]), pack(seqs[3:])], num_response_tokens(seqs)
+        )
+        record.append((stats.lr, stats.grad_norm, [float(m["nll"].numerator) for m in metrics]))
+
+
+def test_lr_schedule_resume_bit_exact_and_hf_export(tiny_folder, tmp_path):
+    """Warmup + cosine LR; save at step 2 of 4 (DCP), continue; a fresh backend loaded from
+    step 2 continues to identical losses, norms, learning rates and weights; the HF export loads
+    with plain transformers and gives the backend's log-probs."""
+    optimizer = dict(lr=0.1, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    cfg = make_config(tiny_folder, optimizer=optimizer)
+    torch.manual_seed(7)
+    first = build(cfg)
+    record: list = []
+    try:
+        _run_steps(first, range(2), record)
+        first.save_checkpoint(tmp_path / "ckpt", {"step": 2})
+        _run_steps(first, range(2), record)
+        final = first.hf_state_dict()
+    finally:
+        first.close()
+    # lr = 0.1 * m(s), warmup 2, 5 steps, min ratio 0.1 (as in the DeepSpeed test):
+    assert [r[0] for r in record] == pytest.approx([0.05, 0.1, 0.1, 0.0775], abs=1e-9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .partial left behind
+
+    torch.manual_seed(12345)  # a different stream: the checkpoint must restore it
+    second = build(cfg)
+    resumed: list = []
+    try:
+        assert second.load_checkpoint(tmp_path / "ckpt") == {"step": 2}
+        _run_steps(second, range(2), resumed)
+        assert resumed == record[2:]
+        got = second.hf_state_dict()
+        for name, value in final.items():
+            assert torch.equal(got[name], value), name
+
+        second.export_hf(tmp_path / "hf")
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+        assert exported.config.use_cache
+        seqs = make_sequences(9)
+        with torch.no_grad():
+            expected = reference_logprobs(exported, seqs)
+        assert_logprobs_match(forward(second, seqs), expected, seqs, 1e-5)
+    finally:
+        second.close()
+
+
+def test_reference_is_the_initial_policy_and_frozen(tiny_folder, tmp_path):
+    """After a step moves the policy, the (lazily built, sharded, CPU-offloaded) reference still
+    gives the initial weights' log-probs; a checkpoint without its marker is refused."""
+    seqs = make_sequences(4)
+    backend = build(make_config(tiny_folder, model={"ref_offload": True}))
+    try:
+        train_step(backend, [pack(seqs)], num_response_tokens(seqs))
+        assert backend._reference is None
+        ref, pol = forward(backend, seqs, "reference"), forward(backend, seqs, "policy")
+        assert backend.forward_calls == {"policy": 2, "reference": 1}
+        initial = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
+        with torch.no_grad():
+            assert_logprobs_match(ref, reference_logprobs(initial, seqs), seqs, 1e-5)
+        assert (pol - ref).abs().max() > 1e-3  # the policy did move
+        assert not any(p.requires_grad for p in backend._reference.parameters())
+        (tmp_path / "half_written").mkdir()
+        with pytest.raises(ConfigError, match="has no 'complete' marker"):
+            backend.load_checkpoint(tmp_path / "half_written")
+    finally:
+        backend.close()
+
+
+def test_config_errors_name_the_key():
+    from unirl.backends.fsdp2.config import Fsdp2Config
+
+    with pytest.raises(ConfigError, match=r"fsdp2\.sp=2 does not divide the 3 ranks"):
+        Fsdp2Config(sp=2).check(3)
+    with pytest.raises(ConfigError, match=r"fsdp2\.shard_size=2 is only used with"):
+        Fsdp2Config(shard_size=2).check(2)
+    with pytest.raises(ConfigError, match=r"fsdp2\.sp must be >= 1"):
+        Fsdp2Config(sp=0)
