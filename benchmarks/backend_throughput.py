@@ -1,0 +1,252 @@
+"""Training throughput of every backend on one model and one packed batch: FSDP2, DeepSpeed
+(ZeRO 1 and ZeRO 3) and Megatron side by side, in one run.
+
+    PYTHONPATH=$PWD python benchmarks/backend_throughput.py \\
+        --out benchmarks/results/backend_throughput_h200.json
+
+The model (Qwen2.5-1.5B's shape, bf16 with fp32 master weights and optimizer state), the rollout
+batch (64 samples of 256..4096 tokens, token-budget microbatches of 16k tokens, one optimizer step
+per rollout) and the FLOP count are those of `benchmarks/megatron_throughput.py`, imported from
+it, so the Megatron row here and that script's measure the same thing. Each engine runs in its own
+process (a fresh CUDA context: peak memory is the engine's own, and no engine's global state
+leaks into the next), `RLStep.run` with ``old_logprobs: reuse`` (the training pass alone) and,
+with ``--modes reuse,recompute``, with a forward-only pass first. Times are medians of
+``--steps`` steps after ``--warmup``; MFU = model FLOPs / (time x 989 TFLOP/s).
+
+CPU smoke run of the driver (FSDP2 and DeepSpeed only; Megatron's schedules need CUDA)::
+
+    PYTHONPATH=$PWD python benchmarks/backend_throughput.py --device cpu --layers 1 \\
+        --hidden 64 --samples 8 --min-len 16 --max-len 64 --tokens-per-microbatch 256 \\
+        --steps 1 --warmup 0 --out /tmp/backend_throughput_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.megatron_throughput import (
+    MODELS,
+    config_dict,
+    matmul_params,
+    model_flops,
+    rollout_lengths,
+    rollout_records,
+    summary,
+)
+from benchmarks.run_environment import run_environment
+
+logger = logging.getLogger("backend_throughput")
+
+# engine name -> (backend, config sections merged over megatron_throughput's config)
+ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
+    "fsdp2": ("fsdp2", {"parallel": {"zero_stage": 0}, "fsdp2": {"sharding": "full_shard"}}),
+    "deepspeed-zero1": ("deepspeed", {"parallel": {"zero_stage": 1}}),
+    "deepspeed-zero3": ("deepspeed", {"parallel": {"zero_stage": 3}}),
+    "megatron": ("megatron", {"parallel": {"zero_stage": 1}}),
+}
+NEEDS_CUDA = {"megatron": "Megatron's pipeline schedules need CUDA"}
+
+
+def engine_config(args: argparse.Namespace, hf: dict[str, Any], engine: str, mode: str) -> dict:
+    backend, sections = ENGINES[engine]
+    data = config_dict(args, hf, mode)
+    data["backend"] = backend
+    data["parallel"] = {"zero_stage": 0}  # one GPU: no tp / pp / cp
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    if backend != "megatron":
+        data["model"].pop("attention", None)  # the HF backends always run packed sequences
+    return data
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """In the child process: build one engine, time its RL steps, report."""
+    from unirl.backends import build_backend
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.config import config_from_dict
+    from unirl.core.step import RLStep
+
+    hf = model_shape(args)
+    lengths = rollout_lengths(args)
+    batch = RolloutBatch.from_records(rollout_records(lengths, hf["vocab_size"], args.group, 0))
+    modes = [m for m in args.modes.split(",") if m]
+    cfgs = {m: config_from_dict(engine_config(args, hf, args.engine, m)) for m in modes}
+    t0 = time.perf_counter()
+    backend = build_backend(cfgs[modes[0]], total_optimizer_steps=1000, needs_reference=False)
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "results": {}}
+    try:
+        for mode in modes:
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            step = RLStep(cfgs[mode], backend)
+            times, metrics = [], []
+            for i in range(args.warmup + args.steps):
+                _sync(args.device)
+                t = time.perf_counter()
+                result = step.run(batch)
+                _sync(args.device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t)
+                    metrics.append(result.metrics)
+            res: dict[str, Any] = {
+                "step_s": times,
+                "actor_phase_s": [
+                    m.get("time/actor_forward_s", 0.0) + m["time/train_s"] for m in metrics
+                ],
+                "actor_forward_s": [m.get("time/actor_forward_s", 0.0) for m in metrics],
+                "train_s": [m["time/train_s"] for m in metrics],
+                "old_logprob_source": result.decision.source,
+                "loss": result.metrics.get("loss"),
+                "grad_norm": result.metrics.get("grad_norm"),
+            }
+            if args.device == "cuda":
+                res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            else:  # the process's peak resident memory (CPU smoke runs)
+                res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            res["summary"] = summary(hf, lengths, res, backend.topology.world_size)
+            out["results"][mode] = res
+            logger.info("%s %s: %s", args.engine, mode, json.dumps(res["summary"]))
+    finally:
+        backend.close()
+    return out
+
+
+def model_shape(args: argparse.Namespace) -> dict[str, Any]:
+    hf = dict(MODELS[args.model])
+    if args.layers is not None:
+        hf["num_hidden_layers"] = args.layers
+    if args.hidden is not None:  # smoke runs: a small model of the same family
+        heads = hf["num_attention_heads"]
+        hf.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden)
+        hf["num_attention_heads"] = heads if args.hidden % heads == 0 else 4
+        hf["num_key_value_heads"] = min(hf["num_key_value_heads"], hf["num_attention_heads"])
+        hf["vocab_size"] = 1024
+    return hf
+
+
+def _child_command(args: argparse.Namespace, engine: str, out: Path) -> list[str]:
+    argv = [a for a in sys.argv[1:]]
+    for flag in ("--out", "--engines"):  # the parent's own flags
+        if flag in argv:
+            i = argv.index(flag)
+            del argv[i : i + 2]
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *argv,
+        "--engine",
+        engine,
+        "--out",
+        str(out),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # child process
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
+    parser.add_argument("--layers", type=int, default=None, help="override (smoke runs)")
+    parser.add_argument("--hidden", type=int, default=None, help="override (smoke runs)")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--min-len", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--tokens-per-microbatch", type=int, default=16384)
+    parser.add_argument("--recompute-activations", action="store_true")
+    parser.add_argument("--modes", default="reuse")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per engine")
+    args = parser.parse_args()
+    # megatron_throughput.config_dict reads these
+    args.attention, args.tp, args.pp, args.vpp, args.cp = "packed", 1, 1, None, 1
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(8, os.cpu_count() or 1))
+
+    if args.engine is not None:  # the child: one engine, its JSON to --out
+        args.out.write_text(json.dumps(run_engine(args), indent=1) + "\n")
+        return
+
+    hf = model_shape(args)
+    lengths = rollout_lengths(args)
+    report: dict[str, Any] = {
+        "environment": {
+            **run_environment(("transformers", "megatron-core", "deepspeed")),
+            "torch_threads": torch.get_num_threads(),
+            "device": args.device,
+        },
+        "model": {"name": args.model, **hf, "matmul_params": matmul_params(hf)},
+        "batch": {
+            "samples": len(lengths),
+            "tokens": sum(lengths),
+            "min_len": min(lengths),
+            "max_len": max(lengths),
+            "tokens_per_microbatch": args.tokens_per_microbatch,
+            "activation_recompute": args.recompute_activations,
+        },
+        "flops": {
+            "train_pass": model_flops(hf, lengths, training=True),
+            "forward_pass": model_flops(hf, lengths, training=False),
+        },
+        "engines": {},
+    }
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for engine in [e for e in args.engines.split(",") if e]:
+        if args.device == "cpu" and engine in NEEDS_CUDA:
+            report["engines"][engine] = {"skipped": NEEDS_CUDA[engine]}
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "engine.json"
+            cmd = _child_command(args, engine, out)
+            logger.info("engine %s: %s", engine, " ".join(cmd))
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, timeout=args.timeout_s, check=False)
+            if proc.returncode != 0 or not out.is_file():
+                report["engines"][engine] = {"failed": f"exit code {proc.returncode}"}
+                continue
+            report["engines"][engine] = {
+                **json.loads(out.read_text()),
+                "wall_s": time.perf_counter() - t0,
+            }
+    rows = {
+        name: {
+            "tokens_per_s": r["results"]["reuse"]["summary"].get("train_tokens_per_s"),
+            "mfu": r["results"]["reuse"]["summary"].get("train_mfu"),
+            "peak_memory_gib": r["results"]["reuse"].get("peak_memory_gib"),
+            "step_s": statistics.median(r["results"]["reuse"]["step_s"]),
+        }
+        for name, r in report["engines"].items()
+        if "results" in r and "reuse" in r["results"]
+    }
+    report["table"] = rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    for name, row in rows.items():
+        logger.info("%-16s %s", name, json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
