@@ -60,10 +60,11 @@ def forward(backend, seqs, role="policy"):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["on-device", "cpu-offload"])
-def test_step_matches_plain_pytorch(tiny_folder, offload):
+def test_step_matches_plain_pytorch(tiny_folder, tmp_path, offload):
     """Forward log-probs; two microbatches plus an empty one accumulate into exactly the gradient
-    of the summed loss; clipping (norm > 0.5), AdamW with decay on matrices only; the weight sync
-    holds the updated weights under every HF key."""
+    of the summed loss; clipping (norm > 0.5), AdamW with decay on matrices only (its first step,
+    also after a checkpoint of the initial state: saving must not start AdamW's step count); the
+    weight sync holds the updated weights under every HF key."""
     seqs = make_sequences(2)
     backend = build(make_config(tiny_folder), cpu_offload=offload)
     try:
@@ -74,6 +75,7 @@ def test_step_matches_plain_pytorch(tiny_folder, offload):
             assert_logprobs_match(
                 forward(backend, seqs), reference_logprobs(ref_model, seqs), seqs, 1e-5
             )
+        backend.save_checkpoint(tmp_path / "init", {})
         mbs = [pack(seqs[:3]), empty_microbatch(), pack(seqs[3:])]
         metrics, stats = train_step(backend, mbs, num_response_tokens(seqs))
         norm, expected = reference_step(tiny_folder, seqs, lr=1e-2, clip=0.5, weight_decay=0.1)

@@ -5,7 +5,7 @@ position and core's client state.
 Layout of ``<path>/``::
 
     dcp/                   DCP files: {"model": ..., "optim": ...} (sharded parameters, AdamW moments)
-    meta.pt                {"scheduler": ..., "unirl": client_state} (rank 0)
+    meta.pt                {"scheduler": ..., "optimizer_started": bool, "unirl": client_state}
     rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
     complete               written last by rank 0 (`unirl.core.run.checkpointing.publish`)
 
@@ -36,6 +36,14 @@ def _rng_file(folder: Path, rank: int) -> Path:
     return folder / f"rng_rank{rank:05d}.pt"
 
 
+def _forget_placeholder_state(optimizer: torch.optim.Optimizer) -> None:
+    """`get_state_dict` gives an optimizer without state one by running a zero-gradient step at
+    lr 0: the weights do not move, but AdamW's step count becomes 1, and the next real step's
+    bias correction would then differ from an uninterrupted run's. Before the first real step
+    the state is dropped again, on save (as it was) and on load (as it was when saved)."""
+    optimizer.state.clear()
+
+
 def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -54,14 +62,19 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         partial.mkdir(parents=True)
     dist.barrier()
+    started = bool(optimizer.state)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial / "dcp"))
+    if not started:
+        _forget_placeholder_state(optimizer)
     torch.save(rng_state(), _rng_file(partial, rank))
     if rank == 0:
-        torch.save(
-            {"scheduler": scheduler.state_dict(), _CLIENT_KEY: dict(client_state)},
-            partial / "meta.pt",
-        )
+        saved = {
+            "scheduler": scheduler.state_dict(),
+            "optimizer_started": started,
+            _CLIENT_KEY: dict(client_state),
+        }
+        torch.save(saved, partial / "meta.pt")
     dist.barrier()
     if rank == 0:
         publish(partial, path, {"world_size": world_size, **meta})
@@ -92,6 +105,8 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     meta = torch.load(path / "meta.pt", weights_only=False)
+    if not meta["optimizer_started"]:
+        _forget_placeholder_state(optimizer)
     scheduler.load_state_dict(meta["scheduler"])
     set_rng_state(torch.load(_rng_file(path, rank), weights_only=False))
     return dict(meta[_CLIENT_KEY])
