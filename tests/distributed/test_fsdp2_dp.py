@@ -62,8 +62,8 @@ def split_for_sp(mb, sp: int, rank: int):
 
 
 def _worker(rank: int, world_size: int, folder: str) -> dict:
-    from unirl.backends.fsdp2 import build_backend
-    from unirl.backends.fsdp2.config import Fsdp2Config
+    from unirl.backends import build_backend
+    from unirl.backends.fsdp2.plugin import Fsdp2Options
     from unirl.core.backend import LogprobSpec
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.run.progress import MicrobatchProgress
@@ -72,9 +72,9 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
     n = num_response_tokens(seqs)  # the global count: both ranks' tokens
     out = {}
     for name, (section, model) in LAYOUTS.items():
-        fsdp = Fsdp2Config(**section)
-        cfg = make_config(Path(folder), model=model)
-        backend = build_backend(cfg, fsdp=fsdp, total_optimizer_steps=2)
+        fsdp = Fsdp2Options(**section)
+        cfg = make_config(Path(folder), model=model, backend="fsdp2", backend_options=fsdp)
+        backend = build_backend(cfg, total_optimizer_steps=2)
         try:
             topo = backend.topology
             if fsdp.sp > 1:
@@ -98,7 +98,7 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
                     else [pack(seqs[3:]), empty_microbatch()]
                 )
             _, stats = train_step(backend, mine, n)
-            out[name] = (backend.loss_scale, stats.grad_norm, backend.hf_state_dict())
+            out[name] = (backend.loss_scale(len(mine)), stats.grad_norm, backend.hf_state_dict())
         finally:
             backend.close()
     return out

@@ -71,7 +71,8 @@ def test_config_is_frozen():
         (base(progress={"enabled": "yes"}), r"progress.enabled: expected true or false"),
         (
             base(backend="fsdp"),
-            r"backend='fsdp' is not a registered backend; valid: \['deepspeed', 'megatron'\]",
+            r"backend='fsdp' is not a registered backend \(did you mean 'fsdp2'\?\); valid: "
+            r"\['deepspeed', 'fsdp2', 'megatron'\]",
         ),
         (base(old_logprobs="sometimes"), r"old_logprobs: 'sometimes' is not valid"),
         (base(parallel={"zero_stage": 4}), r"parallel.zero_stage: 4 is not valid"),

@@ -44,11 +44,19 @@ def tiny_folder(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def build(cfg, **fsdp):
-    from unirl.backends.fsdp2 import build_backend
-    from unirl.backends.fsdp2.config import Fsdp2Config
+def fsdp2_config(folder: Path, options: dict | None = None, **over):
+    """The DeepSpeed tests' config with ``backend: fsdp2`` and its ``fsdp2:`` section."""
+    from unirl.backends.fsdp2.plugin import Fsdp2Options
 
-    return build_backend(cfg, fsdp=Fsdp2Config(**fsdp), total_optimizer_steps=5)
+    return make_config(
+        folder, backend="fsdp2", backend_options=Fsdp2Options(**(options or {})), **over
+    )
+
+
+def build(cfg):
+    from unirl.backends import build_backend
+
+    return build_backend(cfg, total_optimizer_steps=5)
 
 
 def forward(backend, seqs, role="policy"):
@@ -66,10 +74,10 @@ def test_step_matches_plain_pytorch(tiny_folder, tmp_path, offload):
     also after a checkpoint of the initial state: saving must not start AdamW's step count); the
     weight sync holds the updated weights under every HF key."""
     seqs = make_sequences(2)
-    backend = build(make_config(tiny_folder), cpu_offload=offload)
+    backend = build(fsdp2_config(tiny_folder, {"cpu_offload": offload}))
     try:
         assert isinstance(backend, TrainingBackend)
-        assert backend.vocab_size == 64 and backend.loss_scale == 1.0
+        assert backend.vocab_size == 64 and backend.loss_scale(3) == 1.0
         ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
         with torch.no_grad():
             assert_logprobs_match(
@@ -98,7 +106,7 @@ def test_bf16_mixed_precision(tiny_folder):
     gathered layer): log-probs and gradient norm agree with fp32 to bf16 precision, the weight
     sync is bf16."""
     seqs = make_sequences(3)
-    backend = build(make_config(tiny_folder, model={"dtype": "bf16"}))
+    backend = build(fsdp2_config(tiny_folder, model={"dtype": "bf16"}))
     try:
         assert next(backend.model.parameters()).dtype == torch.float32  # masters
         ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
@@ -128,7 +136,7 @@ def test_lr_schedule_resume_bit_exact_and_hf_export(tiny_folder, tmp_path):
     step 2 continues to identical losses, norms, learning rates and weights; the HF export loads
     with plain transformers and gives the backend's log-probs."""
     optimizer = dict(lr=0.1, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
-    cfg = make_config(tiny_folder, optimizer=optimizer)
+    cfg = fsdp2_config(tiny_folder, optimizer=optimizer)
     torch.manual_seed(7)
     first = build(cfg)
     record: list = []
@@ -169,7 +177,7 @@ def test_reference_is_the_initial_policy_and_frozen(tiny_folder, tmp_path):
     """After a step moves the policy, the (lazily built, sharded, CPU-offloaded) reference still
     gives the initial weights' log-probs; a checkpoint without its marker is refused."""
     seqs = make_sequences(4)
-    backend = build(make_config(tiny_folder, model={"ref_offload": True}))
+    backend = build(fsdp2_config(tiny_folder, model={"ref_offload": True}))
     try:
         train_step(backend, [pack(seqs)], num_response_tokens(seqs))
         assert backend._reference is None
@@ -187,12 +195,25 @@ def test_reference_is_the_initial_policy_and_frozen(tiny_folder, tmp_path):
         backend.close()
 
 
-def test_config_errors_name_the_key():
-    from unirl.backends.fsdp2.config import Fsdp2Config
+def test_config_section_and_errors_name_the_key(tiny_folder):
+    from unirl.backends.fsdp2.plugin import Fsdp2Options
+    from unirl.core.run.config import config_from_dict
 
-    with pytest.raises(ConfigError, match=r"fsdp2\.sp=2 does not divide the 3 ranks"):
-        Fsdp2Config(sp=2).check(3)
+    base = {
+        "backend": "fsdp2",
+        "model": {"path": str(tiny_folder)},
+        "batch": {"micro_batch_size": 2},
+    }
+    cfg = config_from_dict({**base, "fsdp2": {"sharding": "hybrid", "shard_size": 2, "sp": 2}})
+    assert cfg.backend_options == Fsdp2Options(sharding="hybrid", shard_size=2, sp=2)
+    assert cfg.to_dict()["fsdp2"]["sp"] == 2
     with pytest.raises(ConfigError, match=r"fsdp2\.shard_size=2 is only used with"):
-        Fsdp2Config(shard_size=2).check(2)
+        config_from_dict({**base, "fsdp2": {"shard_size": 2}})
+    with pytest.raises(ConfigError, match=r"parallel\.cp=2 is not supported with backend: fsdp2"):
+        config_from_dict({**base, "parallel": {"cp": 2}})
+    with pytest.raises(ConfigError, match=r"parallel\.zero_stage=3 with backend: fsdp2"):
+        config_from_dict({**base, "parallel": {"zero_stage": 3}})
     with pytest.raises(ConfigError, match=r"fsdp2\.sp must be >= 1"):
-        Fsdp2Config(sp=0)
+        config_from_dict({**base, "fsdp2": {"sp": 0}})
+    with pytest.raises(ConfigError, match=r"fsdp2\.sp=2 does not divide the 3 ranks"):
+        Fsdp2Options(sp=2).check_world(3)

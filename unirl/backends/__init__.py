@@ -8,10 +8,11 @@ forward-only passes, the empty-microbatch loss) lives once beside them: `distrib
 from __future__ import annotations
 
 from unirl.backends.deepspeed.plugin import PLUGIN as _DEEPSPEED
+from unirl.backends.fsdp2.plugin import PLUGIN as _FSDP2
 from unirl.backends.megatron.plugin import PLUGIN as _MEGATRON
 from unirl.core.backend_plugin import BACKENDS, build_backend
 
-for _plugin in (_DEEPSPEED, _MEGATRON):
+for _plugin in (_DEEPSPEED, _MEGATRON, _FSDP2):
     BACKENDS.register(_plugin.name, _plugin)
 
 __all__ = ["BACKENDS", "build_backend"]

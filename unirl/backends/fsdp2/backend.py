@@ -3,7 +3,7 @@ model, optionally with Ulysses sequence parallel.
 
 One optimizer step, as core's RL step drives it::
 
-    backend = Fsdp2Backend(cfg, fsdp, total_optimizer_steps=n, needs_reference=kl_on)
+    backend = Fsdp2Backend(cfg, total_optimizer_steps=n, needs_reference=kl_on)
     old = backend.forward_logprobs(mbs, role="policy", spec=spec, progress=bar)   # if recompute
     metrics = backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
     stats = backend.optimizer_step()            # grad norm before clipping, lr used
@@ -28,12 +28,14 @@ from typing import Any
 import attrs
 import torch
 
+from unirl.backends.forward_only import forward_only
 from unirl.backends.fsdp2 import checkpoint, export, packed
-from unirl.backends.fsdp2.config import Fsdp2Config
-from unirl.backends.fsdp2.distributed import close_distributed, init_distributed
 from unirl.backends.fsdp2.engine import build_optimizer, shard_model
+from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.backends.fsdp2.topology import build_mesh
 from unirl.backends.hf_model import load_policy, load_reference, torch_dtype
+from unirl.backends.microbatch import to_device, zero_through_graph
+from unirl.backends.process_group import destroy_process_group, init_process_group
 from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
@@ -45,29 +47,20 @@ logger = logging.getLogger(__name__)
 _ROLES = ("policy", "reference")
 
 
-def _to_device(mb: TrainMicrobatch, device: torch.device) -> TrainMicrobatch:
-    moved = {
-        f.name: getattr(mb, f.name).to(device, non_blocking=True)
-        for f in attrs.fields(TrainMicrobatch)
-        if isinstance(getattr(mb, f.name), torch.Tensor)
-    }
-    return mb.with_fields(**moved)
-
-
 class Fsdp2Backend:
     """See the module docstring. `forward_calls` counts model forward invocations per role."""
 
     def __init__(
         self,
         cfg: UnirlConfig,
-        fsdp: Fsdp2Config,
         *,
         total_optimizer_steps: int,
         needs_reference: bool = False,
     ) -> None:
         self.cfg = cfg
-        self.fsdp = fsdp
-        self._dist = init_distributed(cfg.parallel.world_size)
+        self.fsdp: Fsdp2Options = cfg.backend_options
+        fsdp = self.fsdp
+        self._dist = init_process_group(cfg.parallel)
         self.device = self._dist.device
         self._mesh = build_mesh(fsdp, self._dist.rank, self._dist.world_size, self.device)
         self.topology = self._mesh.topology
@@ -91,9 +84,9 @@ class Fsdp2Backend:
         if needs_reference:
             self._reference_module()
 
-    @property
-    def loss_scale(self) -> float:
-        """Cancels FSDP2's mean over all ``dp x sp`` ranks (see the module docstring)."""
+    def loss_scale(self, num_microbatches: int) -> float:
+        """Cancels FSDP2's mean over all ``dp x sp`` ranks (see the module docstring); the
+        microbatches' gradients are summed, so their number does not enter."""
         return float(self.topology.world_size)
 
     @property
@@ -125,13 +118,9 @@ class Fsdp2Backend:
             module = self._reference_module()
         else:
             raise ValueError(f"forward_logprobs role={role!r}; choose one of {_ROLES}")
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                yield module
-        finally:
-            module.train(was_training)
+        # an offloaded reference stays in CPU memory: FSDP2's offload policy moves each layer in
+        with forward_only([module], device=self.device):
+            yield module
 
     def forward_logprobs(
         self,
@@ -146,7 +135,7 @@ class Fsdp2Backend:
         out = []
         with self._forward_only(role) as module:
             for mb in microbatches:
-                mb = _to_device(mb, self.device)
+                mb = to_device(mb, self.device)
                 logits = packed.forward(module, mb, self.device, self._sp_group)
                 self.forward_calls[role] += 1
                 if mb.num_tokens == 0:
@@ -173,19 +162,19 @@ class Fsdp2Backend:
                 "(an empty one where a rank has no tokens) so FSDP's collectives stay in step"
             )
         self.model.train()
+        scale = self.loss_scale(len(microbatches))
         metrics = []
         for mb in microbatches:
-            mb = _to_device(mb, self.device)
+            mb = to_device(mb, self.device)
             logits = packed.forward(self.model, mb, self.device, self._sp_group)
             self.forward_calls["policy"] += 1
             empty = mb.num_tokens == 0
             logp, entropy = token_logprobs(logits[:0] if empty else logits, mb.targets, spec)
             loss, mb_metrics = loss_fn(mb, logp, entropy)
             if empty:
-                # Zero loss that still reaches every parameter, so this rank's backward runs
-                # the same reduce-scatters as the others'.
-                loss = loss + logits.sum() * 0.0
-            (loss * self.loss_scale).backward()
+                # this rank's backward must run the same reduce-scatters as the others'
+                loss = loss + zero_through_graph(logits)
+            (loss * scale).backward()
             metrics.append(mb_metrics)
             progress.report(loss=loss.detach(), tokens=mb.num_tokens)
             progress.tick()
@@ -257,4 +246,4 @@ class Fsdp2Backend:
         self.model = None  # type: ignore[assignment]
         self.optimizer = None  # type: ignore[assignment]
         self._reference = None
-        close_distributed(self._dist)
+        destroy_process_group(self._dist)

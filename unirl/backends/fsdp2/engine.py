@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from unirl.backends.deepspeed.engine import ScheduledLR, adamw_param_groups
-from unirl.backends.fsdp2.config import Fsdp2Config
+from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule, learning_rate
@@ -55,7 +55,7 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 def shard_model(
     model: torch.nn.Module,
     mesh: DeviceMesh,
-    fsdp: Fsdp2Config,
+    fsdp: Fsdp2Options,
     *,
     dtype: str,
     device: torch.device,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from unirl.backends.fsdp2.config import Fsdp2Config
+from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.core.topology import ProcessGroups, Topology
 
 
@@ -29,8 +29,8 @@ class Fsdp2Mesh:
     shard_mesh: DeviceMesh  # what fully_shard takes: 1-D (shard) or 2-D (replicate, shard)
 
 
-def build_mesh(fsdp: Fsdp2Config, rank: int, world_size: int, device: torch.device) -> Fsdp2Mesh:
-    fsdp.check(world_size)
+def build_mesh(fsdp: Fsdp2Options, rank: int, world_size: int, device: torch.device) -> Fsdp2Mesh:
+    fsdp.check_world(world_size)
     sp, dp = fsdp.sp, world_size // fsdp.sp
     mesh = init_device_mesh(device.type, (dp, sp), mesh_dim_names=("dp", "sp"))
     if fsdp.sharding == "hybrid":

@@ -1,0 +1,114 @@
+"""The FSDP2 backend's plug-in: its config section, its rules, its constructor and its contract
+layouts. Importing this module imports neither torch.distributed.fsdp nor transformers.
+
+The ``fsdp2:`` section (`Fsdp2Options`); each option is a choice torch's `fully_shard` offers:
+
+- ``sharding``: ``full_shard`` (ZeRO-3-like: parameters resharded after every forward, gathered
+  again for the backward), ``shard_grad_op`` (ZeRO-2-like: layers stay gathered from forward to
+  backward: more memory, one all-gather less), ``hybrid`` (HSDP: shard within groups of
+  ``shard_size`` ranks, replicate across them; gradients all-reduced over the replicas).
+- ``cpu_offload``: parameters, gradients and optimizer state live in CPU memory (FSDP2's
+  `CPUOffloadPolicy`); each layer is copied to the device when gathered.
+- ``sp``: Ulysses sequence-parallel degree. Sequences are split over ``sp`` ranks with core's
+  context-parallel layout; attention trades heads for tokens with an all-to-all, so every rank
+  attends over whole sequences for ``heads / sp`` heads (`unirl.backends.fsdp2.ulysses`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from unirl.core.backend_plugin import BackendPlugin, ContractLayout
+from unirl.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from unirl.backends.fsdp2.backend import Fsdp2Backend
+    from unirl.core.run.config import UnirlConfig
+
+Sharding = Literal["full_shard", "shard_grad_op", "hybrid"]
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"fsdp2.{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class Fsdp2Options:
+    """The ``fsdp2:`` section (module docstring)."""
+
+    sharding: Sharding = "full_shard"
+    # hybrid only: ranks per shard group (the rest replicate); None = the ranks of one node
+    shard_size: int | None = attrs.field(default=None, validator=_positive)
+    cpu_offload: bool = False
+    sp: int = attrs.field(default=1, validator=_positive)
+
+    def check_world(self, world_size: int) -> None:
+        """The rules that need the number of ranks (known once the processes are up)."""
+        if world_size % self.sp:
+            raise ConfigError(
+                f"fsdp2.sp={self.sp} does not divide the {world_size} ranks; launch a multiple "
+                f"of {self.sp} processes or change fsdp2.sp"
+            )
+        if self.shard_size is not None and (
+            world_size % self.shard_size or self.shard_size % self.sp
+        ):
+            raise ConfigError(
+                f"fsdp2.shard_size={self.shard_size} must divide the {world_size} ranks and be a "
+                f"multiple of fsdp2.sp={self.sp}"
+            )
+
+
+def check(cfg: UnirlConfig) -> None:
+    """FSDP2 shards data-parallel only (sequence parallel is its own ``fsdp2.sp``); ZeRO stages
+    are DeepSpeed's words for what ``fsdp2.sharding`` chooses."""
+    p, options = cfg.parallel, cfg.backend_options
+    for key in ("tp", "pp", "cp"):
+        if getattr(p, key) > 1:
+            hint = "fsdp2.sp (Ulysses sequence parallel)" if key == "cp" else "backend: megatron"
+            raise ConfigError(
+                f"parallel.{key}={getattr(p, key)} is not supported with backend: fsdp2; set "
+                f"parallel.{key}: 1 (use {hint})"
+            )
+    if p.vpp is not None:
+        raise ConfigError("parallel.vpp is set but backend: fsdp2 has no pipeline; remove it")
+    if p.zero_stage != 0:
+        raise ConfigError(
+            f"parallel.zero_stage={p.zero_stage} with backend: fsdp2; FSDP2 always shards "
+            "parameters, gradients and optimizer state: remove parallel.zero_stage and choose "
+            "fsdp2.sharding (full_shard, shard_grad_op or hybrid)"
+        )
+    if options.shard_size is not None and options.sharding != "hybrid":
+        raise ConfigError(
+            f"fsdp2.shard_size={options.shard_size} is only used with fsdp2.sharding: hybrid "
+            f"(got {options.sharding!r}); remove it or set fsdp2.sharding: hybrid"
+        )
+
+
+def build(
+    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+) -> Fsdp2Backend:
+    from unirl.backends.fsdp2.backend import Fsdp2Backend
+
+    return Fsdp2Backend(
+        cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
+    )
+
+
+PLUGIN = BackendPlugin(
+    name="fsdp2",
+    options=Fsdp2Options,
+    build=build,
+    check=check,
+    requires=("transformers",),
+    install_hint="pip install 'unirl[hf]'",
+    # full_shard with one process (sharding over one rank still runs FSDP2's gather and reduce
+    # hooks) and two; Ulysses sp=2 (two ranks, one sequence split over both; dp = 1).
+    layouts=(
+        ContractLayout.of("full-dp1", 1),
+        ContractLayout.of("full-dp2", 2),
+        ContractLayout.of("sp2", 2, options={"sp": 2}),
+    ),
+)
