@@ -65,10 +65,10 @@ def engine_config(args: argparse.Namespace, hf: dict[str, Any], engine: str, mod
     data = config_dict(args, hf, mode)
     data["backend"] = backend
     data["parallel"] = {"zero_stage": 0}  # one GPU: no tp / pp / cp
+    if backend != "megatron":
+        del data["megatron"]  # the HF backends always run packed sequences
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
-    if backend != "megatron":
-        data["model"].pop("attention", None)  # the HF backends always run packed sequences
     return data
 
 
