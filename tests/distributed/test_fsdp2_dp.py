@@ -35,12 +35,12 @@ from tests.unit.test_deepspeed_backend import (
     train_step,
 )
 
-# name -> (fsdp2 section, extra model keys)
+# name -> (fsdp2 section, extra model keys); full_shard and sp2 without activation
+# checkpointing also run in the contract suite (tests/contract, layouts full-dp2 and sp2)
 LAYOUTS = {
     "full_shard": ({}, {}),
     "shard_grad_op+ckpt": ({"sharding": "shard_grad_op"}, {"gradient_checkpointing": True}),
     "hybrid": ({"sharding": "hybrid", "shard_size": 1}, {}),
-    "sp2": ({"sp": 2}, {}),
     "sp2+ckpt": ({"sp": 2}, {"gradient_checkpointing": True}),
 }
 
