@@ -13,6 +13,7 @@ import attrs
 
 from unirl.core.errors import ConfigError
 from unirl.core.maths.kl import KL_ESTIMATORS
+from unirl.core.maths.losses.registry import get_policy_loss
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -47,8 +48,6 @@ def _one_of(choices: tuple[str, ...]):
 
 
 def _policy_loss_exists(instance: Any, attribute: attrs.Attribute, value: str) -> None:
-    from unirl.core.maths.losses.registry import get_policy_loss  # registry imports the losses
-
     get_policy_loss(value)
 
 
