@@ -10,6 +10,8 @@ varlen attention), `ulysses` (sequence-parallel attention), `backend` (`Fsdp2Bac
 
 from __future__ import annotations
 
-from unirl.backends.fsdp2.plugin import build as build_backend
+from unirl.backends.fsdp2.plugin import PLUGIN
+
+build_backend = PLUGIN.build
 
 __all__ = ["build_backend"]

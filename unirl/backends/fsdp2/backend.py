@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
 from unirl.backends.fsdp2 import checkpoint, export, packed
 from unirl.backends.fsdp2.engine import build_optimizer, shard_model
@@ -36,19 +37,15 @@ from unirl.backends.fsdp2.topology import build_mesh
 from unirl.backends.hf_model import load_policy, load_reference, torch_dtype
 from unirl.backends.microbatch import to_device, zero_through_graph
 from unirl.backends.process_group import destroy_process_group, init_process_group
-from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
-from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.backend import ModelRole, OptimizerStepStats, token_logprobs
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
-from unirl.core.run.progress import MicrobatchProgress
 
 logger = logging.getLogger(__name__)
 
-_ROLES = ("policy", "reference")
 
-
-class Fsdp2Backend:
-    """See the module docstring. `forward_calls` counts model forward invocations per role."""
+class Fsdp2Backend(EngineBackend):
+    """See the module docstring."""
 
     def __init__(
         self,
@@ -57,6 +54,7 @@ class Fsdp2Backend:
         total_optimizer_steps: int,
         needs_reference: bool = False,
     ) -> None:
+        super().__init__()
         self.cfg = cfg
         self.fsdp: Fsdp2Options = cfg.backend_options
         fsdp = self.fsdp
@@ -78,7 +76,6 @@ class Fsdp2Backend:
         self.optimizer, self._scheduler = build_optimizer(
             self.model, cfg, total_steps=total_optimizer_steps
         )
-        self.forward_calls = dict.fromkeys(_ROLES, 0)
         self._reference: Any = None
         self._closed = False
         if needs_reference:
@@ -112,32 +109,20 @@ class Fsdp2Backend:
 
     @contextlib.contextmanager
     def _forward_only(self, role: ModelRole) -> Iterator[Any]:
-        if role == "policy":
-            module = self.model
-        elif role == "reference":
-            module = self._reference_module()
-        else:
-            raise ValueError(f"forward_logprobs role={role!r}; choose one of {_ROLES}")
+        module = self.model if role == "policy" else self._reference_module()
         # an offloaded reference stays in CPU memory: FSDP2's offload policy moves each layer in
         with forward_only([module], device=self.device):
             yield module
 
-    def forward_logprobs(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        role: ModelRole,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[torch.Tensor]:
+    def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
         """Detached fp32 log-probs ``[T]`` (SP-local) per microbatch, on the device."""
-        spec = attrs.evolve(spec, with_entropy=False, entropy_grad=False)
+        microbatches, role, spec, progress = run.microbatches, run.role, run.spec, run.progress
         out = []
         with self._forward_only(role) as module:
             for mb in microbatches:
                 mb = to_device(mb, self.device)
                 logits = packed.forward(module, mb, self.device, self._sp_group)
-                self.forward_calls[role] += 1
+                self._count_forward(role)
                 if mb.num_tokens == 0:
                     logits = logits[:0]  # the pad token of an empty microbatch predicts nothing
                 logp, _ = token_logprobs(logits, mb.targets, spec)
@@ -146,28 +131,22 @@ class Fsdp2Backend:
                 progress.tick()
         return out
 
-    def forward_backward(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        loss_fn: LossFn,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[Mapping[str, Metric]]:
+    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of every microbatch of one optimizer step (each backward
         reduce-scatters its gradients into the sharded ``.grad``, which sums over microbatches)."""
-        if not microbatches:
-            raise ValueError(
-                "forward_backward got no microbatches; the plan gives every rank at least one "
-                "(an empty one where a rank has no tokens) so FSDP's collectives stay in step"
-            )
+        microbatches, loss_fn, spec, progress = (
+            run.microbatches,
+            run.loss_fn,
+            run.spec,
+            run.progress,
+        )
         self.model.train()
         scale = self.loss_scale(len(microbatches))
         metrics = []
         for mb in microbatches:
             mb = to_device(mb, self.device)
             logits = packed.forward(self.model, mb, self.device, self._sp_group)
-            self.forward_calls["policy"] += 1
+            self._count_forward("policy")
             empty = mb.num_tokens == 0
             logp, entropy = token_logprobs(logits[:0] if empty else logits, mb.targets, spec)
             loss, mb_metrics = loss_fn(mb, logp, entropy)

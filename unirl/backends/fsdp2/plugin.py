@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from unirl.core.backend_plugin import BackendPlugin, ContractLayout
+from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from unirl.backends.fsdp2.backend import Fsdp2Backend
     from unirl.core.run.config import UnirlConfig
 
 Sharding = Literal["full_shard", "shard_grad_op", "hybrid"]
@@ -87,20 +86,10 @@ def check(cfg: UnirlConfig) -> None:
         )
 
 
-def build(
-    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
-) -> Fsdp2Backend:
-    from unirl.backends.fsdp2.backend import Fsdp2Backend
-
-    return Fsdp2Backend(
-        cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
-    )
-
-
 PLUGIN = BackendPlugin(
     name="fsdp2",
     options=Fsdp2Options,
-    build=build,
+    build=LazyBuilder("unirl.backends.fsdp2.backend:Fsdp2Backend"),
     check=check,
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
