@@ -234,20 +234,7 @@ def _check_arguments(
     if micro_batch_size is not None:
         if micro_batch_size < 1:
             raise ConfigError(f"batch.micro_batch_size must be >= 1, got {micro_batch_size}")
-        if per_step % dp_size:
-            raise ConfigError(
-                f"batch.samples_per_optimizer_step={per_step} does not divide evenly over the "
-                f"data-parallel size {dp_size}; make it a multiple of {dp_size}"
-            )
-        per_rank = per_step // dp_size
-        if per_rank % micro_batch_size:
-            raise ConfigError(
-                f"each data-parallel rank gets {per_rank} samples per optimizer step "
-                f"(batch.samples_per_optimizer_step={per_step} / data-parallel size {dp_size}), "
-                f"which batch.micro_batch_size={micro_batch_size} does not divide; make "
-                "batch.samples_per_optimizer_step a multiple of micro_batch_size x data-parallel "
-                f"size = {micro_batch_size * dp_size}"
-            )
+        split_per_rank(per_step, dp_size, micro_batch_size)
     else:
         assert max_tokens is not None
         if max_tokens < 1:
@@ -264,6 +251,31 @@ def _check_arguments(
                 f"batch.samples_per_optimizer_step={per_step} is smaller than the data-parallel "
                 f"size {dp_size}, so some rank would get no sample; use at least {dp_size}"
             )
+
+
+def split_per_rank(
+    samples_per_step: int, dp_size: int, micro_batch_size: int | None
+) -> tuple[int, int | None]:
+    """The divisibility rules of an optimizer step, checked here only (the config checks them
+    through this function at load, the plan again for the batch it is given): the step's samples
+    split evenly over the data-parallel ranks and, with a fixed microbatch size, each rank's
+    share into whole microbatches. Returns ``(samples per rank, microbatches per rank or None
+    with a token budget)``."""
+    if samples_per_step % dp_size:
+        raise ConfigError(
+            f"batch.samples_per_optimizer_step={samples_per_step} is not divisible by the "
+            f"data-parallel size {dp_size}; make it a multiple of {dp_size}"
+        )
+    per_rank = samples_per_step // dp_size
+    if micro_batch_size is None:
+        return per_rank, None
+    if per_rank % micro_batch_size:
+        raise ConfigError(
+            f"batch.samples_per_optimizer_step={samples_per_step} is not divisible by "
+            f"batch.micro_batch_size x data-parallel size = {micro_batch_size} x {dp_size}; "
+            f"choose a multiple of {micro_batch_size * dp_size}"
+        )
+    return per_rank, per_rank // micro_batch_size
 
 
 # -- the algorithms --------------------------------------------------------------------------
