@@ -44,7 +44,8 @@ import attrs
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.errors import ConfigError
 
-Microbatch = tuple[int, ...]
+# The sample indices of one microbatch (the plan assigns samples; `RolloutBatch.pack` packs them).
+SampleIndices = tuple[int, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -54,7 +55,7 @@ class OptimizerStepPlan:
     index: int
     counts: GlobalCounts
     # [dp_rank][microbatch] -> sample indices, and the tokens (prompt + response) of each.
-    rank_microbatches: tuple[tuple[Microbatch, ...], ...]
+    rank_microbatches: tuple[tuple[SampleIndices, ...], ...]
     rank_microbatch_tokens: tuple[tuple[int, ...], ...]
 
     @property
@@ -70,7 +71,7 @@ class OptimizerStepPlan:
     def rank_tokens(self) -> tuple[int, ...]:
         return tuple(sum(tokens) for tokens in self.rank_microbatch_tokens)
 
-    def microbatches(self, dp_rank: int) -> list[Microbatch]:
+    def microbatches(self, dp_rank: int) -> list[SampleIndices]:
         if not 0 <= dp_rank < len(self.rank_microbatches):
             raise ConfigError(
                 f"dp_rank={dp_rank} is outside [0, {len(self.rank_microbatches)}) for a plan "
@@ -376,7 +377,7 @@ def _token_budget_microbatches(
     return out
 
 
-def _arrange(microbatches: list[list[int]], lengths: list[int]) -> tuple[Microbatch, ...]:
+def _arrange(microbatches: list[list[int]], lengths: list[int]) -> tuple[SampleIndices, ...]:
     """Sorted indices inside a microbatch; heaviest microbatch first, empty ones last."""
     mbs = [tuple(sorted(mb)) for mb in microbatches]
     return tuple(
