@@ -35,14 +35,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from unirl.backends.megatron import checkpoint
+from unirl.backends.megatron import checkpoint, cpu_compat
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
 from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
 from unirl.backends.megatron.schedule import (
     ScheduledMicrobatch,
     loss_scale,
-    require_cuda,
     run_schedule,
     schedule_config,
     schedule_items,
@@ -148,6 +147,8 @@ class MegatronBackend:
         self.dtype = _DTYPES[cfg.model.dtype]
         self.packed = cfg.model.attention == "packed"
         self._owns_process_group, self.device = _init_distributed(cfg)
+        if self.device.type == "cpu":
+            cpu_compat.install()  # megatron-core's CUDA-only lines, on the CPU only
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)
@@ -160,14 +161,9 @@ class MegatronBackend:
         self._steps_done = 0
         self._grads_pending = False
         self._closed = False
-        self.ddp: list[Any] = []
-        self.optimizer: Any = None
-        if self.device.type == "cuda":
-            self.ddp = wrap_ddp(self.chunks, cfg)
-            self.optimizer = build_optimizer(self.ddp, cfg)
-            self._zero_grads()
-        else:
-            logger.info("no CUDA: the Megatron backend is built for export only (%s)", cfg.backend)
+        self.ddp: list[Any] = wrap_ddp(self.chunks, cfg)
+        self.optimizer: Any = build_optimizer(self.ddp, cfg)
+        self._zero_grads()
         if needs_reference:
             self._reference_chunks()
 
@@ -231,7 +227,6 @@ class MegatronBackend:
     ) -> list[torch.Tensor]:
         """Detached fp32 log-probs ``[T]`` per microbatch, on the device, on the last pipeline
         stage ([] elsewhere)."""
-        require_cuda("forward_logprobs")
         if role not in _ROLES:
             raise ValueError(f"forward_logprobs role={role!r}; choose one of {_ROLES}")
         if not microbatches:
@@ -299,7 +294,6 @@ class MegatronBackend:
     ) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of every microbatch of one optimizer step (one schedule
         call; megatron reduces the gradients at its end, so call it once per optimizer step)."""
-        require_cuda("forward_backward")
         if not microbatches:
             raise ValueError(
                 "forward_backward got no microbatches; the plan gives every rank at least one "
@@ -362,7 +356,6 @@ class MegatronBackend:
 
     def optimizer_step(self) -> OptimizerStepStats:
         """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
-        require_cuda("optimizer_step")
         lr = apply_schedule(self.optimizer, self.cfg, self._steps_done, self.total_optimizer_steps)
         applied, grad_norm, _ = self.optimizer.step()
         norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -378,7 +371,6 @@ class MegatronBackend:
     # -- state -------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
-        require_cuda("save_checkpoint")
         checkpoint.save_checkpoint(
             Path(path),
             self.ddp,
@@ -389,7 +381,6 @@ class MegatronBackend:
         )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        require_cuda("load_checkpoint")
         client, self._steps_done = checkpoint.load_checkpoint(
             Path(path), self.ddp, self.optimizer, self.topology
         )
