@@ -102,23 +102,25 @@ register_backend(
     )
 )
 
+# Megatron on the CPU runs megatron-core's own schedules, DDP and optimizer over gloo
+# (`unirl.backends.megatron.cpu_compat`). Packed sequences (the default) everywhere; the padded
+# form on one process and under the interleaved schedule; context parallel (packed only).
 register_backend(
     BackendEntry(
         name="megatron",
         builder="unirl.backends.megatron:build_backend",
         engine_package="megatron.core",
-        # packed sequences (the default) everywhere; the padded form once, and context parallel
-        # (packed only)
         layouts=(
             Layout.of("tp1-pp1-dp1", 1),
             Layout.of("padded", 1, model={"attention": "padded"}),
             Layout.of("dp2", 2),
             Layout.of("tp2", 2, tp=2),
             Layout.of("pp2", 2, pp=2),
+            Layout.of("pp2-vpp2", 2, pp=2, vpp=2),  # one layer per virtual stage
+            Layout.of("padded-pp2-vpp2", 2, model={"attention": "padded"}, pp=2, vpp=2),
             Layout.of("cp2", 2, cp=2),
             Layout.of("zero1-dp2", 2, zero_stage=1),
+            Layout.of("tp2-pp2", 4, tp=2, pp=2),
         ),
-        # pp2 with vpp2 needs 4 layers; the fixture model has 2.
-        needs_cuda="Megatron's pipeline schedules need CUDA",
     )
 )

@@ -4,7 +4,7 @@ run configurations (variants) every backend x layout executes.
 Everything here is deterministic (fixed seeds) and written once; the backend harness, the
 independent reference and the GPU table all read it from here.
 
-- Model: vocab 64, hidden 32, 2 layers, 4 heads, 2 kv heads, untied embeddings, initialised with
+- Model: vocab 64, hidden 32, 4 layers (one per virtual stage at PP = 2 x VPP = 2), 4 heads, 2 kv heads, untied embeddings, initialised with
   a larger std than usual (0.2) so log-probs spread over several nats and a misaligned or
   mis-tempered log-prob cannot hide near ``-ln 64``.
 - Batch: 3 groups x 4 samples with varied prompt / response lengths, a one-token response, a
@@ -31,7 +31,7 @@ TINY_LLAMA = {
     "vocab_size": 64,
     "hidden_size": 32,
     "intermediate_size": 64,
-    "num_hidden_layers": 2,
+    "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import io
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -258,6 +259,9 @@ class _GroupRun:
             self.variants(backend)
             self.resume(backend)
         self.timings["total"] = time.perf_counter() - t0
+        compat = sys.modules.get("unirl.backends.megatron.cpu_compat")
+        if compat is not None:  # megatron-core lines patched for the CPU that ran here
+            self.out["cpu_compat_lines"] = sorted(compat.reached_lines())
         return self.out
 
     def forward(self, backend: Any) -> None:

@@ -15,9 +15,9 @@ go to core's `token_logprobs` (TP all-reduces of per-token statistics only, neve
 vocabulary) and then to core's loss. The only loss arithmetic here is `schedule.loss_scale`, the
 factor that cancels megatron's mean over microbatches and data-parallel ranks.
 
-Megatron's schedules, DDP and optimizer allocate on the GPU: without CUDA the backend still builds
-(model chunks, weights, topology, reference) and exports weights, and every schedule- or
-optimizer-based method raises, saying to use backend: deepspeed on the CPU.
+On the CPU (gloo) the same megatron-core schedules, DDP and optimizer run, with the few
+CUDA-only lines of megatron-core patched by `cpu_compat` (installed only when the device is the
+CPU; on a GPU nothing is patched).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,13 +49,38 @@ _CPU = torch.device("cpu")
 # -- the stand-in for a module's ``torch`` ------------------------------------------------------
 
 
+# "file:line" (under megatron/core) of every patched line that ran in this process: the tests
+# check each is listed in `PATCHES`.
+_REACHED: set[str] = set()
+
+
+def _record(depth: int) -> None:
+    frame = sys._getframe(depth + 1)
+    path = frame.f_code.co_filename
+    marker = f"{os.sep}megatron{os.sep}core{os.sep}"
+    if marker in path:
+        _REACHED.add(f"{path.split(marker, 1)[1]}:{frame.f_lineno}")
+
+
+def reached_lines() -> set[str]:
+    """The patched megatron-core lines that ran in this process (``"file.py:line"``)."""
+    return set(_REACHED)
+
+
 def _host_device(device: Any) -> Any:
     """``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)`` -> the CPU; anything else as is."""
-    if device is None:
-        return None
-    if torch.device(device).type == "cuda":
-        return _CPU
-    return device
+    if device is None or torch.device(device).type != "cuda":
+        return device
+    _record(2)
+    return _CPU
+
+
+def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _record(1)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 class _HostStream:
@@ -74,14 +101,14 @@ class _HostCuda(types.SimpleNamespace):
 
     def __init__(self) -> None:
         super().__init__(
-            current_device=lambda: _CPU,
-            synchronize=lambda device=None: None,
-            empty_cache=lambda: None,
-            is_available=lambda: False,
-            Stream=_HostStream,
-            default_stream=lambda device=None: _HostStream(),
-            current_stream=lambda device=None: _HostStream(),
-            stream=lambda stream=None: contextlib.nullcontext(),
+            current_device=_recorded(lambda: _CPU),
+            synchronize=_recorded(lambda device=None: None),
+            empty_cache=_recorded(lambda: None),
+            is_available=_recorded(lambda: False),
+            Stream=_recorded(_HostStream),
+            default_stream=_recorded(lambda device=None: _HostStream()),
+            current_stream=_recorded(lambda device=None: _HostStream()),
+            stream=_recorded(lambda stream=None: contextlib.nullcontext()),
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -131,6 +158,8 @@ def _cpu_tensor_type_names() -> Iterator[None]:
     def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any) -> Any:
         if dtype is None and not kw:
             name = original(self)
+            if name in _CUDA_TYPE_NAMES:
+                _record(1)
             return _CUDA_TYPE_NAMES.get(name, name)
         return original(self, dtype, non_blocking, **kw)
 
@@ -163,6 +192,17 @@ class ModulePatch:
 
 
 @attrs.frozen(kw_only=True)
+class FunctionPatch:
+    """A module-level function name (``module.name``, where callers look it up) whose function
+    runs with ``torch`` bound to `_HostTorch`, its code unchanged: for a function of a module
+    too widely used to patch whole (``megatron.core.utils``)."""
+
+    module: str
+    name: str
+    lines: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
 class TypeNamePatch:
     """A function (``Class.method``) run with `_cpu_tensor_type_names`, and its lines."""
 
@@ -171,7 +211,7 @@ class TypeNamePatch:
     lines: tuple[str, ...]
 
 
-PATCHES: tuple[ModulePatch | TypeNamePatch, ...] = (
+PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
     ModulePatch(module="megatron.core.pipeline_parallel.schedules", lines=()),
     ModulePatch(module="megatron.core.pipeline_parallel.p2p_communication", lines=()),
     ModulePatch(module="megatron.core.distributed.param_and_grad_buffer", lines=()),
@@ -179,7 +219,7 @@ PATCHES: tuple[ModulePatch | TypeNamePatch, ...] = (
     ModulePatch(module="megatron.core.optimizer.clip_grads", lines=()),
     ModulePatch(module="megatron.core.optimizer.optimizer", lines=()),
     ModulePatch(module="megatron.core.optimizer.distrib_optimizer", lines=()),
-    ModulePatch(module="megatron.core.utils", lines=()),
+    FunctionPatch(module="megatron.core.optimizer.clip_grads", name="l2_norm_impl", lines=()),
     ModulePatch(module="megatron.core.dist_checkpointing.strategies.filesystem_async", lines=()),
     ModulePatch(module="megatron.core.dist_checkpointing.strategies.state_dict_saver", lines=()),
     TypeNamePatch(
@@ -233,6 +273,12 @@ def install() -> None:
         if isinstance(patch, ModulePatch):
             assert module.torch is torch, (patch.module, module.torch)
             module.torch = host_torch
+        elif isinstance(patch, FunctionPatch):
+            fn = getattr(module, patch.name)
+            rebound = types.FunctionType(
+                fn.__code__, {**fn.__globals__, "torch": host_torch}, fn.__name__, fn.__defaults__
+            )
+            setattr(module, patch.name, functools.wraps(fn)(rebound))
         else:
             owner_name, _, attr = patch.qualname.rpartition(".")
             owner = getattr(module, owner_name) if owner_name else module
