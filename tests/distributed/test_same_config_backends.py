@@ -21,7 +21,11 @@ pytestmark = [
     pytest.mark.skipif(
         importlib.util.find_spec(name) is None, reason=f"needs {name} (pip install unirl[{extra}])"
     )
-    for name, extra in (("deepspeed", "deepspeed"), ("megatron", "megatron"), ("transformers", "hf"))
+    for name, extra in (
+        ("deepspeed", "deepspeed"),
+        ("megatron", "megatron"),
+        ("transformers", "hf"),
+    )
 ]
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo.yaml"

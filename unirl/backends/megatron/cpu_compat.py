@@ -1,26 +1,30 @@
 """megatron-core's schedules, DDP and optimizer on CPU processes over gloo: the few lines of
-megatron-core that hard-code CUDA, and what they get instead when the backend runs on the CPU.
+megatron-core 0.16.1 that hard-code CUDA, and what they get instead when the backend runs on the
+CPU.
 
 The Megatron backend on the CPU runs megatron's own code path (the same
-`get_forward_backward_func` schedules, `DistributedDataParallel`, grad buffers, optimizer and
-gradient clipping as on a GPU); only the lines below differ, and only on the CPU. Two kinds of
-patch, both reversible and both applied to named megatron-core modules only (torch itself is
-never changed outside a patched call):
+`get_forward_backward_func` schedules, p2p communication, `DistributedDataParallel` and its grad
+buffers, optimizer, gradient clipping and distributed checkpointing as on a GPU); only the lines
+listed in `PATCHES` differ, and only on the CPU. Three kinds of patch, each applied to one named
+megatron-core module attribute (torch itself is never changed outside a patched call):
 
-- `_HostTorch`: a module's global name ``torch`` is replaced by a stand-in that forwards every
+- `ModulePatch`: the module's global name ``torch`` becomes `_HostTorch`, which forwards every
   attribute to torch except ``torch.cuda`` (``current_device()`` is the CPU, ``synchronize()``
-  and ``empty_cache()`` do nothing, the only streams are the CPU's) and the factories ``zeros`` /
-  ``empty`` / ``tensor``, which build on the CPU when asked for ``device="cuda"``. The lines
-  this changes are listed per module in `PATCHES` (every ``cuda`` in those modules that the
-  backend reaches).
-- `_cpu_tensor_type_names`: around the listed functions, ``Tensor.type()`` of a CPU tensor
-  answers the CUDA name (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), because those
-  functions dispatch on the name string and raise on anything else.
+  and ``empty_cache()`` do nothing; any other ``torch.cuda`` attribute raises, naming this file)
+  and the factories ``zeros`` / ``empty`` / ``tensor``, which build on the CPU when asked for
+  ``device="cuda"`` and are unchanged otherwise.
+- `FunctionPatch`: one function of a module too widely used to patch whole
+  (``megatron.core.utils``) runs, code unchanged, with ``torch`` bound to `_HostTorch`.
+- `TypeNamePatch`: during one function, ``Tensor.type()`` of a CPU tensor answers the CUDA name
+  (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), because it dispatches on the name string
+  and raises on anything else.
 
-`install()` refuses any megatron-core version but the ones in `CHECKED_VERSIONS`: another
-version may have moved a ``cuda`` line this list does not know, and a CPU run would then fail
-far from the cause (or a CUDA-only line would slip through unpatched).
-Call `install()` only when the backend's device is the CPU; on a GPU nothing here runs.
+Each patched line that runs is recorded (`reached_lines`); the contract tests check it is listed.
+`install()` refuses any megatron-core version but `CHECKED_VERSIONS`: another version may move or
+add a CUDA line, and the CPU run would then fail far from the cause. The backend calls
+`install()` only when its device is the CPU; on a GPU nothing here runs (and `install()` refuses
+to run where CUDA is available). bf16 on the CPU is not covered (megatron's mixed-precision
+optimizer has more such lines); the CPU runs are fp32.
 """
 
 from __future__ import annotations
@@ -211,28 +215,112 @@ class TypeNamePatch:
     lines: tuple[str, ...]
 
 
+# Every line below is "file:line" under megatron/core in megatron-core 0.16.1, the line's code in
+# the comment beside it. The tests run every contract layout on the CPU and check that each
+# patched line that ran is listed here, and that each listed line still reads ``cuda``.
 PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
-    ModulePatch(module="megatron.core.pipeline_parallel.schedules", lines=()),
-    ModulePatch(module="megatron.core.pipeline_parallel.p2p_communication", lines=()),
-    ModulePatch(module="megatron.core.distributed.param_and_grad_buffer", lines=()),
-    ModulePatch(module="megatron.core.distributed.distributed_data_parallel", lines=()),
-    ModulePatch(module="megatron.core.optimizer.clip_grads", lines=()),
-    ModulePatch(module="megatron.core.optimizer.optimizer", lines=()),
-    ModulePatch(module="megatron.core.optimizer.distrib_optimizer", lines=()),
-    FunctionPatch(module="megatron.core.optimizer.clip_grads", name="l2_norm_impl", lines=()),
-    ModulePatch(module="megatron.core.dist_checkpointing.strategies.filesystem_async", lines=()),
-    ModulePatch(module="megatron.core.dist_checkpointing.strategies.state_dict_saver", lines=()),
+    ModulePatch(
+        module="megatron.core.pipeline_parallel.schedules",
+        lines=(
+            # total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda"): the token count
+            # each schedule sums the loss functions' optional token numbers into
+            "pipeline_parallel/schedules.py:596",  # forward_backward_no_pipelining
+            "pipeline_parallel/schedules.py:983",  # forward_backward_pipelining_with_interleaving
+            "pipeline_parallel/schedules.py:2138",  # ..._pipelining_without_interleaving
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.pipeline_parallel.p2p_communication",
+        lines=(
+            # torch.empty(recv_shape, ..., device=torch.cuda.current_device()): the buffers a
+            # stage receives activations (prev) and gradients (next) into
+            "pipeline_parallel/p2p_communication.py:313",
+            "pipeline_parallel/p2p_communication.py:321",
+            # torch.cuda.synchronize() after batched isend/irecv (``batch_p2p_sync``): a CUDA
+            # stream race; gloo's requests are complete once waited on
+            "pipeline_parallel/p2p_communication.py:398",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.distributed.param_and_grad_buffer",
+        lines=(
+            # torch.zeros(numel, ..., device=torch.cuda.current_device()): DDP's contiguous
+            # parameter (distributed optimizer only) and gradient buffers
+            "distributed/param_and_grad_buffer.py:800",
+            "distributed/param_and_grad_buffer.py:806",
+        ),
+    ),
+    FunctionPatch(
+        module="megatron.core.optimizer.clip_grads",
+        name="l2_norm_impl",  # megatron.core.utils.local_multi_tensor_l2_norm without TE / Apex
+        lines=(
+            # torch.tensor([float(l2_reduced)], ..., device="cuda"): the local gradient norm
+            "utils.py:1207",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.optimizer.clip_grads",
+        lines=(
+            # torch.zeros(1, dtype=torch.int, device='cuda'): the multi-tensor applier's overflow
+            # flag, in get_grad_norm_fp32 and clip_grad_by_total_norm_fp32
+            "optimizer/clip_grads.py:103",
+            "optimizer/clip_grads.py:174",
+        ),
+    ),
     TypeNamePatch(
-        module="megatron.core.optimizer.optimizer",
+        module="megatron.core.optimizer.optimizer",  # where the optimizer looks it up
         qualname="clip_grad_by_total_norm_fp32",
-        lines=(),
+        lines=(
+            # assert param.grad.type() == 'torch.cuda.FloatTensor'
+            "optimizer/clip_grads.py:167",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.optimizer.optimizer",
+        lines=(
+            # MixedPrecisionOptimizer.__init__ (the distributed optimizer's base):
+            # torch.tensor([0], dtype=torch.int, device='cuda'), torch.tensor([1.0], ...,
+            # device='cuda'): the overflow flag and the unit loss scale
+            "optimizer/optimizer.py:481",
+            "optimizer/optimizer.py:485",
+            # FP32Optimizer.__init__: self._scale = torch.tensor([1.0], ..., device='cuda')
+            "optimizer/optimizer.py:907",
+        ),
     ),
     TypeNamePatch(
         module="megatron.core.optimizer.distrib_optimizer",
         qualname="DistributedOptimizer.__init__",
-        lines=(),
+        lines=(
+            # _build_model_and_main_param_groups sorts parameters by type name and raises on
+            # any other: model_param.type() in ['torch.cuda.HalfTensor', ...BFloat16Tensor'],
+            # model_param.type() == 'torch.cuda.FloatTensor'
+            "optimizer/distrib_optimizer.py:361",
+            "optimizer/distrib_optimizer.py:420",
+            # __init__: param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']
+            "optimizer/distrib_optimizer.py:582",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.dist_checkpointing.strategies.filesystem_async",
+        lines=(
+            # preload_tensors: torch.cuda.synchronize() before copying tensors to the host
+            "dist_checkpointing/strategies/filesystem_async.py:230",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        lines=(
+            # save_state_dict_async_finalize: torch.tensor([...], ...,
+            # device=torch.cuda.current_device()), the all-reduced count of failed writes
+            "dist_checkpointing/strategies/state_dict_saver.py:252",
+        ),
     ),
 )
+
+
+def listed_lines() -> set[str]:
+    """Every ``"file.py:line"`` of `PATCHES`."""
+    return {line for patch in PATCHES for line in patch.lines}
 
 
 # -- installing --------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from unirl.core.config import ParallelConfig
 from unirl.core.microbatch import TrainMicrobatch
 from unirl.core.topology import Topology
 
+
 def schedule_config(parallel: ParallelConfig) -> dict[str, Any]:
     """TransformerConfig fields for the schedule.
 
