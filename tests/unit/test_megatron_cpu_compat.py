@@ -20,7 +20,9 @@ def test_refuses_an_unchecked_megatron_version(monkeypatch):
     from unirl.backends.megatron import cpu_compat
 
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match=r"found megatron-core 0\.17\.0: install megatron-core=="):
+    with pytest.raises(
+        RuntimeError, match=r"found megatron-core 0\.17\.0: install megatron-core=="
+    ):
         cpu_compat.check_version()
 
 
