@@ -322,6 +322,9 @@ def main() -> None:
                 out["command"] = cmd
                 out["wall_s"] = round(m.wall_s, 1)
                 out["harness_errors"] = {k: v[-3000:] for k, v in m.errors.items()}
+                # megatron-core patched for the CPU (unirl.backends.megatron.cpu_compat): on
+                # GPUs this must be False
+                out["cpu_compat_patched"] = any("cpu_compat_lines" in r for r in m.ranks)
                 out["clauses"] = summarise(clauses.all_checks(m, ref, records, tol))
                 out["headline"] = headline(m, ref)
                 verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in out["clauses"].items()}

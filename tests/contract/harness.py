@@ -260,7 +260,7 @@ class _GroupRun:
             self.resume(backend)
         self.timings["total"] = time.perf_counter() - t0
         compat = sys.modules.get("unirl.backends.megatron.cpu_compat")
-        if compat is not None:  # megatron-core lines patched for the CPU that ran here
+        if compat is not None and compat.is_installed():  # patched lines of megatron-core that ran
             self.out["cpu_compat_lines"] = sorted(compat.reached_lines())
         return self.out
 

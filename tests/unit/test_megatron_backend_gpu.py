@@ -57,6 +57,8 @@ def test_contract_clauses_fp32(name, prepared):
         device="cuda",
         dtype="fp32",
     )
+    patched = [r["rank"] for r in measured.ranks if "cpu_compat_lines" in r]
+    assert not patched, f"ranks {patched} patched megatron-core for the CPU on a GPU"
     checks = clauses.all_checks(measured, ref, records, clauses.TOLERANCES["fp32"])
     failed = [c.describe() for items in checks.values() for c in items if not c.ok]
     assert not failed, "\n".join(failed[:20])

@@ -318,6 +318,11 @@ PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
 )
 
 
+def is_installed() -> bool:
+    """Whether `install` patched megatron-core in this process."""
+    return _installed
+
+
 def listed_lines() -> set[str]:
     """Every ``"file.py:line"`` of `PATCHES`."""
     return {line for patch in PATCHES for line in patch.lines}
