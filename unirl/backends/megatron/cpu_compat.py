@@ -10,7 +10,7 @@ megatron-core module attribute (torch itself is never changed outside a patched 
 
 - `ModulePatch`: the module's global name ``torch`` becomes `_HostTorch`, which forwards every
   attribute to torch except ``torch.cuda`` (``current_device()`` is the CPU, ``synchronize()``
-  and ``empty_cache()`` do nothing; any other ``torch.cuda`` attribute raises, naming this file)
+  does nothing; any other ``torch.cuda`` attribute raises, naming this file)
   and the factories ``zeros`` / ``empty`` / ``tensor``, which build on the CPU when asked for
   ``device="cuda"`` and are unchanged otherwise.
 - `FunctionPatch`: one function of a module too widely used to patch whole
@@ -87,38 +87,19 @@ def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class _HostStream:
-    """The CPU's one stream: waiting on it and switching to it are no-ops."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 class _HostCuda(types.SimpleNamespace):
-    """What the patched modules see as ``torch.cuda``."""
+    """What the patched modules see as ``torch.cuda``: the two calls the listed lines make."""
 
     def __init__(self) -> None:
         super().__init__(
-            current_device=_recorded(lambda: _CPU),
-            synchronize=_recorded(lambda device=None: None),
-            empty_cache=_recorded(lambda: None),
-            is_available=_recorded(lambda: False),
-            Stream=_recorded(_HostStream),
-            default_stream=_recorded(lambda device=None: _HostStream()),
-            current_stream=_recorded(lambda device=None: _HostStream()),
-            stream=_recorded(lambda stream=None: contextlib.nullcontext()),
+            current_device=_recorded(lambda: _CPU),  # buffers go to the CPU
+            synchronize=_recorded(lambda device=None: None),  # gloo's waits already block
         )
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"torch.cuda.{name} reached from megatron-core on the CPU: "
-            "unirl.backends.megatron.cpu_compat does not cover it"
+            "unirl.backends.megatron.cpu_compat does not cover it (see its PATCHES)"
         )
 
 
