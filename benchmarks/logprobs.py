@@ -1,6 +1,6 @@
 """Time and peak memory of per-token log-probs from logits on one CUDA GPU.
 
-Compares `unirl.core.logprobs.logprobs_from_logits` (Triton kernels; and its chunked PyTorch
+Compares `unirl.core.maths.logprobs.logprobs_from_logits` (Triton kernels; and its chunked PyTorch
 path) with the naive ``log_softmax(logits.float()).gather(...)`` and ``torch.compile`` of that
 naive form, forward-only (under ``no_grad``, as for old/reference log-probs) and forward+backward
 (as in training), at several sizes. Times are CUDA-event medians after warm-up; memory is
@@ -10,7 +10,7 @@ forward+backward this includes the gradient left in ``logits.grad``).
     PYTHONPATH=$PWD python benchmarks/logprobs.py --out benchmarks/results/logprobs_h200.json
 
 ``--sweep`` also times the two Triton kernels alone over block sizes and warp counts at the
-first size, which is how `fwd_config` and `bwd_config` in `unirl.core.kernels.logprobs_triton` were chosen.
+first size, which is how `fwd_config` and `bwd_config` in `unirl.core.maths.kernels.logprobs_triton` were chosen.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from unirl.core.logprobs import logprobs_from_logits
+from unirl.core.maths.logprobs import logprobs_from_logits
 
 GIB = 1 << 30
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -143,7 +143,7 @@ def bench_size(spec: str, methods: list[str], warmup: int, reps: int) -> list[di
 
 def sweep(spec: str, warmup: int, reps: int) -> list[dict]:
     """Both kernels alone over (BLOCK_V, num_warps): which launch shape reads fastest."""
-    from unirl.core.kernels import logprobs_triton as k
+    from unirl.core.maths.kernels import logprobs_triton as k
 
     shape, dtype_name = spec.split(":")
     n_tokens, vocab = (int(v) for v in shape.split("x"))

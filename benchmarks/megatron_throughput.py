@@ -135,12 +135,12 @@ def config_dict(args: argparse.Namespace, hf: dict[str, Any], old_logprobs: str)
     return {
         "backend": "megatron",
         "old_logprobs": old_logprobs,
+        "megatron": {"attention": args.attention},
         "model": {
             "hf_config": hf,
             "init_seed": 0,
             "dtype": "bf16",
             "max_seq_len": args.max_len,
-            "attention": args.attention,
             "gradient_checkpointing": args.recompute_activations,
         },
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
@@ -346,8 +346,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from unirl.backends import build_backend
-    from unirl.core.config import config_from_dict
-    from unirl.core.rollout import RolloutBatch
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.config import config_from_dict
 
     hf = dict(MODELS[args.model])
     if args.layers is not None:

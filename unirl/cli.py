@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from unirl.core.config import UnirlConfig, load_config
 from unirl.core.errors import UnirlError
-from unirl.core.reuse import decide_old_logprobs
+from unirl.core.old_logprobs import decide_old_logprobs
+from unirl.core.run.config import UnirlConfig, load_config
 
 logger = logging.getLogger("unirl")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from unirl.core.errors import UnirlError
-from unirl.core.metrics_log import read_metrics
+from unirl.core.run.metrics_log import read_metrics
 
 PANELS = (
     ("reward/mean", "reward (mean)"),

@@ -18,11 +18,11 @@ import torch.distributed as dist
 import yaml
 
 from unirl.backends import build_backend
-from unirl.core import checkpointing
-from unirl.core.algorithm import needs_reference
-from unirl.core.config import UnirlConfig, config_from_dict
-from unirl.core.metrics_log import MetricsLog
-from unirl.core.progress import RunProgress, progress_enabled
+from unirl.core.run import checkpointing
+from unirl.core.run.algorithm import needs_reference
+from unirl.core.run.config import UnirlConfig, config_from_dict
+from unirl.core.run.metrics_log import MetricsLog
+from unirl.core.run.progress import RunProgress, progress_enabled
 from unirl.core.step import RLStep
 
 logger = logging.getLogger(__name__)

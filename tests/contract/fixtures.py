@@ -4,9 +4,9 @@ run configurations (variants) every backend x layout executes.
 Everything here is deterministic (fixed seeds) and written once; the backend harness, the
 independent reference and the GPU table all read it from here.
 
-- Model: vocab 64, hidden 32, 4 layers (one per virtual stage at PP = 2 x VPP = 2), 4 heads, 2 kv heads, untied embeddings, initialised with
-  a larger std than usual (0.2) so log-probs spread over several nats and a misaligned or
-  mis-tempered log-prob cannot hide near ``-ln 64``.
+- Model: vocab 64, hidden 32, 4 layers (one per virtual stage at PP = 2 x VPP = 2), 4 heads,
+  2 kv heads, untied embeddings, initialised with a larger std than usual (0.2) so log-probs
+  spread over several nats and a misaligned or mis-tempered log-prob cannot hide near ``-ln 64``.
 - Batch: 3 groups x 4 samples with varied prompt / response lengths, a one-token response, a
   loss mask with holes (a masked tool output), a fully masked response, rewards, rollout
   log-probs (the true ones perturbed; the second response token of every sample is made 1.5 nats
@@ -160,14 +160,15 @@ def base_config(
     parallel: Mapping[str, Any],
     dtype: str,
     run_dir: str,
-    model: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The config every variant starts from (a plain dict for `config_from_dict`); ``model``:
-    extra ``model`` keys of the layout."""
+    """The config every variant starts from (a plain dict for `config_from_dict`); ``options``:
+    keys of the backend's own section that the layout sets."""
     return {
         "backend": backend,
+        backend: dict(options or {}),
         "old_logprobs": "auto",
-        "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN, **(model or {})},
+        "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN},
         "optimizer": {**OPTIMIZER, "grad_clip": grad_clip(model_dir)},
         "batch": {
             "prompts_per_rollout": NUM_GROUPS,

@@ -17,7 +17,6 @@ code on the same data), so one broken clause does not hide the others.
 
 from __future__ import annotations
 
-import importlib
 import io
 import os
 import sys
@@ -27,7 +26,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -35,13 +34,15 @@ import torch
 from tests.contract import fixtures
 from tests.contract.backends import Layout
 
+if TYPE_CHECKING:
+    from unirl.core.backend import InstrumentedBackend
+
 FORWARD_MICROBATCH = 2  # samples per microbatch of the harness's own forward-only passes
 
 
 @attrs.frozen(kw_only=True)
 class Job:
-    backend: str
-    builder: str  # "package.module:function" (see `BackendEntry.builder`)
+    backend: str  # a registered backend name (`unirl.core.backend_plugin.BACKENDS`)
     layout: Layout
     model_dir: str
     work_dir: str  # shared by the ranks: checkpoints and exports
@@ -53,13 +54,13 @@ class Job:
 
 
 class BarSpy:
-    """Records every tqdm bar `unirl.core.progress` creates: phase, total, updates, closed."""
+    """Records every tqdm bar `unirl.core.run.progress` creates: phase, total, updates, closed."""
 
     def __init__(self) -> None:
         self.bars: list[dict[str, Any]] = []
 
     def install(self) -> None:
-        from unirl.core import progress
+        from unirl.core.run import progress
 
         base = progress.tqdm
         spy = self
@@ -123,8 +124,8 @@ class ForwardCounter:
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _calls(backend: Any) -> dict[str, int]:
-    return {k: int(v) for k, v in dict(getattr(backend, "forward_calls", {}) or {}).items()}
+def _calls(backend: InstrumentedBackend) -> dict[str, int]:
+    return {k: int(v) for k, v in backend.forward_calls.items()}
 
 
 def _delta(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
@@ -138,10 +139,10 @@ def forward_only(
     (samples ``i`` with ``i % dp == dp_rank``, in microbatches of `FORWARD_MICROBATCH`), and the
     number of microbatches."""
     from unirl.core.backend import LogprobSpec
-    from unirl.core.context_parallel import gather_from_cp
-    from unirl.core.microbatch import build_microbatch
-    from unirl.core.progress import MicrobatchProgress
-    from unirl.core.rollout import RolloutBatch
+    from unirl.core.data.context_parallel import gather_from_cp
+    from unirl.core.data.microbatch import build_microbatch
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.progress import MicrobatchProgress
 
     topo = backend.topology
     batch = RolloutBatch.from_records(fixtures.select_fields(records, ()))
@@ -205,7 +206,7 @@ class _GroupRun:
             model_dir=job.model_dir,
             world_size=world_size,
             parallel=job.layout.parallel_dict,
-            model=job.layout.model_dict,
+            options=job.layout.options_dict,
             dtype=job.dtype,
             run_dir=str(self.work / "runs"),
         )
@@ -219,21 +220,21 @@ class _GroupRun:
         return section(name, self.errors, self.timings)
 
     def cfg_of(self, variant: Mapping[str, Any]) -> Any:
-        from unirl.core.config import config_from_dict
+        from unirl.core.run.config import config_from_dict
 
         data = fixtures.variant_config(self.base, variant)
         return config_from_dict(data, world_size=self.world_size)
 
     def batch_of(self, variant: Mapping[str, Any]) -> Any:
-        from unirl.core.rollout import RolloutBatch
+        from unirl.core.data.rollout import RolloutBatch
 
         return RolloutBatch.from_records(fixtures.select_fields(self.job.records, variant["data"]))
 
     def make_backend(self) -> Any:
-        module_name, _, attr = self.job.builder.partition(":")
-        build = getattr(importlib.import_module(module_name), attr)
+        from unirl.core.backend_plugin import build_backend
+
         # The base config with the resume run's algorithm, which needs the reference model.
-        return build(
+        return build_backend(
             self.cfg_of(fixtures.RESUME),
             total_optimizer_steps=fixtures.RESUME_STEPS + 1,
             needs_reference=True,
@@ -254,6 +255,10 @@ class _GroupRun:
                 "vocab_size": backend.vocab_size,
             }
         if backend is not None:
+            from unirl.core.backend import InstrumentedBackend
+
+            # the suite's probes are declared by the instrumented protocol, not reached for
+            assert isinstance(backend, InstrumentedBackend), type(backend)
             self.counter = ForwardCounter(backend.model)
             self.forward(backend)
             self.variants(backend)

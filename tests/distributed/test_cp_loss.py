@@ -17,9 +17,14 @@ import torch
 import torch.distributed as dist
 
 from tests.spawn import run_distributed
-from unirl.core.context_parallel import CPLayout, cp_all_reduce, gather_from_cp, shift_to_next_token
-from unirl.core.counts import GlobalCounts
-from unirl.core.losses import LossInputs, LossSettings, compute_loss, reduce_metrics
+from unirl.core.data.context_parallel import (
+    CPLayout,
+    cp_all_reduce,
+    gather_from_cp,
+    shift_to_next_token,
+)
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.maths.losses import LossInputs, LossSettings, compute_loss, reduce_metrics
 
 VOCAB = 11
 MAX_POS = 16

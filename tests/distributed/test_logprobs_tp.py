@@ -54,7 +54,7 @@ def tp_worker(rank: int, world: int) -> list[list[dict]]:
 def one_rank(
     rank: int, world: int, vocab_local: int, vocab_size: int, dtype: torch.dtype, group
 ) -> dict[str, list]:
-    from unirl.core.logprobs import logprobs_from_logits
+    from unirl.core.maths.logprobs import logprobs_from_logits
 
     logits, targets, w_logp, w_ent = make_problem(vocab_local, world, vocab_size, dtype)
     shard = logits[:, rank * vocab_local : (rank + 1) * vocab_local].clone().requires_grad_(True)

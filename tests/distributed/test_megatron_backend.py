@@ -47,7 +47,7 @@ LOGPROB_ATOL = 1e-4
 
 def _microbatch(lengths, seed=0):
     """A packed TrainMicrobatch of sequences with the given lengths (random tokens)."""
-    from unirl.core.microbatch import TrainMicrobatch
+    from unirl.core.data.microbatch import TrainMicrobatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, HF_CONFIG["vocab_size"], (sum(lengths),), generator=g)
@@ -164,7 +164,7 @@ def test_packed_batch_padding_sequences_by_hand():
 
 def test_packed_batch_padding_under_cp_by_hand():
     from unirl.backends.megatron.packed import to_packed_batch
-    from unirl.core.context_parallel import CPLayout
+    from unirl.core.data.context_parallel import CPLayout
 
     # cp=2, rank 1: sequences of 5 and 3 tokens padded to 8 and 4; then 12 padding tokens
     tokens = torch.arange(10, 18)
@@ -214,7 +214,7 @@ def test_vpp_group_size_by_hand(microbatches, pp, group):
 
 def test_zero_stage_selects_the_distributed_optimizer():
     from unirl.backends.megatron.optimizer import use_distributed_optimizer
-    from unirl.core.config import config_from_dict
+    from unirl.core.run.config import config_from_dict
 
     zero1 = _config_dict(1) | {"parallel": {"zero_stage": 1}}
     assert use_distributed_optimizer(config_from_dict(zero1, world_size=1)) is True
@@ -271,8 +271,8 @@ def _tp_worker(rank, world_size):
     from unirl.backends.megatron import build_backend
     from unirl.backends.megatron.padded import padded_shape, to_padded, valid_logits
     from unirl.core.backend import LogprobSpec, token_logprobs
-    from unirl.core.config import config_from_dict
-    from unirl.core.progress import MicrobatchProgress
+    from unirl.core.run.config import config_from_dict
+    from unirl.core.run.progress import MicrobatchProgress
 
     cfg = config_from_dict(_config_dict(tp=2), world_size=world_size)
     backend = build_backend(cfg, total_optimizer_steps=2, needs_reference=True)

@@ -100,7 +100,7 @@ def _pipeline_logprobs(chunks, topo, ids):
     chunk 0, ..., stage 0 chunk 1, ...; each output is broadcast over the pipeline group."""
     import torch.distributed as dist
 
-    from unirl.core.logprobs import logprobs_from_logits
+    from unirl.core.maths.logprobs import logprobs_from_logits
 
     positions = torch.arange(SEQ)[None].expand(BATCH, SEQ)
     hidden, out = None, None
@@ -136,7 +136,7 @@ def _run_layout(tp, pp, vpp, cases, world, save_dir=None):
         initialize_parallel_state,
         topology_from_parallel_state,
     )
-    from unirl.core.config import ParallelConfig
+    from unirl.core.run.config import ParallelConfig
 
     parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, world_size=world)
     initialize_parallel_state(parallel)
@@ -166,7 +166,7 @@ def _eight_layer_chunks(world):
 
     from unirl.backends.megatron.model import build_model_chunks, chunk_layer_numbers
     from unirl.backends.megatron.topology import initialize_parallel_state
-    from unirl.core.config import ParallelConfig
+    from unirl.core.run.config import ParallelConfig
 
     parallel = ParallelConfig(pp=2, vpp=2, world_size=world)
     initialize_parallel_state(parallel)
@@ -196,7 +196,7 @@ def _one_rank(rank, world, cases):
         initialize_parallel_state,
         topology_from_parallel_state,
     )
-    from unirl.core.config import ParallelConfig
+    from unirl.core.run.config import ParallelConfig
 
     results = _run_layout(1, 1, None, cases, world)
     # an explicit mask in Megatron's convention (True = masked out) gives the causal default
@@ -249,8 +249,8 @@ def _unsupported_configs():
 
 def _config_errors():
     from unirl.backends.megatron.model import check_hf_config
-    from unirl.core.config import ParallelConfig
     from unirl.core.errors import ConfigError
+    from unirl.core.run.config import ParallelConfig
 
     messages = []
     for config, sizes, _ in _unsupported_configs():

@@ -88,8 +88,8 @@ def _hf_reference(model, tokens, cu):
 
 def _microbatch(tokens, cu, cp, rank):
     """A `TrainMicrobatch` as `build_microbatch` lays it out (tokens CP-local)."""
-    from unirl.core.context_parallel import CPLayout, shift_to_next_token
-    from unirl.core.microbatch import TrainMicrobatch
+    from unirl.core.data.context_parallel import CPLayout, shift_to_next_token
+    from unirl.core.data.microbatch import TrainMicrobatch
 
     cu64 = cu.long()
     layout = CPLayout.build(cu64, cp, rank)
@@ -134,8 +134,8 @@ def _run(cp, world, state, tokens, cu, tp=1):
         initialize_parallel_state,
         topology_from_parallel_state,
     )
-    from unirl.core.config import ParallelConfig
-    from unirl.core.logprobs import logprobs_from_logits
+    from unirl.core.maths.logprobs import logprobs_from_logits
+    from unirl.core.run.config import ParallelConfig
 
     parallel = ParallelConfig(tp=tp, cp=cp, world_size=world)
     initialize_parallel_state(parallel)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from unirl.core.metrics_log import read_metrics
+from unirl.core.run.metrics_log import read_metrics
 
 pytestmark = [
     pytest.mark.skipif(

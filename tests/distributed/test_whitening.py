@@ -22,7 +22,7 @@ def make_batch():
 def _worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from unirl.core.advantages import (
+    from unirl.core.maths.advantages import (
         AdvantageInputs,
         AdvantageSettings,
         compute_advantages,

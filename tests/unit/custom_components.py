@@ -1,7 +1,7 @@
 """User components loaded by `module:function` in the decision tests."""
 
-from unirl.core.advantages import register_advantage_estimator
-from unirl.core.losses import register_policy_loss
+from unirl.core.maths.advantages import register_advantage_estimator
+from unirl.core.maths.losses import register_policy_loss
 
 
 def undeclared_loss(inp, counts, settings):  # declares nothing: assumed to need old log-probs

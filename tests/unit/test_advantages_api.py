@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from unirl.core.advantages import (
+from unirl.core.errors import ConfigError, LossInputError
+from unirl.core.maths.advantages import (
     AdvantageInputs,
     AdvantageSettings,
     apply_distillation,
@@ -23,8 +24,7 @@ from unirl.core.advantages import (
     register_advantage_estimator,
     registered_advantage_estimators,
 )
-from unirl.core.advantages import registry as registry_module
-from unirl.core.errors import ConfigError, LossInputError
+from unirl.core.maths.advantages import registry as registry_module
 
 
 def inputs(b=4, length=3, **overrides):
@@ -146,7 +146,7 @@ def isolated_registry(monkeypatch, tmp_path):
 
 CUSTOM = """
     import torch
-    from unirl.core.advantages import AdvantageOutput, register_advantage_estimator
+    from unirl.core.maths.advantages import AdvantageOutput, register_advantage_estimator
 
     def doubled(inp, settings):
         adv = 2.0 * inp.rewards[:, None] * inp.response_mask

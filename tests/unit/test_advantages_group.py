@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from unirl.core.advantages import AdvantageInputs, AdvantageSettings, compute_advantages
 from unirl.core.errors import ConfigError, LossInputError
+from unirl.core.maths.advantages import AdvantageInputs, AdvantageSettings, compute_advantages
 
 EPS = 1e-6
 

@@ -9,7 +9,8 @@ import attrs
 import pytest
 import torch
 
-from unirl.core.advantages import (
+from unirl.core.errors import LossInputError
+from unirl.core.maths.advantages import (
     AdvantageInputs,
     AdvantageSettings,
     apply_kl_in_reward,
@@ -17,7 +18,6 @@ from unirl.core.advantages import (
     gae,
     reinforce_pp,
 )
-from unirl.core.errors import LossInputError
 
 WHITEN_EPS = 1e-8
 

@@ -3,9 +3,9 @@ import random
 import pytest
 import torch
 
-from unirl.core import checkpointing as ck
 from unirl.core.errors import ConfigError
-from unirl.core.metrics_log import MetricsLog, read_metrics
+from unirl.core.run import checkpointing as ck
+from unirl.core.run.metrics_log import MetricsLog, read_metrics
 
 
 def _make(root, step, complete=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.core.context_parallel import (
+from unirl.core.data.context_parallel import (
     CPLayout,
     cp_local_cu_seqlens,
     cp_local_indices,

@@ -17,7 +17,10 @@ pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
 from unirl.core.backend import LogprobSpec, TrainingBackend  # noqa: E402
-from unirl.core.config import (  # noqa: E402
+from unirl.core.data.microbatch import TrainMicrobatch  # noqa: E402
+from unirl.core.errors import ConfigError  # noqa: E402
+from unirl.core.maths.losses import Metric  # noqa: E402
+from unirl.core.run.config import (  # noqa: E402
     BatchConfig,
     ModelConfig,
     OptimizerConfig,
@@ -25,10 +28,7 @@ from unirl.core.config import (  # noqa: E402
     ProgressConfig,
     UnirlConfig,
 )
-from unirl.core.errors import ConfigError  # noqa: E402
-from unirl.core.losses import Metric  # noqa: E402
-from unirl.core.microbatch import TrainMicrobatch  # noqa: E402
-from unirl.core.progress import MicrobatchProgress  # noqa: E402
+from unirl.core.run.progress import MicrobatchProgress  # noqa: E402
 
 VOCAB = 64
 HF_CONFIG = dict(
@@ -241,7 +241,7 @@ def test_forward_logprobs_match_per_sequence_transformers(tiny_folder):
     try:
         assert isinstance(backend, TrainingBackend)
         assert backend.vocab_size == VOCAB
-        assert backend.loss_scale == 1.0  # dp = 1: DeepSpeed's mean over ranks divides by 1
+        assert backend.loss_scale(2) == 1.0  # dp = 1: DeepSpeed's mean over ranks divides by 1
         mbs = [pack(seqs[:4]), pack(seqs[4:])]
         with bar(backend, 2) as progress:
             got = backend.forward_logprobs(
@@ -347,7 +347,7 @@ def test_lr_schedule_resume_bit_exact_and_hf_export(tiny_folder, tmp_path):
         final = full_params(first)
     finally:
         first.close()
-    # lr = 0.1 * m(s), warmup W=2, N=5, r=0.1 (unirl.core.lr_schedule):
+    # lr = 0.1 * m(s), warmup W=2, N=5, r=0.1 (unirl.core.run.lr_schedule):
     # s=0: 1/2 -> 0.05; s=1: 2/2 -> 0.1; s=2: p=(2-2)/(5-2)=0 -> 0.1;
     # s=3: p=1/3 -> 0.1 * (0.1 + 0.9 * (1 + cos(pi/3)) / 2) = 0.1 * (0.1 + 0.45 * 1.5) = 0.0775
     assert [r[0] for r in record] == pytest.approx([0.05, 0.1, 0.1, 0.0775], abs=1e-9)

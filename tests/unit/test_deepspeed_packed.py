@@ -17,8 +17,8 @@ from unirl.backends.deepspeed.packed import (  # noqa: E402
     forward_packed,
     use_packed_attention,
 )
+from unirl.core.data.microbatch import TrainMicrobatch  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
-from unirl.core.microbatch import TrainMicrobatch  # noqa: E402
 
 HF_CONFIG = dict(
     model_type="llama",

@@ -13,8 +13,8 @@ from unirl.backends.hf_model import (  # noqa: E402
     load_policy,
     load_reference,
 )
-from unirl.core.config import ModelConfig  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
+from unirl.core.run.config import ModelConfig  # noqa: E402
 
 HF_CONFIG = dict(
     model_type="llama",

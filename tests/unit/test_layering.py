@@ -37,7 +37,7 @@ class Block:
         if name.split('.')[0] in {'deepspeed', 'megatron', 'transformers'}:
             raise ImportError(f'{name} is blocked for this test')
 sys.meta_path.insert(0, Block())
-import unirl, unirl.core.step, unirl.core.losses, unirl.core.advantages, unirl.backends
+import unirl, unirl.core.step, unirl.core.maths.losses, unirl.core.maths.advantages, unirl.backends
 from unirl.cli import main
 sys.exit(main(['check', sys.argv[1]]))
 """

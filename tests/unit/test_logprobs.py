@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unirl.core.errors import LossInputError
-from unirl.core.logprobs import logprobs_from_logits
+from unirl.core.maths.logprobs import logprobs_from_logits
 
 
 def ref_logprobs_entropy(

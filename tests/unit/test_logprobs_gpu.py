@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from unirl.core.logprobs import logprobs_from_logits
+from unirl.core.maths.logprobs import logprobs_from_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,7 +75,7 @@ def make(n_tokens: int, vocab: int, vocab_size: int, dtype: torch.dtype, seed: i
 def test_triton_matches_fp64(
     dtype, temperature, entropy, n_tokens, vocab, vocab_size, monkeypatch
 ) -> None:
-    from unirl.core.kernels import logprobs_triton
+    from unirl.core.maths.kernels import logprobs_triton
 
     calls = {"fwd": 0, "bwd": 0}
     fwd, bwd = logprobs_triton.local_stats, logprobs_triton.logits_grad
@@ -161,7 +161,7 @@ def test_zero_tokens_on_cuda() -> None:
 def test_kernels_on_vocabulary_shards() -> None:
     """The kernels' local statistics and gradient for each shard of a TP = 3 split (the last
     shard partly padding), combined here by hand: max over shards, rescaled sums added."""
-    from unirl.core.kernels import logprobs_triton as k
+    from unirl.core.maths.kernels import logprobs_triton as k
 
     vocab_local, vocab_size, tp, tau = 20011, 57000, 3, 0.7
     logits, targets, w_logp, w_ent = make(29, vocab_local * tp, vocab_size, torch.bfloat16, 5)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from unirl.core.counts import GlobalCounts
-from unirl.core.losses import (
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.maths.losses import (
     LossInputs,
     LossSettings,
     aggregate,

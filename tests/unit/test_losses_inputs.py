@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.core.counts import GlobalCounts
+from unirl.core.data.counts import GlobalCounts
 from unirl.core.errors import ConfigError, LossInputError
-from unirl.core.losses import (
+from unirl.core.maths.losses import (
     AGGREGATION_MODES,
     LossInputs,
     LossSettings,
@@ -18,7 +18,7 @@ from unirl.core.losses import (
     register_policy_loss,
     registered_policy_losses,
 )
-from unirl.core.losses import registry as registry_module
+from unirl.core.maths.losses import registry as registry_module
 
 POLICIES = ["ppo_clip", "gspo", "cispo", "reinforce", "sft"]
 COUNTS = GlobalCounts(tokens=4, sequences=2, norm_length=8)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.core.counts import GlobalCounts
-from unirl.core.losses import (
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.maths.losses import (
     AGGREGATION_MODES,
     LossInputs,
     LossSettings,

@@ -1,4 +1,4 @@
-"""`unirl.core.kl` estimators: hand-computed values, a per-token Python loop over random
+"""`unirl.core.maths.kl` estimators: hand-computed values, a per-token Python loop over random
 log-probs, and their gradients."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unirl.core.errors import LossInputError
-from unirl.core.kl import KL_ESTIMATORS, kl_estimate
+from unirl.core.maths.kl import KL_ESTIMATORS, kl_estimate
 
 F64 = torch.float64
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.spawn import run_distributed
 from unirl.core.errors import LossInputError
-from unirl.core.losses import Metric, reduce_metrics, sequence_mean, sequence_sum
+from unirl.core.maths.losses import Metric, reduce_metrics, sequence_mean, sequence_sum
 
 
 def _m(num, den, kind="tokens"):

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unirl.core.counts import GlobalCounts
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.data.plan import MicrobatchPlan, _split_to
 from unirl.core.errors import ConfigError
-from unirl.core.plan import MicrobatchPlan, _split_to
 
 
 def test_count_mode_hand_worked() -> None:

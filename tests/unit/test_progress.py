@@ -11,12 +11,12 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from unirl.core import progress
 from unirl.core.errors import ConfigError
-from unirl.core.progress import MicrobatchProgress, RunProgress, progress_enabled
+from unirl.core.run import progress
+from unirl.core.run.progress import MicrobatchProgress, RunProgress, progress_enabled
 from unirl.core.topology import Topology
 
-LOGGER = "unirl.core.progress"
+LOGGER = "unirl.core.run.progress"
 
 
 class FakeTTY(io.StringIO):

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unirl.core.config import config_from_dict
 from unirl.core.errors import ConfigError
-from unirl.core.reuse import DecisionLog, decide_old_logprobs, registered_needs
+from unirl.core.old_logprobs import DecisionLog, decide_old_logprobs, registered_needs
+from unirl.core.run.config import config_from_dict
 
 # 8 prompts x 4 samples = 32 per rollout; one optimizer step of 32 by default.
 BASE = {
@@ -134,7 +134,7 @@ def test_rollout_size_changes_the_decision():
 def test_decision_logged_once_and_again_on_change(caplog):
     cfg = make("auto")
     log = DecisionLog()
-    with caplog.at_level(logging.INFO, logger="unirl.core.reuse"):
+    with caplog.at_level(logging.INFO, logger="unirl.core.old_logprobs"):
         assert log.update(decide_old_logprobs(cfg))
         assert not log.update(decide_old_logprobs(cfg))
         assert log.update(decide_old_logprobs(cfg, rollout_samples=64))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from unirl.core.data.rollout import RolloutBatch, RolloutSample
+from unirl.core.data.rollout_io import read_rollouts, write_rollouts
 from unirl.core.errors import RolloutDataError
-from unirl.core.rollout import RolloutBatch, RolloutSample
-from unirl.core.rollout_io import read_rollouts, write_rollouts
 
 VOCAB, MAX_LEN, PER_PROMPT = 32, 8, 2
 

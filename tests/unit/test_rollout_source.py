@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from unirl.core.config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
+from unirl.core.run.config import config_from_dict
 from unirl.rollouts import (
     FileRolloutSource,
     RolloutSource,

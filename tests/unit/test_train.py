@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 
-from unirl.core.metrics_log import read_metrics
+from unirl.core.run.metrics_log import read_metrics
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -111,7 +111,7 @@ def test_plot_writes_a_png(tmp_path):
         "matplotlib", reason="unirl plot needs matplotlib (pip install unirl[plot])"
     )
     from unirl.cli import main
-    from unirl.core.metrics_log import MetricsLog
+    from unirl.core.run.metrics_log import MetricsLog
 
     log = MetricsLog(tmp_path, tensorboard=False)
     for step in range(1, 4):

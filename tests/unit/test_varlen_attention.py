@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from unirl.backends.megatron import varlen_attention as va
-from unirl.core.context_parallel import CPLayout
+from unirl.core.data.context_parallel import CPLayout
 from unirl.core.errors import LossInputError
 
 LENGTHS = [1, 3, 0, 8]

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from unirl.core.config import ModelConfig
 from unirl.core.errors import ConfigError
+from unirl.core.run.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,25 +20,25 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.core.advantages import AdvantageInputs, compute_advantages
-from unirl.core.algorithm import (
+from unirl.core.backend import ModelRole, TrainingBackend
+from unirl.core.data.context_parallel import gather_from_cp
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.data.microbatch import TrainMicrobatch, build_microbatch
+from unirl.core.data.plan import MicrobatchPlan
+from unirl.core.data.rollout import PackedMicrobatch, RolloutBatch
+from unirl.core.errors import RolloutDataError
+from unirl.core.maths.advantages import AdvantageInputs, compute_advantages
+from unirl.core.maths.losses import LossInputs, Metric, compute_loss, reduce_metrics
+from unirl.core.old_logprobs import DecisionLog, OldLogprobDecision, decide_old_logprobs
+from unirl.core.run.algorithm import (
     advantage_settings,
     forward_logprob_spec,
     loss_settings,
     needs_reference,
     train_logprob_spec,
 )
-from unirl.core.backend import ModelRole, TrainingBackend
-from unirl.core.config import UnirlConfig, norm_length
-from unirl.core.context_parallel import gather_from_cp
-from unirl.core.counts import GlobalCounts
-from unirl.core.errors import RolloutDataError
-from unirl.core.losses import LossInputs, Metric, compute_loss, reduce_metrics
-from unirl.core.microbatch import TrainMicrobatch, build_microbatch
-from unirl.core.plan import MicrobatchPlan
-from unirl.core.progress import MicrobatchProgress, progress_enabled
-from unirl.core.reuse import DecisionLog, OldLogprobDecision, decide_old_logprobs
-from unirl.core.rollout import PackedMicrobatch, RolloutBatch
+from unirl.core.run.config import UnirlConfig, norm_length
+from unirl.core.run.progress import MicrobatchProgress, progress_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +232,7 @@ class RLStep:
                 out[sample, :n] = values[start : start + n]
         group = topo.groups.dp
         if group is not None and topo.dp_size > 1:
-            device = getattr(self.backend, "device", torch.device("cpu"))
-            reduced = out.to(device)
+            reduced = out.to(self.backend.device)
             dist.all_reduce(reduced, group=group)  # each sample lives on exactly one dp rank
             out = reduced.cpu()
         return out

@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from unirl.core.config import UnirlConfig
+from unirl.core.data.rollout_io import write_rollouts
 from unirl.core.errors import ConfigError
-from unirl.core.rollout_io import write_rollouts
+from unirl.core.run.config import UnirlConfig
 from unirl.rollouts.model import build_task_model
 from unirl.rollouts.sampler_source import SamplerRolloutSource
 from unirl.rollouts.source import FileRolloutSource, RolloutSource

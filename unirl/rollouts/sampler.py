@@ -7,7 +7,7 @@ rollout log-prob is
     log softmax(logits / temperature)[token]
 
 under the temperature-scaled but *unfiltered* distribution: the distribution the trainer
-computes (`unirl.core.logprobs.logprobs_from_logits` with the same temperature), so train-vs-
+computes (`unirl.core.maths.logprobs.logprobs_from_logits` with the same temperature), so train-vs-
 rollout mismatch metrics compare like with like. Top-p only decides which tokens may be drawn
 (with top_p < 1 the reported log-prob is not that of the truncated distribution the token was
 drawn from; keep top_p at 1.0, the default, for exact on-policy log-probs).

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
-from unirl.core.rollout import RolloutBatch, RolloutSample
 from unirl.rollouts.sampler import Sampler
 from unirl.rollouts.tasks import Task
 from unirl.rollouts.tokenizer import CharTokenizer

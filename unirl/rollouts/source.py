@@ -26,8 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.rollout import RolloutBatch, RolloutSample
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unirl.core.checkpointing import partial_dir, publish, read_marker, rng_state, set_rng_state
 from unirl.core.errors import ConfigError
+from unirl.core.run.checkpointing import partial_dir, publish, read_marker, rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
-from unirl.core.microbatch import TrainMicrobatch
 
 ATTN_NAME = "unirl_packed_varlen"
 _REGISTERED = False

@@ -46,8 +46,8 @@ from unirl.backends.megatron.varlen_attention import (
     cp_packed_causal_attention,
     packed_causal_attention,
 )
-from unirl.core.config import ParallelConfig
 from unirl.core.errors import ConfigError
+from unirl.core.run.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Megatron-LM's default for --make-vocab-size-divisible-by.

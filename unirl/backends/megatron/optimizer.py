@@ -12,7 +12,7 @@
 - Gradient clipping by the global norm (``optimizer.grad_clip``; none: the norm is still computed,
   for the metrics); megatron reduces the norm over data-, tensor- and pipeline-parallel ranks and
   skips parameters duplicated across them.
-- The learning rate is `unirl.core.lr_schedule.learning_rate(steps_done)`, written into every
+- The learning rate is `unirl.core.run.lr_schedule.learning_rate(steps_done)`, written into every
   parameter group before each step (megatron's own scheduler is not used).
 """
 
@@ -27,8 +27,8 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 
-from unirl.core.config import UnirlConfig
-from unirl.core.lr_schedule import learning_rate
+from unirl.core.run.config import UnirlConfig
+from unirl.core.run.lr_schedule import learning_rate
 
 
 def use_distributed_optimizer(cfg: UnirlConfig) -> bool:

@@ -1,5 +1,5 @@
 """Packed (THD) model inputs for the Megatron `GPTModel`, with and without context parallel: the
-form the schedules feed by default (``model.attention: packed``).
+form the schedules feed by default (``megatron.attention: packed``).
 
 A `TrainMicrobatch` is one flat stream of sequences. Instead of padding it to ``[rows, L]``
 (`unirl.backends.megatron.padded`) the model can read it as it is: ``input_ids [1, T_local]``
@@ -49,9 +49,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from unirl.backends.megatron.padded import PAD_ID
 from unirl.backends.megatron.varlen_attention import CPAttentionIndex, max_seqlen
-from unirl.core.context_parallel import CPLayout, cp_pad_multiple, pad_to_cp_multiple
+from unirl.core.data.context_parallel import CPLayout, cp_pad_multiple, pad_to_cp_multiple
+from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import LossInputError
-from unirl.core.microbatch import TrainMicrobatch
 
 
 @dataclass

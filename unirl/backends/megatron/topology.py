@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron.core import parallel_state as ps
 
-from unirl.core.config import ParallelConfig
+from unirl.core.run.config import ParallelConfig
 from unirl.core.topology import ProcessGroups, Topology
 
 

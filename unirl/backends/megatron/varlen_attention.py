@@ -11,7 +11,7 @@ bf16/fp16 this is one call of `torch.nn.attention.varlen.varlen_attn` (flash att
 ``window_size=(-1, 0)`` = causal); elsewhere a causal SDPA per sequence (the CPU reference path).
 
 **Context parallel.** Each CP rank holds the two load-balanced chunks of every sequence
-(`unirl.core.context_parallel`): chunk ``r`` and chunk ``2*cp-1-r``, whose *global* positions are
+(`unirl.core.data.context_parallel`): chunk ``r`` and chunk ``2*cp-1-r``, whose *global* positions are
 ``CPLayout.position_ids``. Keys and values are all-gathered over the CP group and put back in the
 padded global order; a local query at global position ``p`` of sequence ``s`` attends to the keys
 of ``s`` at global positions ``<= p``. The all-gather is autograd-aware: its backward sums the
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from unirl.core.context_parallel import CPLayout, cp_local_indices
+from unirl.core.data.context_parallel import CPLayout, cp_local_indices
 from unirl.core.errors import LossInputError
 
 try:  # torch >= 2.10

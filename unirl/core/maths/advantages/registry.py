@@ -1,0 +1,145 @@
+"""Advantage estimators by name, with what each declares it needs.
+
+An estimator is ``fn(inp: AdvantageInputs, settings: AdvantageSettings) -> AdvantageOutput``.
+Register one with `register_advantage_estimator`; or name any such function as
+``"package.module:function"`` in ``AdvantageSettings.estimator``. The old-log-prob decision reads
+the declarations (`estimator_needs_old_logprobs`), so a function named by path without being
+registered is assumed to need the pre-step old log-probs: a forward pass too many is slower but
+correct, a missing one is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import attrs
+
+from unirl.core.errors import ConfigError
+from unirl.core.imports import import_callable
+
+if TYPE_CHECKING:
+    from unirl.core.maths.advantages.inputs import AdvantageInputs
+    from unirl.core.maths.advantages.output import AdvantageOutput
+    from unirl.core.maths.advantages.settings import AdvantageSettings
+
+AdvantageEstimator = Callable[["AdvantageInputs", "AdvantageSettings"], "AdvantageOutput"]
+
+# Modules whose import registers the built-in estimators.
+_BUILTIN_MODULES = (
+    "unirl.core.maths.advantages.grpo",
+    "unirl.core.maths.advantages.rloo",
+    "unirl.core.maths.advantages.reinforce_pp",
+    "unirl.core.maths.advantages.gae",
+)
+
+
+@attrs.frozen(kw_only=True)
+class EstimatorSpec:
+    """A registered estimator and its declarations.
+
+    - ``needs_old_logprobs``: reads the sampling policy's log-probs before the optimizer step.
+    - ``needs_values``: reads critic values.
+    - ``needs_groups``: computes per-group statistics (validated: equal group sizes).
+    - ``whitens_over_batch``: the algorithm whitens its advantages over the whole batch;
+      `compute_advantages` does it after the call, over every rank of its process group, so the
+      function itself returns them un-whitened.
+    - ``declared``: False for a ``module:function`` path that was never registered.
+    """
+
+    name: str
+    fn: AdvantageEstimator
+    needs_old_logprobs: bool = False
+    needs_values: bool = False
+    needs_groups: bool = False
+    whitens_over_batch: bool = False
+    declared: bool = True
+
+    def __call__(self, inp: AdvantageInputs, settings: AdvantageSettings) -> AdvantageOutput:
+        return self.fn(inp, settings)
+
+
+_REGISTRY: dict[str, EstimatorSpec] = {}
+
+
+def _same_function(a: Callable, b: Callable) -> bool:
+    # A module reloaded (or imported under a second name) re-registers an equal function.
+    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
+    return a is b or key(a) == key(b)
+
+
+def register_advantage_estimator(
+    name: str,
+    *,
+    needs_old_logprobs: bool = False,
+    needs_values: bool = False,
+    needs_groups: bool = False,
+    whitens_over_batch: bool = False,
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: register ``fn`` under ``name`` with its declared needs."""
+
+    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+        old = _REGISTRY.get(name)
+        if old is not None and not _same_function(old.fn, fn):
+            raise ConfigError(
+                f"advantage estimator {name!r} is already registered by "
+                f"{old.fn.__module__}.{old.fn.__qualname__}; pick another name"
+            )
+        _REGISTRY[name] = EstimatorSpec(
+            name=name,
+            fn=fn,
+            needs_old_logprobs=needs_old_logprobs,
+            needs_values=needs_values,
+            needs_groups=needs_groups,
+            whitens_over_batch=whitens_over_batch,
+        )
+        return fn
+
+    return decorator
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def registered_advantage_estimators() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _resolve_path(path: str) -> EstimatorSpec:
+    fn = import_callable(path, key="algorithm.advantage_estimator", what="a custom estimator")
+    # A function its module registered carries its declarations.
+    for spec in _REGISTRY.values():
+        if spec.fn is fn:
+            return spec
+    return EstimatorSpec(name=path, fn=fn, needs_old_logprobs=True, declared=False)
+
+
+def get_advantage_estimator(name: str) -> EstimatorSpec:
+    """The estimator registered as ``name``, or the function at ``"package.module:function"``.
+
+    Raises `ConfigError` listing the valid names for an unknown one.
+    """
+    _load_builtins()
+    spec = _REGISTRY.get(name)
+    if spec is not None:
+        return spec
+    if ":" in name:
+        return _resolve_path(name)
+    raise ConfigError(
+        f"unknown advantage estimator {name!r}; valid: {sorted(_REGISTRY)}, or a custom "
+        "'package.module:function'"
+    )
+
+
+def estimator_needs_old_logprobs(name: str) -> bool:
+    """Whether the estimator reads pre-step old log-probs (True for undeclared custom ones)."""
+    return get_advantage_estimator(name).needs_old_logprobs
+
+
+def estimator_needs_values(name: str) -> bool:
+    """Whether the estimator reads critic values."""
+    return get_advantage_estimator(name).needs_values

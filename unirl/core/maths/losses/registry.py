@@ -1,0 +1,82 @@
+"""Policy losses by name, and whether each needs the pre-step ("old") log-probs.
+
+Every policy loss has one signature::
+
+    fn(inp: LossInputs, counts: GlobalCounts, settings: LossSettings)
+        -> tuple[loss_t: Tensor [T], metrics: dict[str, Metric]]
+
+It returns a PER-TOKEN loss (values at masked tokens are ignored); `compute_loss` applies the
+rollout-correction weight and the chosen aggregation, so every loss gets every aggregation mode
+and the microbatch-invariance guarantee for free. A user loss is either registered with
+`register_policy_loss` (in a module the run imports) or named as ``"package.module:function"``.
+
+Whether a loss needs old log-probs from *before* the first optimizer step — values the training
+forward's own detached log-probs cannot stand in for — decides whether a whole forward pass can be
+skipped, so it is declared, not guessed: a function without a ``needs_old_logprobs`` attribute is
+assumed to need them (the safe answer). The built-in losses read ``old_logprobs`` but are exact
+with the reused ones on a single on-policy step (the ratio is 1), so they declare False.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from unirl.core.errors import ConfigError
+from unirl.core.imports import import_callable
+
+if TYPE_CHECKING:
+    from unirl.core.data.counts import GlobalCounts
+    from unirl.core.maths.losses.inputs import LossInputs
+    from unirl.core.maths.losses.metrics import Metric
+    from unirl.core.maths.losses.settings import LossSettings
+
+PolicyLossFn = Callable[
+    ["LossInputs", "GlobalCounts", "LossSettings"], tuple[torch.Tensor, dict[str, "Metric"]]
+]
+
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(
+    name: str, *, needs_old_logprobs: bool = True
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register ``fn`` under ``name`` and record whether it needs pre-step log-probs."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        existing = _POLICY_LOSSES.get(name)
+        if existing is not None and existing.__qualname__ != fn.__qualname__:
+            raise ValueError(f"policy loss {name!r} is already registered ({existing!r})")
+        fn.needs_old_logprobs = needs_old_logprobs  # type: ignore[attr-defined]
+        _POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def registered_policy_losses() -> list[str]:
+    return sorted(_POLICY_LOSSES)
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The loss registered as ``name``, or the function ``"package.module:function"``."""
+    if ":" in name:
+        return _import_loss(name)
+    try:
+        return _POLICY_LOSSES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown policy_loss {name!r}; valid: {registered_policy_losses()}, or a custom "
+            "loss as 'package.module:function'"
+        ) from None
+
+
+def policy_loss_needs_old_logprobs(name: str) -> bool:
+    """Whether the loss needs pre-step log-probs; undeclared custom losses are assumed to."""
+    return bool(getattr(get_policy_loss(name), "needs_old_logprobs", True))
+
+
+def _import_loss(spec: str) -> PolicyLossFn:
+    return import_callable(spec, key="algorithm.policy_loss", what="a custom loss")

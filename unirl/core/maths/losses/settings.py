@@ -1,0 +1,102 @@
+"""What the loss computes: the policy loss, its clip bounds, the extra terms and their weights.
+
+Built by the config module from the user's YAML (``algorithm.*``); every impossible value is
+rejected here, at setup, with a `ConfigError` naming the field — not deep in the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import attrs
+
+from unirl.core.errors import ConfigError
+from unirl.core.maths.kl import KL_ESTIMATORS
+
+AGGREGATION_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+ROLLOUT_CORRECTION_MODES = ("none", "tis", "icepop", "seq_mask")
+
+RolloutCorrection = Literal["none", "tis", "icepop", "seq_mask"]
+
+
+def _finite(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ConfigError(f"LossSettings.{attribute.name} must be finite, got {value}")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _finite(instance, attribute, value)
+    if value is not None and value < 0:
+        raise ConfigError(f"LossSettings.{attribute.name} must be >= 0, got {value}")
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise ConfigError(
+                f"LossSettings.{attribute.name}={value!r} is not one of {list(choices)}"
+            )
+
+    return check
+
+
+def _policy_loss_exists(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    from unirl.core.maths.losses.registry import get_policy_loss  # registry imports the losses
+
+    get_policy_loss(value)
+
+
+@attrs.frozen(kw_only=True)
+class LossSettings:
+    """Settings of `compute_loss`; defaults are PPO / GRPO with symmetric clip 0.2."""
+
+    # A registered name (ppo_clip, gspo, cispo, reinforce, sft) or "package.module:function".
+    policy_loss: str = attrs.field(default="ppo_clip", validator=_policy_loss_exists)
+    loss_aggregation: str = attrs.field(default="token-mean", validator=_one_of(AGGREGATION_MODES))
+    # Ratio clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher.
+    clip_low: float = attrs.field(default=0.2, validator=_non_negative)
+    clip_high: float = attrs.field(default=0.2, validator=_non_negative)
+    # Dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative advantages.
+    dual_clip: float | None = attrs.field(default=None, validator=_finite)
+    entropy_coef: float = attrs.field(default=0.0, validator=_finite)
+    kl_loss_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    kl_loss_estimator: str = attrs.field(
+        default="low_var_kl", validator=_one_of(tuple(KL_ESTIMATORS))
+    )
+    rollout_correction: RolloutCorrection = attrs.field(
+        default="none", validator=_one_of(ROLLOUT_CORRECTION_MODES)
+    )
+    rollout_correction_low: float = attrs.field(default=0.5, validator=_non_negative)
+    rollout_correction_high: float = attrs.field(default=2.0, validator=_non_negative)
+    value_coef: float = attrs.field(default=0.5, validator=_non_negative)
+    value_clip: float | None = attrs.field(default=0.2, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.clip_low > 1.0:
+            raise ConfigError(
+                f"LossSettings.clip_low={self.clip_low} makes the lower ratio bound "
+                f"1 - clip_low negative; use a value in [0, 1] (1.0 = no lower bound)"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(
+                f"LossSettings.dual_clip={self.dual_clip} must be > 1 (typical: 3.0), or None "
+                "to turn dual clipping off"
+            )
+        lo, hi = self.rollout_correction_low, self.rollout_correction_high
+        if not lo <= 1.0 <= hi or lo == hi:
+            raise ConfigError(
+                f"LossSettings.rollout_correction_low={lo} / rollout_correction_high={hi} must "
+                "satisfy low <= 1 <= high with low < high (an on-policy token, ratio 1, must "
+                "keep weight 1); typical: 0.5 and 2.0"
+            )
+        if self.value_clip == 0:
+            raise ConfigError(
+                "LossSettings.value_clip=0 freezes the value function; use a positive range "
+                "(typical 0.2) or None for no value clipping"
+            )

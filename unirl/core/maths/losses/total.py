@@ -1,0 +1,113 @@
+"""The loss of one microbatch: policy term, KL, entropy bonus and value term, aggregated once.
+
+Per token, with ``w_t`` the rollout-correction weight (1 when off)::
+
+    total_t = w_t pg_t + kl_loss_coef kl_t - entropy_coef H_t + value_coef v_t
+
+and ``loss = aggregate(total_t)`` with the global normalisers of the step, so the sum of
+`compute_loss` over every microbatch and every DP x CP rank is the objective of the whole
+optimizer step (the backend multiplies by the one factor that cancels its own averaging).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.errors import LossInputError
+from unirl.core.maths.kl import kl_estimate
+from unirl.core.maths.losses.aggregation import aggregate, aggregate_metric, token_mean_metric
+from unirl.core.maths.losses.inputs import LossInputs
+from unirl.core.maths.losses.metrics import Metric
+from unirl.core.maths.losses.registry import get_policy_loss
+from unirl.core.maths.losses.rollout_correction import rollout_correction_weight
+from unirl.core.maths.losses.settings import LossSettings
+from unirl.core.maths.losses.value import value_loss
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class LossOutput:
+    """This microbatch's share of the step loss (scalar, with grad) and its metrics."""
+
+    loss: torch.Tensor
+    metrics: dict[str, Metric]
+
+
+def compute_loss(
+    inp: LossInputs, counts: GlobalCounts, settings: LossSettings, *, validate: bool = True
+) -> LossOutput:
+    """Loss and metrics of one microbatch on this rank.
+
+    ``validate`` checks the inputs first (shapes, and one host sync for finiteness); turn it off
+    only where the same inputs were validated already. ``inp.entropy`` enters the loss only when
+    ``entropy_coef != 0``; otherwise it is only reported, detached. The KL term likewise needs
+    ``ref_logprobs`` only when ``kl_loss_coef != 0``.
+    """
+    if validate:
+        inp.validate()
+    mode = settings.loss_aggregation
+    mask = inp.mask
+    old = inp.resolved_old_logprobs().detach()
+
+    pg_t, policy_metrics = get_policy_loss(settings.policy_loss)(inp, counts, settings)
+    if pg_t.shape != inp.logprobs.shape:
+        raise LossInputError(
+            f"policy loss {settings.policy_loss!r} returned shape {tuple(pg_t.shape)}; a policy "
+            f"loss returns the per-token loss, shape {tuple(inp.logprobs.shape)} like logprobs "
+            "(compute_loss masks and aggregates it)"
+        )
+    metrics = dict(policy_metrics)
+    weight_t, correction_metrics = rollout_correction_weight(inp, settings)
+    metrics.update(correction_metrics)
+    if weight_t is not None:
+        pg_t = pg_t * weight_t
+    metrics["pg_loss"] = aggregate_metric(pg_t, inp, counts, mode)
+    metrics["ppo_kl"] = token_mean_metric(old - inp.logprobs.detach(), mask)
+    if inp.rollout_logprobs is not None:
+        metrics["train_rollout_logprob_abs_diff"] = token_mean_metric(
+            (old - inp.rollout_logprobs).abs(), mask
+        )
+    total_t = pg_t
+
+    if settings.kl_loss_coef != 0:
+        if inp.ref_logprobs is None:
+            raise LossInputError(
+                f"kl_loss_coef={settings.kl_loss_coef} needs LossInputs.ref_logprobs (the "
+                "reference model's log-probs); compute them or set kl_loss_coef: 0"
+            )
+        kl_t = kl_estimate(inp.logprobs, inp.ref_logprobs, settings.kl_loss_estimator)
+        total_t = total_t + settings.kl_loss_coef * kl_t
+        metrics["kl_loss"] = aggregate_metric(kl_t, inp, counts, mode)
+        metrics["kl"] = token_mean_metric(kl_t, mask)
+    elif inp.ref_logprobs is not None:
+        with torch.no_grad():
+            kl_t = kl_estimate(inp.logprobs, inp.ref_logprobs, settings.kl_loss_estimator)
+        metrics["kl"] = token_mean_metric(kl_t, mask)
+
+    if settings.entropy_coef != 0:
+        if inp.entropy is None:
+            raise LossInputError(
+                f"entropy_coef={settings.entropy_coef} needs LossInputs.entropy; compute the "
+                "entropy with the log-probs (with grad) or set entropy_coef: 0"
+            )
+        # Minus: the bonus rewards a higher entropy.
+        total_t = total_t - settings.entropy_coef * inp.entropy
+        metrics["entropy"] = token_mean_metric(inp.entropy, mask)
+    elif inp.entropy is not None:
+        metrics["entropy"] = token_mean_metric(inp.entropy, mask)
+
+    if inp.values is not None:
+        if inp.returns is None:
+            raise LossInputError(
+                "LossInputs.values is given but LossInputs.returns is None; the value loss "
+                "regresses values on returns — pass the returns (e.g. from GAE)"
+            )
+        v_t, vf_clipped = value_loss(inp.values, inp.returns, inp.old_values, settings.value_clip)
+        total_t = total_t + settings.value_coef * v_t
+        metrics["value_loss"] = aggregate_metric(v_t, inp, counts, mode)
+        metrics["vf_clipfrac"] = token_mean_metric(vf_clipped, mask)
+
+    loss = aggregate(total_t, inp, counts, mode)
+    metrics["loss"] = aggregate_metric(total_t, inp, counts, mode)
+    return LossOutput(loss=loss, metrics=metrics)

@@ -1,0 +1,258 @@
+"""Where the PPO "old" log-probs come from: recompute, reuse, or the rollout engine's.
+
+- ``recompute``: a forward-only pass of the policy before the first optimizer step.
+- ``reuse``: the training forward's own log-probs, detached. Valid only while the policy at the
+  training forward is the policy that generated the data *as far as any feature can tell*: one
+  optimizer step per rollout and nothing that reads the policy's log-probs before that step. The
+  ratio is then exactly 1 and the forward-only pass — about a third of the actor's compute — is
+  skipped.
+- ``rollout``: the rollout engine's log-probs (they must be present in the data).
+
+Instead of a hand-kept chain of flags, each feature that needs the policy's log-probs before the
+first optimizer step declares that need (a registered function of the config returning a reason,
+or None). `auto` reuses exactly when no need is active. The decision is a frozen value that carries
+its active needs as reasons; it is printed once, and again when it changes between rollouts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+import attrs
+
+from unirl.core.errors import ConfigError
+from unirl.core.run.config import UnirlConfig
+
+logger = logging.getLogger(__name__)
+
+Source = Literal["recompute", "reuse", "rollout"]
+
+
+@attrs.frozen
+class Need:
+    """One feature's need for pre-step policy log-probs, with the reason in words."""
+
+    feature: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class RolloutShape:
+    """What the decision may depend on beyond the config: the rollout actually received."""
+
+    samples: int
+    optimizer_steps: int
+
+
+NeedCheck = Callable[[UnirlConfig, RolloutShape], "str | None"]
+_NEEDS: dict[str, NeedCheck] = {}
+
+
+def register_need(feature: str) -> Callable[[NeedCheck], NeedCheck]:
+    """Declare that `feature` may need the policy's log-probs before the first optimizer step.
+
+    The function returns a reason (the need is active) or None. New features register here;
+    nothing else has to change for the decision to stay right.
+    """
+
+    def deco(fn: NeedCheck) -> NeedCheck:
+        if feature in _NEEDS:
+            raise ValueError(f"need {feature!r} is already registered")
+        _NEEDS[feature] = fn
+        return fn
+
+    return deco
+
+
+def registered_needs() -> tuple[str, ...]:
+    return tuple(_NEEDS)
+
+
+@register_need("multiple_optimizer_steps")
+def _multiple_steps(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    if shape.optimizer_steps > 1:
+        b = cfg.batch
+        return (
+            f"{shape.optimizer_steps} optimizer steps per rollout ({shape.samples} samples / "
+            f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} x "
+            f"batch.epochs_per_rollout={b.epochs_per_rollout}): after the first step the policy "
+            "differs from the one that generated the data"
+        )
+    return None
+
+
+@register_need("kl_in_reward")
+def _kl_in_reward(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    coef = cfg.algorithm.kl_in_reward.coef
+    if coef > 0:
+        return (
+            f"algorithm.kl_in_reward.coef={coef}: the reward is shaped with KL(policy || ref), "
+            "computed from policy log-probs before advantages"
+        )
+    return None
+
+
+@register_need("distillation_shaping")
+def _distillation(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    coef = cfg.algorithm.distillation_coef
+    if coef > 0:
+        return (
+            f"algorithm.distillation_coef={coef}: on-policy distillation shapes advantages with "
+            "the student's log-probs before training"
+        )
+    return None
+
+
+@register_need("mismatch_metrics")
+def _mismatch(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    if cfg.algorithm.mismatch_metrics:
+        return "algorithm.mismatch_metrics: compares the trainer's log-probs with the rollout's"
+    return None
+
+
+@register_need("old_actor_snapshot")
+def _snapshot(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    if cfg.algorithm.old_actor_snapshot:
+        return "algorithm.old_actor_snapshot: a separate old-actor copy produces the old log-probs"
+    return None
+
+
+@register_need("moe_routing_replay")
+def _routing_replay(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    if cfg.algorithm.moe_routing_replay:
+        return (
+            "algorithm.moe_routing_replay: the forward-only pass records the MoE routing that "
+            "training replays"
+        )
+    return None
+
+
+@register_need("rollout_postprocess_hook")
+def _hook(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    a = cfg.algorithm
+    if a.rollout_postprocess_hook and a.rollout_postprocess_hook_reads_logprobs is not False:
+        declared = a.rollout_postprocess_hook_reads_logprobs is True
+        how = (
+            "declares it reads"
+            if declared
+            else "is assumed to read (it does not declare otherwise)"
+        )
+        return (
+            f"algorithm.rollout_postprocess_hook={a.rollout_postprocess_hook!r} {how} log-probs; "
+            "set algorithm.rollout_postprocess_hook_reads_logprobs: false if it does not"
+        )
+    return None
+
+
+@register_need("value_estimator")
+def _values(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    from unirl.core.maths.advantages import estimator_needs_values
+
+    name = cfg.algorithm.advantage_estimator
+    if estimator_needs_values(name):
+        return f"algorithm.advantage_estimator={name!r} uses a critic's values (PPO with GAE)"
+    return None
+
+
+@register_need("advantage_estimator")
+def _estimator(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    from unirl.core.maths.advantages import estimator_needs_old_logprobs, estimator_needs_values
+
+    name = cfg.algorithm.advantage_estimator
+    if estimator_needs_values(name):
+        return None  # reported once, by value_estimator
+    if estimator_needs_old_logprobs(name):
+        custom = ":" in name
+        why = "a custom estimator that does not declare otherwise" if custom else "it reads them"
+        return f"algorithm.advantage_estimator={name!r} needs pre-step log-probs ({why})"
+    return None
+
+
+@register_need("policy_loss")
+def _policy_loss(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    from unirl.core.maths.losses import policy_loss_needs_old_logprobs
+
+    name = cfg.algorithm.policy_loss
+    if policy_loss_needs_old_logprobs(name):
+        return (
+            f"algorithm.policy_loss={name!r} needs pre-step log-probs (a custom loss is assumed "
+            "to unless registered with needs_old_logprobs=False)"
+        )
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class OldLogprobDecision:
+    requested: str
+    source: Source
+    needs: tuple[Need, ...]
+
+    @property
+    def skips_forward_pass(self) -> bool:
+        return self.source != "recompute"
+
+    def explain(self) -> str:
+        head = f"old log-probs: {self.source} (requested: {self.requested})"
+        if self.needs:
+            lines = [f"  - {n.feature}: {n.reason}" for n in self.needs]
+            return head + "; needed before the first optimizer step by:\n" + "\n".join(lines)
+        if self.source == "reuse":
+            return (
+                head
+                + "; no feature needs them before the first step, the forward-only pass is skipped"
+            )
+        return head + "; no feature needs them before the first step (reuse would be valid)"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "requested": self.requested,
+            "source": self.source,
+            "needs": [{"feature": n.feature, "reason": n.reason} for n in self.needs],
+        }
+
+
+def active_needs(cfg: UnirlConfig, shape: RolloutShape) -> tuple[Need, ...]:
+    needs = []
+    for feature, check in _NEEDS.items():
+        reason = check(cfg, shape)
+        if reason is not None:
+            needs.append(Need(feature, reason))
+    return tuple(needs)
+
+
+def decide_old_logprobs(cfg: UnirlConfig, rollout_samples: int | None = None) -> OldLogprobDecision:
+    """Decide for a rollout of `rollout_samples` samples (default: the configured size)."""
+    samples = rollout_samples if rollout_samples is not None else cfg.layout.rollout_samples
+    per_step = cfg.batch.samples_per_optimizer_step
+    steps = -(-samples // per_step) * cfg.batch.epochs_per_rollout
+    needs = active_needs(cfg, RolloutShape(samples=samples, optimizer_steps=steps))
+    mode = cfg.old_logprobs
+    if mode == "reuse" and needs:
+        listed = "; ".join(f"{n.feature} ({n.reason})" for n in needs)
+        raise ConfigError(
+            f"old_logprobs: reuse is invalid while these features need the policy's log-probs "
+            f"before the first optimizer step: {listed}. Use old_logprobs: auto or recompute, or "
+            "turn those features off"
+        )
+    if mode == "auto":
+        source: Source = "recompute" if needs else "reuse"
+    else:
+        source = mode  # type: ignore[assignment]
+    return OldLogprobDecision(requested=mode, source=source, needs=needs)
+
+
+class DecisionLog:
+    """Logs the decision once, and again only when it changes between rollouts."""
+
+    def __init__(self) -> None:
+        self._last: OldLogprobDecision | None = None
+
+    def update(self, decision: OldLogprobDecision) -> bool:
+        if decision == self._last:
+            return False
+        verb = "changed:" if self._last is not None else ""
+        logger.info("%s%s", f"{verb} " if verb else "", decision.explain())
+        self._last = decision
+        return True

@@ -1,0 +1,554 @@
+"""The run configuration: frozen attrs classes loaded from YAML, validated once, with derived values.
+
+A config is plain data with its defaults on the schema only. `load_config` reads YAML (safe loader),
+applies ``--set key.path=value`` overrides, converts to the classes below and checks every
+combination; each mistake raises `ConfigError` naming the key path, the value seen and what would be
+valid. Derived values (data-parallel size, optimizer steps per rollout, microbatches per step) are
+computed once, in `Layout`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import yaml
+
+from unirl.core.backend_plugin import BACKENDS
+from unirl.core.errors import ConfigError
+
+OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
+Dtype = Literal["fp32", "bf16"]
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+KLEstimatorName = Literal["k1", "k2", "k3", "low_var_kl", "k3+"]
+RolloutCorrectionMode = Literal["none", "tis", "icepop", "seq_mask"]
+Schedule = Literal["constant", "linear", "cosine"]
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value < 0:
+        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The policy model: a local Hugging Face folder, or a HF config dict with a seed (random init)."""
+
+    path: str | None = None
+    hf_config: dict[str, Any] | None = None
+    init_seed: int = 0
+    dtype: Dtype = "fp32"
+    gradient_checkpointing: bool = False
+    max_seq_len: int = attrs.field(default=2048, validator=_positive)
+    # The reference model for KL; defaults to the initial policy weights.
+    ref_path: str | None = None
+    ref_offload: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = attrs.field(default=1e-6, validator=_positive)
+    # AdamW's decoupled decay, on matrices only: norms and biases (1-D parameters) are not
+    # decayed, as in Megatron-core and the Hugging Face Trainer (every backend does the same).
+    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = attrs.field(default=1e-8, validator=_positive)
+    grad_clip: float | None = 1.0
+    lr_schedule: Schedule = "constant"
+    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    min_lr_ratio: float = attrs.field(default=0.0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class BatchConfig:
+    """Sizes of one RL step. A rollout is ``prompts_per_rollout x samples_per_prompt`` samples,
+    cut into optimizer steps of ``samples_per_optimizer_step``, each into microbatches by count
+    (``micro_batch_size`` samples per rank) or by a token budget (``max_tokens_per_microbatch``)."""
+
+    prompts_per_rollout: int = attrs.field(default=8, validator=_positive)
+    samples_per_prompt: int = attrs.field(default=4, validator=_positive)
+    samples_per_optimizer_step: int = attrs.field(default=32, validator=_positive)
+    micro_batch_size: int | None = attrs.field(default=None, validator=_positive)
+    max_tokens_per_microbatch: int | None = attrs.field(default=None, validator=_positive)
+    epochs_per_rollout: int = attrs.field(default=1, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class ParallelConfig:
+    tp: int = attrs.field(default=1, validator=_positive)
+    pp: int = attrs.field(default=1, validator=_positive)
+    vpp: int | None = attrs.field(default=None, validator=_positive)
+    cp: int = attrs.field(default=1, validator=_positive)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    # None: read WORLD_SIZE from the environment (1 without a launcher).
+    world_size: int | None = attrs.field(default=None, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class KLConfig:
+    coef: float = attrs.field(default=0.0, validator=_non_negative)
+    estimator: KLEstimatorName = "low_var_kl"
+
+
+@attrs.frozen(kw_only=True)
+class RolloutCorrectionConfig:
+    """Correction for the rollout engine's log-probs differing from the trainer's (TIS, IcePop)."""
+
+    mode: RolloutCorrectionMode = "none"
+    low: float = attrs.field(default=0.5, validator=_non_negative)
+    high: float = attrs.field(default=2.0, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class AlgorithmConfig:
+    policy_loss: str = "ppo_clip"
+    advantage_estimator: str = "grpo"
+    loss_aggregation: Aggregation = "token-mean"
+    # Dr.GRPO's constant for seq-mean-token-sum-norm; defaults to rollout.max_new_tokens.
+    norm_length: int | None = attrs.field(default=None, validator=_positive)
+    clip_low: float = attrs.field(default=0.2, validator=_non_negative)
+    clip_high: float = attrs.field(default=0.2, validator=_non_negative)
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    kl_loss: KLConfig = attrs.field(factory=KLConfig)
+    kl_in_reward: KLConfig = attrs.field(factory=lambda: KLConfig(estimator="k1"))
+    rollout_correction: RolloutCorrectionConfig = attrs.field(factory=RolloutCorrectionConfig)
+    gamma: float = 1.0
+    lam: float = 1.0
+    std_normalize: bool = True
+    whiten_advantages: bool = False
+    value_coef: float = attrs.field(default=0.5, validator=_non_negative)
+    value_clip: float | None = 0.2
+    # On-policy distillation shaping: A -= coef * (logp_student - logp_teacher).
+    distillation_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    # Features that read the policy's log-probs before the first optimizer step.
+    mismatch_metrics: bool = False
+    old_actor_snapshot: bool = False
+    moe_routing_replay: bool = False
+    rollout_postprocess_hook: str | None = None
+    # Whether that hook reads log-probs; None = assume it does.
+    rollout_postprocess_hook_reads_logprobs: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RolloutConfig:
+    """How rollouts are produced or read. The temperature is also the one the trainer divides
+    logits by, so train and rollout log-probs describe the same distribution."""
+
+    source: Literal["sampler", "file"] = "sampler"
+    file: str | None = None
+    task: str = "reverse_digits"
+    # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
+    task_options: dict[str, Any] = attrs.field(factory=dict)
+    temperature: float = attrs.field(default=1.0, validator=_positive)
+    top_p: float = attrs.field(default=1.0, validator=_positive)
+    max_new_tokens: int = attrs.field(default=64, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    rl_steps: int = attrs.field(default=10, validator=_positive)
+    seed: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class ProgressConfig:
+    enabled: bool = True
+    log_every: int = attrs.field(default=1, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = attrs.field(default=0, validator=_non_negative)
+    keep: int = attrs.field(default=2, validator=_positive)
+    export_hf: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class LoggingConfig:
+    run_dir: str = "runs/unirl"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    tensorboard: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class Layout:
+    """Values derived once from the config and the world size."""
+
+    world_size: int
+    dp: int
+    rollout_samples: int
+    optimizer_steps_per_rollout: int
+    samples_per_rank_per_step: int
+    microbatches_per_step: int | None  # None with a token budget: decided per rollout by the plan
+
+
+def _registered_backend(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    BACKENDS.get(value)
+
+
+@attrs.frozen(kw_only=True)
+class UnirlConfig:
+    """The whole run. ``backend`` names a registered `BackendPlugin`; that backend's own section
+    (the YAML key is its name, e.g. ``megatron: {attention: padded}``) is ``backend_options``, an
+    instance of the plug-in's options class (its defaults when the section is absent)."""
+
+    backend: str = attrs.field(default="deepspeed", validator=_registered_backend)
+    old_logprobs: OldLogprobMode = "auto"
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
+    batch: BatchConfig = attrs.field(factory=BatchConfig)
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    train: TrainConfig = attrs.field(factory=TrainConfig)
+    progress: ProgressConfig = attrs.field(factory=ProgressConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    logging: LoggingConfig = attrs.field(factory=LoggingConfig)
+    backend_options: Any = None
+    layout: Layout = attrs.field(init=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        options_cls = BACKENDS.get(self.backend).options
+        if self.backend_options is None:
+            object.__setattr__(self, "backend_options", options_cls())
+        elif not isinstance(self.backend_options, options_cls):
+            raise ConfigError(
+                f"backend_options={self.backend_options!r} is not the {self.backend} section; "
+                f"pass a {options_cls.__name__} (or a '{self.backend}:' mapping in the YAML)"
+            )
+        _check_combinations(self)
+        object.__setattr__(self, "layout", _derive_layout(self))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (what `unirl check` prints and checkpoints store)."""
+
+        def plain(value: Any) -> dict[str, Any]:
+            return attrs.asdict(
+                value,
+                filter=lambda a, _: a.name not in ("layout", "backend_options"),
+                value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v,
+            )
+
+        return plain(self) | {self.backend: plain(self.backend_options)}
+
+
+# --------------------------------------------------------------------------------------------
+# Combination checks and derived values
+# --------------------------------------------------------------------------------------------
+
+
+def _world_size(cfg: UnirlConfig) -> int:
+    if cfg.parallel.world_size is not None:
+        return cfg.parallel.world_size
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from None
+
+
+def _check_combinations(cfg: UnirlConfig) -> None:
+    p, b, a = cfg.parallel, cfg.batch, cfg.algorithm
+    # The chosen backend's own rules (what it cannot run, what its options need).
+    BACKENDS.get(cfg.backend).check(cfg)
+    if p.vpp is not None and p.pp == 1:
+        raise ConfigError(
+            f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline "
+            "stages); set parallel.pp >= 2 or remove parallel.vpp"
+        )
+    if cfg.model.path is None and cfg.model.hf_config is None:
+        raise ConfigError(
+            "model: set model.path (a local Hugging Face folder) or model.hf_config (a config "
+            "dict such as {model_type: llama, hidden_size: 64, ...} for a random init)"
+        )
+    if b.micro_batch_size is None and b.max_tokens_per_microbatch is None:
+        raise ConfigError(
+            "batch: set batch.micro_batch_size (samples per microbatch) or "
+            "batch.max_tokens_per_microbatch (a token budget per microbatch)"
+        )
+    if b.micro_batch_size is not None and b.max_tokens_per_microbatch is not None:
+        raise ConfigError(
+            "batch: set either batch.micro_batch_size (a fixed number of samples per microbatch) "
+            "or batch.max_tokens_per_microbatch (a token budget, balanced by length), not both"
+        )
+    rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
+    if rollout_samples % b.samples_per_optimizer_step:
+        raise ConfigError(
+            f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} does not divide the "
+            f"rollout of batch.prompts_per_rollout x batch.samples_per_prompt = {rollout_samples} "
+            "samples; choose a divisor"
+        )
+    if (
+        b.max_tokens_per_microbatch is not None
+        and b.max_tokens_per_microbatch < cfg.model.max_seq_len
+    ):
+        raise ConfigError(
+            f"batch.max_tokens_per_microbatch={b.max_tokens_per_microbatch} is smaller than "
+            f"model.max_seq_len={cfg.model.max_seq_len}: a full-length sample would not fit; "
+            "raise the budget or lower model.max_seq_len"
+        )
+    if not 0 <= a.clip_low < 1:
+        raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1)")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (typically 3.0) or null")
+    rc = a.rollout_correction
+    if rc.mode != "none" and not rc.low <= 1.0 <= rc.high:
+        raise ConfigError(
+            f"algorithm.rollout_correction.low={rc.low} / .high={rc.high} must satisfy "
+            "low <= 1 <= high (an on-policy token keeps weight 1); typical: 0.5 and 2.0"
+        )
+    if rc.mode != "none" and cfg.old_logprobs == "rollout":
+        raise ConfigError(
+            f"algorithm.rollout_correction.mode={rc.mode!r} with old_logprobs: rollout corrects "
+            "nothing (the weight exp(old - rollout) is 1 when old log-probs are the rollout's); "
+            "use old_logprobs: auto or recompute, or set rollout_correction.mode: none"
+        )
+    if cfg.rollout.source == "file" and not cfg.rollout.file:
+        raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
+    if cfg.rollout.top_p > 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
+
+
+def _derive_layout(cfg: UnirlConfig) -> Layout:
+    p, b = cfg.parallel, cfg.batch
+    world = _world_size(cfg)
+    model_parallel = p.tp * p.pp * p.cp
+    if world % model_parallel:
+        raise ConfigError(
+            f"world size {world} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+            f"{p.tp} x {p.pp} x {p.cp} = {model_parallel}; launch a multiple of {model_parallel} "
+            "processes or change the parallel sizes"
+        )
+    dp = world // model_parallel
+    rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
+    if b.samples_per_optimizer_step % dp:
+        raise ConfigError(
+            f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} is not divisible by "
+            f"the data-parallel size {dp} (world {world} / tp*pp*cp {model_parallel})"
+        )
+    per_rank = b.samples_per_optimizer_step // dp
+    microbatches = None
+    if b.max_tokens_per_microbatch is None:
+        assert b.micro_batch_size is not None
+        if per_rank % b.micro_batch_size:
+            raise ConfigError(
+                f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} is not divisible "
+                f"by batch.micro_batch_size x data-parallel size = {b.micro_batch_size} x {dp}; "
+                f"choose a multiple of {b.micro_batch_size * dp}"
+            )
+        microbatches = per_rank // b.micro_batch_size
+    steps = rollout_samples // b.samples_per_optimizer_step * b.epochs_per_rollout
+    return Layout(
+        world_size=world,
+        dp=dp,
+        rollout_samples=rollout_samples,
+        optimizer_steps_per_rollout=steps,
+        samples_per_rank_per_step=per_rank,
+        microbatches_per_step=microbatches,
+    )
+
+
+def norm_length(cfg: UnirlConfig) -> int:
+    """Dr.GRPO's constant length: algorithm.norm_length, else the generation budget."""
+    return cfg.algorithm.norm_length or cfg.rollout.max_new_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion from plain data, with key paths in every error.
+# cattrs could structure these classes, but its errors are exception groups without the dotted
+# key path and "did you mean" hint our users get here; the converter below is ~80 lines.
+# --------------------------------------------------------------------------------------------
+
+
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(v) for v in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if attrs.has(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or isinstance(value, bool) != any(
+            isinstance(v, bool) for v in allowed
+        ):
+            raise ConfigError(f"{path}: {value!r} is not valid; choose one of {list(allowed)}")
+        return value
+    if attrs.has(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {value!r}")
+        return _structure(value, tp, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            # YAML 1.1 reads "3e-4" (no dot) as a string; users mean the number.
+            return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
+            raise ConfigError(f"{path}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise AssertionError(f"config type {tp!r} at {path} has no converter")
+
+
+def _structure(
+    data: Mapping[str, Any], cls: type, path: str, converted: Mapping[str, Any] | None = None
+) -> Any:
+    """``cls`` from ``data`` (keys checked, values converted); ``converted``: keyword arguments
+    already built by the caller, which the YAML cannot set directly."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in attrs.fields(cls) if f.init and f.name not in (converted or {})}
+    kwargs = dict(converted or {})
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{full}'{hint}; valid keys here: {sorted(fields)}")
+        kwargs[key] = _convert(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        msg = str(exc)
+        # Field validators know only the field name: prefix the section path.
+        if path and not msg.startswith(path) and msg.split(" ")[0].split("=")[0] in fields:
+            msg = f"{path}.{msg}"
+        raise ConfigError(msg) from None
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{'.'.join(keys[: i + 1])}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` strings; values are parsed as YAML (``3``, ``true``, ``[1, 2]``)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        _set_path(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return data
+
+
+def _backend_options(data: dict[str, Any]) -> Any:
+    """Pop the backend sections (top-level keys named after a registered backend) from ``data``
+    and build the chosen backend's options from its section; a section of another backend is an
+    error (it would be silently ignored)."""
+    name = data.get("backend", attrs.fields(UnirlConfig).backend.default)
+    if not isinstance(name, str):
+        raise ConfigError(f"backend: expected a string, got {name!r}")
+    plugin = BACKENDS.get(name)
+    sections = {key: data.pop(key) for key in list(data) if key in BACKENDS}
+    for other in sections:
+        if other != name:
+            raise ConfigError(
+                f"section '{other}:' configures backend {other}, but backend: {name}; remove the "
+                f"section or set backend: {other}"
+            )
+    return _convert(sections.get(name) or {}, plugin.options, name)
+
+
+def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) -> UnirlConfig:
+    data = dict(data)
+    if world_size is not None:
+        parallel = dict(data.get("parallel") or {})
+        parallel["world_size"] = world_size
+        data["parallel"] = parallel
+    options = _backend_options(data)
+    return _structure(data, UnirlConfig, "", converted={"backend_options": options})
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    world_size: int | None = None,
+) -> UnirlConfig:
+    """Load, override and validate a YAML config; every mistake raises `ConfigError`."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(file)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping of sections")
+    return config_from_dict(apply_overrides(data, overrides), world_size=world_size)
