@@ -1,0 +1,160 @@
+"""A backend that lives in the test suite, not in unirl: proof that a new engine plugs in without
+an edit under ``unirl/core``.
+
+`ToyBackend` trains a hand-written causal LM (token embedding -> tanh -> output layer: every
+position sees only its own token, which is causal) in one process with plain PyTorch AdamW.
+It implements `InstrumentedBackend` and registers as ``backend: toy`` with its own config section
+(``toy: {hidden_size: ...}``) and its own rule (one process, no model parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
+from unirl.backends.forward_only import forward_only
+from unirl.backends.microbatch import to_device, zero_through_graph
+from unirl.core.backend import (
+    OptimizerStepStats,
+    token_logprobs,
+)
+from unirl.core.backend_plugin import BackendPlugin
+from unirl.core.errors import ConfigError
+from unirl.core.maths.losses import Metric
+from unirl.core.run.config import UnirlConfig
+from unirl.core.topology import Topology
+
+
+@attrs.frozen(kw_only=True)
+class ToyOptions:
+    """The ``toy:`` section."""
+
+    hidden_size: int = 16
+
+
+class ToyLM(torch.nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, hidden_size)
+        self.head = torch.nn.Linear(hidden_size, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, V]`` of a packed token stream ``[T]``."""
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def check(cfg: UnirlConfig) -> None:
+    p = cfg.parallel
+    if (p.tp, p.pp, p.cp) != (1, 1, 1):
+        raise ConfigError(
+            f"parallel.tp/pp/cp = {p.tp}/{p.pp}/{p.cp}: backend: toy has no model parallelism; "
+            "set them to 1"
+        )
+    if cfg.model.hf_config is None or "vocab_size" not in cfg.model.hf_config:
+        raise ConfigError("backend: toy needs model.hf_config.vocab_size (it builds its own model)")
+
+
+class ToyBackend(EngineBackend):
+    """The shared `EngineBackend` base checks the calls and counts forwards; this class holds
+    only the model, the two passes and the state."""
+
+    def __init__(
+        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    ) -> None:
+        super().__init__()
+        assert cfg.model.hf_config is not None  # `check` made sure
+        self.cfg = cfg
+        self.topology = Topology.single_process()
+        self.device = torch.device("cpu")
+        self.vocab_size = int(cfg.model.hf_config["vocab_size"])
+        torch.manual_seed(cfg.model.init_seed)
+        self.model = ToyLM(self.vocab_size, cfg.backend_options.hidden_size)
+        self.reference = ToyLM(self.vocab_size, cfg.backend_options.hidden_size)
+        self.reference.load_state_dict(self.model.state_dict())
+        self.reference.requires_grad_(False)
+        o = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=0.0
+        )
+
+    def loss_scale(self, num_microbatches: int) -> float:
+        return 1.0  # one process, gradients summed over microbatches: nothing to cancel
+
+    def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
+        module = self.model if run.role == "policy" else self.reference
+        out = []
+        with forward_only([module], device=self.device):
+            for mb in run.microbatches:
+                mb = to_device(mb, self.device)
+                logp, _ = token_logprobs(module(mb.tokens), mb.targets, run.spec)
+                self._count_forward(run.role)
+                out.append(logp.float())
+                run.progress.tick()
+        return out
+
+    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
+        self.model.train()
+        metrics = []
+        scale = self.loss_scale(len(run.microbatches))
+        for mb in run.microbatches:
+            mb = to_device(mb, self.device)
+            logits = self.model(mb.tokens)
+            self._count_forward("policy")
+            logp, entropy = token_logprobs(logits, mb.targets, run.spec)
+            loss, mb_metrics = run.loss_fn(mb, logp, entropy)
+            if mb.num_tokens == 0:
+                loss = loss + zero_through_graph(logits)
+            (loss * scale).backward()
+            metrics.append(mb_metrics)
+            run.progress.report(loss=loss.detach(), tokens=mb.num_tokens)
+            run.progress.tick()
+        return metrics
+
+    def optimizer_step(self) -> OptimizerStepStats:
+        clip = self.cfg.optimizer.grad_clip or math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return OptimizerStepStats(grad_norm=norm, lr=self.cfg.optimizer.lr)
+
+    def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "client": dict(client_state),
+        }
+        torch.save(state, Path(path) / "toy.pt")
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        state = torch.load(Path(path) / "toy.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        return state["client"]
+
+    def export_hf(self, path: Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(self.hf_state_dict(), Path(path) / "weights.pt")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        pass
+
+
+def build(
+    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+) -> ToyBackend:
+    return ToyBackend(
+        cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
+    )
+
+
+PLUGIN = BackendPlugin(name="toy", options=ToyOptions, build=build, check=check)
