@@ -16,3 +16,9 @@ class RolloutDataError(UnirlError, ValueError):
 
 class LossInputError(UnirlError, ValueError):
     """A loss, estimator or log-prob function got tensors that do not fit together."""
+
+
+class RunError(UnirlError, RuntimeError):
+    """A run stopped for a reason the user can fix outside the code: a full disk, a rank that
+    hung, a run whose loss or weights stopped being finite. Names what happened and what to do;
+    the newest complete checkpoint is left intact."""
