@@ -141,7 +141,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                     metrics_log.write(k + 1, metrics)
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
-                    _save(backend, ckpt_root, done, cfg, source, run_id, topo.is_reporting_rank)
+                    with bar.excluded():  # a save is not a step: keep it out of the ETA
+                        _save(backend, ckpt_root, done, cfg, source, run_id, topo.is_reporting_rank)
                 bar.advance(metrics)
         export = None
         if cfg.checkpoint.export_hf:
