@@ -92,7 +92,10 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from unirl.rollouts.check import check_rollout_config
+
     cfg = load_config(args.config, args.set, world_size=args.world_size)
+    check_rollout_config(cfg)
     report = check_report(cfg)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)

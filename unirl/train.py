@@ -73,6 +73,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     checkpoint; `overwrite` deletes a previous run there first. Without either, a directory that
     holds another run is refused (`ConfigError`) before anything is built or written."""
     from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
+    from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
 
     run_dir = Path(cfg.logging.run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
@@ -86,6 +87,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     if found is not None:
         check_resume_fits(found[1], cfg, run_id=resumed_id)
     source = build_rollout_source(cfg)
+    hook = load_postprocess_hook(cfg)
     total = cfg.train.rl_steps
     if source.num_rollouts is not None and source.num_rollouts < total:
         logger.info(
@@ -134,6 +136,10 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         with RunProgress(total, topo, bars, initial=start, show=RUN_BAR_KEYS) as bar:
             for k in range(start, total):
                 batch = source.next_rollout(k)
+                if hook is not None:
+                    batch = apply_postprocess_hook(
+                        hook, batch, k, str(cfg.algorithm.rollout_postprocess_hook)
+                    )
                 result = rl_step.run(batch, rl_step=k)
                 metrics = result.metrics | {"old_logprobs/source": result.decision.source}
                 source.sync_weights(backend.hf_state_dict())
