@@ -23,13 +23,18 @@ import logging
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from unirl.core.errors import UnirlError
-from unirl.core.old_logprobs import decide_old_logprobs
-from unirl.core.run.config import UnirlConfig, load_config
+from unirl.cpu_threads import apply_cpu_thread_defaults
+
+if TYPE_CHECKING:
+    from unirl.core.run.config import UnirlConfig
+
+# torch is imported inside the commands, after `apply_cpu_thread_defaults` has set OpenMP's
+# environment (read once, when torch loads its OpenMP runtime).
 
 logger = logging.getLogger("unirl")
 
@@ -55,6 +60,8 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
+    from unirl.core.old_logprobs import decide_old_logprobs
+
     decision = decide_old_logprobs(cfg)
     lay, p = cfg.layout, cfg.parallel
     return {
@@ -92,6 +99,7 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from unirl.core.run.config import load_config
     from unirl.rollouts.check import check_rollout_config
 
     cfg = load_config(args.config, args.set, world_size=args.world_size)
@@ -106,6 +114,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from unirl.core.run.config import load_config
     from unirl.train import train, with_rollout_file
 
     cfg = load_config(args.config, args.set)
@@ -187,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    apply_cpu_thread_defaults()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
