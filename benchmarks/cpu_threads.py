@@ -35,7 +35,9 @@ def step_time(env: dict[str, str], steps: int) -> float:
                "--set", f"logging.run_dir={tmp}/run", "--set", f"train.rl_steps={steps}",
                "--set", "logging.tensorboard=false", "--set", "checkpoint.export_hf=false",
                "--set", "progress.enabled=false"]  # fmt: skip
-        full_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+        full_env = {
+            k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+        }
         subprocess.run(cmd, env={**full_env, **env}, check=True, capture_output=True)
         lines = Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]

@@ -23,6 +23,7 @@ from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
 from unirl.core.run.algorithm import needs_reference
 from unirl.core.run.config import UnirlConfig, config_from_dict
+from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.progress import RunProgress, progress_enabled
 from unirl.core.run.resume import check_resume_fits
@@ -131,6 +132,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         )
         source.sync_weights(backend.hf_state_dict())
         rl_step = RLStep(cfg, backend)
+        guard = DivergenceGuard(cfg.train.max_consecutive_skipped_steps)
         metrics: dict[str, float] = {}
         bars = progress_enabled(cfg.progress.enabled)
         with RunProgress(total, topo, bars, initial=start, show=RUN_BAR_KEYS) as bar:
@@ -142,9 +144,11 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                     )
                 result = rl_step.run(batch, rl_step=k)
                 metrics = result.metrics | {"old_logprobs/source": result.decision.source}
-                source.sync_weights(backend.hf_state_dict())
+                weights = backend.hf_state_dict()
                 if metrics_log is not None:
                     metrics_log.write(k + 1, metrics)
+                guard.after_step(k + 1, metrics, weights)  # before any sync, save or export
+                source.sync_weights(weights)
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                     with bar.excluded():  # a save is not a step: keep it out of the ETA

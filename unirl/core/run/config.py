@@ -174,6 +174,9 @@ class RolloutConfig:
 class TrainConfig:
     rl_steps: int = attrs.field(default=10, validator=_positive)
     seed: int = 0
+    # Stop the run (non-zero exit) after this many optimizer steps in a row were skipped for a
+    # non-finite loss or gradient; 0 = never stop for that (non-finite weights always stop it).
+    max_consecutive_skipped_steps: int = attrs.field(default=3, validator=_non_negative)
 
 
 @attrs.frozen(kw_only=True)
