@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from unirl.core.errors import UnirlError
+from unirl.core.errors import CollectiveTimeoutError, UnirlError
 from unirl.cpu_threads import apply_cpu_thread_defaults
 
 if TYPE_CHECKING:
@@ -204,6 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         sys.stderr.write(f"unirl: error: {_one_line(exc)}\n")
+        if isinstance(exc, CollectiveTimeoutError):
+            from unirl.backends.watchdog import exit_now
+
+            exit_now(2)  # a process group with a pending collective cannot be torn down
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("unirl: interrupted\n")

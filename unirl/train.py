@@ -17,8 +17,8 @@ import attrs
 import torch.distributed as dist
 import yaml
 
-from unirl.backends import build_backend
-from unirl.core.errors import RunError
+from unirl.backends import build_backend, watchdog
+from unirl.core.errors import CollectiveTimeoutError, RunError
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
 from unirl.core.run.algorithm import needs_reference
@@ -103,6 +103,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         needs_reference=needs_reference(cfg),
     )
     topo = backend.topology
+    timed_out = False
     try:
         run_id = _same_on_every_rank(resumed_id or run_dirs.new_run_id())
         if _is_rank0():
@@ -171,8 +172,21 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             hf_export=export,
             reporting=topo.is_reporting_rank,
         )
+    except Exception as exc:
+        if not watchdog.is_collective_timeout(exc):
+            raise
+        timed_out = True  # the process group cannot be torn down: the CLI exits at once
+        killed = watchdog.stop_unresponsive_peers()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveTimeoutError(
+            f"rank {rank}: a collective waited parallel.timeout_s for another rank that stopped "
+            f"answering (hung, stopped or dead; {len(killed)} rank(s) on this host stopped); the "
+            "newest complete checkpoint is intact: fix the cause and run again with --resume "
+            "(raise parallel.timeout_s if a rank is only slow)"
+        ) from exc
     finally:
-        backend.close()
+        if not timed_out:
+            backend.close()
 
 
 def _write_error(exc: BaseException) -> str:

@@ -17,11 +17,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from unirl.backends.watchdog import record_peers
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import ParallelConfig
 
-# How long a collective may wait for the other ranks before the run fails.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a collective may wait for the other ranks before the run fails, when
+# parallel.timeout_s is not set: minutes on the CPU, longer on GPUs (NCCL's first collectives and
+# large checkpoint saves, during which the other ranks wait in a barrier, can take minutes).
+DEFAULT_TIMEOUT_S = {"gloo": 300.0, "nccl": 1800.0}
 
 
 @attrs.frozen(kw_only=True)
@@ -69,9 +72,11 @@ def init_process_group(parallel: ParallelConfig) -> ProcessGroupSetup:
             # No launcher: an in-memory store needs no address or port.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
+            timeout_s = parallel.timeout_s or DEFAULT_TIMEOUT_S[backend]
             dist.init_process_group(
-                backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+                backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
             )
+            record_peers()  # so that a rank that times out can stop a hung one (watchdog)
     return ProcessGroupSetup(
         rank=rank, world_size=world, local_rank=local_rank, device=device, owns_process_group=owns
     )

@@ -23,6 +23,15 @@ import yaml
 
 from unirl.core.backend_plugin import BACKENDS
 from unirl.core.errors import ConfigError
+from unirl.core.run.validators import (
+    adam_betas,
+    check_hf_config_shape,
+    finite,
+    in_range,
+    non_negative,
+    positive,
+    unit_interval,
+)
 
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
 Dtype = Literal["fp32", "bf16"]
@@ -32,16 +41,6 @@ Aggregation = Literal[
 KLEstimatorName = Literal["k1", "k2", "k3", "low_var_kl", "k3+"]
 RolloutCorrectionMode = Literal["none", "tis", "icepop", "seq_mask"]
 Schedule = Literal["constant", "linear", "cosine"]
-
-
-def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value < 0:
-        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
-
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,11 +53,11 @@ class ModelConfig:
     """The policy model: a local Hugging Face folder, or a HF config dict with a seed (random init)."""
 
     path: str | None = None
-    hf_config: dict[str, Any] | None = None
+    hf_config: dict[str, Any] | None = attrs.field(default=None, validator=check_hf_config_shape)
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
-    max_seq_len: int = attrs.field(default=2048, validator=_positive)
+    max_seq_len: int = attrs.field(default=2048, validator=positive)
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
     ref_offload: bool = False
@@ -67,16 +66,21 @@ class ModelConfig:
 @attrs.frozen(kw_only=True)
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"
-    lr: float = attrs.field(default=1e-6, validator=_positive)
+    # Above 1e30 AdamW's first step size, lr / (1 - betas[0]), nears fp32's limit and torch fails.
+    lr: float = attrs.field(
+        default=1e-6,
+        validator=in_range(0, 1e30, low_open=True, why="typical RL values: 1e-7 to 1e-5"),
+    )
     # AdamW's decoupled decay, on matrices only: norms and biases (1-D parameters) are not
     # decayed, as in Megatron-core and the Hugging Face Trainer (every backend does the same).
-    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = attrs.field(default=1e-8, validator=_positive)
-    grad_clip: float | None = 1.0
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), validator=adam_betas)
+    eps: float = attrs.field(default=1e-8, validator=positive)
+    # The max global grad norm; null = no clipping (0 or less is refused: it is not "off").
+    grad_clip: float | None = attrs.field(default=1.0, validator=positive)
     lr_schedule: Schedule = "constant"
-    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
-    min_lr_ratio: float = attrs.field(default=0.0, validator=_non_negative)
+    warmup_steps: int = attrs.field(default=0, validator=non_negative)
+    min_lr_ratio: float = attrs.field(default=0.0, validator=unit_interval)
 
 
 @attrs.frozen(kw_only=True)
@@ -85,28 +89,32 @@ class BatchConfig:
     cut into optimizer steps of ``samples_per_optimizer_step``, each into microbatches by count
     (``micro_batch_size`` samples per rank) or by a token budget (``max_tokens_per_microbatch``)."""
 
-    prompts_per_rollout: int = attrs.field(default=8, validator=_positive)
-    samples_per_prompt: int = attrs.field(default=4, validator=_positive)
-    samples_per_optimizer_step: int = attrs.field(default=32, validator=_positive)
-    micro_batch_size: int | None = attrs.field(default=None, validator=_positive)
-    max_tokens_per_microbatch: int | None = attrs.field(default=None, validator=_positive)
-    epochs_per_rollout: int = attrs.field(default=1, validator=_positive)
+    prompts_per_rollout: int = attrs.field(default=8, validator=positive)
+    samples_per_prompt: int = attrs.field(default=4, validator=positive)
+    samples_per_optimizer_step: int = attrs.field(default=32, validator=positive)
+    micro_batch_size: int | None = attrs.field(default=None, validator=positive)
+    max_tokens_per_microbatch: int | None = attrs.field(default=None, validator=positive)
+    epochs_per_rollout: int = attrs.field(default=1, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
 class ParallelConfig:
-    tp: int = attrs.field(default=1, validator=_positive)
-    pp: int = attrs.field(default=1, validator=_positive)
-    vpp: int | None = attrs.field(default=None, validator=_positive)
-    cp: int = attrs.field(default=1, validator=_positive)
+    tp: int = attrs.field(default=1, validator=positive)
+    pp: int = attrs.field(default=1, validator=positive)
+    vpp: int | None = attrs.field(default=None, validator=positive)
+    cp: int = attrs.field(default=1, validator=positive)
     zero_stage: Literal[0, 1, 2, 3] = 0
     # None: read WORLD_SIZE from the environment (1 without a launcher).
-    world_size: int | None = attrs.field(default=None, validator=_positive)
+    world_size: int | None = attrs.field(default=None, validator=positive)
+    # How long a collective (and so every rank) waits for a rank that stopped answering before
+    # the run fails on every rank; None: 300 s on the CPU (gloo), 1800 s on GPUs (NCCL, whose
+    # first collectives and large checkpoint saves can take minutes).
+    timeout_s: float | None = attrs.field(default=None, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
 class KLConfig:
-    coef: float = attrs.field(default=0.0, validator=_non_negative)
+    coef: float = attrs.field(default=0.0, validator=non_negative)
     estimator: KLEstimatorName = "low_var_kl"
 
 
@@ -115,8 +123,8 @@ class RolloutCorrectionConfig:
     """Correction for the rollout engine's log-probs differing from the trainer's (TIS, IcePop)."""
 
     mode: RolloutCorrectionMode = "none"
-    low: float = attrs.field(default=0.5, validator=_non_negative)
-    high: float = attrs.field(default=2.0, validator=_positive)
+    low: float = attrs.field(default=0.5, validator=non_negative)
+    high: float = attrs.field(default=2.0, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
@@ -125,22 +133,22 @@ class AlgorithmConfig:
     advantage_estimator: str = "grpo"
     loss_aggregation: Aggregation = "token-mean"
     # Dr.GRPO's constant for seq-mean-token-sum-norm; defaults to rollout.max_new_tokens.
-    norm_length: int | None = attrs.field(default=None, validator=_positive)
-    clip_low: float = attrs.field(default=0.2, validator=_non_negative)
-    clip_high: float = attrs.field(default=0.2, validator=_non_negative)
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
+    norm_length: int | None = attrs.field(default=None, validator=positive)
+    clip_low: float = attrs.field(default=0.2, validator=non_negative)
+    clip_high: float = attrs.field(default=0.2, validator=non_negative)
+    dual_clip: float | None = attrs.field(default=None, validator=finite)
+    entropy_coef: float = attrs.field(default=0.0, validator=finite)
     kl_loss: KLConfig = attrs.field(factory=KLConfig)
     kl_in_reward: KLConfig = attrs.field(factory=lambda: KLConfig(estimator="k1"))
     rollout_correction: RolloutCorrectionConfig = attrs.field(factory=RolloutCorrectionConfig)
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = attrs.field(default=1.0, validator=unit_interval)
+    lam: float = attrs.field(default=1.0, validator=unit_interval)
     std_normalize: bool = True
     whiten_advantages: bool = False
-    value_coef: float = attrs.field(default=0.5, validator=_non_negative)
-    value_clip: float | None = 0.2
+    value_coef: float = attrs.field(default=0.5, validator=non_negative)
+    value_clip: float | None = attrs.field(default=0.2, validator=positive)
     # On-policy distillation shaping: A -= coef * (logp_student - logp_teacher).
-    distillation_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    distillation_coef: float = attrs.field(default=0.0, validator=non_negative)
     # Features that read the policy's log-probs before the first optimizer step.
     mismatch_metrics: bool = False
     old_actor_snapshot: bool = False
@@ -160,31 +168,31 @@ class RolloutConfig:
     task: str = "reverse_digits"
     # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
     task_options: dict[str, Any] = attrs.field(factory=dict)
-    temperature: float = attrs.field(default=1.0, validator=_positive)
-    top_p: float = attrs.field(default=1.0, validator=_positive)
-    max_new_tokens: int = attrs.field(default=64, validator=_positive)
+    temperature: float = attrs.field(default=1.0, validator=positive)
+    top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, low_open=True))
+    max_new_tokens: int = attrs.field(default=64, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
 class TrainConfig:
-    rl_steps: int = attrs.field(default=10, validator=_positive)
+    rl_steps: int = attrs.field(default=10, validator=positive)
     seed: int = 0
     # Stop the run (non-zero exit) after this many optimizer steps in a row were skipped for a
     # non-finite loss or gradient; 0 = never stop for that (non-finite weights always stop it).
-    max_consecutive_skipped_steps: int = attrs.field(default=3, validator=_non_negative)
+    max_consecutive_skipped_steps: int = attrs.field(default=3, validator=non_negative)
 
 
 @attrs.frozen(kw_only=True)
 class ProgressConfig:
     enabled: bool = True
-    log_every: int = attrs.field(default=1, validator=_positive)
+    log_every: int = attrs.field(default=1, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
 class CheckpointConfig:
     dir: str | None = None
-    every: int = attrs.field(default=0, validator=_non_negative)
-    keep: int = attrs.field(default=2, validator=_positive)
+    every: int = attrs.field(default=0, validator=non_negative)
+    keep: int = attrs.field(default=2, validator=positive)
     export_hf: bool = True
 
 
@@ -312,9 +320,9 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             f"model.max_seq_len={cfg.model.max_seq_len}: a full-length sample would not fit; "
             "raise the budget or lower model.max_seq_len"
         )
-    if not 0 <= a.clip_low < 1:
+    if not 0 <= a.clip_low < 1:  # also False for NaN
         raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1)")
-    if a.dual_clip is not None and a.dual_clip <= 1:
+    if a.dual_clip is not None and not a.dual_clip > 1:
         raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (typically 3.0) or null")
     rc = a.rollout_correction
     if rc.mode != "none" and not rc.low <= 1.0 <= rc.high:
@@ -330,8 +338,6 @@ def _check_combinations(cfg: UnirlConfig) -> None:
         )
     if cfg.rollout.source == "file" and not cfg.rollout.file:
         raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
-    if cfg.rollout.top_p > 1:
-        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
 
 
 def _derive_layout(cfg: UnirlConfig) -> Layout:
