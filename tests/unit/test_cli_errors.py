@@ -25,6 +25,39 @@ HOOK = "algorithm.rollout_postprocess_hook"
 @pytest.mark.parametrize(
     "override, words",
     [
+        # finding 2: these passed `unirl check`; .inf exported NaN weights, the others crashed
+        # `train` with a traceback or (grad_clip < 0) silently turned clipping off
+        ("optimizer.lr=.inf", "optimizer.lr must be a finite number > 0 and <= 1e+30, got inf"),
+        ("optimizer.lr=.nan", "optimizer.lr must be a finite number > 0 and <= 1e+30, got nan"),
+        ("optimizer.lr=1e39", "optimizer.lr must be > 0 and <= 1e+30, got 1e+39"),
+        (
+            "optimizer.betas=[0.9, 1.5]",
+            "optimizer.betas=[0.9, 1.5]: entry 1 (1.5) must be in [0, 1)",
+        ),
+        ("optimizer.betas=[-0.1, 0.9]", "optimizer.betas=[-0.1, 0.9]: entry 0 (-0.1)"),
+        ("optimizer.grad_clip=-1", "optimizer.grad_clip must be > 0, got -1.0"),
+        ("optimizer.eps=.nan", "optimizer.eps must be a finite number > 0, got nan"),
+        ("model.hf_config.vocab_size=-16", "model.hf_config.vocab_size=-16 must be a positive"),
+        ("model.hf_config.hidden_size=130", "model.hf_config.hidden_size=130 is not divisible by"),
+        ("model.hf_config.num_key_value_heads=3", "num_attention_heads=4 is not divisible by"),
+        ("algorithm.dual_clip=.nan", "algorithm.dual_clip must be a finite number, got nan"),
+        ("algorithm.gamma=1.5", "algorithm.gamma must be >= 0 and <= 1, got 1.5"),
+        ("algorithm.entropy_coef=.inf", "algorithm.entropy_coef must be a finite number"),
+        ("algorithm.kl_loss.coef=.nan", "algorithm.kl_loss.coef must be a finite number >= 0"),
+        ("rollout.top_p=.nan", "rollout.top_p must be a finite number > 0 and <= 1, got nan"),
+        ("rollout.temperature=.inf", "rollout.temperature must be a finite number > 0, got inf"),
+        ("parallel.timeout_s=0", "parallel.timeout_s must be > 0, got 0"),
+        ("train.max_consecutive_skipped_steps=-1", "max_consecutive_skipped_steps must be >= 0"),
+    ],
+)
+def test_check_refuses_bad_numbers_naming_the_key(capsys, override, words):
+    line = _error(capsys, ["check", TINY, "--set", override])
+    assert words in line, line
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
         (f"{HOOK}=nonexistent_mod:fn", "cannot import module 'nonexistent_mod'"),
         (f"{HOOK}=tests.unit.custom_components:missing", "has no callable 'missing'"),
         (f"{HOOK}=no_colon", "must look like 'package.module:function'"),

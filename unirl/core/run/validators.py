@@ -23,7 +23,9 @@ Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 def _finite_or_raise(attribute: attrs.Attribute, value: Any, want: str) -> None:
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{attribute.name} must be a finite number {want}, got {value}")
+        raise ConfigError(
+            f"{attribute.name} must be a finite number{' ' + want if want else ''}, got {value}"
+        )
 
 
 def in_range(
