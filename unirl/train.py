@@ -18,7 +18,7 @@ import torch.distributed as dist
 import yaml
 
 from unirl.backends import build_backend, watchdog
-from unirl.core.errors import CollectiveTimeoutError, RunError
+from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
 from unirl.core.run.algorithm import needs_reference
@@ -83,6 +83,12 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     run_dirs.check_writable(
         ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
     )
+    for key, value in (("model.path", cfg.model.path), ("model.ref_path", cfg.model.ref_path)):
+        if value is not None and not Path(value).is_dir():
+            raise ConfigError(
+                f"{key}={value!r} is not a directory; give a local Hugging Face model folder "
+                "(config.json and weights)"
+            )
     resumed_id = run_dirs.claim(run_dir, ckpt_root, resume=resume, overwrite=overwrite)
     found = checkpointing.latest_complete(ckpt_root) if resume else None
     if found is not None:

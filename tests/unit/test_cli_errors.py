@@ -88,6 +88,8 @@ def test_train_errors_before_any_work_are_one_line(capsys, tmp_path):
     run = f"logging.run_dir={tmp_path / 'run'}"
     line = _error(capsys, ["train", TINY, "--set", run, "--rollouts", str(tmp_path / "no.jsonl")])
     assert "rollout.file=" in line and "does not exist" in line
+    line = _error(capsys, ["train", TINY, "--set", run, "--set", "model.path=/no/such/model"])
+    assert "model.path='/no/such/model' is not a directory" in line  # was a Hub repo-id error
     line = _error(capsys, ["train", TINY, "--set", run, "--resume", "--overwrite"])
     assert "--resume continues the run" in line
 

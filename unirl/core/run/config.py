@@ -153,6 +153,8 @@ class AlgorithmConfig:
     mismatch_metrics: bool = False
     old_actor_snapshot: bool = False
     moe_routing_replay: bool = False
+    # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
+    # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
     # Whether that hook reads log-probs; None = assume it does.
     rollout_postprocess_hook_reads_logprobs: bool | None = None
