@@ -3,11 +3,12 @@
 OpenMP's default wait policy makes every idle thread of torch's intra-op pool spin for a while
 before sleeping. On a machine where another process wants the same cores (a laptop, a shared
 CI runner, two unirl runs side by side) the spinning threads take the cores from the threads
-doing work. Measured with ``benchmarks/cpu_threads.py`` on the project's 2-core machine (tiny
-example, s/step): torch's default degraded 3-4x beside one busy process and collapsed when the
-machine was oversubscribed; ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep at once) degraded
-about 2x and was never slower alone. With several ranks on one host each rank gets its share of
-the cores instead of one pool per rank as wide as the machine.
+doing work. On the project's 2-core machine the tiny example took 0.11 s/step alone, 0.40 s
+beside one busy process and 0.17 s there with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep at
+once); with the machine shared by other test jobs (load average 6-13), torch's default took
+3.7-20 s/step and the passive policy 0.10-0.45 s (``benchmarks/cpu_threads.py``, settings run
+back to back). With several ranks on one host each rank gets its share of the cores instead of
+one pool per rank as wide as the machine.
 
 Anything the user set wins; ``UNIRL_CPU_THREADS=off`` leaves the environment alone.
 """
