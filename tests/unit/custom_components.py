@@ -20,17 +20,3 @@ def undeclared_estimator(inp, settings):
 @register_advantage_estimator("test_reuse_safe_estimator", needs_old_logprobs=False)
 def reuse_safe_estimator(inp, settings):
     raise NotImplementedError
-
-
-def zero_rewards_hook(batch, *, rl_step):
-    """A rollout post-processing hook: every reward becomes 0 (so a test can see it ran)."""
-    import attrs
-
-    from unirl.core.data.rollout import RolloutBatch
-
-    samples = tuple(attrs.evolve(s, reward=0.0) for s in batch.samples)
-    return RolloutBatch(samples, origins=batch.origins)
-
-
-def hook_without_rl_step(batch):
-    return batch

@@ -21,7 +21,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 def _run_train_in_subprocess(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     # a fresh process per run: DeepSpeed keeps process-global state; the repository root on the
-    # path so that `tests.unit.custom_components` hooks import
+    # path so that the `tests.unit.custom_hooks` hooks import
     root = str(Path(__file__).parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run(
@@ -100,7 +100,7 @@ def test_train_on_rollout_file(tmp_path):
          "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.tensorboard=false",
          "--set", "algorithm.rollout_correction.mode=tis",
          # issue 15 finding 3: the hook is called on every rollout (it zeroes the rewards)
-         "--set", "algorithm.rollout_postprocess_hook=tests.unit.custom_components:zero_rewards_hook",
+         "--set", "algorithm.rollout_postprocess_hook=tests.unit.custom_hooks:zero_rewards_hook",
          "--set", "algorithm.rollout_postprocess_hook_reads_logprobs=false"],
         tmp_path,
     )  # fmt: skip
