@@ -5,7 +5,7 @@ before sleeping. On a machine where another process wants the same cores (a lapt
 CI runner, two unirl runs side by side) the spinning threads take the cores from the threads
 doing work. On the project's 2-core machine the tiny example took 0.11 s/step alone, 0.40 s
 beside one busy process and 0.17 s there with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep at
-once); with the machine shared by other test jobs (load average 6-13), torch's default took
+once; measured when the problem was reported); with the machine shared by other test jobs (load average 6-13), torch's default took
 3.7-20 s/step and the passive policy 0.10-0.45 s (``benchmarks/cpu_threads.py``, settings run
 back to back). With several ranks on one host each rank gets its share of the cores instead of
 one pool per rank as wide as the machine.
