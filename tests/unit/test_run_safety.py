@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 
+from unirl.cli import main
 from unirl.core.run import checkpointing as ck
 from unirl.core.run.metrics_log import read_metrics
 
@@ -51,7 +52,19 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-def test_used_dir_bad_resume_damage_and_full_disk(tmp_path):
+def _refused(capsys, run: Path, *args: str) -> str:
+    """`unirl train` in this process, for runs refused before anything is built (no DeepSpeed
+    state is created, so no fresh process is needed)."""
+    argv = ["train", str(TINY), *SMALL, "--set", f"logging.run_dir={run}", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("unirl: error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def test_used_dir_bad_resume_damage_and_full_disk(tmp_path, capsys):
     run = tmp_path / "run"
     first = _train(run, "--set", "train.rl_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -59,14 +72,14 @@ def test_used_dir_bad_resume_damage_and_full_disk(tmp_path):
     before = _snapshot(run)
 
     # finding 1: another run in the same directory is refused, and nothing is touched
-    line = _one_error_line(_train(run, "--set", "train.rl_steps=2", "--set", "train.seed=7"))
+    line = _refused(capsys, run, "--set", "train.rl_steps=2", "--set", "train.seed=7")
     assert f"logging.run_dir={str(run)!r} already holds a run" in line and "--overwrite" in line
     assert _snapshot(run) == before
 
     # finding 6: resuming with other batch sizes is refused before anything is loaded
     other_sizes = ["--set", "batch.prompts_per_rollout=4",
                    "--set", "batch.samples_per_optimizer_step=32"]  # fmt: skip
-    line = _one_error_line(_train(run, "--resume", "--set", "train.rl_steps=3", *other_sizes))
+    line = _refused(capsys, run, "--resume", "--set", "train.rl_steps=3", *other_sizes)
     assert "does not fit this config (batch.prompts_per_rollout: checkpoint 2, now 4" in line
     assert _snapshot(run) == before
 
