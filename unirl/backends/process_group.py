@@ -72,14 +72,25 @@ def init_process_group(parallel: ParallelConfig) -> ProcessGroupSetup:
             # No launcher: an in-memory store needs no address or port.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
-            timeout_s = parallel.timeout_s or DEFAULT_TIMEOUT_S[backend]
-            dist.init_process_group(
-                backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-            )
+            timeout = datetime.timedelta(seconds=parallel.timeout_s or DEFAULT_TIMEOUT_S[backend])
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            _timeout_for_new_groups(timeout)
             record_peers()  # so that a rank that times out can stop a hung one (watchdog)
     return ProcessGroupSetup(
         rank=rank, world_size=world, local_rank=local_rank, device=device, owns_process_group=owns
     )
+
+
+def _timeout_for_new_groups(timeout: datetime.timedelta) -> None:
+    """Groups the engines create later (DeepSpeed's data-parallel group, Megatron's model-parallel
+    groups) do not inherit the default group's timeout: ``new_group(timeout=None)`` takes torch's
+    module default (30 minutes), and a rank that hangs in their collectives (gradient all-reduce)
+    would hang the job that long. torch keeps that default in a module global of
+    `torch.distributed.distributed_c10d`; set it for this process."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def destroy_process_group(setup: ProcessGroupSetup) -> None:

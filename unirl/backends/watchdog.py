@@ -2,8 +2,9 @@
 
 When one rank stops answering (stopped, deadlocked, stuck in I/O), every other rank blocks in its
 next collective. The process group's timeout (``parallel.timeout_s``, set by
-`unirl.backends.process_group`) turns that wait into an error on the ranks that wait; this module
-turns the error into a clean end of the job:
+`unirl.backends.process_group` for the default group and every group the engines create after
+it) turns that wait into an error on the ranks that wait; this module turns the error into a
+clean end of the job:
 
 - `is_collective_timeout` recognises it (gloo raises a RuntimeError "Timed out waiting ...",
   NCCL a DistBackendError; NCCL's own watchdog aborts the process as well);
