@@ -72,13 +72,19 @@ def init_process_group(parallel: ParallelConfig) -> ProcessGroupSetup:
             # No launcher: an in-memory store needs no address or port.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
-            timeout = datetime.timedelta(seconds=parallel.timeout_s or DEFAULT_TIMEOUT_S[backend])
+            timeout = collective_timeout(parallel, backend)
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
             _timeout_for_new_groups(timeout)
             record_peers()  # so that a rank that times out can stop a hung one (watchdog)
     return ProcessGroupSetup(
         rank=rank, world_size=world, local_rank=local_rank, device=device, owns_process_group=owns
     )
+
+
+def collective_timeout(parallel: ParallelConfig, backend: str) -> datetime.timedelta:
+    """How long a collective of this run may wait: ``parallel.timeout_s``, else the default of
+    the communication backend (``"gloo"`` or ``"nccl"``)."""
+    return datetime.timedelta(seconds=parallel.timeout_s or DEFAULT_TIMEOUT_S[backend])
 
 
 def _timeout_for_new_groups(timeout: datetime.timedelta) -> None:
