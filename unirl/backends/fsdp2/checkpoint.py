@@ -77,7 +77,7 @@ def save_checkpoint(
         torch.save(saved, partial / "meta.pt")
     dist.barrier()
     if rank == 0:
-        publish(partial, path, {"world_size": world_size, **meta})
+        publish(partial, path, {"world_size": world_size, **meta}, client_state=client_state)
     dist.barrier()
 
 
