@@ -326,3 +326,11 @@ def test_equals_the_flat_core_on_a_packed_ragged_batch(name, settings):
     torch.testing.assert_close(grad[mask], flat_grad[torch.cat(parts["mask"]).bool()])
     assert (grad[~mask] == 0).all()
     assert metrics == pytest.approx(reduce_metrics([flat.metrics]))
+
+
+def test_readme_snippet_runs_as_written():
+    from tests.unit.readme import readme_snippet
+
+    scope: dict = {}
+    exec(readme_snippet("padded"), scope)
+    assert scope["logprobs"].grad is not None and set(scope["metrics"]) >= {"loss", "pg_clipfrac"}

@@ -122,3 +122,11 @@ def test_every_unirl_loss_is_registered_under_its_prefix():
 def test_token_sum_has_no_unirl_counterpart():
     with pytest.raises(ConfigError, match="token-sum"):
         _run("unirl_ppo_clip", "token-sum", _config("unirl_ppo_clip"), False)
+
+
+def test_readme_snippet_runs_as_written():
+    from tests.unit.readme import readme_snippet
+
+    scope: dict = {}
+    exec(readme_snippet("verl"), scope)
+    assert scope["loss_fn"] is core_algos.POLICY_LOSS_REGISTRY["unirl_gspo"]
