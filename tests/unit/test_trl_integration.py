@@ -23,14 +23,14 @@ if importlib.util.find_spec("trl") is None:
         "trl is not installed: `pip install -e '.[test]'` installs it", allow_module_level=True
     )
 
-from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from trl import GRPOConfig, GRPOTrainer
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from unirl.core.errors import ConfigError
-from unirl.core.maths.losses import LossSettings
-from unirl.integrations.trl import UnirlGRPOTrainer
+from unirl.core.errors import ConfigError  # noqa: E402
+from unirl.core.maths.losses import LossSettings  # noqa: E402
+from unirl.integrations.trl import UnirlGRPOTrainer  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<unk>", "a", "b", "c", "x", "y", "z"]
 MAX_COMPLETION = 4
