@@ -134,7 +134,9 @@ class UnirlGRPOTrainer(GRPOTrainer):
             ref_logprobs=inputs.get("ref_per_token_logps"),
             entropy=entropies,
             global_tokens=inputs["num_items_in_batch"],
-            global_sequences=inputs.get("num_sequences_in_batch"),
+            global_sequences=inputs[
+                "num_sequences_in_batch"
+            ],  # from _generate_and_score_completions
             norm_length=self.max_completion_length,  # TRL's Dr.GRPO constant
         )
         # This microbatch's share of the step; DDP averages over processes, so scale it back.

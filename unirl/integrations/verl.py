@@ -69,7 +69,7 @@ def _global_counts(
     config: Any, response_mask: torch.Tensor
 ) -> tuple[int, int | None, int | None, int]:
     """``(dp_size, tokens, sequences, norm_length)`` from verl's ``global_batch_info``."""
-    info = dict(config.global_batch_info or {})
+    info = dict(config.get("global_batch_info", None) or {})
     dp_size = int(info.get("dp_size") or 1)
     tokens, sequences = info.get("batch_num_tokens"), info.get("global_batch_size")
     if dp_size > 1 and (tokens is None or sequences is None):
