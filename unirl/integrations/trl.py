@@ -133,10 +133,9 @@ class UnirlGRPOTrainer(GRPOTrainer):
             rollout_logprobs=inputs.get("sampling_per_token_logps"),
             ref_logprobs=inputs.get("ref_per_token_logps"),
             entropy=entropies,
+            # both counted over every process of the generation batch (= the optimizer step)
             global_tokens=inputs["num_items_in_batch"],
-            global_sequences=inputs[
-                "num_sequences_in_batch"
-            ],  # from _generate_and_score_completions
+            global_sequences=inputs["num_sequences_in_batch"],
             norm_length=self.max_completion_length,  # TRL's Dr.GRPO constant
         )
         # This microbatch's share of the step; DDP averages over processes, so scale it back.
