@@ -334,3 +334,10 @@ def test_readme_snippet_runs_as_written():
     scope: dict = {}
     exec(readme_snippet("padded"), scope)
     assert scope["logprobs"].grad is not None and set(scope["metrics"]) >= {"loss", "pg_clipfrac"}
+
+
+def test_global_counts_of_one_batch_by_hand():
+    from unirl.losses import global_counts
+
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert global_counts(mask) == (3, 2)  # the empty row is no sequence

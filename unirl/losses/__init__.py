@@ -11,11 +11,12 @@
 
 A thin layer over `unirl.core.maths.losses` and `unirl.core.maths.advantages` (the code unirl's
 own trainer runs), not a second implementation. Counts of the optimizer step default to the
-batch's own; under data parallel or gradient accumulation pass the all-reduced ones (see
-`unirl.losses.padded`). Adapters: `unirl.integrations.trl`, `unirl.integrations.verl`.
+batch's own; under data parallel or gradient accumulation pass the all-reduced ones
+(`global_counts(mask, group=...)`; see `unirl.losses.padded`). Adapters: `unirl.integrations.trl`, `unirl.integrations.verl`.
 """
 
 from unirl.losses.advantages import advantages
+from unirl.losses.padded import global_counts
 from unirl.losses.policy import kl_loss, policy_loss, value_loss
 
-__all__ = ["advantages", "kl_loss", "policy_loss", "value_loss"]
+__all__ = ["advantages", "global_counts", "kl_loss", "policy_loss", "value_loss"]

@@ -14,8 +14,10 @@ shares summed over every microbatch and rank give the step's objective.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.errors import LossInputError
@@ -100,6 +102,21 @@ def step_counts(
     if norm_length is not None and (not isinstance(norm_length, int) or norm_length <= 0):
         raise LossInputError(f"{fn}: norm_length must be a positive int, got {norm_length!r}")
     return GlobalCounts(tokens=tokens, sequences=sequences, norm_length=norm_length)
+
+
+def global_counts(mask: torch.Tensor, *, group: Any = None) -> tuple[int, int]:
+    """``(tokens, sequences)`` of ``mask`` summed over every rank of ``group`` (one all-reduce):
+    the ``global_tokens`` / ``global_sequences`` of a data-parallel step. ``group`` is the
+    data-parallel group (``dist.group.WORLD`` when every rank is a data-parallel rank); None
+    counts this batch only. Every rank of the group must call it. With gradient accumulation,
+    add up the counts of the step's microbatches too.
+    """
+    m = check_mask(mask, fn="global_counts")
+    counts = torch.stack([m.sum(), m.any(dim=1).sum()]).to(torch.int64)
+    if group is not None:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    tokens, sequences = counts.tolist()
+    return tokens, sequences
 
 
 def flatten(
