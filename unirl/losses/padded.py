@@ -7,7 +7,7 @@ conversion, and the argument checks a caller from outside needs: each error name
 Global counts: the core divides by the counts of the WHOLE optimizer step. By default they are
 this batch's own (valid tokens; sequences with at least one valid token), which is right when
 one call sees the whole step. Under data parallel or gradient accumulation pass the all-reduced
-counts of the step (`step_counts` below); then the returned loss is this call's share, and the
+counts of the step (`global_counts` below); then the returned loss is this call's share, and the
 shares summed over every microbatch and rank give the step's objective.
 """
 
