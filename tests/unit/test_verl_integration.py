@@ -130,3 +130,48 @@ def test_readme_snippet_runs_as_written():
     scope: dict = {}
     exec(readme_snippet("verl"), scope)
     assert scope["loss_fn"] is core_algos.POLICY_LOSS_REGISTRY["unirl_gspo"]
+
+
+def _actor_loss(loss_mode: str, agg: str):
+    """verl's actor loss (`verl.workers.utils.losses.ppo_loss`, what its engines call per
+    microbatch): the model's packed log-probs, the data as a TensorDict, the loss chosen by
+    ``config.policy_loss.loss_mode``."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    g = torch.Generator().manual_seed(5)
+    b, p, r = 4, 2, 5
+    response_mask = (torch.arange(r)[None] < torch.tensor([5, 2, 4, 1])[:, None]).long()
+    attention_mask = torch.cat([torch.ones(b, p, dtype=torch.long), response_mask], 1)
+    log_probs = (-torch.rand(int(attention_mask.sum()), generator=g)).requires_grad_()
+    data = TensorDict(
+        {
+            "prompts": torch.randint(3, 9, (b, p), generator=g),
+            "responses": torch.randint(3, 9, (b, r), generator=g),
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "old_log_probs": -torch.rand(b, r, generator=g),
+            "advantages": torch.randn(b, generator=g)[:, None].expand(b, r).clone(),
+        },
+        batch_size=[b],
+    )
+    tu.assign_non_tensor(data, dp_size=2, batch_num_tokens=20, global_batch_size=8)
+    cfg = _config(loss_mode)
+    cfg.loss_agg_mode = agg
+    loss, metrics = ppo_loss(cfg, {"log_probs": log_probs}, data)
+    (grad,) = torch.autograd.grad(loss, log_probs)
+    return loss.detach(), grad, metrics
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(
+    "verl_name, unirl_name", [("vanilla", "ppo_clip"), ("gspo", "gspo"), ("cispo", "cispo")]
+)
+def test_verl_actor_loss_selects_the_unirl_loss_by_config(verl_name, unirl_name, agg):
+    loss, grad, metrics = _actor_loss(f"unirl_{unirl_name}", agg)
+    ref_loss, ref_grad, _ = _actor_loss(verl_name, agg)
+    assert grad.abs().max() > 0
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-6)
+    assert "actor/unirl/pg_loss" in metrics  # the unirl loss really ran
