@@ -157,8 +157,7 @@ def _actor_loss(loss_mode: str, agg: str):
         batch_size=[b],
     )
     tu.assign_non_tensor(data, dp_size=2, batch_num_tokens=20, global_batch_size=8)
-    cfg = _config(loss_mode)
-    cfg.loss_agg_mode = agg
+    cfg = _config(loss_mode, loss_agg_mode=agg)
     loss, metrics = ppo_loss(cfg, {"log_probs": log_probs}, data)
     (grad,) = torch.autograd.grad(loss, log_probs)
     return loss.detach(), grad, metrics
