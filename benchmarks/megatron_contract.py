@@ -7,7 +7,7 @@ bf16, plus the headline numbers:
 - progress-bar updates == microbatches on every layout (clause 6);
 - reuse == recompute (clause 5).
 
-Layouts: padded batches (``model.attention: padded``) on {1 GPU, TP=2, PP=2, PP=2 x VPP=2,
+Layouts: padded batches (``megatron.attention: padded``) on {1 GPU, TP=2, PP=2, PP=2 x VPP=2,
 DP=2}; packed sequences (THD, the default) on {1 GPU, TP=2, CP=2, PP=2 x VPP=2, DP=2}; and the
 4- and 8-GPU layouts, which run where the GPUs exist and are recorded as skipped elsewhere.
 
@@ -51,30 +51,29 @@ from tests.contract.backends import Layout
 
 logger = logging.getLogger("megatron_contract")
 
-BUILDER = "unirl.backends.megatron:build_backend"
 NUM_LAYERS = 4
 PADDED = {"attention": "padded"}
 LAYOUTS = (
-    Layout.of("tp1-pp1-dp1", 1, model=PADDED),
-    Layout.of("tp2", 2, model=PADDED, tp=2),
-    Layout.of("pp2", 2, model=PADDED, pp=2),
-    Layout.of("pp2-vpp2", 2, model=PADDED, pp=2, vpp=2),
-    Layout.of("dp2", 2, model=PADDED),
+    Layout.of("tp1-pp1-dp1", 1, options=PADDED),
+    Layout.of("tp2", 2, options=PADDED, tp=2),
+    Layout.of("pp2", 2, options=PADDED, pp=2),
+    Layout.of("pp2-vpp2", 2, options=PADDED, pp=2, vpp=2),
+    Layout.of("dp2", 2, options=PADDED),
     Layout.of("packed", 1),
     Layout.of("packed-tp2", 2, tp=2),
     Layout.of("packed-cp2", 2, cp=2),
     Layout.of("packed-pp2-vpp2", 2, pp=2, vpp=2),
     Layout.of("packed-dp2", 2),
     # 4 GPUs
-    Layout.of("tp2-pp2", 4, model=PADDED, tp=2, pp=2),
-    Layout.of("tp2-pp2-vpp2", 4, model=PADDED, tp=2, pp=2, vpp=2),
+    Layout.of("tp2-pp2", 4, options=PADDED, tp=2, pp=2),
+    Layout.of("tp2-pp2-vpp2", 4, options=PADDED, tp=2, pp=2, vpp=2),
     Layout.of("packed-tp2-pp2-vpp2", 4, tp=2, pp=2, vpp=2),
     Layout.of("packed-tp2-cp2", 4, tp=2, cp=2),
-    Layout.of("dp2-tp2", 4, model=PADDED, tp=2),
+    Layout.of("dp2-tp2", 4, options=PADDED, tp=2),
     Layout.of("packed-dp2-tp2", 4, tp=2),
     # 8 GPUs
     Layout.of("packed-tp2-pp2-cp2-vpp2", 8, tp=2, pp=2, cp=2, vpp=2),
-    Layout.of("dp2-tp2-pp2", 8, model=PADDED, tp=2, pp=2),
+    Layout.of("dp2-tp2-pp2", 8, options=PADDED, tp=2, pp=2),
     Layout.of("packed-dp2-tp2-pp2", 8, tp=2, pp=2),
 )
 BASELINE_LAYOUT = "tp1-pp1-dp1"
@@ -124,7 +123,6 @@ def run_layout(
     work.mkdir(parents=True, exist_ok=True)
     job = harness.Job(
         backend="megatron",
-        builder=BUILDER,
         layout=layout,
         model_dir=str(model_dir),
         work_dir=str(work),

@@ -135,12 +135,12 @@ def config_dict(args: argparse.Namespace, hf: dict[str, Any], old_logprobs: str)
     return {
         "backend": "megatron",
         "old_logprobs": old_logprobs,
+        "megatron": {"attention": args.attention},
         "model": {
             "hf_config": hf,
             "init_seed": 0,
             "dtype": "bf16",
             "max_seq_len": args.max_len,
-            "attention": args.attention,
             "gradient_checkpointing": args.recompute_activations,
         },
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},

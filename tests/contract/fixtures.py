@@ -154,14 +154,15 @@ def base_config(
     parallel: Mapping[str, Any],
     dtype: str,
     run_dir: str,
-    model: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The config every variant starts from (a plain dict for `config_from_dict`); ``model``:
-    extra ``model`` keys of the layout."""
+    """The config every variant starts from (a plain dict for `config_from_dict`); ``options``:
+    keys of the backend's own section that the layout sets."""
     return {
         "backend": backend,
+        backend: dict(options or {}),
         "old_logprobs": "auto",
-        "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN, **(model or {})},
+        "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN},
         "optimizer": dict(OPTIMIZER),
         "batch": {
             "prompts_per_rollout": NUM_GROUPS,

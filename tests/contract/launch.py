@@ -37,7 +37,6 @@ def run_group(
 ) -> clauses.Measured:
     job = harness.Job(
         backend=entry.name,
-        builder=entry.builder,
         layout=layout,
         model_dir=str(model_dir),
         work_dir=str(work_dir),

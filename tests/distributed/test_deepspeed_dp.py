@@ -60,7 +60,7 @@ def _worker(rank: int, world_size: int, folder: str, lock_root: str) -> dict:
             assert (topo.dp_size, topo.dp_rank, topo.world_size) == (2, rank, 2)
             assert topo.groups.dp is not None and topo.groups.dp_cp is topo.groups.dp
             _, stats = train_step(backend, mine, n)
-            out[stage] = (backend.loss_scale, stats.grad_norm, stats.lr, full_params(backend))
+            out[stage] = (backend.loss_scale(n), stats.grad_norm, stats.lr, full_params(backend))
             out[f"sync {stage}"] = backend.hf_state_dict()  # collective under ZeRO-3
         finally:
             backend.close()

@@ -71,7 +71,7 @@ def test_config_is_frozen():
         (base(progress={"enabled": "yes"}), r"progress.enabled: expected true or false"),
         (
             base(backend="fsdp"),
-            r"backend: 'fsdp' is not valid; choose one of \['megatron', 'deepspeed'\]",
+            r"backend='fsdp' is not a registered backend; valid: \['deepspeed', 'megatron'\]",
         ),
         (base(old_logprobs="sometimes"), r"old_logprobs: 'sometimes' is not valid"),
         (base(parallel={"zero_stage": 4}), r"parallel.zero_stage: 4 is not valid"),
@@ -92,14 +92,18 @@ def test_config_is_frozen():
         ),
         (base(backend="megatron", parallel={"vpp": 2}), r"parallel.vpp=2 needs parallel.pp > 1"),
         (
-            base(model={"attention": "padded"}),
-            r"model.attention='padded' is a Megatron backend option",
+            base(megatron={"attention": "padded"}),
+            r"section 'megatron:' configures backend megatron, but backend: deepspeed",
         ),
         (
-            base(backend="megatron", model={"attention": "unfused"}, parallel={"cp": 2}),
-            r"parallel.cp=2 needs model.attention: packed",
+            base(backend="megatron", megatron={"attention": "unfused"}, parallel={"cp": 2}),
+            r"parallel.cp=2 needs megatron.attention: packed",
         ),
-        (base(model={"attention": "flash"}), r"model.attention: 'flash' is not valid"),
+        (
+            base(backend="megatron", megatron={"attention": "flash"}),
+            r"megatron.attention: 'flash' is not valid",
+        ),
+        (base(deepspeed={"extr": {}}), r"unknown key 'deepspeed.extr' \(did you mean 'extra'\?\)"),
         (base(parallel={"vpp": 2}), r"parallel.vpp is set but backend: deepspeed"),
         (
             base(backend="megatron", parallel={"zero_stage": 3}),

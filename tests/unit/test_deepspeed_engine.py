@@ -1,5 +1,5 @@
 """Pieces of the DeepSpeed backend that need no engine: the generated DeepSpeed config and the
-``deepspeed_extra`` merge, the LR schedule (hand-computed values), the LR scheduler's state, and
+``deepspeed.extra`` merge, the LR schedule (hand-computed values), the LR scheduler's state, and
 the op-build lock with its stale-baton handling."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from unirl.backends.deepspeed.distributed import clear_stale_baton, op_build_lock
 from unirl.backends.deepspeed.engine import ScheduledLR, adamw_param_groups, deepspeed_config
+from unirl.backends.deepspeed.plugin import DeepSpeedOptions
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import (
     BatchConfig,
@@ -35,6 +36,7 @@ def _cfg(**over) -> UnirlConfig:
             micro_batch_size=1,
         ),
         parallel=ParallelConfig(zero_stage=over.pop("stage", 2), world_size=1),
+        backend_options=DeepSpeedOptions(extra=over.pop("extra", {})),
         **over,
     )
 
@@ -56,19 +58,19 @@ def test_generated_config():
 
 def test_extra_merges_recursively_but_owned_keys_are_refused():
     extra = {"zero_optimization": {"reduce_bucket_size": 1000}, "bf16": {"enabled": False}}
-    ds = deepspeed_config(_cfg(stage=2, deepspeed_extra=extra), dp_size=1)
+    ds = deepspeed_config(_cfg(stage=2, extra=extra), dp_size=1)
     # the nested key is added, the stage kept; the same value for an owned key is fine
     assert ds["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
     with pytest.raises(
-        ConfigError, match=r"deepspeed_extra\.zero_optimization\.stage=1 .* parallel\.zero_stage"
+        ConfigError, match=r"deepspeed\.extra\.zero_optimization\.stage=1 .* parallel\.zero_stage"
     ):
         deepspeed_config(
-            _cfg(stage=2, deepspeed_extra={"zero_optimization": {"stage": 1}}), dp_size=1
+            _cfg(stage=2, extra={"zero_optimization": {"stage": 1}}), dp_size=1
         )
-    with pytest.raises(ConfigError, match=r"deepspeed_extra\.gradient_accumulation_steps=4"):
-        deepspeed_config(_cfg(deepspeed_extra={"gradient_accumulation_steps": 4}), dp_size=1)
-    with pytest.raises(ConfigError, match=r"deepspeed_extra\.optimizer="):
-        deepspeed_config(_cfg(deepspeed_extra={"optimizer": {"type": "Adam"}}), dp_size=1)
+    with pytest.raises(ConfigError, match=r"deepspeed\.extra\.gradient_accumulation_steps=4"):
+        deepspeed_config(_cfg(extra={"gradient_accumulation_steps": 4}), dp_size=1)
+    with pytest.raises(ConfigError, match=r"deepspeed\.extra\.optimizer="):
+        deepspeed_config(_cfg(extra={"optimizer": {"type": "Adam"}}), dp_size=1)
 
 
 def test_weight_decay_skips_vectors():

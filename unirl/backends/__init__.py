@@ -1,31 +1,17 @@
-"""Training engines. Each subpackage implements `unirl.core.backend.TrainingBackend`; they are
-imported only when a config names them, so `import unirl` needs neither engine installed."""
+"""Training engines, as plug-ins. Each subpackage implements `unirl.core.backend.TrainingBackend`
+and registers a `unirl.core.backend_plugin.BackendPlugin` from its light ``plugin`` module (no
+engine import), so `import unirl` needs no engine installed and the engine is imported only when
+a config's ``backend:`` names it. Plumbing the backends share (process group, device moves,
+forward-only passes, the empty-microbatch loss) lives once beside them: `distributed`, `plumbing`.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from unirl.backends.deepspeed.plugin import PLUGIN as _DEEPSPEED
+from unirl.backends.megatron.plugin import PLUGIN as _MEGATRON
+from unirl.core.backend_plugin import BACKENDS, build_backend
 
-from unirl.core.backend import TrainingBackend
-from unirl.core.errors import ConfigError
-from unirl.core.run.config import UnirlConfig
+for _plugin in (_DEEPSPEED, _MEGATRON):
+    BACKENDS.register(_plugin.name, _plugin)
 
-_INSTALL_HINT = {
-    "deepspeed": "pip install 'unirl[deepspeed,hf]'",
-    "megatron": "pip install 'unirl[megatron,hf]'",
-}
-
-
-def build_backend(cfg: UnirlConfig, **kwargs: Any) -> TrainingBackend:
-    """Import `unirl.backends.<cfg.backend>` and build its backend for this config."""
-    name = cfg.backend
-    try:
-        module = importlib.import_module(f"unirl.backends.{name}")
-        builder = module.build_backend
-    except ImportError as exc:
-        raise ConfigError(
-            f"backend: {name} needs packages that are not installed ({exc}); {_INSTALL_HINT[name]}"
-        ) from exc
-    except AttributeError:
-        raise ConfigError(f"backend: {name} is not available in this version of unirl") from None
-    return builder(cfg, **kwargs)
+__all__ = ["BACKENDS", "build_backend"]

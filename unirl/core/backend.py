@@ -1,9 +1,13 @@
 """The interface every training engine implements, and the one piece of maths they share.
 
-The seam (../DESIGN.md): a backend turns a `TrainMicrobatch` into logits, calls
-`token_logprobs` (core) to get per-token log-probs, hands them to the core loss function it is
-given, and multiplies the returned loss by exactly one factor that cancels its own averaging
-(`loss_scale`). It never computes a log-softmax, a ratio or a normaliser itself.
+The seam: a backend turns a `TrainMicrobatch` into logits, calls `token_logprobs` (core) to get
+per-token log-probs, hands them to the core loss function it is given, and multiplies the returned
+loss by exactly one factor that cancels its own averaging (`TrainingBackend.loss_scale`). It never
+computes a log-softmax, a ratio or a normaliser itself.
+
+`TrainingBackend` states everything the RL step and the tools use; how a backend is constructed
+and registered is `unirl.core.backend_plugin`. `InstrumentedBackend` adds the probes the contract
+suite reads (which model modules to hook, forward counts) and is not part of what a run needs.
 """
 
 from __future__ import annotations
@@ -80,10 +84,21 @@ class OptimizerStepStats:
 
 @runtime_checkable
 class TrainingBackend(Protocol):
-    """What core's RL step needs from an engine. Implementations live in unirl/backends/<name>."""
+    """What core's RL step needs from an engine. Implementations live in unirl/backends/<name>
+    and are built by their plug-in's ``build(cfg, total_optimizer_steps=..., needs_reference=...)``
+    (`unirl.core.backend_plugin.BackendBuilder`)."""
 
     topology: Topology
     vocab_size: int
+    # Where this rank computes: the core step's data-parallel reductions run on it.
+    device: torch.device
+
+    def loss_scale(self, num_microbatches: int) -> float:
+        """The one factor each microbatch's loss is multiplied by before its backward: it cancels
+        the engine's own averaging (over microbatches, over data-parallel ranks), so that the
+        gradient is that of the SUM of the core losses. ``num_microbatches``: of this optimizer
+        step on this rank, as the engine runs them."""
+        ...
 
     def forward_logprobs(
         self,
@@ -123,3 +138,15 @@ class TrainingBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class InstrumentedBackend(TrainingBackend, Protocol):
+    """A backend the contract suite can observe: not needed to train, needed to prove that a
+    forward-only pass was skipped or ran once per microbatch."""
+
+    # The model module(s) whose forward the suite hooks (a module, or the chunks of a pipeline
+    # rank in virtual-stage order; the suite counts chunk 0).
+    model: torch.nn.Module | Sequence[torch.nn.Module]
+    # Model forwards run per role, training and forward-only alike, once per microbatch.
+    forward_calls: Mapping[ModelRole, int]

@@ -232,8 +232,7 @@ class RLStep:
                 out[sample, :n] = values[start : start + n]
         group = topo.groups.dp
         if group is not None and topo.dp_size > 1:
-            device = getattr(self.backend, "device", torch.device("cpu"))
-            reduced = out.to(device)
+            reduced = out.to(self.backend.device)
             dist.all_reduce(reduced, group=group)  # each sample lives on exactly one dp rank
             out = reduced.cpu()
         return out

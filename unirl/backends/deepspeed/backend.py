@@ -31,7 +31,9 @@ from unirl.backends.deepspeed.distributed import close_distributed, init_distrib
 from unirl.backends.deepspeed.engine import initialize_policy, initialize_reference
 from unirl.backends.deepspeed.packed import forward_packed, use_packed_attention
 from unirl.backends.deepspeed.topology import deepspeed_topology
+from unirl.backends.forward_only import forward_only
 from unirl.backends.hf_model import load_policy, load_reference
+from unirl.backends.microbatch import to_device, zero_through_graph
 from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
@@ -41,15 +43,6 @@ from unirl.core.run.progress import MicrobatchProgress
 logger = logging.getLogger(__name__)
 
 _ROLES = ("policy", "reference")
-
-
-def _to_device(mb: TrainMicrobatch, device: torch.device) -> TrainMicrobatch:
-    moved = {
-        f.name: getattr(mb, f.name).to(device, non_blocking=True)
-        for f in attrs.fields(TrainMicrobatch)
-        if isinstance(getattr(mb, f.name), torch.Tensor)
-    }
-    return mb.with_fields(**moved)
 
 
 class DeepSpeedBackend:
@@ -82,9 +75,9 @@ class DeepSpeedBackend:
         """The Hugging Face module being trained (parameters partitioned under ZeRO-3)."""
         return self.engine.module
 
-    @property
-    def loss_scale(self) -> float:
-        """Cancels DeepSpeed's mean over data-parallel ranks (see the module docstring)."""
+    def loss_scale(self, num_microbatches: int) -> float:
+        """Cancels DeepSpeed's mean over data-parallel ranks (see the module docstring); the
+        microbatches are summed (``scale_wrt_gas=False``), so their number does not enter."""
         return float(self.topology.dp_size)
 
     # -- forward passes ----------------------------------------------------------------------
@@ -109,17 +102,8 @@ class DeepSpeedBackend:
         offloaded = (
             role == "reference" and self.cfg.model.ref_offload and self.cfg.parallel.zero_stage != 3
         )
-        was_training = module.training
-        module.eval()
-        if offloaded:
-            module.to(self.device)
-        try:
-            with torch.no_grad():
-                yield module
-        finally:
-            if offloaded:
-                module.to("cpu")
-            module.train(was_training)
+        with forward_only([module], device=self.device, offloaded=offloaded):
+            yield module
 
     def forward_logprobs(
         self,
@@ -134,7 +118,7 @@ class DeepSpeedBackend:
         out = []
         with self._forward_only(role) as module:
             for mb in microbatches:
-                mb = _to_device(mb, self.device)
+                mb = to_device(mb, self.device)
                 logits = forward_packed(module, mb, self.device)
                 self.forward_calls[role] += 1
                 if mb.num_tokens == 0:
@@ -162,8 +146,9 @@ class DeepSpeedBackend:
         self.engine.train()
         metrics = []
         last = len(microbatches) - 1
+        scale = self.loss_scale(len(microbatches))
         for i, mb in enumerate(microbatches):
-            mb = _to_device(mb, self.device)
+            mb = to_device(mb, self.device)
             # Reduce (ZeRO 0/1) / finish the partitioned reduction (ZeRO 2/3) on the last one.
             self.engine.set_gradient_accumulation_boundary(i == last)
             logits = forward_packed(self.engine, mb, self.device)
@@ -172,10 +157,8 @@ class DeepSpeedBackend:
             logp, entropy = token_logprobs(logits[:0] if empty else logits, mb.targets, spec)
             loss, mb_metrics = loss_fn(mb, logp, entropy)
             if empty:
-                # Zero loss that still reaches every parameter, so ZeRO's per-parameter
-                # gradient hooks fire on this rank as on the others.
-                loss = loss + logits.sum() * 0.0
-            self.engine.backward(loss * self.loss_scale, scale_wrt_gas=False)
+                loss = loss + zero_through_graph(logits)  # ZeRO's gradient hooks still fire
+            self.engine.backward(loss * scale, scale_wrt_gas=False)
             metrics.append(mb_metrics)
             progress.report(loss=loss.detach(), tokens=mb.num_tokens)
             progress.tick()
@@ -210,7 +193,7 @@ class DeepSpeedBackend:
         if norm is None:
             raise RuntimeError(
                 "DeepSpeed reported no gradient norm after the step (ZeRO gradient-norm "
-                "computation disabled in deepspeed_extra?)"
+                "computation disabled in deepspeed.extra?)"
             )
         return OptimizerStepStats(
             grad_norm=float(norm), lr=lr, skipped=not self.engine.was_step_applied()

@@ -1,9 +1,5 @@
-"""Process-group setup for the DeepSpeed backend, and the lock around DeepSpeed's CPU op build.
-
-unirl runs in one process without a launcher (world size 1: an in-memory store, no port to pick
-or collide on) and under ``torchrun`` / the ``deepspeed`` launcher (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` from the environment). gloo on the CPU, NCCL on
-GPUs. A process group created by the caller (a test harness, a larger program) is used as is.
+"""DeepSpeed's communication on top of the shared process group (`unirl.backends.process_group`),
+and the lock around DeepSpeed's CPU op build.
 
 The op-build race. On the CPU accelerator, `deepspeed.init_distributed` JIT-compiles the shared
 memory communication op (``deepspeed_shm_comm``, `deepspeed.comm.torch.build_shm_op`) in every
@@ -24,7 +20,6 @@ directory and really is building, the wait covers it.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import fcntl
 import logging
 import os
@@ -33,11 +28,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.core.errors import ConfigError
+from unirl.backends.process_group import ProcessGroupSetup, init_process_group
 from unirl.core.run.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -45,25 +39,6 @@ logger = logging.getLogger(__name__)
 SHM_OP_NAME = "deepspeed_shm_comm"
 STALE_BATON_ENV = "UNIRL_STALE_BATON_S"
 _STALE_BATON_DEFAULT_S = 300.0
-
-
-@attrs.frozen(kw_only=True)
-class DistributedSetup:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    owns_process_group: bool  # we created it, so `close` destroys it
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"environment {name}={raw!r} is not an integer") from None
 
 
 def _extensions_root() -> Path:
@@ -139,49 +114,25 @@ def _build_folder() -> str:
     )
 
 
-def init_distributed(parallel: ParallelConfig) -> DistributedSetup:
-    """Join or create the default process group, then DeepSpeed's communication backend."""
+def init_distributed(parallel: ParallelConfig) -> ProcessGroupSetup:
+    """Join or create the default process group (`unirl.backends.process_group`), then DeepSpeed's
+    communication backend."""
     import deepspeed
 
-    owns = False
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = _env_int("LOCAL_RANK", rank)
-    else:
-        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-        local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)
-    if parallel.world_size is not None and parallel.world_size != world:
-        raise ConfigError(
-            f"parallel.world_size={parallel.world_size} but {world} processes were launched; "
-            "launch that many ranks or remove parallel.world_size"
-        )
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            # No launcher: an in-memory store needs no address or port.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(
-                backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30)
-            )
-        owns = True
+    setup = init_process_group(parallel)
     # DeepSpeed reads these in places (e.g. the engine's local rank).
-    for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local_rank)):
+    for name, value in (
+        ("RANK", setup.rank),
+        ("WORLD_SIZE", setup.world_size),
+        ("LOCAL_RANK", setup.local_rank),
+    ):
         os.environ.setdefault(name, str(value))
     prebuild_shm_op()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-    return DistributedSetup(
-        rank=rank, world_size=world, local_rank=local_rank, device=device, owns_process_group=owns
-    )
+    return setup
 
 
-def close_distributed(setup: DistributedSetup) -> None:
+def close_distributed(setup: ProcessGroupSetup) -> None:
     """Destroy the process group if `init_distributed` created it, through DeepSpeed so that it
     also drops its cached groups (a later backend in this process then starts clean)."""
     if setup.owns_process_group and dist.is_initialized():

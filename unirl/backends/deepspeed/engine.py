@@ -14,7 +14,7 @@ Choices, and why:
   over data-parallel ranks, which the backend's ``loss_scale = dp`` cancels.
 - The LR schedule is `unirl.core.run.lr_schedule` (shared with Megatron), applied by a small
   scheduler that DeepSpeed steps after each applied optimizer step and saves in checkpoints.
-- ``cfg.deepspeed_extra`` is merged recursively over the generated config, except for the keys
+- ``deepspeed.extra`` (`DeepSpeedOptions.extra`) is merged recursively over the generated config, except for the keys
   unirl owns (batch sizes, accumulation, optimizer, scheduler, precision, ZeRO stage, clipping):
   overriding those would silently break the numbers above, so it is a `ConfigError`.
 """
@@ -35,7 +35,7 @@ from unirl.core.run.lr_schedule import check_schedule, learning_rate
 
 logger = logging.getLogger(__name__)
 
-# deepspeed_extra key paths whose value unirl sets from its own config -> the key to use instead.
+# deepspeed.extra key paths whose value unirl sets from its own config -> the key to use instead.
 OWNED_KEYS = {
     ("train_batch_size",): "batch.* (unirl plans microbatches itself)",
     ("train_micro_batch_size_per_gpu",): "batch.* (unirl plans microbatches itself)",
@@ -93,17 +93,17 @@ def deepspeed_config(cfg: UnirlConfig, dp_size: int) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     for path, instead in OWNED_KEYS.items():
-        present, value = _lookup(cfg.deepspeed_extra, path)
+        present, value = _lookup(cfg.backend_options.extra, path)
         if not present:
             continue
         ours = _lookup(generated, path)[1]
         if value != ours:
             dotted = ".".join(path)
             raise ConfigError(
-                f"deepspeed_extra.{dotted}={value!r} overrides a key unirl sets itself "
+                f"deepspeed.extra.{dotted}={value!r} overrides a key unirl sets itself "
                 f"(to {ours!r}); remove it and set {instead}"
             )
-    return deep_merge(generated, cfg.deepspeed_extra)
+    return deep_merge(generated, cfg.backend_options.extra)
 
 
 class ScheduledLR:

@@ -2,7 +2,7 @@
 only when `backend: megatron` is chosen, so `import unirl` needs neither megatron-core nor
 transformers.
 
-Files: `topology` (parallel state -> core `Topology`), `model` (GPTModel chunks from an HF
+Files: `plugin` (config section, rules, constructor; imports no engine), `topology` (parallel state -> core `Topology`), `model` (GPTModel chunks from an HF
 config, the core attention), `varlen_attention` (causal attention over packed sequences, with
 context parallel), `convert` / `hf_io` (HF weights in and out), `packed` (microbatches as THD
 model inputs, the default) and `padded` (as right-padded rows), `schedule` (one call of
@@ -13,18 +13,6 @@ megatron's pipeline schedule, the loss factor), `optimizer`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from unirl.backends.megatron.backend import MegatronBackend
-    from unirl.core.run.config import UnirlConfig
-
-
-def build_backend(cfg: UnirlConfig, **kwargs: Any) -> MegatronBackend:
-    """`MegatronBackend(cfg, total_optimizer_steps=..., needs_reference=...)`."""
-    from unirl.backends.megatron.backend import MegatronBackend
-
-    return MegatronBackend(cfg, **kwargs)
-
+from unirl.backends.megatron.plugin import build as build_backend
 
 __all__ = ["build_backend"]

@@ -10,7 +10,7 @@ One optimizer step, as core's RL step drives it::
 
 Each microbatch runs through megatron's schedule for the layout (`schedule`) as one packed token
 stream (`packed`: THD with varlen flash attention, context parallel included) or, with
-``model.attention: padded | unfused``, as right-padded rows (`padded`); on the last pipeline stage the vocabulary-parallel logits of the real tokens
+``megatron.attention: padded | unfused``, as right-padded rows (`padded`); on the last pipeline stage the vocabulary-parallel logits of the real tokens
 go to core's `token_logprobs` (TP all-reduces of per-token statistics only, never the full
 vocabulary) and then to core's loss. The only loss arithmetic here is `schedule.loss_scale`, the
 factor that cancels megatron's mean over microbatches and data-parallel ranks.
@@ -22,10 +22,8 @@ optimizer-based method raises, saying to use backend: deepspeed on the CPU.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,19 +33,21 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from unirl.backends.megatron import checkpoint
+from unirl.backends.forward_only import forward_only
+from unirl.backends.megatron import checkpoint, schedule
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
 from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
 from unirl.backends.megatron.schedule import (
     ScheduledMicrobatch,
-    loss_scale,
     require_cuda,
     run_schedule,
     schedule_config,
     schedule_items,
 )
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
+from unirl.backends.microbatch import zero_through_graph
+from unirl.backends.process_group import destroy_process_group, init_process_group
 from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
@@ -97,33 +97,6 @@ def reference_source(cfg: UnirlConfig) -> ModelSource:
     return policy_source(cfg)
 
 
-def _init_distributed(cfg: UnirlConfig) -> tuple[bool, torch.device]:
-    """Join or create the default process group (NCCL on GPUs, gloo on the CPU); returns
-    ``(we created it, device)``."""
-    world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    owns = False
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if world_env == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-        owns = True
-    world = dist.get_world_size()
-    if cfg.parallel.world_size is not None and cfg.parallel.world_size != world:
-        raise ConfigError(
-            f"parallel.world_size={cfg.parallel.world_size} but {world} processes were launched; "
-            "launch that many ranks or remove parallel.world_size"
-        )
-    return owns, device
-
-
 def _seed_model_parallel_rng(seed: int, device: torch.device) -> None:
     """megatron's tensor-parallel CUDA RNG tracker (used by its layers for dropout and
     recompute), seeded without moving the caller's default CUDA generator."""
@@ -146,8 +119,9 @@ class MegatronBackend:
         self.cfg = cfg
         self.total_optimizer_steps = total_optimizer_steps
         self.dtype = _DTYPES[cfg.model.dtype]
-        self.packed = cfg.model.attention == "packed"
-        self._owns_process_group, self.device = _init_distributed(cfg)
+        self.packed = cfg.backend_options.attention == "packed"
+        self._process_group = init_process_group(cfg.parallel)
+        self.device = self._process_group.device
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)
@@ -190,7 +164,7 @@ class MegatronBackend:
             self.cfg.parallel,
             dtype=self.dtype,
             config_overrides=overrides,
-            unfused_attention=self.cfg.model.attention == "unfused",
+            unfused_attention=self.cfg.backend_options.attention == "unfused",
         )
         load_hf_weights(chunks, source.weights, source.hf_config, self.topology)
         return chunks
@@ -218,6 +192,11 @@ class MegatronBackend:
     def model(self) -> list[torch.nn.Module]:
         """This rank's policy model chunks (megatron GPTModels, one per virtual stage)."""
         return self.chunks
+
+    def loss_scale(self, num_microbatches: int) -> float:
+        """The factor that cancels megatron's mean over microbatches and data-parallel ranks
+        (`schedule.loss_scale`); ``num_microbatches`` counts the schedule's padding ones too."""
+        return schedule.loss_scale(num_microbatches, self.topology)
 
     # -- forward passes ----------------------------------------------------------------------
 
@@ -259,29 +238,18 @@ class MegatronBackend:
             progress.report(tokens=item.mb.num_tokens)
             return zero, {}
 
-        was_training = [m.training for m in model]
-        for m in model:
-            m.eval()
-            if offloaded:
-                m.to(self.device)
-        try:
-            with torch.no_grad():
-                run_schedule(
-                    model,
-                    items,
-                    rows=rows,
-                    seq_len=seq_len,
-                    loss_func=loss_func,
-                    forward_only=True,
-                    topology=self.topology,
-                    on_forward=lambda: self._count_forward(role),
-                    on_microbatch=progress.tick,
-                )
-        finally:
-            for m, training in zip(model, was_training):
-                m.train(training)
-                if offloaded:
-                    m.to("cpu")
+        with forward_only(model, device=self.device, offloaded=offloaded):
+            run_schedule(
+                model,
+                items,
+                rows=rows,
+                seq_len=seq_len,
+                loss_func=loss_func,
+                forward_only=True,
+                topology=self.topology,
+                on_forward=lambda: self._count_forward(role),
+                on_microbatch=progress.tick,
+            )
         if not self.topology.is_last_pipeline_stage():
             return []
         return [results[i] for i in range(len(microbatches))]
@@ -314,22 +282,21 @@ class MegatronBackend:
         items, rows, seq_len = schedule_items(
             microbatches, self.topology, self.device, packed=self.packed
         )
-        scale = loss_scale(len(items), self.topology)
+        scale = self.loss_scale(len(items))
         metrics: dict[int, Mapping[str, Metric]] = {}
         tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
 
         def loss_func(item: ScheduledMicrobatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
             if item.mb is None:  # VPP padding: a zero that still reaches every parameter
-                return logits.sum() * 0.0, {}
+                return zero_through_graph(logits), {}
             mb = item.mb
             logp, entropy = token_logprobs(
                 item.batch.real_logits(logits), mb.targets, spec, tp_group=tp_group
             )
             loss, mb_metrics = loss_fn(mb, logp, entropy)
             if mb.num_tokens == 0:
-                # zero loss connected to the graph, so the backward (and the pipeline's
-                # gradient sends) run as for any other microbatch
-                loss = loss + logits.sum() * 0.0
+                # the backward (and the pipeline's gradient sends) run as for any microbatch
+                loss = loss + zero_through_graph(logits)
             metrics[item.index] = mb_metrics
             progress.report(loss=loss.detach(), tokens=mb.num_tokens)
             return loss * scale, {}
@@ -418,7 +385,6 @@ class MegatronBackend:
         if dist.is_initialized():
             dist.barrier()
         ps.destroy_model_parallel()
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group(self._process_group)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,5 +1,5 @@
 """Packed (THD) model inputs for the Megatron `GPTModel`, with and without context parallel: the
-form the schedules feed by default (``model.attention: packed``).
+form the schedules feed by default (``megatron.attention: packed``).
 
 A `TrainMicrobatch` is one flat stream of sequences. Instead of padding it to ``[rows, L]``
 (`unirl.backends.megatron.padded`) the model can read it as it is: ``input_ids [1, T_local]``

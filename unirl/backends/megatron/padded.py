@@ -1,6 +1,6 @@
 """Packed microbatches as right-padded ``[rows, L]`` batches, and the logits of their real tokens.
 
-The schedules feed this form when ``model.attention`` is ``padded`` or ``unfused`` (the default,
+The schedules feed this form when ``megatron.attention`` is ``padded`` or ``unfused`` (the default,
 ``packed``, feeds the token stream as it is: `unirl.backends.megatron.packed`). A packed `TrainMicrobatch` with sequences of lengths ``l_0 .. l_k`` becomes one row per
 sequence, padded at the end to a common length ``L``::
 

@@ -8,10 +8,10 @@ per model chunk per microbatch. The forward step here:
   microbatch in order; the iterator knows its chunk's ``vp_stage``),
 - runs the chunk on the microbatch's model inputs: the packed token stream with its
   `PackedSeqParams` (`unirl.backends.megatron.packed`, the default) or right-padded rows
-  (`unirl.backends.megatron.padded`, ``model.attention: padded | unfused``),
+  (`unirl.backends.megatron.padded`, ``megatron.attention: padded | unfused``),
 - counts one model forward per microbatch (on chunk 0) and, after it returns, ticks the progress
   bar once per microbatch: only where `Topology.counts_microbatch(vp_stage)` (the last chunk of
-  the last stage), the rule of `MicrobatchProgress.wrap`,
+  the last stage),
 - returns a loss function that megatron calls on the last stage only.
 
 Megatron's averaging, and the one factor that cancels it. A loss function returning ``(loss,
@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from unirl.backends.megatron.packed import PackedBatch, schedule_stream_tokens, to_packed_batch
 from unirl.backends.megatron.padded import PaddedBatch, empty_padded, padded_shape, to_padded
+from unirl.backends.microbatch import to_device
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.run.config import ParallelConfig
 from unirl.core.topology import Topology
@@ -97,15 +98,6 @@ class ChunkIterator(Iterator[ScheduledMicrobatch]):
 def loss_scale(num_microbatches: int, topology: Topology) -> float:
     """The factor that cancels megatron's averaging (module docstring): ``n * dp``."""
     return float(num_microbatches * topology.dp_size)
-
-
-def _to_device(mb: TrainMicrobatch, device: torch.device) -> TrainMicrobatch:
-    moved = {
-        f.name: getattr(mb, f.name).to(device, non_blocking=True)
-        for f in attrs.fields(TrainMicrobatch)
-        if isinstance(getattr(mb, f.name), torch.Tensor)
-    }
-    return mb.with_fields(**moved)
 
 
 def _agree(values: list[int], n: int, topology: Topology, device: torch.device) -> list[int]:
@@ -168,7 +160,7 @@ def schedule_items(
         rows, seq_len = _agree(list(padded_shape(microbatches)), n, topology, device)
         batches = [to_padded(mb, rows, seq_len).to(device) for mb in microbatches]
     items = [
-        ScheduledMicrobatch(index=i, batch=batch, mb=_to_device(mb, device))
+        ScheduledMicrobatch(index=i, batch=batch, mb=to_device(mb, device))
         for i, (mb, batch) in enumerate(zip(microbatches, batches))
     ]
     if topology.vpp_size is not None and topology.vpp_size > 1 and len(items) < topology.pp_size:

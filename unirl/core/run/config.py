@@ -21,15 +21,11 @@ from typing import Any, Literal
 import attrs
 import yaml
 
+from unirl.core.backend_plugin import BACKENDS
 from unirl.core.errors import ConfigError
 
-Backend = Literal["megatron", "deepspeed"]
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
 Dtype = Literal["fp32", "bf16"]
-# How a microbatch reaches the attention: "packed" = one token stream, attention kept inside each
-# sequence (varlen flash attention on GPUs); "padded" = one right-padded row per sequence (PyTorch
-# SDPA); "unfused" = padded rows through megatron-core's own local attention (kept for comparison).
-Attention = Literal["packed", "padded", "unfused"]
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
@@ -62,7 +58,6 @@ class ModelConfig:
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
-    attention: Attention = "packed"
     max_seq_len: int = attrs.field(default=2048, validator=_positive)
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
@@ -209,9 +204,17 @@ class Layout:
     microbatches_per_step: int | None  # None with a token budget: decided per rollout by the plan
 
 
+def _registered_backend(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    BACKENDS.get(value)
+
+
 @attrs.frozen(kw_only=True)
 class UnirlConfig:
-    backend: Backend = "deepspeed"
+    """The whole run. ``backend`` names a registered `BackendPlugin`; that backend's own section
+    (the YAML key is its name, e.g. ``megatron: {attention: padded}``) is ``backend_options``, an
+    instance of the plug-in's options class (its defaults when the section is absent)."""
+
+    backend: str = attrs.field(default="deepspeed", validator=_registered_backend)
     old_logprobs: OldLogprobMode = "auto"
     model: ModelConfig = attrs.field(factory=ModelConfig)
     optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
@@ -223,21 +226,32 @@ class UnirlConfig:
     progress: ProgressConfig = attrs.field(factory=ProgressConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     logging: LoggingConfig = attrs.field(factory=LoggingConfig)
-    # Extra DeepSpeed config keys merged over the generated ones (advanced users).
-    deepspeed_extra: dict[str, Any] = attrs.field(factory=dict)
+    backend_options: Any = None
     layout: Layout = attrs.field(init=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        options_cls = BACKENDS.get(self.backend).options
+        if self.backend_options is None:
+            object.__setattr__(self, "backend_options", options_cls())
+        elif not isinstance(self.backend_options, options_cls):
+            raise ConfigError(
+                f"backend_options={self.backend_options!r} is not the {self.backend} section; "
+                f"pass a {options_cls.__name__} (or a '{self.backend}:' mapping in the YAML)"
+            )
         _check_combinations(self)
         object.__setattr__(self, "layout", _derive_layout(self))
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data (what `unirl check` prints and checkpoints store)."""
-        return attrs.asdict(
-            self,
-            filter=lambda a, _: a.name != "layout",
-            value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v,
-        )
+
+        def plain(value: Any) -> dict[str, Any]:
+            return attrs.asdict(
+                value,
+                filter=lambda a, _: a.name not in ("layout", "backend_options"),
+                value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v,
+            )
+
+        return plain(self) | {self.backend: plain(self.backend_options)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,43 +271,12 @@ def _world_size(cfg: UnirlConfig) -> int:
 
 def _check_combinations(cfg: UnirlConfig) -> None:
     p, b, a = cfg.parallel, cfg.batch, cfg.algorithm
-    if cfg.backend == "deepspeed":
-        for key in ("tp", "pp", "cp"):
-            if getattr(p, key) > 1:
-                raise ConfigError(
-                    f"parallel.{key}={getattr(p, key)} is not supported with backend: deepspeed "
-                    f"(DeepSpeed shards with ZeRO only); set parallel.{key}: 1 or backend: megatron"
-                )
-        if p.vpp is not None:
-            raise ConfigError(
-                "parallel.vpp is set but backend: deepspeed has no pipeline; remove it"
-            )
-        if cfg.model.attention != "packed":
-            raise ConfigError(
-                f"model.attention={cfg.model.attention!r} is a Megatron backend option; the "
-                "DeepSpeed backend always runs packed sequences: remove model.attention or set "
-                "it to 'packed'"
-            )
-    if p.cp > 1 and cfg.model.attention != "packed":
-        raise ConfigError(
-            f"parallel.cp={p.cp} needs model.attention: packed (context parallel splits packed "
-            f"sequences), got {cfg.model.attention!r}; set model.attention: packed or parallel.cp: 1"
-        )
-    if cfg.backend == "megatron" and p.zero_stage > 1:
-        raise ConfigError(
-            f"parallel.zero_stage={p.zero_stage} with backend: megatron; Megatron shards optimizer "
-            "state with its distributed optimizer: use zero_stage 0 (off) or 1 (distributed optimizer)"
-        )
+    # The chosen backend's own rules (what it cannot run, what its options need).
+    BACKENDS.get(cfg.backend).check(cfg)
     if p.vpp is not None and p.pp == 1:
         raise ConfigError(
             f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline "
             "stages); set parallel.pp >= 2 or remove parallel.vpp"
-        )
-    layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
-    if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
-        raise ConfigError(
-            f"model.hf_config.num_hidden_layers={layers} is not divisible by parallel.pp x "
-            f"parallel.vpp = {p.pp} x {p.vpp or 1}; choose sizes that divide the layer count"
         )
     if cfg.model.path is None and cfg.model.hf_config is None:
         raise ConfigError(
@@ -476,10 +459,14 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     raise AssertionError(f"config type {tp!r} at {path} has no converter")
 
 
-def _structure(data: Mapping[str, Any], cls: type, path: str) -> Any:
+def _structure(
+    data: Mapping[str, Any], cls: type, path: str, converted: Mapping[str, Any] | None = None
+) -> Any:
+    """``cls`` from ``data`` (keys checked, values converted); ``converted``: keyword arguments
+    already built by the caller, which the YAML cannot set directly."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in attrs.fields(cls) if f.init}
-    kwargs = {}
+    fields = {f.name: f for f in attrs.fields(cls) if f.init and f.name not in (converted or {})}
+    kwargs = dict(converted or {})
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in fields:
@@ -518,13 +505,32 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+def _backend_options(data: dict[str, Any]) -> Any:
+    """Pop the backend sections (top-level keys named after a registered backend) from ``data``
+    and build the chosen backend's options from its section; a section of another backend is an
+    error (it would be silently ignored)."""
+    name = data.get("backend", attrs.fields(UnirlConfig).backend.default)
+    if not isinstance(name, str):
+        raise ConfigError(f"backend: expected a string, got {name!r}")
+    plugin = BACKENDS.get(name)
+    sections = {key: data.pop(key) for key in list(data) if key in BACKENDS}
+    for other in sections:
+        if other != name:
+            raise ConfigError(
+                f"section '{other}:' configures backend {other}, but backend: {name}; remove the "
+                f"section or set backend: {other}"
+            )
+    return _convert(sections.get(name) or {}, plugin.options, name)
+
+
 def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) -> UnirlConfig:
     data = dict(data)
     if world_size is not None:
         parallel = dict(data.get("parallel") or {})
         parallel["world_size"] = world_size
         data["parallel"] = parallel
-    return _structure(data, UnirlConfig, "")
+    options = _backend_options(data)
+    return _structure(data, UnirlConfig, "", converted={"backend_options": options})
 
 
 def load_config(

@@ -1,0 +1,68 @@
+"""The DeepSpeed backend's plug-in: its config section, its rules, its constructor and its contract
+layouts. Importing this module imports neither DeepSpeed nor transformers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from unirl.core.backend_plugin import BackendPlugin, ContractLayout
+from unirl.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from unirl.backends.deepspeed.backend import DeepSpeedBackend
+    from unirl.core.run.config import UnirlConfig
+
+
+@attrs.frozen(kw_only=True)
+class DeepSpeedOptions:
+    """The ``deepspeed:`` section."""
+
+    # Extra DeepSpeed config keys merged over the generated ones (advanced users); keys unirl
+    # sets from its own config are refused (`unirl.backends.deepspeed.engine`).
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+def check(cfg: UnirlConfig) -> None:
+    """DeepSpeed shards with ZeRO only: no tensor, pipeline or context parallel."""
+    p = cfg.parallel
+    for key in ("tp", "pp", "cp"):
+        if getattr(p, key) > 1:
+            raise ConfigError(
+                f"parallel.{key}={getattr(p, key)} is not supported with backend: deepspeed "
+                f"(DeepSpeed shards with ZeRO only); set parallel.{key}: 1 or backend: megatron"
+            )
+    if p.vpp is not None:
+        raise ConfigError("parallel.vpp is set but backend: deepspeed has no pipeline; remove it")
+
+
+def build(
+    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+) -> DeepSpeedBackend:
+    from unirl.backends.deepspeed.backend import DeepSpeedBackend
+
+    return DeepSpeedBackend(
+        cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
+    )
+
+
+PLUGIN = BackendPlugin(
+    name="deepspeed",
+    options=DeepSpeedOptions,
+    build=build,
+    check=check,
+    requires=("deepspeed", "transformers"),
+    install_hint="pip install 'unirl[deepspeed,hf]'",
+    # ZeRO 0/1/2/3 with one and two processes: optimizer-state (1), gradient (2) and parameter
+    # (3) sharding each change where the step's numbers are reduced. zero 1/2 with one process
+    # shard nothing, so they run with two only; zero 3 runs with both (one process still
+    # partitions through its parameter hooks).
+    layouts=(
+        ContractLayout.of("zero0-dp1", 1, zero_stage=0),
+        ContractLayout.of("zero1-dp2", 2, zero_stage=1),
+        ContractLayout.of("zero2-dp2", 2, zero_stage=2),
+        ContractLayout.of("zero3-dp1", 1, zero_stage=3),
+        ContractLayout.of("zero3-dp2", 2, zero_stage=3),
+    ),
+)

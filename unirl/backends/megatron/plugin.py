@@ -1,0 +1,81 @@
+"""The Megatron backend's plug-in: its config section, its rules, its constructor and its contract
+layouts. Importing this module imports neither megatron-core nor transformers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+
+from unirl.core.backend_plugin import BackendPlugin, ContractLayout
+from unirl.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from unirl.backends.megatron.backend import MegatronBackend
+    from unirl.core.run.config import UnirlConfig
+
+# How a microbatch reaches the attention: "packed" = one token stream, attention kept inside each
+# sequence (varlen flash attention on GPUs); "padded" = one right-padded row per sequence (PyTorch
+# SDPA); "unfused" = padded rows through megatron-core's own local attention (kept for comparison).
+Attention = Literal["packed", "padded", "unfused"]
+
+
+@attrs.frozen(kw_only=True)
+class MegatronOptions:
+    """The ``megatron:`` section."""
+
+    attention: Attention = "packed"
+
+
+def check(cfg: UnirlConfig) -> None:
+    """Megatron's own rules: ZeRO-style sharding is its distributed optimizer (stage <= 1),
+    context parallel splits packed sequences, and pipeline stages split the layers evenly."""
+    p, options = cfg.parallel, cfg.backend_options
+    if p.zero_stage > 1:
+        raise ConfigError(
+            f"parallel.zero_stage={p.zero_stage} with backend: megatron; Megatron shards optimizer "
+            "state with its distributed optimizer: use zero_stage 0 (off) or 1 (distributed optimizer)"
+        )
+    if p.cp > 1 and options.attention != "packed":
+        raise ConfigError(
+            f"parallel.cp={p.cp} needs megatron.attention: packed (context parallel splits packed "
+            f"sequences), got {options.attention!r}; set megatron.attention: packed or parallel.cp: 1"
+        )
+    layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
+    if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
+        raise ConfigError(
+            f"model.hf_config.num_hidden_layers={layers} is not divisible by parallel.pp x "
+            f"parallel.vpp = {p.pp} x {p.vpp or 1}; choose sizes that divide the layer count"
+        )
+
+
+def build(
+    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+) -> MegatronBackend:
+    from unirl.backends.megatron.backend import MegatronBackend
+
+    return MegatronBackend(
+        cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
+    )
+
+
+PLUGIN = BackendPlugin(
+    name="megatron",
+    options=MegatronOptions,
+    build=build,
+    check=check,
+    requires=("megatron", "transformers"),
+    install_hint="pip install 'unirl[megatron,hf]'",
+    # packed sequences (the default) everywhere; the padded form once, and context parallel
+    # (packed only). pp2 with vpp2 needs 4 layers; the fixture model has 2.
+    layouts=(
+        ContractLayout.of("tp1-pp1-dp1", 1),
+        ContractLayout.of("padded", 1, options={"attention": "padded"}),
+        ContractLayout.of("dp2", 2),
+        ContractLayout.of("tp2", 2, tp=2),
+        ContractLayout.of("pp2", 2, pp=2),
+        ContractLayout.of("cp2", 2, cp=2),
+        ContractLayout.of("zero1-dp2", 2, zero_stage=1),
+    ),
+    needs_cuda="Megatron's pipeline schedules need CUDA",
+)

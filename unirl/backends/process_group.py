@@ -1,0 +1,83 @@
+"""Joining or creating the default process group, and picking this rank's device: one rule for
+every backend.
+
+unirl runs in one process without a launcher (world size 1: an in-memory store, no port to pick
+or collide on) and under ``torchrun`` / the ``deepspeed`` launcher (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` from the environment). gloo on the CPU, NCCL on
+GPUs. A process group created by the caller (a test harness, a larger program) is used as is, and
+only a group created here is destroyed by `destroy_process_group`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from unirl.core.errors import ConfigError
+from unirl.core.run.config import ParallelConfig
+
+# How long a collective may wait for the other ranks before the run fails.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@attrs.frozen(kw_only=True)
+class ProcessGroupSetup:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_process_group: bool  # we created it, so `destroy_process_group` destroys it
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment {name}={raw!r} is not an integer") from None
+
+
+def init_process_group(parallel: ParallelConfig) -> ProcessGroupSetup:
+    """Join the default process group or create it; set and return this rank's device (the GPU
+    ``LOCAL_RANK`` modulo the visible GPUs, else the CPU)."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = _env_int("LOCAL_RANK", rank)
+    else:
+        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)
+    if parallel.world_size is not None and parallel.world_size != world:
+        raise ConfigError(
+            f"parallel.world_size={parallel.world_size} but {world} processes were launched; "
+            "launch that many ranks or remove parallel.world_size"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    owns = not dist.is_initialized()
+    if owns:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            # No launcher: an in-memory store needs no address or port.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(
+                backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+            )
+    return ProcessGroupSetup(
+        rank=rank, world_size=world, local_rank=local_rank, device=device, owns_process_group=owns
+    )
+
+
+def destroy_process_group(setup: ProcessGroupSetup) -> None:
+    """Destroy the default process group if `init_process_group` created it."""
+    if setup.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

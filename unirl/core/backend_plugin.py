@@ -1,0 +1,118 @@
+"""How a training engine plugs in: one `BackendPlugin` registered under the name a config picks.
+
+A backend package registers a plug-in that says everything core and the tools need to know about
+it, so adding a backend edits no file under ``unirl/core``:
+
+- ``options``: the attrs class of its own config section (the YAML key is the backend's name,
+  e.g. ``megatron: {attention: padded}``); defaults live on that class;
+- ``check``: its rules over the whole config (e.g. DeepSpeed has no tensor parallel), run once
+  when the config is built, raising `ConfigError`;
+- ``build``: its constructor, ``build(cfg, total_optimizer_steps=..., needs_reference=...)``;
+  it imports the engine lazily, so registering needs no engine installed;
+- ``requires`` / ``install_hint``: the engine packages it imports, and how to install them;
+- ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on.
+
+Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
+outside the package registers itself with ``BACKENDS.register(plugin.name, plugin)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from unirl.core.errors import ConfigError
+from unirl.core.registry import Registry
+
+if TYPE_CHECKING:
+    from unirl.core.backend import TrainingBackend
+    from unirl.core.run.config import UnirlConfig
+
+
+class BackendBuilder(Protocol):
+    """A backend's constructor: every backend is built with exactly these arguments."""
+
+    def __call__(
+        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    ) -> TrainingBackend: ...
+
+
+@attrs.frozen(kw_only=True)
+class ContractLayout:
+    """One parallel layout the contract suite runs a backend on: a name for test ids and tables,
+    the process count, the config's ``parallel`` section (without ``world_size``, which is the
+    process count) and keys of the backend's own section (e.g. ``attention: padded``)."""
+
+    name: str
+    world_size: int
+    parallel: tuple[tuple[str, Any], ...]
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(
+        cls, name: str, world_size: int, options: Mapping[str, Any] | None = None, **parallel: Any
+    ) -> ContractLayout:
+        return cls(
+            name=name,
+            world_size=world_size,
+            parallel=tuple(sorted(parallel.items())),
+            options=tuple(sorted((options or {}).items())),
+        )
+
+    @property
+    def parallel_dict(self) -> dict[str, Any]:
+        return dict(self.parallel)
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    @property
+    def dp_size(self) -> int:
+        p = self.parallel_dict
+        return self.world_size // (p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1))
+
+
+def _no_rules(cfg: UnirlConfig) -> None:
+    """A backend without rules of its own."""
+
+
+@attrs.frozen(kw_only=True)
+class BackendPlugin:
+    """Everything core, the CLI and the contract suite know about one backend (module docstring)."""
+
+    name: str
+    options: type
+    build: BackendBuilder
+    check: Callable[[UnirlConfig], None] = _no_rules
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
+    layouts: tuple[ContractLayout, ...] = ()
+    # Why the contract suite cannot run it without CUDA, or None if it runs on the CPU over gloo.
+    needs_cuda: str | None = None
+
+
+BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")
+
+
+def build_backend(
+    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+) -> TrainingBackend:
+    """Build the backend ``cfg.backend`` names; a missing engine package is a `ConfigError` that
+    says how to install it."""
+    plugin = BACKENDS.get(cfg.backend)
+    try:
+        return plugin.build(
+            cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
+        )
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in {
+            r.split(".")[0] for r in plugin.requires
+        }:
+            raise
+        hint = f"; {plugin.install_hint}" if plugin.install_hint else ""
+        raise ConfigError(
+            f"backend: {plugin.name} needs packages that are not installed ({exc}){hint}"
+        ) from exc
