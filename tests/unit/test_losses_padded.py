@@ -240,7 +240,7 @@ def test_errors_name_the_argument():
         policy_loss("ppo_clip", logp, old, adv, mask * 2)
     with pytest.raises(LossInputError, match="advantages has shape"):
         policy_loss("ppo_clip", logp, old, adv[:, :1], mask)
-    with pytest.raises(ConfigError, match="unknown policy_loss"):
+    with pytest.raises(ConfigError, match="ppo_clp"):
         policy_loss("ppo_clp", logp, old, adv, mask)
     with pytest.raises(ConfigError, match=r"settings\.policy_loss='cispo'"):
         policy_loss("gspo", logp, old, adv, mask, settings=LossSettings(policy_loss="cispo"))
