@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer with a unirl loss (`unirl.integrations.trl`), on a tiny seeded model built
 here (no hub): where TRL's loss and unirl's coincide, the same batch gives the same loss and
-gradients (1e-6, fp32); with a loss TRL lacks, a short run trains and its reward rises."""
+gradients (1e-6, fp32), alone and as one of two gradient-accumulation microbatches of a step;
+with a loss TRL lacks, a short run trains and its reward rises."""
 
 from __future__ import annotations
 
@@ -89,8 +90,10 @@ def _config(tmp_path, **kwargs) -> GRPOConfig:
     return GRPOConfig(**{**base, **kwargs})
 
 
-def _batch(trainer, beta: bool):
-    """A hand-made microbatch: ragged completions, ratios spread over every clip branch."""
+def _batch(trainer, beta: bool, accumulation: int = 1):
+    """A hand-made microbatch: ragged completions, ratios spread over every clip branch. With
+    ``accumulation`` > 1 it is one of that many microbatches of the step: the step's counts are
+    larger than its own."""
     g = torch.Generator().manual_seed(1)
     b = 8
     completion_ids = torch.randint(3, len(WORDS), (b, MAX_COMPLETION), generator=g)
@@ -103,8 +106,8 @@ def _batch(trainer, beta: bool):
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "advantages": torch.randn(b, generator=g),
-        "num_items_in_batch": completion_mask.sum(),
-        "num_sequences_in_batch": torch.tensor(b),
+        "num_items_in_batch": completion_mask.sum() + 13 * (accumulation - 1),
+        "num_sequences_in_batch": torch.tensor(b * accumulation),
     }
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
@@ -122,9 +125,9 @@ def _batch(trainer, beta: bool):
     return inputs
 
 
-def _loss_and_grads(trainer, inputs):
+def _loss_and_grads(trainer, inputs, accumulation: int = 1):
     trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
+    trainer.current_gradient_accumulation_steps = accumulation
     trainer.model.zero_grad()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
@@ -164,8 +167,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
-def test_unirl_loss_equals_trl_loss(case, model_dir, dataset, tmp_path):
+def test_unirl_loss_equals_trl_loss(case, accumulation, model_dir, dataset, tmp_path):
     trl_kwargs, settings = CASES[case]
     beta = trl_kwargs.get("beta", 0.0)
     # TRL computes the reference log-probs only with beta != 0; unirl's coefficient is its own.
@@ -174,18 +178,18 @@ def test_unirl_loss_equals_trl_loss(case, model_dir, dataset, tmp_path):
         model=model_dir,
         reward_funcs=reward_fn,
         train_dataset=dataset,
-        args=_config(tmp_path, **trl_kwargs),
+        args=_config(tmp_path, gradient_accumulation_steps=accumulation, **trl_kwargs),
     )
     unirl_trainer = UnirlGRPOTrainer(
         model=model_dir,
         reward_funcs=reward_fn,
         train_dataset=dataset,
-        args=_config(tmp_path, **kl_args),
+        args=_config(tmp_path, gradient_accumulation_steps=accumulation, **kl_args),
         loss_settings=settings,
     )
-    inputs = _batch(trl_trainer, beta=beta != 0.0)
-    ref_loss, ref_grads = _loss_and_grads(trl_trainer, inputs)
-    loss, grads = _loss_and_grads(unirl_trainer, inputs)
+    inputs = _batch(trl_trainer, beta=beta != 0.0, accumulation=accumulation)
+    ref_loss, ref_grads = _loss_and_grads(trl_trainer, inputs, accumulation)
+    loss, grads = _loss_and_grads(unirl_trainer, inputs, accumulation)
 
     assert set(grads) == set(ref_grads) and ref_loss != 0
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
