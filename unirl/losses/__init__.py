@@ -1,7 +1,6 @@
 """unirl's losses for other RL frameworks: right-padded ``[B, L]`` tensors with a mask.
 
-    from unirl.losses import policy_loss
-    from unirl.core.maths.losses import LossSettings
+    from unirl.losses import LossSettings, policy_loss
 
     loss, metrics = policy_loss(
         "gspo", logprobs, old_logprobs, advantages, mask,          # [B, L] each
@@ -15,8 +14,18 @@ batch's own; under data parallel or gradient accumulation pass the all-reduced o
 (`global_counts(mask, group=...)`; see `unirl.losses.padded`). Adapters: `unirl.integrations.trl`, `unirl.integrations.verl`.
 """
 
+from unirl.core.maths.advantages import AdvantageSettings
+from unirl.core.maths.losses import LossSettings
 from unirl.losses.advantages import advantages
 from unirl.losses.padded import global_counts
 from unirl.losses.policy import kl_loss, policy_loss, value_loss
 
-__all__ = ["advantages", "global_counts", "kl_loss", "policy_loss", "value_loss"]
+__all__ = [
+    "AdvantageSettings",
+    "LossSettings",
+    "advantages",
+    "global_counts",
+    "kl_loss",
+    "policy_loss",
+    "value_loss",
+]
