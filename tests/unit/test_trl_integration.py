@@ -233,3 +233,38 @@ def test_readme_snippet_trains_with_a_loss_trl_lacks(model_dir, dataset, tmp_pat
     assert len(rewards) == 10
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first < 0.3 and last > first + 0.4, rewards
+
+
+@pytest.mark.parametrize("mode", ["tis", "icepop"])
+def test_rollout_correction_equals_trl_vllm_importance_sampling(mode, model_dir, dataset, tmp_path):
+    """Dual clip with TIS / IcePop, as TRL does them with vLLM (``token_truncate`` /
+    ``token_mask``): TRL multiplies its loss by the ratio its generation step computed; that ratio
+    is written out here by hand from the sampling log-probs, and TRL's multiplication path is
+    switched on without a vLLM server (the flags are read only there)."""
+    trl_trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=reward_fn, train_dataset=dataset,
+        args=_config(tmp_path, loss_type="dapo", delta=3.0),
+    )  # fmt: skip
+    trl_trainer.use_vllm = trl_trainer.vllm_importance_sampling_correction = True
+    settings = LossSettings(dual_clip=3.0, rollout_correction=mode)  # bounds 0.5, 2.0
+    unirl_trainer = UnirlGRPOTrainer(
+        model=model_dir, reward_funcs=reward_fn, train_dataset=dataset,
+        args=_config(tmp_path), loss_settings=settings,
+    )  # fmt: skip
+    inputs = _batch(trl_trainer, beta=False)
+    g = torch.Generator().manual_seed(2)
+    sampling = inputs["old_per_token_logps"] + 0.6 * torch.randn((8, MAX_COMPLETION), generator=g)
+    rho = torch.exp(inputs["old_per_token_logps"] - sampling)
+    if mode == "tis":
+        weight = rho.clamp(max=2.0)  # truncated at the upper bound
+    else:
+        weight = torch.where((rho >= 0.5) & (rho <= 2.0), rho, torch.zeros(()))  # masked outside
+    mask = inputs["completion_mask"].bool()
+    assert (rho[mask] > 2.0).any() and (rho[mask] < 2.0).any()  # truncated or dropped tokens
+    inputs.update(sampling_per_token_logps=sampling, importance_sampling_ratio=weight)
+
+    ref_loss, ref_grads = _loss_and_grads(trl_trainer, inputs)
+    loss, grads = _loss_and_grads(unirl_trainer, inputs)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
