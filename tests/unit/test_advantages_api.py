@@ -116,7 +116,11 @@ def test_distillation_without_teacher_refused():
         (dict(kl_in_reward_coef=-1.0), "kl_in_reward_coef must be >= 0"),
         (dict(distillation_coef=float("nan")), "distillation_coef must be >= 0"),
         (dict(kl_in_reward_estimator="k9"), "is not a KL estimator"),
-        (dict(estimator="grp0"), "unknown advantage estimator 'grp0'; valid: .*'grpo'"),
+        (
+            dict(estimator="grp0"),
+            r"advantage_estimator='grp0' is not a registered advantage estimator "
+            r"\(did you mean 'grpo'\?\); valid: .*'grpo'",
+        ),
     ],
 )
 def test_bad_settings_raise_config_error(kwargs, match):
@@ -130,7 +134,6 @@ def test_bad_settings_raise_config_error(kwargs, match):
 @pytest.fixture
 def isolated_registry(monkeypatch, tmp_path):
     """A private copy of the registry and a temporary import path for custom modules."""
-    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
     monkeypatch.syspath_prepend(str(tmp_path))
     created = []
 
@@ -139,7 +142,8 @@ def isolated_registry(monkeypatch, tmp_path):
         created.append(name)
         return name
 
-    yield write_module
+    with registry_module.ESTIMATORS.scoped():
+        yield write_module
     for name in created:
         sys.modules.pop(name, None)
 

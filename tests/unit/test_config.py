@@ -141,11 +141,13 @@ def test_config_is_frozen():
             r"max_tokens_per_microbatch=100 is smaller than model.max_seq_len=512",
         ),
         (base(model={"hf_config": None}), r"set model.path .* or model.hf_config"),
-        (base(algorithm={"clip_low": 1.5}), r"algorithm.clip_low=1.5 must be in \[0, 1\)"),
+        (base(algorithm={"clip_low": 1.5}), r"algorithm.clip_low=1.5 makes the lower ratio bound"),
+        (base(algorithm={"clip_high": -0.1}), r"algorithm.clip_high must be >= 0, got -0.1"),
         (base(algorithm={"dual_clip": 0.5}), r"algorithm.dual_clip=0.5 must be > 1"),
         (
             base(algorithm={"rollout_correction": {"mode": "tis", "low": 3.0, "high": 2.0}}),
-            r"rollout_correction.low=3.0 / .high=2.0 must satisfy low <= 1 <= high",
+            r"algorithm.rollout_correction.low=3.0 / algorithm.rollout_correction.high=2.0 must "
+            r"satisfy low <= 1 <= high",
         ),
         (
             base(batch={"max_tokens_per_microbatch": 4096}),
@@ -153,7 +155,16 @@ def test_config_is_frozen():
         ),
         (
             base(algorithm={"kl_loss": {"estimator": "k4"}}),
-            r"algorithm.kl_loss.estimator: 'k4' is not valid",
+            r"algorithm.kl_loss.estimator='k4' is not one of",
+        ),
+        (
+            base(algorithm={"kl_in_reward": {"estimator": "k9"}}),
+            r"algorithm.kl_in_reward.estimator='k9' is not a KL estimator",
+        ),
+        (
+            base(algorithm={"advantage_estimator": "grp"}),
+            r"algorithm.advantage_estimator='grp' is not a registered advantage estimator "
+            r"\(did you mean 'grpo'\?\)",
         ),
         (base(rollout={"source": "file"}), r"rollout.source: file needs rollout.file"),
         (

@@ -64,9 +64,7 @@ def test_extra_merges_recursively_but_owned_keys_are_refused():
     with pytest.raises(
         ConfigError, match=r"deepspeed\.extra\.zero_optimization\.stage=1 .* parallel\.zero_stage"
     ):
-        deepspeed_config(
-            _cfg(stage=2, extra={"zero_optimization": {"stage": 1}}), dp_size=1
-        )
+        deepspeed_config(_cfg(stage=2, extra={"zero_optimization": {"stage": 1}}), dp_size=1)
     with pytest.raises(ConfigError, match=r"deepspeed\.extra\.gradient_accumulation_steps=4"):
         deepspeed_config(_cfg(extra={"gradient_accumulation_steps": 4}), dp_size=1)
     with pytest.raises(ConfigError, match=r"deepspeed\.extra\.optimizer="):

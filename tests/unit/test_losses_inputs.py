@@ -152,9 +152,11 @@ def test_builtin_names_and_declarations():
 
 
 def test_unknown_name_lists_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown policy_loss 'ppo'.*'cispo', 'gspo'"):
+    with pytest.raises(
+        ConfigError, match=r"policy_loss='ppo' is not a registered policy loss.*'cispo', 'gspo'"
+    ):
         get_policy_loss("ppo")
-    with pytest.raises(ConfigError, match="unknown policy_loss"):
+    with pytest.raises(ConfigError, match="is not a registered policy loss"):
         LossSettings(policy_loss="ppo")
 
 
@@ -188,17 +190,18 @@ def test_custom_loss_import_errors():
         get_policy_loss(":fn")
 
 
-def test_register_decorator(monkeypatch):
-    monkeypatch.setattr(registry_module, "_POLICY_LOSSES", dict(registry_module._POLICY_LOSSES))
+def test_register_decorator():
+    with registry_module.POLICY_LOSSES.scoped():
 
-    @register_policy_loss("test_on_policy_only", needs_old_logprobs=False)
-    def on_policy(inp, counts, settings):
-        return -inp.advantages * inp.logprobs, {}
+        @register_policy_loss("test_on_policy_only", needs_old_logprobs=False)
+        def on_policy(inp, counts, settings):
+            return -inp.advantages * inp.logprobs, {}
 
-    assert get_policy_loss("test_on_policy_only") is on_policy
-    assert not policy_loss_needs_old_logprobs("test_on_policy_only")
-    with pytest.raises(ValueError, match="already registered"):
-        register_policy_loss("test_on_policy_only")(half_reinforce)
+        assert get_policy_loss("test_on_policy_only") is on_policy
+        assert not policy_loss_needs_old_logprobs("test_on_policy_only")
+        with pytest.raises(ConfigError, match="already registered"):
+            register_policy_loss("test_on_policy_only")(half_reinforce)
+    assert "test_on_policy_only" not in registry_module.POLICY_LOSSES
 
 
 # -- settings ---------------------------------------------------------------------------------

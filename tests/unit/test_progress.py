@@ -38,17 +38,6 @@ class FakeClock:
         return self.now
 
 
-class Chunk:
-    """A model chunk as Megatron hands it to the forward-step function."""
-
-    def __init__(self, vp_stage):
-        self.vp_stage = vp_stage
-
-
-def chunk_vp_stage(data_iterator, model, *rest):
-    return model.vp_stage
-
-
 @pytest.fixture(autouse=True)
 def no_env_override(monkeypatch):
     monkeypatch.delenv("UNIRL_PROGRESS", raising=False)
@@ -72,83 +61,11 @@ def spy_tqdm(monkeypatch):
     return created, closed
 
 
-# -- ticks ----------------------------------------------------------------------------------------
-
-# Megatron's interleaved schedule, vpp=2, pp=2, 4 microbatches, microbatch groups of pp=2: the
-# forward step runs for (microbatch, chunk) in this order on every pipeline rank (8 calls).
-VPP_ORDER = [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
-
-
-@pytest.mark.parametrize(
-    "pp_rank, expected_counts",
-    [
-        (0, [0, 0, 0, 0, 0, 0, 0, 0]),  # never the last stage: never ticks
-        (1, [0, 0, 1, 2, 2, 2, 3, 4]),  # ticks on chunk 1 calls only: 4 ticks for 4 microbatches
-    ],
-)
-def test_vpp_ticks_once_per_microbatch_on_last_stage(pp_rank, expected_counts):
-    topo = Topology.from_rank(pp_rank, 2, pp=2, vpp=2)
-    calls = []
-    with MicrobatchProgress(
-        "actor train", 4, topo, enabled=False, vp_stage_of=chunk_vp_stage
-    ) as bar:
-        step = bar.wrap(lambda data_iterator, model: calls.append(model.vp_stage))
-        counts = []
-        for mb, chunk in VPP_ORDER:
-            step(iter([mb]), Chunk(chunk))
-            counts.append(bar.count)
-    assert len(calls) == 8  # the step function itself ran VPP x microbatches times
-    assert counts == expected_counts
-
-
-def test_vpp_also_ticks_with_keyword_arguments():
-    topo = Topology.from_rank(1, 2, pp=2, vpp=2)
-    with MicrobatchProgress(
-        "ref forward", 4, topo, enabled=False, vp_stage_of=lambda **kw: kw["model"].vp_stage
-    ) as bar:
-        step = bar.wrap(lambda *, data_iterator, model: None)
-        for _mb, chunk in VPP_ORDER:
-            step(data_iterator=None, model=Chunk(chunk))
-    assert bar.count == 4
-
-
-@pytest.mark.parametrize("pp, pp_rank, expected", [(2, 0, 0), (2, 1, 4), (1, 0, 4)])
-def test_without_vpp_every_call_on_last_stage_ticks(pp, pp_rank, expected):
-    topo = Topology.from_rank(pp_rank, pp, pp=pp)
-    with MicrobatchProgress("actor forward", 4, topo, enabled=False) as bar:
-        step = bar.wrap(lambda data_iterator, model: None)
-        for mb in range(4):  # one call per microbatch
-            step(iter([mb]), Chunk(None))
-    assert bar.count == expected
-
-
-def test_vpp_without_vp_stage_of_fails_at_wrap_time():
-    topo = Topology.from_rank(1, 2, pp=2, vpp=2)
-    bar = MicrobatchProgress("actor train", 4, topo, enabled=False)
-    with pytest.raises(ConfigError, match=r"vpp_size=2 needs vp_stage_of"):
-        bar.wrap(lambda *a: None)
-
-
 def test_tick_counts_n():
     with MicrobatchProgress("actor train", 5, Topology(), enabled=False) as bar:
         bar.tick()
         bar.tick(4)
     assert bar.count == 5  # 1 + 4
-
-
-def test_wrapped_function_keeps_identity_and_result():
-    def forward_step(data_iterator, model):
-        """Docstring of the step."""
-        return ("output", model)
-
-    model = Chunk(None)
-    with MicrobatchProgress("actor train", 1, Topology(), enabled=False) as bar:
-        step = bar.wrap(forward_step)
-        result = step(None, model)
-    assert step.__name__ == "forward_step"
-    assert step.__doc__ == "Docstring of the step."
-    assert step.__wrapped__ is forward_step
-    assert result == ("output", model) and result[1] is model
 
 
 # -- which rank draws ------------------------------------------------------------------------------
@@ -162,9 +79,8 @@ def test_only_reporting_rank_creates_a_bar(spy_tqdm, monkeypatch):
     for rank in range(4):
         topo = Topology.from_rank(rank, 4, tp=2)
         with MicrobatchProgress("actor train", 3, topo, stream=FakeTTY()) as bar:
-            step = bar.wrap(lambda data_iterator, model: None)
             for _ in range(3):
-                step(None, None)
+                bar.tick()
                 bar.report(loss=torch.tensor(1.0), tokens=10)
         counts[rank] = bar.count
         assert len(created) == 1, f"rank {rank}: {len(created)} bars"  # rank 0's only
@@ -200,24 +116,6 @@ def test_bar_closed_after_exception_in_with_block(spy_tqdm, caplog):
     assert bar.count == 1
 
 
-def test_bar_closed_after_exception_in_wrapped_fn(spy_tqdm):
-    created, closed = spy_tqdm
-
-    def failing_step(data_iterator, model):
-        if data_iterator == 1:
-            raise RuntimeError("CUDA error")
-
-    with (
-        pytest.raises(RuntimeError, match="CUDA error"),
-        MicrobatchProgress("actor train", 4, Topology(), stream=FakeTTY()) as bar,
-    ):
-        step = bar.wrap(failing_step)
-        step(0, None)
-        step(1, None)
-    assert len(created) == 1 and closed == created
-    assert bar.count == 1  # the failed call did not tick
-
-
 def test_close_is_idempotent(spy_tqdm):
     _, closed = spy_tqdm
     bar = MicrobatchProgress("actor train", 0, Topology(), stream=FakeTTY())
@@ -237,9 +135,8 @@ def test_quiet_mode_one_line_per_phase(spy_tqdm, caplog):
     # tokens 4 x 100 = 400 in 2 s -> 200 tok/s.
     clock = FakeClock([0.0], step=0.0)
     with MicrobatchProgress("actor train", 4, Topology(), stream=stream, clock=clock) as bar:
-        step = bar.wrap(lambda data_iterator, model: None)
         for loss in (0.5, 0.25, 0.125, 0.125):
-            step(None, None)
+            bar.tick()
             bar.report(loss=torch.tensor(loss), tokens=100)
         clock.now = 2.0
     # Phase 2: no loss or tokens reported, from t=0 to t=0.5.
@@ -350,9 +247,8 @@ def test_postfix_reads_device_values_at_most_twice_per_refresh(spy_tqdm, monkeyp
     # -> 4 s of clock -> at most 4 / 0.5 = 8 refreshes + the close, 2 reads each (loss, tokens).
     clock = FakeClock([0.0], step=0.05)
     with MicrobatchProgress("actor train", 40, Topology(), stream=stream, clock=clock) as bar:
-        step = bar.wrap(lambda data_iterator, model: None)
         for _ in range(40):
-            step(None, None)
+            bar.tick()
             bar.report(loss=counting(0.5), tokens=counting(10))
     assert 2 <= SyncCountingTensor.reads <= 2 * (8 + 1)  # vs 80 reads if converted per report
     assert "loss 0.5" in stream.getvalue() and "tok/s" in stream.getvalue()

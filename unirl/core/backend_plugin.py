@@ -8,7 +8,7 @@ it, so adding a backend edits no file under ``unirl/core``:
 - ``check``: its rules over the whole config (e.g. DeepSpeed has no tensor parallel), run once
   when the config is built, raising `ConfigError`;
 - ``build``: its constructor, ``build(cfg, total_optimizer_steps=..., needs_reference=...)``;
-  it imports the engine lazily, so registering needs no engine installed;
+  it imports the engine lazily (`LazyBuilder`), so registering needs no engine installed;
 - ``requires`` / ``install_hint``: the engine packages it imports, and how to install them;
 - ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on.
 
@@ -18,6 +18,7 @@ outside the package registers itself with ``BACKENDS.register(plugin.name, plugi
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,6 +38,23 @@ class BackendBuilder(Protocol):
     def __call__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> TrainingBackend: ...
+
+
+@attrs.frozen
+class LazyBuilder:
+    """A `BackendBuilder` that imports the backend class ``"package.module:Class"`` only when a
+    backend is built, so registering a plug-in imports no engine."""
+
+    target: str
+
+    def __call__(
+        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    ) -> TrainingBackend:
+        module_name, _, name = self.target.partition(":")
+        backend_class = getattr(importlib.import_module(module_name), name)
+        return backend_class(
+            cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
+        )
 
 
 @attrs.frozen(kw_only=True)

@@ -189,10 +189,6 @@ class OldLogprobDecision:
     source: Source
     needs: tuple[Need, ...]
 
-    @property
-    def skips_forward_pass(self) -> bool:
-        return self.source != "recompute"
-
     def explain(self) -> str:
         head = f"old log-probs: {self.source} (requested: {self.requested})"
         if self.needs:

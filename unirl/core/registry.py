@@ -14,13 +14,22 @@ error wording; the config now takes every set of valid names from here.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from unirl.core.errors import ConfigError
 
 T = TypeVar("T")
+
+
+def same_callable(a: Any, b: Any) -> bool:
+    """Whether two registered functions or classes are the same one: a module reloaded (or
+    imported under a second name) re-registers an equal one; two lambdas cannot be told apart
+    that way, so they count as different."""
+    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
+    return a is b or (key(a) == key(b) and "<lambda>" not in str(key(a)[1]))
 
 
 class Registry(Generic[T]):
@@ -87,6 +96,15 @@ class Registry(Generic[T]):
     def unregister(self, name: str) -> None:
         """Remove ``name`` (tests that register a temporary entry clean up with this)."""
         self._entries.pop(name, None)
+
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator[Registry[T]]:
+        """A temporary scope: entries registered inside it are gone after it (tests)."""
+        saved = dict(self._loaded())
+        try:
+            yield self
+        finally:
+            self._entries = saved
 
     def __contains__(self, name: object) -> bool:
         return name in self._loaded()

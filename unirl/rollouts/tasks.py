@@ -16,7 +16,6 @@ max_digits=8))``, then ``rollout.task: reverse_long``.
 
 from __future__ import annotations
 
-import difflib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -25,6 +24,7 @@ import attrs
 
 from unirl.core.errors import ConfigError
 from unirl.core.imports import import_callable
+from unirl.core.registry import Registry, same_callable
 from unirl.rollouts.tokenizer import EOS_ID, CharTokenizer
 
 DIGITS = "0123456789"
@@ -151,27 +151,17 @@ class AddSmall:
 # -- registry ------------------------------------------------------------------------------
 
 TaskFactory = Callable[..., Task]
-_TASKS: dict[str, TaskFactory] = {}
+TASKS: Registry[TaskFactory] = Registry("task", key="rollout.task", same=same_callable)
 
 
 def register_task(name: str, factory: TaskFactory) -> None:
     """Make ``rollout.task: name`` build ``factory()``. Re-registering the same factory is a
     no-op (a reloaded module); a different one under a taken name is an error."""
-    old = _TASKS.get(name)
-    if old is not None and not _same_factory(old, factory):
-        raise ConfigError(f"task {name!r} is already registered ({old!r}); pick another name")
-    _TASKS[name] = factory
-
-
-def _same_factory(a: TaskFactory, b: TaskFactory) -> bool:
-    # A module reloaded (or imported under a second name) re-registers an equal class or
-    # function; two lambdas cannot be told apart that way.
-    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
-    return a is b or (key(a) == key(b) and "<lambda>" not in str(key(a)[1]))
+    TASKS.register(name, factory)
 
 
 def registered_tasks() -> list[str]:
-    return sorted(_TASKS)
+    return TASKS.names()
 
 
 def make_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
@@ -180,15 +170,8 @@ def make_task(name: str, options: Mapping[str, Any] | None = None) -> Task:
     ``{max_digits: 3}``) as keyword arguments."""
     if ":" in name:
         factory = _import_factory(name)
-    elif name in _TASKS:
-        factory = _TASKS[name]
     else:
-        close = difflib.get_close_matches(name, _TASKS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"rollout.task={name!r} is not a registered task{hint}; valid: {registered_tasks()}, "
-            "or a custom task factory as 'package.module:factory'"
-        )
+        factory = TASKS.get(name, hint="or a custom task factory as 'package.module:factory'")
     try:
         task = factory(**dict(options or {}))
     except TypeError as exc:

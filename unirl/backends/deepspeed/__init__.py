@@ -9,6 +9,8 @@ schedule, reference engine), `topology`, `backend` (`DeepSpeedBackend`), `checkp
 
 from __future__ import annotations
 
-from unirl.backends.deepspeed.plugin import build as build_backend
+from unirl.backends.deepspeed.plugin import PLUGIN
+
+build_backend = PLUGIN.build
 
 __all__ = ["build_backend"]

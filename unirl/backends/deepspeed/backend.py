@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
+from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.deepspeed import checkpoint, export
 from unirl.backends.deepspeed.distributed import close_distributed, init_distributed
 from unirl.backends.deepspeed.engine import initialize_policy, initialize_reference
@@ -34,24 +34,20 @@ from unirl.backends.deepspeed.topology import deepspeed_topology
 from unirl.backends.forward_only import forward_only
 from unirl.backends.hf_model import load_policy, load_reference
 from unirl.backends.microbatch import to_device, zero_through_graph
-from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
-from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.backend import ModelRole, OptimizerStepStats, token_logprobs
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
-from unirl.core.run.progress import MicrobatchProgress
 
 logger = logging.getLogger(__name__)
 
-_ROLES = ("policy", "reference")
 
-
-class DeepSpeedBackend:
-    """See the module docstring. `forward_calls` counts model forward invocations per role
-    (training and forward-only alike), so a test can prove that no forward-only pass ran."""
+class DeepSpeedBackend(EngineBackend):
+    """See the module docstring."""
 
     def __init__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> None:
+        super().__init__()
         self.cfg = cfg
         self._dist = init_distributed(cfg.parallel)
         self.topology = deepspeed_topology(self._dist.rank, self._dist.world_size)
@@ -62,7 +58,6 @@ class DeepSpeedBackend:
             model, cfg, total_steps=total_optimizer_steps, dp_size=self.topology.dp_size
         )
         self.device = torch.device(self.engine.device)
-        self.forward_calls = dict.fromkeys(_ROLES, 0)
         self._reference: Any = None
         self._closed = False
         if needs_reference:
@@ -93,34 +88,21 @@ class DeepSpeedBackend:
     def _forward_only(self, role: ModelRole) -> Iterator[Any]:
         """The module of `role` in eval mode, on the device (an offloaded reference is moved in
         for the pass and back out after it)."""
-        if role == "policy":
-            module = self.engine
-        elif role == "reference":
-            module = self._reference_module()
-        else:
-            raise ValueError(f"forward_logprobs role={role!r}; choose one of {_ROLES}")
+        module = self.engine if role == "policy" else self._reference_module()
         offloaded = (
             role == "reference" and self.cfg.model.ref_offload and self.cfg.parallel.zero_stage != 3
         )
         with forward_only([module], device=self.device, offloaded=offloaded):
             yield module
 
-    def forward_logprobs(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        role: ModelRole,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[torch.Tensor]:
-        """Detached fp32 log-probs ``[T]`` per microbatch, on the device."""
-        spec = attrs.evolve(spec, with_entropy=False, entropy_grad=False)
+    def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
+        microbatches, role, spec, progress = run.microbatches, run.role, run.spec, run.progress
         out = []
         with self._forward_only(role) as module:
             for mb in microbatches:
                 mb = to_device(mb, self.device)
                 logits = forward_packed(module, mb, self.device)
-                self.forward_calls[role] += 1
+                self._count_forward(role)
                 if mb.num_tokens == 0:
                     logits = logits[:0]  # the pad token of an empty microbatch predicts nothing
                 logp, _ = token_logprobs(logits, mb.targets, spec)
@@ -129,20 +111,13 @@ class DeepSpeedBackend:
                 progress.tick()
         return out
 
-    def forward_backward(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        loss_fn: LossFn,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[Mapping[str, Metric]]:
-        """Accumulate the gradients of every microbatch of one optimizer step."""
-        if not microbatches:
-            raise ValueError(
-                "forward_backward got no microbatches; the plan gives every rank at least one "
-                "(an empty one where a rank has no tokens) so ZeRO's collectives stay in step"
-            )
+    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
+        microbatches, loss_fn, spec, progress = (
+            run.microbatches,
+            run.loss_fn,
+            run.spec,
+            run.progress,
+        )
         self.engine.train()
         metrics = []
         last = len(microbatches) - 1
@@ -152,7 +127,7 @@ class DeepSpeedBackend:
             # Reduce (ZeRO 0/1) / finish the partitioned reduction (ZeRO 2/3) on the last one.
             self.engine.set_gradient_accumulation_boundary(i == last)
             logits = forward_packed(self.engine, mb, self.device)
-            self.forward_calls["policy"] += 1
+            self._count_forward("policy")
             empty = mb.num_tokens == 0
             logp, entropy = token_logprobs(logits[:0] if empty else logits, mb.targets, spec)
             loss, mb_metrics = loss_fn(mb, logp, entropy)

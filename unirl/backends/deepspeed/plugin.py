@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from unirl.core.backend_plugin import BackendPlugin, ContractLayout
+from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from unirl.backends.deepspeed.backend import DeepSpeedBackend
     from unirl.core.run.config import UnirlConfig
 
 
@@ -37,20 +36,10 @@ def check(cfg: UnirlConfig) -> None:
         raise ConfigError("parallel.vpp is set but backend: deepspeed has no pipeline; remove it")
 
 
-def build(
-    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
-) -> DeepSpeedBackend:
-    from unirl.backends.deepspeed.backend import DeepSpeedBackend
-
-    return DeepSpeedBackend(
-        cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
-    )
-
-
 PLUGIN = BackendPlugin(
     name="deepspeed",
     options=DeepSpeedOptions,
-    build=build,
+    build=LazyBuilder("unirl.backends.deepspeed.backend:DeepSpeedBackend"),
     check=check,
     requires=("deepspeed", "transformers"),
     install_hint="pip install 'unirl[deepspeed,hf]'",

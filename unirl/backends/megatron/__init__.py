@@ -13,6 +13,8 @@ megatron's pipeline schedule, the loss factor), `optimizer`
 
 from __future__ import annotations
 
-from unirl.backends.megatron.plugin import build as build_backend
+from unirl.backends.megatron.plugin import PLUGIN
+
+build_backend = PLUGIN.build
 
 __all__ = ["build_backend"]

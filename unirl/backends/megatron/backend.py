@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import checkpoint, schedule
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
@@ -48,17 +49,14 @@ from unirl.backends.megatron.schedule import (
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
 from unirl.backends.microbatch import zero_through_graph
 from unirl.backends.process_group import destroy_process_group, init_process_group
-from unirl.core.backend import LogprobSpec, LossFn, ModelRole, OptimizerStepStats, token_logprobs
-from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.backend import OptimizerStepStats, token_logprobs
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule
-from unirl.core.run.progress import MicrobatchProgress
 
 logger = logging.getLogger(__name__)
 
-_ROLES = ("policy", "reference")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -108,13 +106,13 @@ def _seed_model_parallel_rng(seed: int, device: torch.device) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-class MegatronBackend:
-    """See the module docstring. `forward_calls` counts model forwards per role and microbatch
-    (training and forward-only alike; under VPP once per microbatch, not once per chunk)."""
+class MegatronBackend(EngineBackend):
+    """See the module docstring."""
 
     def __init__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> None:
+        super().__init__()
         check_schedule(cfg.optimizer, total_optimizer_steps)
         self.cfg = cfg
         self.total_optimizer_steps = total_optimizer_steps
@@ -129,7 +127,6 @@ class MegatronBackend:
         self.hf_config = source.hf_config
         self.vocab_size = int(self.hf_config.vocab_size)
         self.chunks = self._build_chunks(source, recompute=cfg.model.gradient_checkpointing)
-        self.forward_calls = dict.fromkeys(_ROLES, 0)
         self._reference: list[torch.nn.Module] | None = None
         self._steps_done = 0
         self._grads_pending = False
@@ -200,22 +197,11 @@ class MegatronBackend:
 
     # -- forward passes ----------------------------------------------------------------------
 
-    def forward_logprobs(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        role: ModelRole,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[torch.Tensor]:
-        """Detached fp32 log-probs ``[T]`` per microbatch, on the device, on the last pipeline
-        stage ([] elsewhere)."""
+    def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
+        microbatches, role, spec, progress = run.microbatches, run.role, run.spec, run.progress
         require_cuda("forward_logprobs")
-        if role not in _ROLES:
-            raise ValueError(f"forward_logprobs role={role!r}; choose one of {_ROLES}")
         if not microbatches:
             return []
-        spec = attrs.evolve(spec, with_entropy=False, entropy_grad=False)
         if role == "policy":
             model: list[torch.nn.Module] = list(self.ddp)
         else:
@@ -254,25 +240,16 @@ class MegatronBackend:
             return []
         return [results[i] for i in range(len(microbatches))]
 
-    def _count_forward(self, role: ModelRole) -> None:
-        self.forward_calls[role] += 1
-
-    def forward_backward(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        loss_fn: LossFn,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[Mapping[str, Metric]]:
-        """Accumulate the gradients of every microbatch of one optimizer step (one schedule
-        call; megatron reduces the gradients at its end, so call it once per optimizer step)."""
+    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
+        """One schedule call: megatron reduces the gradients at its end, so all microbatches of
+        one optimizer step come in one call."""
+        microbatches, loss_fn, spec, progress = (
+            run.microbatches,
+            run.loss_fn,
+            run.spec,
+            run.progress,
+        )
         require_cuda("forward_backward")
-        if not microbatches:
-            raise ValueError(
-                "forward_backward got no microbatches; the plan gives every rank at least one "
-                "(an empty one where a rank has no tokens) so the collectives stay in step"
-            )
         if self._grads_pending:
             raise RuntimeError(
                 "forward_backward called twice without optimizer_step: megatron's schedule "

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from unirl.core.backend_plugin import BackendPlugin, ContractLayout
+from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from unirl.backends.megatron.backend import MegatronBackend
     from unirl.core.run.config import UnirlConfig
 
 # How a microbatch reaches the attention: "packed" = one token stream, attention kept inside each
@@ -49,20 +48,10 @@ def check(cfg: UnirlConfig) -> None:
         )
 
 
-def build(
-    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
-) -> MegatronBackend:
-    from unirl.backends.megatron.backend import MegatronBackend
-
-    return MegatronBackend(
-        cfg, total_optimizer_steps=total_optimizer_steps, needs_reference=needs_reference
-    )
-
-
 PLUGIN = BackendPlugin(
     name="megatron",
     options=MegatronOptions,
-    build=build,
+    build=LazyBuilder("unirl.backends.megatron.backend:MegatronBackend"),
     check=check,
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",

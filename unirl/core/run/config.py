@@ -26,11 +26,6 @@ from unirl.core.errors import ConfigError
 
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
 Dtype = Literal["fp32", "bf16"]
-Aggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
-KLEstimatorName = Literal["k1", "k2", "k3", "low_var_kl", "k3+"]
-RolloutCorrectionMode = Literal["none", "tis", "icepop", "seq_mask"]
 Schedule = Literal["constant", "linear", "cosine"]
 
 
@@ -104,30 +99,34 @@ class ParallelConfig:
     world_size: int | None = attrs.field(default=None, validator=_positive)
 
 
+# The algorithm sections hold plain values: their names and bounds are checked once, by the
+# loss and advantage settings they are turned into (`unirl.core.run.algorithm`).
+
+
 @attrs.frozen(kw_only=True)
 class KLConfig:
-    coef: float = attrs.field(default=0.0, validator=_non_negative)
-    estimator: KLEstimatorName = "low_var_kl"
+    coef: float = 0.0
+    estimator: str = "low_var_kl"  # a name of `unirl.core.maths.kl.KL_ESTIMATORS`
 
 
 @attrs.frozen(kw_only=True)
 class RolloutCorrectionConfig:
     """Correction for the rollout engine's log-probs differing from the trainer's (TIS, IcePop)."""
 
-    mode: RolloutCorrectionMode = "none"
-    low: float = attrs.field(default=0.5, validator=_non_negative)
-    high: float = attrs.field(default=2.0, validator=_positive)
+    mode: str = "none"  # one of `unirl.core.maths.losses.ROLLOUT_CORRECTION_MODES`
+    low: float = 0.5
+    high: float = 2.0
 
 
 @attrs.frozen(kw_only=True)
 class AlgorithmConfig:
     policy_loss: str = "ppo_clip"
     advantage_estimator: str = "grpo"
-    loss_aggregation: Aggregation = "token-mean"
+    loss_aggregation: str = "token-mean"  # one of `unirl.core.maths.losses.AGGREGATION_MODES`
     # Dr.GRPO's constant for seq-mean-token-sum-norm; defaults to rollout.max_new_tokens.
     norm_length: int | None = attrs.field(default=None, validator=_positive)
-    clip_low: float = attrs.field(default=0.2, validator=_non_negative)
-    clip_high: float = attrs.field(default=0.2, validator=_non_negative)
+    clip_low: float = 0.2
+    clip_high: float = 0.2
     dual_clip: float | None = None
     entropy_coef: float = 0.0
     kl_loss: KLConfig = attrs.field(factory=KLConfig)
@@ -137,10 +136,10 @@ class AlgorithmConfig:
     lam: float = 1.0
     std_normalize: bool = True
     whiten_advantages: bool = False
-    value_coef: float = attrs.field(default=0.5, validator=_non_negative)
+    value_coef: float = 0.5
     value_clip: float | None = 0.2
     # On-policy distillation shaping: A -= coef * (logp_student - logp_teacher).
-    distillation_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    distillation_coef: float = 0.0
     # Features that read the policy's log-probs before the first optimizer step.
     mismatch_metrics: bool = False
     old_actor_snapshot: bool = False
@@ -309,16 +308,12 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             f"model.max_seq_len={cfg.model.max_seq_len}: a full-length sample would not fit; "
             "raise the budget or lower model.max_seq_len"
         )
-    if not 0 <= a.clip_low < 1:
-        raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1)")
-    if a.dual_clip is not None and a.dual_clip <= 1:
-        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (typically 3.0) or null")
+    # The loss and advantage settings check their own values (names, bounds), once.
+    from unirl.core.run.algorithm import advantage_settings, loss_settings
+
+    loss_settings(cfg)
+    advantage_settings(cfg)
     rc = a.rollout_correction
-    if rc.mode != "none" and not rc.low <= 1.0 <= rc.high:
-        raise ConfigError(
-            f"algorithm.rollout_correction.low={rc.low} / .high={rc.high} must satisfy "
-            "low <= 1 <= high (an on-policy token keeps weight 1); typical: 0.5 and 2.0"
-        )
     if rc.mode != "none" and cfg.old_logprobs == "rollout":
         raise ConfigError(
             f"algorithm.rollout_correction.mode={rc.mode!r} with old_logprobs: rollout corrects "

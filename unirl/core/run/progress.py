@@ -3,8 +3,8 @@
 Exactly one rank draws (`Topology.is_reporting_rank`: dp-with-cp rank 0, tp rank 0, last pipeline
 stage, where the loss lives); every other rank creates nothing. A phase bar advances once per
 microbatch, also under virtual pipeline stages, where Megatron's schedule calls the forward-step
-function once per model chunk (VPP-size times per microbatch): the wrapper ticks only when
-`Topology.counts_microbatch(vp_stage)` says this call finishes a microbatch.
+function once per model chunk (VPP-size times per microbatch): the backend ticks only where
+`Topology.counts_microbatch(vp_stage)` says a call finishes a microbatch.
 
 The live postfix (loss, tokens/s) never forces a host sync per microbatch: reported tensors are
 summed on their device and turned into Python numbers only when the display refreshes (at most
@@ -13,17 +13,17 @@ terminal, e.g. a log file on a cluster) each phase writes one ``logging`` INFO l
 
     actor train: 8 microbatches in 1.23 s (loss 0.123, 4567 tok/s)
 
-Usage in a backend (Megatron passes ``vp_stage_of`` reading the model chunk's ``vp_stage``)::
+Usage: core's RL step opens the bar and hands it to the backend, which ticks it per finished
+microbatch and feeds the postfix::
 
-    with MicrobatchProgress("actor train", n_microbatches, topology, enabled=cfg.progress,
-                            vp_stage_of=lambda data_iterator, model, *a: model.vp_stage) as bar:
-        schedule(forward_step_func=bar.wrap(forward_step), ...)  # loss_fn calls bar.report(...)
+    with MicrobatchProgress("actor train", n_microbatches, topology, enabled=cfg.progress) as bar:
+        backend.forward_backward(mbs, loss_fn=..., spec=..., progress=bar)
+        # inside: bar.report(loss=..., tokens=...); bar.tick()
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 import sys
@@ -69,10 +69,6 @@ def progress_enabled(config_flag: bool, stream: TextIO | None = None) -> bool:
     return bool(isatty is not None and isatty())
 
 
-def _no_vp_stage(*args: Any, **kwargs: Any) -> int | None:
-    return None
-
-
 class _Sum:
     """A running sum of Python numbers and tensors; tensors stay on their device until `value`."""
 
@@ -105,7 +101,7 @@ class MicrobatchProgress:
 
     Only the reporting rank draws or logs. `count` is kept on every rank (ticks are cheap) so a
     test or a backend can check it against the planned microbatch count; on pipeline stages other
-    than the last, a wrapped step function never counts, so `count` stays 0 there.
+    than the last nothing ticks, so `count` stays 0 there.
     """
 
     def __init__(
@@ -116,18 +112,15 @@ class MicrobatchProgress:
         *,
         enabled: bool = True,
         stream: TextIO | None = None,
-        vp_stage_of: Callable[..., int | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`enabled` is the config flag (see `progress_enabled`); `vp_stage_of(*args, **kwargs)`
-        gives the virtual stage of a step-function call (needed by `wrap` when VPP > 1);
-        `clock` is injectable for tests."""
+        """`enabled` is the config flag (see `progress_enabled`); `clock` is injectable for
+        tests."""
         if total < 0:
             raise ValueError(f"MicrobatchProgress total={total} must be >= 0 (microbatches)")
         self.phase = phase
         self.total = total
         self._topology = topology
-        self._vp_stage_of = vp_stage_of
         self._clock = clock
         self._count = 0
         self._reporting = topology.is_reporting_rank
@@ -155,30 +148,9 @@ class MicrobatchProgress:
         """Microbatches ticked so far on this rank."""
         return self._count
 
-    def wrap(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`step_fn` that also ticks once per microbatch (after it returns, so a failed call
-        does not count). Under VPP it ticks only for the call on the last model chunk."""
-        vpp = self._topology.vpp_size
-        if vpp is not None and vpp > 1 and self._vp_stage_of is None:
-            raise ConfigError(
-                f"MicrobatchProgress({self.phase!r}).wrap with topology.vpp_size={vpp} needs "
-                "vp_stage_of: the step function runs once per model chunk, so pass e.g. "
-                "vp_stage_of=lambda data_iterator, model, *a: model.vp_stage"
-            )
-        vp_stage_of = self._vp_stage_of or _no_vp_stage
-
-        @functools.wraps(step_fn)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            result = step_fn(*args, **kwargs)
-            if self._topology.counts_microbatch(vp_stage_of(*args, **kwargs)):
-                self.tick()
-            return result
-
-        return step
-
     def tick(self, n: int = 1) -> None:
-        """Count `n` finished microbatches, unconditionally: for backends that loop over
-        microbatches themselves (DeepSpeed) rather than through a wrapped step function."""
+        """Count `n` finished microbatches (the backend calls it where a microbatch finishes:
+        under VPP only for the last chunk, `Topology.counts_microbatch`)."""
         self._count += n
         if self._bar is not None:
             self._maybe_refresh_postfix()
@@ -250,7 +222,7 @@ class MicrobatchProgress:
         if error is None and self._count != self.total:
             logger.warning(
                 "%s: counted %d microbatches, planned %d; the step function is wrapped or ticked "
-                "the wrong number of times (under VPP, vp_stage_of must give each call's chunk)",
+                "the wrong number of times (under VPP, once per microbatch on the last chunk only)",
                 self.phase,
                 self._count,
                 self.total,

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from unirl.core.errors import ConfigError
 from unirl.core.imports import import_callable
+from unirl.core.registry import Registry, same_callable
 
 if TYPE_CHECKING:
     from unirl.core.maths.advantages.inputs import AdvantageInputs
@@ -60,13 +60,17 @@ class EstimatorSpec:
         return self.fn(inp, settings)
 
 
-_REGISTRY: dict[str, EstimatorSpec] = {}
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
 
 
-def _same_function(a: Callable, b: Callable) -> bool:
-    # A module reloaded (or imported under a second name) re-registers an equal function.
-    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
-    return a is b or key(a) == key(b)
+ESTIMATORS: Registry[EstimatorSpec] = Registry(
+    "advantage estimator",
+    key="algorithm.advantage_estimator",
+    same=lambda a, b: same_callable(a.fn, b.fn),
+    load=_load_builtins,
+)
 
 
 def register_advantage_estimator(
@@ -80,13 +84,7 @@ def register_advantage_estimator(
     """Decorator: register ``fn`` under ``name`` with its declared needs."""
 
     def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        old = _REGISTRY.get(name)
-        if old is not None and not _same_function(old.fn, fn):
-            raise ConfigError(
-                f"advantage estimator {name!r} is already registered by "
-                f"{old.fn.__module__}.{old.fn.__qualname__}; pick another name"
-            )
-        _REGISTRY[name] = EstimatorSpec(
+        spec = EstimatorSpec(
             name=name,
             fn=fn,
             needs_old_logprobs=needs_old_logprobs,
@@ -94,25 +92,20 @@ def register_advantage_estimator(
             needs_groups=needs_groups,
             whitens_over_batch=whitens_over_batch,
         )
+        ESTIMATORS.register(name, spec)
         return fn
 
     return decorator
 
 
-def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
-
-
 def registered_advantage_estimators() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return ESTIMATORS.names()
 
 
 def _resolve_path(path: str) -> EstimatorSpec:
     fn = import_callable(path, key="algorithm.advantage_estimator", what="a custom estimator")
     # A function its module registered carries its declarations.
-    for spec in _REGISTRY.values():
+    for spec in ESTIMATORS.values():
         if spec.fn is fn:
             return spec
     return EstimatorSpec(name=path, fn=fn, needs_old_logprobs=True, declared=False)
@@ -123,16 +116,10 @@ def get_advantage_estimator(name: str) -> EstimatorSpec:
 
     Raises `ConfigError` listing the valid names for an unknown one.
     """
-    _load_builtins()
-    spec = _REGISTRY.get(name)
-    if spec is not None:
-        return spec
     if ":" in name:
-        return _resolve_path(name)
-    raise ConfigError(
-        f"unknown advantage estimator {name!r}; valid: {sorted(_REGISTRY)}, or a custom "
-        "'package.module:function'"
-    )
+        found = ESTIMATORS.find(name)
+        return found if found is not None else _resolve_path(name)
+    return ESTIMATORS.get(name, hint="or a custom 'package.module:function'")
 
 
 def estimator_needs_old_logprobs(name: str) -> bool:

@@ -19,13 +19,14 @@ with the reused ones on a single on-policy step (the ratio is 1), so they declar
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from unirl.core.errors import ConfigError
 from unirl.core.imports import import_callable
+from unirl.core.registry import Registry, same_callable
 
 if TYPE_CHECKING:
     from unirl.core.data.counts import GlobalCounts
@@ -37,7 +38,24 @@ PolicyLossFn = Callable[
     ["LossInputs", "GlobalCounts", "LossSettings"], tuple[torch.Tensor, dict[str, "Metric"]]
 ]
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# Modules whose import registers the built-in losses.
+_BUILTIN_MODULES = (
+    "unirl.core.maths.losses.ppo_clip",
+    "unirl.core.maths.losses.gspo",
+    "unirl.core.maths.losses.cispo",
+    "unirl.core.maths.losses.reinforce",
+    "unirl.core.maths.losses.sft",
+)
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
+    "policy loss", key="algorithm.policy_loss", same=same_callable, load=_load_builtins
+)
 
 
 def register_policy_loss(
@@ -46,37 +64,24 @@ def register_policy_loss(
     """Decorator: register ``fn`` under ``name`` and record whether it needs pre-step log-probs."""
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
-        existing = _POLICY_LOSSES.get(name)
-        if existing is not None and existing.__qualname__ != fn.__qualname__:
-            raise ValueError(f"policy loss {name!r} is already registered ({existing!r})")
+        POLICY_LOSSES.register(name, fn)
         fn.needs_old_logprobs = needs_old_logprobs  # type: ignore[attr-defined]
-        _POLICY_LOSSES[name] = fn
         return fn
 
     return register
 
 
 def registered_policy_losses() -> list[str]:
-    return sorted(_POLICY_LOSSES)
+    return POLICY_LOSSES.names()
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The loss registered as ``name``, or the function ``"package.module:function"``."""
     if ":" in name:
-        return _import_loss(name)
-    try:
-        return _POLICY_LOSSES[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown policy_loss {name!r}; valid: {registered_policy_losses()}, or a custom "
-            "loss as 'package.module:function'"
-        ) from None
+        return import_callable(name, key="algorithm.policy_loss", what="a custom loss")
+    return POLICY_LOSSES.get(name, hint="or a custom loss as 'package.module:function'")
 
 
 def policy_loss_needs_old_logprobs(name: str) -> bool:
     """Whether the loss needs pre-step log-probs; undeclared custom losses are assumed to."""
     return bool(getattr(get_policy_loss(name), "needs_old_logprobs", True))
-
-
-def _import_loss(spec: str) -> PolicyLossFn:
-    return import_callable(spec, key="algorithm.policy_loss", what="a custom loss")

@@ -13,6 +13,7 @@ import attrs
 
 from unirl.core.errors import ConfigError
 from unirl.core.maths.kl import KL_ESTIMATORS
+from unirl.core.maths.losses.registry import get_policy_loss
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -47,8 +48,6 @@ def _one_of(choices: tuple[str, ...]):
 
 
 def _policy_loss_exists(instance: Any, attribute: attrs.Attribute, value: str) -> None:
-    from unirl.core.maths.losses.registry import get_policy_loss  # registry imports the losses
-
     get_policy_loss(value)
 
 
@@ -91,8 +90,8 @@ class LossSettings:
         lo, hi = self.rollout_correction_low, self.rollout_correction_high
         if not lo <= 1.0 <= hi or lo == hi:
             raise ConfigError(
-                f"LossSettings.rollout_correction_low={lo} / rollout_correction_high={hi} must "
-                "satisfy low <= 1 <= high with low < high (an on-policy token, ratio 1, must "
+                f"LossSettings.rollout_correction_low={lo} / "
+                f"LossSettings.rollout_correction_high={hi} must satisfy low <= 1 <= high with low < high (an on-policy token, ratio 1, must "
                 "keep weight 1); typical: 0.5 and 2.0"
             )
         if self.value_clip == 0:
