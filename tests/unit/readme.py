@@ -1,4 +1,4 @@
-"""The README's runnable snippets: the ```python block after ``<!-- snippet: NAME -->``."""
+"""The README's snippets the tests run: the code block after ``<!-- snippet: NAME -->``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 README = Path(__file__).parents[2] / "README.md"
 
 
-def readme_snippet(name: str) -> str:
+def readme_snippet(name: str, lang: str = "python") -> str:
     """The code of the README snippet ``name``, exactly as written there."""
-    pattern = rf"<!-- snippet: {re.escape(name)} -->\n```python\n(.*?)\n```"
+    pattern = rf"<!-- snippet: {re.escape(name)} -->\n```{lang}\n(.*?)\n```"
     match = re.search(pattern, README.read_text(), flags=re.S)
     assert match is not None, f"README.md has no snippet {name!r}"
     return match.group(1)

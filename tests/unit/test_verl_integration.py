@@ -174,3 +174,30 @@ def test_verl_actor_loss_selects_the_unirl_loss_by_config(verl_name, unirl_name,
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-6)
     assert "actor/unirl/pg_loss" in metrics  # the unirl loss really ran
+
+
+def test_readme_config_lines_name_real_verl_keys():
+    """The README's verl overrides: each key exists in verl's config classes, the external lib
+    imports through verl's own importer, and the loss mode is then registered."""
+    import dataclasses
+
+    from verl.utils.import_utils import import_external_libs
+    from verl.workers.config import HFModelConfig
+
+    from tests.unit.readme import readme_snippet
+
+    overrides = dict(line.split("=", 1) for line in readme_snippet("verl-config", "").splitlines())
+    actor = _config("vanilla")
+    for key, value in overrides.items():
+        if key.startswith("actor_rollout_ref.model."):
+            field = key.removeprefix("actor_rollout_ref.model.")
+            assert field in {f.name for f in dataclasses.fields(HFModelConfig)}, key
+            import_external_libs(value)
+        else:
+            obj = actor
+            for part in key.removeprefix("actor_rollout_ref.actor.").split("."):
+                obj = getattr(obj, part)  # AttributeError: not a verl actor key
+    assert (
+        overrides["actor_rollout_ref.actor.policy_loss.loss_mode"]
+        in core_algos.POLICY_LOSS_REGISTRY
+    )
