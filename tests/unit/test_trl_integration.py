@@ -229,7 +229,9 @@ def test_readme_snippet_trains_with_a_loss_trl_lacks(model_dir, dataset, tmp_pat
         "grpo_config": grpo_config,
     }
     exec(readme_snippet("trl"), scope)
-    rewards = [h["reward"] for h in scope["trainer"].state.log_history if "reward" in h]
+    history = scope["trainer"].state.log_history
+    assert {"unirl/loss", "unirl/pg_loss", "entropy"} <= set(history[0])  # unirl's metrics logged
+    rewards = [h["reward"] for h in history if "reward" in h]
     assert len(rewards) == 10
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first < 0.3 and last > first + 0.4, rewards

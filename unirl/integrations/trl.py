@@ -51,6 +51,11 @@ _MODEL_INPUTS = (
 )
 
 
+# unirl metric -> TRL's name for the same quantity (TRL's region clip ratio counts the tokens whose
+# clipped branch is taken, as pg_clipfrac does). Values are this process's, not gathered.
+_TRL_METRIC_NAMES = {"entropy": "entropy", "kl": "kl", "pg_clipfrac": "clip_ratio/region_mean"}
+
+
 class UnirlGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose loss is unirl's (``loss_settings``; default: PPO-clip 0.2 / 0.2,
     token-mean)."""
@@ -146,4 +151,6 @@ class UnirlGRPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
         for name, value in metrics.items():
             self._metrics[mode][f"unirl/{name}"].append(value)
+            if name in _TRL_METRIC_NAMES:  # also under TRL's own name, for existing dashboards
+                self._metrics[mode][_TRL_METRIC_NAMES[name]].append(value)
         return loss
