@@ -69,6 +69,7 @@ class UnirlGRPOTrainer(GRPOTrainer):
             )
         super().__init__(*args, **kwargs)
         self._refuse_ignored_trl_options()
+        logger.info("UnirlGRPOTrainer: the loss is unirl's, %s", self.unirl_settings)
 
     def _refuse_ignored_trl_options(self) -> None:
         """TRL options this loss would silently skip are refused at setup, with the fix."""
