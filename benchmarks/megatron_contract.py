@@ -286,7 +286,7 @@ def main() -> None:
         "environment": run_environment(),
         "tolerance": {d: {"rtol": t.rtol, "atol": t.atol} for d, t in clauses.TOLERANCES.items()},
         "layouts": {
-            x.name: {"world_size": x.world_size, "parallel": x.parallel_dict, "model": x.model_dict}
+            x.name: {"world_size": x.world_size, "parallel": x.parallel_dict, "options": x.options_dict}
             for x in LAYOUTS
         },
         "results": {},

@@ -10,28 +10,24 @@ It implements `InstrumentedBackend` and registers as ``backend: toy`` with its o
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
 from unirl.backends.microbatch import to_device, zero_through_graph
 from unirl.core.backend import (
-    LogprobSpec,
-    LossFn,
-    ModelRole,
     OptimizerStepStats,
     token_logprobs,
 )
 from unirl.core.backend_plugin import BackendPlugin
-from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
-from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
 
 
@@ -55,20 +51,23 @@ class ToyLM(torch.nn.Module):
 
 def check(cfg: UnirlConfig) -> None:
     p = cfg.parallel
-    for key in ("tp", "pp", "cp"):
-        if getattr(p, key) > 1:
-            raise ConfigError(
-                f"parallel.{key}={getattr(p, key)} is not supported with backend: toy (one "
-                f"process, no model parallelism); set parallel.{key}: 1"
-            )
+    if (p.tp, p.pp, p.cp) != (1, 1, 1):
+        raise ConfigError(
+            f"parallel.tp/pp/cp = {p.tp}/{p.pp}/{p.cp}: backend: toy has no model parallelism; "
+            "set them to 1"
+        )
     if cfg.model.hf_config is None or "vocab_size" not in cfg.model.hf_config:
         raise ConfigError("backend: toy needs model.hf_config.vocab_size (it builds its own model)")
 
 
-class ToyBackend:
+class ToyBackend(EngineBackend):
+    """The shared `EngineBackend` base checks the calls and counts forwards; this class holds
+    only the model, the two passes and the state."""
+
     def __init__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> None:
+        super().__init__()
         assert cfg.model.hf_config is not None  # `check` made sure
         self.cfg = cfg
         self.topology = Topology.single_process()
@@ -83,54 +82,38 @@ class ToyBackend:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=0.0
         )
-        self.forward_calls: dict[ModelRole, int] = {"policy": 0, "reference": 0}
 
     def loss_scale(self, num_microbatches: int) -> float:
         return 1.0  # one process, gradients summed over microbatches: nothing to cancel
 
-    def forward_logprobs(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        role: ModelRole,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[torch.Tensor]:
-        module = self.model if role == "policy" else self.reference
-        spec = attrs.evolve(spec, with_entropy=False, entropy_grad=False)
+    def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
+        module = self.model if run.role == "policy" else self.reference
         out = []
         with forward_only([module], device=self.device):
-            for mb in microbatches:
+            for mb in run.microbatches:
                 mb = to_device(mb, self.device)
-                logp, _ = token_logprobs(module(mb.tokens), mb.targets, spec)
-                self.forward_calls[role] += 1
+                logp, _ = token_logprobs(module(mb.tokens), mb.targets, run.spec)
+                self._count_forward(run.role)
                 out.append(logp.float())
-                progress.tick()
+                run.progress.tick()
         return out
 
-    def forward_backward(
-        self,
-        microbatches: Sequence[TrainMicrobatch],
-        *,
-        loss_fn: LossFn,
-        spec: LogprobSpec,
-        progress: MicrobatchProgress,
-    ) -> list[Mapping[str, Metric]]:
+    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
         self.model.train()
         metrics = []
-        scale = self.loss_scale(len(microbatches))
-        for mb in microbatches:
+        scale = self.loss_scale(len(run.microbatches))
+        for mb in run.microbatches:
             mb = to_device(mb, self.device)
             logits = self.model(mb.tokens)
-            self.forward_calls["policy"] += 1
-            logp, entropy = token_logprobs(logits, mb.targets, spec)
-            loss, mb_metrics = loss_fn(mb, logp, entropy)
+            self._count_forward("policy")
+            logp, entropy = token_logprobs(logits, mb.targets, run.spec)
+            loss, mb_metrics = run.loss_fn(mb, logp, entropy)
             if mb.num_tokens == 0:
                 loss = loss + zero_through_graph(logits)
             (loss * scale).backward()
             metrics.append(mb_metrics)
-            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
-            progress.tick()
+            run.progress.report(loss=loss.detach(), tokens=mb.num_tokens)
+            run.progress.tick()
         return metrics
 
     def optimizer_step(self) -> OptimizerStepStats:

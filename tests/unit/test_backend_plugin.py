@@ -73,7 +73,10 @@ def test_check_runs_with_the_plugins_section_and_rules(toy_registered, tmp_path,
     assert main(["check", str(path), "--set", "toy.hidden=4"]) == 2
     assert "unknown key 'toy.hidden' (did you mean 'hidden_size'?)" in capsys.readouterr().err
     assert main(["check", str(path), "--set", "parallel.tp=2"]) == 2
-    assert "parallel.tp=2 is not supported with backend: toy" in capsys.readouterr().err
+    assert (
+        "parallel.tp/pp/cp = 2/1/1: backend: toy has no model parallelism"
+        in capsys.readouterr().err
+    )
 
 
 def test_rl_step_on_the_toy_backend(toy_registered):

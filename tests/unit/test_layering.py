@@ -2,6 +2,7 @@
 `import unirl` (and `unirl check`) work with neither engine installed."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,18 @@ def test_core_imports_no_backend_or_engine():
         for name in _imports(path)
         if name.split(".")[0] in {"deepspeed", "megatron", "transformers"}
         or name.startswith("unirl.backends")
+    ]
+    assert offenders == []
+
+
+def test_core_has_no_per_backend_branch():
+    """Per-backend rules live in each backend's plug-in (`check`, its options section): core
+    never compares the configured backend with a name."""
+    offenders = [
+        f"{path.relative_to(CORE.parent.parent)}:{n}: {line.strip()}"
+        for path in sorted(CORE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"backend\s*(==|!=|in)\s*[\"'(\[]", line)
     ]
     assert offenders == []
 

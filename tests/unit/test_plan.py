@@ -127,12 +127,12 @@ def test_shuffle_is_deterministic_and_keeps_groups_together() -> None:
         (
             12,
             dict(num_optimizer_steps=2, dp_size=4, micro_batch_size=1),
-            "batch.samples_per_optimizer_step=6 does not divide evenly over the data-parallel size 4",
+            "batch.samples_per_optimizer_step=6 is not divisible by the data-parallel size 4",
         ),
         (
             12,
             dict(num_optimizer_steps=1, dp_size=2, micro_batch_size=4),
-            "batch.micro_batch_size=4 does not divide",
+            "not divisible by batch.micro_batch_size x data-parallel size = 4 x 2",
         ),
         (4, dict(num_optimizer_steps=1, dp_size=1), "set exactly one of batch.micro_batch_size"),
         (

@@ -394,6 +394,16 @@ def test_place_responses_matches_per_sample_loop() -> None:
         mb.place_responses(advantages[:, :2])
 
 
+def test_responses_from_logits_reads_the_position_before_each_response_token() -> None:
+    batch = RolloutBatch.from_records(good_records())
+    mb = batch.pack([3, 0])
+    # tokens [9, 14, 31, 2 | 1, 2, 3, 4, 5]; responses at 1-3 and 6-8, predicted by the
+    # logits at 0-2 and 5-7 (value = 10 x position here)
+    values = torch.arange(9, dtype=torch.float32) * 10
+    got = mb.responses_from_logits(values)
+    assert [g.tolist() for g in got] == [[0.0, 10.0, 20.0], [50.0, 60.0, 70.0]]
+
+
 def test_pack_without_optional_fields_and_empty() -> None:
     records = [
         {k: r[k] for k in ("prompt_tokens", "response_tokens", "reward", "group_id")}

@@ -216,20 +216,15 @@ class RLStep:
             results = self.backend.forward_logprobs(mbs, role=role, spec=spec, progress=bar)
         width = int(batch.response_lengths.max())
         out = torch.zeros(len(batch), width, dtype=torch.float32)
-        for packed, mb, logp in zip(packs, mbs, results):  # empty on non-last pipeline stages
+        for packed, logp in zip(packs, results):  # empty on non-last pipeline stages
             logp = logp.detach().float()
             if topo.cp_size > 1:
                 logp = gather_from_cp(logp, packed.cu_seqlens, topo.groups.cp)
             logp = logp.cpu()
             if packed.num_tokens == 0:
                 continue
-            # response token at packed position j is predicted by the logits at j - 1
-            values = logp[packed.response_index - 1]
-            for k, (sample, n) in enumerate(
-                zip(mb.sample_indices, packed.response_lengths.tolist())
-            ):
-                start = int(packed.response_lengths[:k].sum())
-                out[sample, :n] = values[start : start + n]
+            for sample, values in zip(packed.sample_indices, packed.responses_from_logits(logp)):
+                out[sample, : values.numel()] = values
         group = topo.groups.dp
         if group is not None and topo.dp_size > 1:
             reduced = out.to(self.backend.device)

@@ -17,6 +17,19 @@ import attrs
 from unirl.core.errors import ConfigError
 
 
+def data_parallel_size(world_size: int, *, tp: int, pp: int, cp: int) -> int:
+    """``world / (tp * pp * cp)``; the one check that the model-parallel sizes divide the world
+    (the config runs it at load, `Topology.from_rank` for the ranks it is given)."""
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp "
+            f"= {tp} x {pp} x {cp} = {model_parallel}; launch a multiple of {model_parallel} "
+            "processes or change the parallel sizes"
+        )
+    return world_size // model_parallel
+
+
 def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if value < 1:
         raise ConfigError(f"topology.{attribute.name} must be >= 1, got {value}")
@@ -89,13 +102,7 @@ class Topology:
         groups: ProcessGroups | None = None,
     ) -> Topology:
         """Ranks in Megatron-core's default order ``tp-cp-ep-dp-pp`` (tp fastest)."""
-        denom = tp * pp * cp
-        if world_size % denom:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {denom}; "
-                "choose parallel sizes whose product divides the number of processes"
-            )
-        dp = world_size // denom
+        dp = data_parallel_size(world_size, tp=tp, pp=pp, cp=cp)
         r = rank
         tp_rank, r = r % tp, r // tp
         cp_rank, r = r % cp, r // cp

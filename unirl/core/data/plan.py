@@ -44,7 +44,8 @@ import attrs
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.errors import ConfigError
 
-Microbatch = tuple[int, ...]
+# The sample indices of one microbatch (the plan assigns samples; `RolloutBatch.pack` packs them).
+SampleIndices = tuple[int, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -54,7 +55,7 @@ class OptimizerStepPlan:
     index: int
     counts: GlobalCounts
     # [dp_rank][microbatch] -> sample indices, and the tokens (prompt + response) of each.
-    rank_microbatches: tuple[tuple[Microbatch, ...], ...]
+    rank_microbatches: tuple[tuple[SampleIndices, ...], ...]
     rank_microbatch_tokens: tuple[tuple[int, ...], ...]
 
     @property
@@ -70,7 +71,7 @@ class OptimizerStepPlan:
     def rank_tokens(self) -> tuple[int, ...]:
         return tuple(sum(tokens) for tokens in self.rank_microbatch_tokens)
 
-    def microbatches(self, dp_rank: int) -> list[Microbatch]:
+    def microbatches(self, dp_rank: int) -> list[SampleIndices]:
         if not 0 <= dp_rank < len(self.rank_microbatches):
             raise ConfigError(
                 f"dp_rank={dp_rank} is outside [0, {len(self.rank_microbatches)}) for a plan "
@@ -234,20 +235,7 @@ def _check_arguments(
     if micro_batch_size is not None:
         if micro_batch_size < 1:
             raise ConfigError(f"batch.micro_batch_size must be >= 1, got {micro_batch_size}")
-        if per_step % dp_size:
-            raise ConfigError(
-                f"batch.samples_per_optimizer_step={per_step} does not divide evenly over the "
-                f"data-parallel size {dp_size}; make it a multiple of {dp_size}"
-            )
-        per_rank = per_step // dp_size
-        if per_rank % micro_batch_size:
-            raise ConfigError(
-                f"each data-parallel rank gets {per_rank} samples per optimizer step "
-                f"(batch.samples_per_optimizer_step={per_step} / data-parallel size {dp_size}), "
-                f"which batch.micro_batch_size={micro_batch_size} does not divide; make "
-                "batch.samples_per_optimizer_step a multiple of micro_batch_size x data-parallel "
-                f"size = {micro_batch_size * dp_size}"
-            )
+        split_per_rank(per_step, dp_size, micro_batch_size)
     else:
         assert max_tokens is not None
         if max_tokens < 1:
@@ -264,6 +252,31 @@ def _check_arguments(
                 f"batch.samples_per_optimizer_step={per_step} is smaller than the data-parallel "
                 f"size {dp_size}, so some rank would get no sample; use at least {dp_size}"
             )
+
+
+def split_per_rank(
+    samples_per_step: int, dp_size: int, micro_batch_size: int | None
+) -> tuple[int, int | None]:
+    """The divisibility rules of an optimizer step, checked here only (the config checks them
+    through this function at load, the plan again for the batch it is given): the step's samples
+    split evenly over the data-parallel ranks and, with a fixed microbatch size, each rank's
+    share into whole microbatches. Returns ``(samples per rank, microbatches per rank or None
+    with a token budget)``."""
+    if samples_per_step % dp_size:
+        raise ConfigError(
+            f"batch.samples_per_optimizer_step={samples_per_step} is not divisible by the "
+            f"data-parallel size {dp_size}; make it a multiple of {dp_size}"
+        )
+    per_rank = samples_per_step // dp_size
+    if micro_batch_size is None:
+        return per_rank, None
+    if per_rank % micro_batch_size:
+        raise ConfigError(
+            f"batch.samples_per_optimizer_step={samples_per_step} is not divisible by "
+            f"batch.micro_batch_size x data-parallel size = {micro_batch_size} x {dp_size}; "
+            f"choose a multiple of {micro_batch_size * dp_size}"
+        )
+    return per_rank, per_rank // micro_batch_size
 
 
 # -- the algorithms --------------------------------------------------------------------------
@@ -364,7 +377,7 @@ def _token_budget_microbatches(
     return out
 
 
-def _arrange(microbatches: list[list[int]], lengths: list[int]) -> tuple[Microbatch, ...]:
+def _arrange(microbatches: list[list[int]], lengths: list[int]) -> tuple[SampleIndices, ...]:
     """Sorted indices inside a microbatch; heaviest microbatch first, empty ones last."""
     mbs = [tuple(sorted(mb)) for mb in microbatches]
     return tuple(

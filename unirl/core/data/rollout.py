@@ -371,6 +371,14 @@ class PackedMicrobatch:
         out[self.response_index] = rows[valid]
         return out
 
+    def responses_from_logits(self, values_t: torch.Tensor) -> list[torch.Tensor]:
+        """The inverse of `place_responses` for values in *logit-position* alignment (what a
+        backend returns: position ``t`` describes token ``t + 1``): one tensor per packed sequence
+        with its response tokens' values, in packing order (`sample_indices`)."""
+        # response token at packed position j is predicted by the logits at j - 1
+        picked = values_t[self.response_index - 1]
+        return list(torch.split(picked, self.response_lengths.tolist()))
+
 
 # -- the batch -----------------------------------------------------------------------------
 

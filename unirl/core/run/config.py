@@ -22,7 +22,9 @@ import attrs
 import yaml
 
 from unirl.core.backend_plugin import BACKENDS
+from unirl.core.data.plan import split_per_rank
 from unirl.core.errors import ConfigError
+from unirl.core.topology import data_parallel_size
 
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
 Dtype = Literal["fp32", "bf16"]
@@ -329,31 +331,9 @@ def _check_combinations(cfg: UnirlConfig) -> None:
 def _derive_layout(cfg: UnirlConfig) -> Layout:
     p, b = cfg.parallel, cfg.batch
     world = _world_size(cfg)
-    model_parallel = p.tp * p.pp * p.cp
-    if world % model_parallel:
-        raise ConfigError(
-            f"world size {world} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
-            f"{p.tp} x {p.pp} x {p.cp} = {model_parallel}; launch a multiple of {model_parallel} "
-            "processes or change the parallel sizes"
-        )
-    dp = world // model_parallel
+    dp = data_parallel_size(world, tp=p.tp, pp=p.pp, cp=p.cp)
     rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
-    if b.samples_per_optimizer_step % dp:
-        raise ConfigError(
-            f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} is not divisible by "
-            f"the data-parallel size {dp} (world {world} / tp*pp*cp {model_parallel})"
-        )
-    per_rank = b.samples_per_optimizer_step // dp
-    microbatches = None
-    if b.max_tokens_per_microbatch is None:
-        assert b.micro_batch_size is not None
-        if per_rank % b.micro_batch_size:
-            raise ConfigError(
-                f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} is not divisible "
-                f"by batch.micro_batch_size x data-parallel size = {b.micro_batch_size} x {dp}; "
-                f"choose a multiple of {b.micro_batch_size * dp}"
-            )
-        microbatches = per_rank // b.micro_batch_size
+    per_rank, microbatches = split_per_rank(b.samples_per_optimizer_step, dp, b.micro_batch_size)
     steps = rollout_samples // b.samples_per_optimizer_step * b.epochs_per_rollout
     return Layout(
         world_size=world,

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from unirl.core.errors import ConfigError
+from unirl.core.maths.advantages.registry import get_advantage_estimator
 from unirl.core.maths.kl import KL_ESTIMATORS
 
 
@@ -37,8 +38,6 @@ def _kl_estimator(instance: Any, attribute: attrs.Attribute, value: str) -> None
 
 def _estimator(instance: Any, attribute: attrs.Attribute, value: str) -> None:
     # Resolve now so that a typo or a broken "module:function" fails at setup, not mid-run.
-    from unirl.core.maths.advantages.registry import get_advantage_estimator
-
     get_advantage_estimator(value)
 
 

@@ -7,6 +7,7 @@ rejected here, at setup, with a `ConfigError` naming the field — not deep in t
 from __future__ import annotations
 
 import math
+import typing
 from typing import Any, Literal
 
 import attrs
@@ -15,15 +16,13 @@ from unirl.core.errors import ConfigError
 from unirl.core.maths.kl import KL_ESTIMATORS
 from unirl.core.maths.losses.registry import get_policy_loss
 
-AGGREGATION_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
-ROLLOUT_CORRECTION_MODES = ("none", "tis", "icepop", "seq_mask")
-
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 RolloutCorrection = Literal["none", "tis", "icepop", "seq_mask"]
+# The valid names, for validation and error messages (from the types, so they cannot drift).
+AGGREGATION_MODES: tuple[str, ...] = typing.get_args(Aggregation)
+ROLLOUT_CORRECTION_MODES: tuple[str, ...] = typing.get_args(RolloutCorrection)
 
 
 def _finite(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -57,7 +56,9 @@ class LossSettings:
 
     # A registered name (ppo_clip, gspo, cispo, reinforce, sft) or "package.module:function".
     policy_loss: str = attrs.field(default="ppo_clip", validator=_policy_loss_exists)
-    loss_aggregation: str = attrs.field(default="token-mean", validator=_one_of(AGGREGATION_MODES))
+    loss_aggregation: Aggregation = attrs.field(
+        default="token-mean", validator=_one_of(AGGREGATION_MODES)
+    )
     # Ratio clip range [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher.
     clip_low: float = attrs.field(default=0.2, validator=_non_negative)
     clip_high: float = attrs.field(default=0.2, validator=_non_negative)
