@@ -5,8 +5,8 @@ their reward curves side by side (JSON + PNG).
         --config examples/tiny_grpo.yaml --backends deepspeed megatron \
         --out-dir benchmarks/results/same_config
 
-Each backend runs `unirl train` in its own process (`torchrun --nproc_per_node N` for megatron,
-whose schedules need CUDA); extra `--set key=value` overrides apply to every run. The JSON holds
+Each backend runs `unirl train` in its own process (`torchrun --nproc_per_node N` for megatron, on
+GPUs or on the CPU); extra `--set key=value` overrides apply to every run. The JSON holds
 the per-step reward, loss and grad norm of each backend, the exact commands, and the largest
 per-step reward difference; the PNG overlays the reward curves.
 """

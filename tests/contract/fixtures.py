@@ -4,9 +4,9 @@ run configurations (variants) every backend x layout executes.
 Everything here is deterministic (fixed seeds) and written once; the backend harness, the
 independent reference and the GPU table all read it from here.
 
-- Model: vocab 64, hidden 32, 2 layers, 4 heads, 2 kv heads, untied embeddings, initialised with
-  a larger std than usual (0.2) so log-probs spread over several nats and a misaligned or
-  mis-tempered log-prob cannot hide near ``-ln 64``.
+- Model: vocab 64, hidden 32, 4 layers (one per virtual stage at PP = 2 x VPP = 2), 4 heads,
+  2 kv heads, untied embeddings, initialised with a larger std than usual (0.2) so log-probs
+  spread over several nats and a misaligned or mis-tempered log-prob cannot hide near ``-ln 64``.
 - Batch: 3 groups x 4 samples with varied prompt / response lengths, a one-token response, a
   loss mask with holes (a masked tool output), a fully masked response, rewards, rollout
   log-probs (the true ones perturbed; the second response token of every sample is made 1.5 nats
@@ -19,6 +19,7 @@ independent reference and the GPU table all read it from here.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ TINY_LLAMA = {
     "vocab_size": 64,
     "hidden_size": 32,
     "intermediate_size": 64,
-    "num_hidden_layers": 2,
+    "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,
@@ -81,6 +82,11 @@ OPTIMIZER = {
     "grad_clip": 0.5,
     "lr_schedule": "constant",
 }
+# grad_clip per fixture init std, each below every variant's gradient norm on its fixture so that
+# clause 3 tests clipping everywhere. The std-0.02 fixture (the GPU table's bf16 runs) has
+# gradients ~3x smaller: its smallest norm is 0.44 (reinforce_lowvar_seq_mean_token_sum_norm,
+# fp32 reference, 4 layers), under the default 0.5.
+GRAD_CLIP_BY_INIT_STD = {0.2: 0.5, 0.02: 0.2}
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -163,7 +169,7 @@ def base_config(
         backend: dict(options or {}),
         "old_logprobs": "auto",
         "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN},
-        "optimizer": dict(OPTIMIZER),
+        "optimizer": {**OPTIMIZER, "grad_clip": grad_clip(model_dir)},
         "batch": {
             "prompts_per_rollout": NUM_GROUPS,
             "samples_per_prompt": SAMPLES_PER_PROMPT,
@@ -177,6 +183,19 @@ def base_config(
         "progress": {"enabled": True},
         "logging": {"run_dir": run_dir, "tensorboard": False},
     }
+
+
+def grad_clip(model_dir: str | Path) -> float:
+    """The fixture's grad_clip, from the init std written in its model's config
+    (`GRAD_CLIP_BY_INIT_STD`): the worker processes find it from the model folder alone."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    std = config["initializer_range"]
+    if std not in GRAD_CLIP_BY_INIT_STD:
+        raise KeyError(
+            f"fixture init std {std} has no grad_clip in GRAD_CLIP_BY_INIT_STD: pick one below "
+            "every variant's reference gradient norm on that fixture"
+        )
+    return GRAD_CLIP_BY_INIT_STD[std]
 
 
 def merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

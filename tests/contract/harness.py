@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -263,6 +264,9 @@ class _GroupRun:
             self.variants(backend)
             self.resume(backend)
         self.timings["total"] = time.perf_counter() - t0
+        compat = sys.modules.get("unirl.backends.megatron.cpu_compat")
+        if compat is not None and compat.is_installed():  # patched lines of megatron-core that ran
+            self.out["cpu_compat_lines"] = sorted(compat.reached_lines())
         return self.out
 
     def forward(self, backend: Any) -> None:

@@ -121,3 +121,16 @@ def test_clause7_checkpoint_resume(group, contract_reference):
 def test_clause8_hf_export(group, contract_data):
     _, records = contract_data
     assert_checks(_run(clauses.clause8_export, group, records, TOL))
+
+
+def test_cpu_compat_lines_listed(group):
+    """Megatron on the CPU: every megatron-core line that `cpu_compat` patched and that ran in this
+    layout is one it lists (a patch reaching an unlisted CUDA line is an unreviewed change)."""
+    reached = [r["cpu_compat_lines"] for r in group.ranks if "cpu_compat_lines" in r]
+    if not reached:
+        pytest.skip("this backend runs without unirl.backends.megatron.cpu_compat")
+    from unirl.backends.megatron import cpu_compat
+
+    unlisted = sorted(set().union(*reached) - cpu_compat.listed_lines())
+    assert not unlisted, f"patched megatron-core lines ran but are not listed: {unlisted}"
+    assert reached[0], "cpu_compat was installed but patched nothing that ran"

@@ -96,7 +96,7 @@ def _cases(configs, seed=0):
 
 
 def _pipeline_logprobs(chunks, topo, ids):
-    """Run the chunks in pipeline order by hand (schedules need CUDA): stage 0 chunk 0, stage 1
+    """Run the chunks in pipeline order by hand (independent of megatron's schedules): stage 0 chunk 0, stage 1
     chunk 0, ..., stage 0 chunk 1, ...; each output is broadcast over the pipeline group."""
     import torch.distributed as dist
 

@@ -1,10 +1,11 @@
 """The Megatron backend on GPUs: every clause of the contract suite (`tests/contract`) in fp32,
 against the suite's independent single-process reference, for every layout the suite registers
-for Megatron (packed and padded, TP, PP, CP, DP, the distributed optimizer) that the machine's GPUs
-allow. One NCCL process per GPU.
+for Megatron (packed and padded, TP, PP, VPP, CP, DP, the distributed optimizer, TP x PP) that the
+machine's GPUs allow. One NCCL process per GPU; megatron-core runs unpatched (the same layouts run
+on the CPU over gloo in `tests/contract`, through `unirl.backends.megatron.cpu_compat`).
 
-VPP (its 4-layer fixture), bf16 and the larger layouts run in `benchmarks/megatron_contract.py`
-(results in `benchmarks/results/megatron_contract_h200.json`).
+bf16 and the larger layouts run in `benchmarks/megatron_contract.py` (results in
+`benchmarks/results/megatron_contract_h200.json`).
 """
 
 import importlib.util
@@ -56,6 +57,8 @@ def test_contract_clauses_fp32(name, prepared):
         device="cuda",
         dtype="fp32",
     )
+    patched = [r["rank"] for r in measured.ranks if "cpu_compat_lines" in r]
+    assert not patched, f"ranks {patched} patched megatron-core for the CPU on a GPU"
     checks = clauses.all_checks(measured, ref, records, clauses.TOLERANCES["fp32"])
     failed = [c.describe() for items in checks.values() for c in items if not c.ok]
     assert not failed, "\n".join(failed[:20])

@@ -7,8 +7,8 @@ config, the core attention), `varlen_attention` (causal attention over packed se
 context parallel), `convert` / `hf_io` (HF weights in and out), `packed` (microbatches as THD
 model inputs, the default) and `padded` (as right-padded rows), `schedule` (one call of
 megatron's pipeline schedule, the loss factor), `optimizer`
-(DDP, optimizer, LR schedule), `checkpoint` (distributed checkpointing), `backend`
-(`MegatronBackend`).
+(DDP, optimizer, LR schedule), `checkpoint` (distributed checkpointing), `cpu_compat`
+(megatron-core's CUDA-only lines, patched on the CPU only), `backend` (`MegatronBackend`).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ go to core's `token_logprobs` (TP all-reduces of per-token statistics only, neve
 vocabulary) and then to core's loss. The only loss arithmetic here is `schedule.loss_scale`, the
 factor that cancels megatron's mean over microbatches and data-parallel ranks.
 
-Megatron's schedules, DDP and optimizer allocate on the GPU: without CUDA the backend still builds
-(model chunks, weights, topology, reference) and exports weights, and every schedule- or
-optimizer-based method raises, saying to use backend: deepspeed on the CPU.
+On the CPU (gloo) the same megatron-core schedules, DDP and optimizer run, with the few
+CUDA-only lines of megatron-core patched by `cpu_compat` (installed only when the device is the
+CPU; on a GPU nothing is patched).
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
-from unirl.backends.megatron import checkpoint, schedule
+from unirl.backends.megatron import checkpoint, cpu_compat, schedule
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
 from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
 from unirl.backends.megatron.schedule import (
     ScheduledMicrobatch,
-    require_cuda,
     run_schedule,
     schedule_config,
     schedule_items,
@@ -120,6 +119,8 @@ class MegatronBackend(EngineBackend):
         self.packed = cfg.backend_options.attention == "packed"
         self._process_group = init_process_group(cfg.parallel)
         self.device = self._process_group.device
+        if self.device.type == "cpu":
+            cpu_compat.install()  # megatron-core's CUDA-only lines, on the CPU only
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)
@@ -131,14 +132,9 @@ class MegatronBackend(EngineBackend):
         self._steps_done = 0
         self._grads_pending = False
         self._closed = False
-        self.ddp: list[Any] = []
-        self.optimizer: Any = None
-        if self.device.type == "cuda":
-            self.ddp = wrap_ddp(self.chunks, cfg)
-            self.optimizer = build_optimizer(self.ddp, cfg)
-            self._zero_grads()
-        else:
-            logger.info("no CUDA: the Megatron backend is built for export only (%s)", cfg.backend)
+        self.ddp: list[Any] = wrap_ddp(self.chunks, cfg)
+        self.optimizer: Any = build_optimizer(self.ddp, cfg)
+        self._zero_grads()
         if needs_reference:
             self._reference_chunks()
 
@@ -199,7 +195,6 @@ class MegatronBackend(EngineBackend):
 
     def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
         microbatches, role, spec, progress = run.microbatches, run.role, run.spec, run.progress
-        require_cuda("forward_logprobs")
         if not microbatches:
             return []
         if role == "policy":
@@ -249,7 +244,6 @@ class MegatronBackend(EngineBackend):
             run.spec,
             run.progress,
         )
-        require_cuda("forward_backward")
         if self._grads_pending:
             raise RuntimeError(
                 "forward_backward called twice without optimizer_step: megatron's schedule "
@@ -306,7 +300,6 @@ class MegatronBackend(EngineBackend):
 
     def optimizer_step(self) -> OptimizerStepStats:
         """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
-        require_cuda("optimizer_step")
         lr = apply_schedule(self.optimizer, self.cfg, self._steps_done, self.total_optimizer_steps)
         applied, grad_norm, _ = self.optimizer.step()
         norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -322,7 +315,6 @@ class MegatronBackend(EngineBackend):
     # -- state -------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
-        require_cuda("save_checkpoint")
         checkpoint.save_checkpoint(
             Path(path),
             self.ddp,
@@ -333,7 +325,6 @@ class MegatronBackend(EngineBackend):
         )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        require_cuda("load_checkpoint")
         client, self._steps_done = checkpoint.load_checkpoint(
             Path(path), self.ddp, self.optimizer, self.topology
         )

@@ -55,16 +55,20 @@ PLUGIN = BackendPlugin(
     check=check,
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",
-    # packed sequences (the default) everywhere; the padded form once, and context parallel
-    # (packed only). pp2 with vpp2 needs 4 layers; the fixture model has 2.
+    # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).
+    # Packed sequences (the default) everywhere; the padded form on one process and under the
+    # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's
+    # 4 layers on each virtual stage.
     layouts=(
         ContractLayout.of("tp1-pp1-dp1", 1),
         ContractLayout.of("padded", 1, options={"attention": "padded"}),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
         ContractLayout.of("pp2", 2, pp=2),
+        ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2),
+        ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),
         ContractLayout.of("cp2", 2, cp=2),
         ContractLayout.of("zero1-dp2", 2, zero_stage=1),
+        ContractLayout.of("tp2-pp2", 4, tp=2, pp=2),
     ),
-    needs_cuda="Megatron's pipeline schedules need CUDA",
 )

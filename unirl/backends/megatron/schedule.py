@@ -45,11 +45,6 @@ from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.run.config import ParallelConfig
 from unirl.core.topology import Topology
 
-CUDA_REQUIRED = (
-    "Megatron's pipeline schedules need CUDA (megatron-core allocates their buffers on the GPU); "
-    "use backend: deepspeed on the CPU"
-)
-
 
 def schedule_config(parallel: ParallelConfig) -> dict[str, Any]:
     """TransformerConfig fields for the schedule.
@@ -64,11 +59,6 @@ def schedule_config(parallel: ParallelConfig) -> dict[str, Any]:
     if parallel.vpp is not None and parallel.vpp > 1 and parallel.pp == 2:
         return {"batch_p2p_comm": False}
     return {}
-
-
-def require_cuda(what: str) -> None:
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"MegatronBackend.{what}: {CUDA_REQUIRED}")
 
 
 @attrs.frozen(kw_only=True)
