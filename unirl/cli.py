@@ -1,30 +1,40 @@
 """The `unirl` command.
 
     unirl check CONFIG [--set key.path=value ...] [--world-size N] [--json]
-    unirl train CONFIG [--set key.path=value ...] [--rollouts FILE] [--resume]
+    unirl train CONFIG [--set key.path=value ...] [--rollouts FILE] [--resume | --overwrite]
     unirl plot RUN_DIR [--out FILE.png]
 
 `check` validates a config and explains what a run would do: the resolved config, the parallel
 layout, the microbatch plan and the old-log-prob decision with its reasons. `train` runs the RL
 job (under torchrun / the deepspeed launcher for several processes). `plot` draws the reward and
-loss curves of a run. A bad config or bad rollout data exits with status 2 and a message naming
-the key or the sample.
+loss curves of a run. Every expected failure (a bad config or bad rollout data, a directory
+that holds another run or cannot be written, a full disk, a hung rank, a run whose numbers stopped
+being finite) exits with status 2 and one line ``unirl: error: ...`` naming the key, file or
+sample and the fix; ``--debug`` adds the traceback. Any other exception is a bug in unirl and
+shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from unirl.core.errors import UnirlError
-from unirl.core.old_logprobs import decide_old_logprobs
-from unirl.core.run.config import UnirlConfig, load_config
+from unirl.core.errors import CollectiveTimeoutError, UnirlError
+from unirl.cpu_threads import apply_cpu_thread_defaults
+
+if TYPE_CHECKING:
+    from unirl.core.run.config import UnirlConfig
+
+# torch is imported inside the commands, after `apply_cpu_thread_defaults` has set OpenMP's
+# environment (read once, when torch loads its OpenMP runtime).
 
 logger = logging.getLogger("unirl")
 
@@ -50,6 +60,8 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
+    from unirl.core.old_logprobs import decide_old_logprobs
+
     decision = decide_old_logprobs(cfg)
     lay, p = cfg.layout, cfg.parallel
     return {
@@ -87,7 +99,11 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from unirl.core.run.config import load_config
+    from unirl.rollouts.check import check_rollout_config
+
     cfg = load_config(args.config, args.set, world_size=args.world_size)
+    check_rollout_config(cfg)
     report = check_report(cfg)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
@@ -98,12 +114,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from unirl.core.run.config import load_config
     from unirl.train import train, with_rollout_file
 
     cfg = load_config(args.config, args.set)
     if args.rollouts:
         cfg = with_rollout_file(cfg, args.rollouts)
-    summary = train(cfg, resume=args.resume)
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if not summary.reporting:
         return 0
     reward = summary.last_metrics.get("reward/mean")
@@ -140,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     # the deepspeed launcher passes --local_rank=N before the command; the backend reads the
     # LOCAL_RANK environment variable instead
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an expected error too"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate a config and explain its decisions")
     check.add_argument("config", help="YAML config file")
@@ -158,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(train)
     train.add_argument("--rollouts", metavar="FILE", help="train on rollouts from a JSONL file")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete a previous run in logging.run_dir (metrics, checkpoints, export) first",
+    )
     train.set_defaults(func=_cmd_train)
 
     plot = sub.add_parser("plot", help="plot reward and loss curves of a run (needs matplotlib)")
@@ -171,12 +196,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    apply_cpu_thread_defaults()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except UnirlError as exc:
-        sys.stderr.write(f"unirl: error: {exc}\n")
+    except (UnirlError, OSError) as exc:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"unirl: error: {_one_line(exc)}\n")
+        if isinstance(exc, CollectiveTimeoutError):
+            from unirl.backends.watchdog import exit_now
+
+            exit_now(2)  # a process group with a pending collective cannot be torn down
         return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("unirl: interrupted\n")
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message of an expected error. An OSError outside the paths unirl checks up front
+    (a disk that fills mid-run, a file removed under it) names the file and the fix."""
+    if isinstance(exc, UnirlError):
+        return str(exc)
+    assert isinstance(exc, OSError)
+    where = f" ({exc.filename})" if exc.filename else ""
+    fix = _OS_FIXES.get(exc.errno or 0, "check the path and run again (--resume continues a run)")
+    return f"{exc.strerror or exc}{where}; {fix}"
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "the disk is full: free space and run again with --resume",
+    errno.EDQUOT: "the disk quota is used up: free space and run again with --resume",
+    errno.EFBIG: "a file grew past the allowed size: raise the limit and run again with --resume",
+    errno.EACCES: "make the path writable (or choose another) and run again",
+    errno.EROFS: "the filesystem is read-only: choose another directory",
+}
 
 
 if __name__ == "__main__":

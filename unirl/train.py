@@ -17,12 +17,16 @@ import attrs
 import torch.distributed as dist
 import yaml
 
-from unirl.backends import build_backend
+from unirl.backends import build_backend, watchdog
+from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
 from unirl.core.run import checkpointing
+from unirl.core.run import run_dir as run_dirs
 from unirl.core.run.algorithm import needs_reference
 from unirl.core.run.config import UnirlConfig, config_from_dict
+from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.progress import RunProgress, progress_enabled
+from unirl.core.run.resume import check_resume_fits
 from unirl.core.step import RLStep
 
 logger = logging.getLogger(__name__)
@@ -52,12 +56,45 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def train(cfg: UnirlConfig, *, resume: bool = False) -> RunSummary:
+def _same_on_every_rank(value: str) -> str:
+    """Rank 0's `value` on every rank (the run id must be one per run)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
+    return value
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) -> RunSummary:
+    """Run the job. `resume` continues the run in ``logging.run_dir`` from its newest verified
+    checkpoint; `overwrite` deletes a previous run there first. Without either, a directory that
+    holds another run is refused (`ConfigError`) before anything is built or written."""
     from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
+    from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
 
     run_dir = Path(cfg.logging.run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    # Before any work: the directories can be written, and they hold no other run.
+    run_dirs.check_writable(run_dir, "logging.run_dir")
+    run_dirs.check_writable(
+        ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
+    )
+    for key, value in (("model.path", cfg.model.path), ("model.ref_path", cfg.model.ref_path)):
+        if value is not None and not Path(value).is_dir():
+            raise ConfigError(
+                f"{key}={value!r} is not a directory; give a local Hugging Face model folder "
+                "(config.json and weights)"
+            )
+    resumed_id = run_dirs.claim(run_dir, ckpt_root, resume=resume, overwrite=overwrite)
+    found = checkpointing.latest_complete(ckpt_root) if resume else None
+    if found is not None:
+        check_resume_fits(found[1], cfg, run_id=resumed_id)
     source = build_rollout_source(cfg)
+    hook = load_postprocess_hook(cfg)
     total = cfg.train.rl_steps
     if source.num_rollouts is not None and source.num_rollouts < total:
         logger.info(
@@ -72,10 +109,16 @@ def train(cfg: UnirlConfig, *, resume: bool = False) -> RunSummary:
         needs_reference=needs_reference(cfg),
     )
     topo = backend.topology
+    timed_out = False
     try:
+        run_id = _same_on_every_rank(resumed_id or run_dirs.new_run_id())
+        if _is_rank0():
+            if overwrite:
+                run_dirs.clear_previous_run(run_dir, ckpt_root)
+            run_dirs.write_run_id(run_dir, run_id)
+        _barrier()
         start, resumed_from = 0, None
         if resume:
-            found = checkpointing.latest_complete(ckpt_root)
             if found is not None:
                 resumed_from, path = found
                 client = backend.load_checkpoint(path)
@@ -96,19 +139,27 @@ def train(cfg: UnirlConfig, *, resume: bool = False) -> RunSummary:
         )
         source.sync_weights(backend.hf_state_dict())
         rl_step = RLStep(cfg, backend)
+        guard = DivergenceGuard(cfg.train.max_consecutive_skipped_steps)
         metrics: dict[str, float] = {}
         bars = progress_enabled(cfg.progress.enabled)
         with RunProgress(total, topo, bars, initial=start, show=RUN_BAR_KEYS) as bar:
             for k in range(start, total):
                 batch = source.next_rollout(k)
+                if hook is not None:
+                    batch = apply_postprocess_hook(
+                        hook, batch, k, str(cfg.algorithm.rollout_postprocess_hook)
+                    )
                 result = rl_step.run(batch, rl_step=k)
                 metrics = result.metrics | {"old_logprobs/source": result.decision.source}
-                source.sync_weights(backend.hf_state_dict())
+                weights = backend.hf_state_dict()
                 if metrics_log is not None:
                     metrics_log.write(k + 1, metrics)
+                guard.after_step(k + 1, metrics, weights)  # before any sync, save or export
+                source.sync_weights(weights)
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
-                    _save(backend, ckpt_root, done, cfg, source, topo.is_reporting_rank)
+                    with bar.excluded():  # a save is not a step: keep it out of the ETA
+                        _save(backend, ckpt_root, done, cfg, source, run_id, topo.is_reporting_rank)
                 bar.advance(metrics)
         export = None
         if cfg.checkpoint.export_hf:
@@ -127,17 +178,66 @@ def train(cfg: UnirlConfig, *, resume: bool = False) -> RunSummary:
             hf_export=export,
             reporting=topo.is_reporting_rank,
         )
+    except Exception as exc:
+        if not watchdog.is_collective_timeout(exc):
+            raise
+        timed_out = True  # the process group cannot be torn down: the CLI exits at once
+        killed = watchdog.stop_unresponsive_peers()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveTimeoutError(
+            f"rank {rank}: a collective waited parallel.timeout_s for another rank that stopped "
+            f"answering (hung, stopped or dead; {len(killed)} rank(s) on this host stopped); the "
+            "newest complete checkpoint is intact: fix the cause and run again with --resume "
+            "(raise parallel.timeout_s if a rank is only slow)"
+        ) from exc
     finally:
-        backend.close()
+        if not timed_out:
+            backend.close()
+
+
+def _write_error(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return "a file could not be written: disk full or file size limit reached"
 
 
 def _save(
-    backend: Any, root: Path, done: int, cfg: UnirlConfig, source: Any, reporting: bool
+    backend: Any,
+    root: Path,
+    done: int,
+    cfg: UnirlConfig,
+    source: Any,
+    run_id: str,
+    reporting: bool,
 ) -> None:
     path = checkpointing.step_dir(root, done)
-    client = {"rl_step": done, "config": cfg.to_dict(), "rollout_source": source.state_dict()}
-    backend.save_checkpoint(path, client)  # collective; complete (marker written) on return
+    client = {
+        "rl_step": done,
+        "run_id": run_id,
+        "config": cfg.to_dict(),
+        "rollout_source": source.state_dict(),
+    }
+    try:
+        backend.save_checkpoint(path, client)  # collective; complete (marker written) on return
+    except (OSError, RuntimeError) as exc:
+        # A full disk or a directory made read-only during the run. torch.save reports a
+        # failed write as a RuntimeError of its zip writer (inline_container.cc), without the
+        # errno; any other RuntimeError is not ours to reword.
+        if not isinstance(exc, OSError) and "inline_container" not in str(exc):
+            raise
+        # The half-written folder is a .partial that resume never picks; the newest complete
+        # checkpoint is untouched.
+        latest = checkpointing.latest_complete(root)
+        keep = (
+            f"the newest complete checkpoint {latest[1]} is intact"
+            if latest
+            else "no earlier checkpoint exists"
+        )
+        raise RunError(
+            f"writing checkpoint {path} failed ({_write_error(exc)}); {keep}. Free disk space "
+            "(or fix the directory) and run again with --resume"
+        ) from exc
     if reporting:
-        checkpointing.prune(root, cfg.checkpoint.keep)
+        checkpointing.prune(root, cfg.checkpoint.keep, run_id)
         logger.info("checkpoint saved: %s", path)
     _barrier()

@@ -108,7 +108,7 @@ def test_lr_schedule_hand_values():
 def test_lr_schedule_errors():
     with pytest.raises(ConfigError, match="warmup_steps=5 leaves no step"):
         check_schedule(OptimizerConfig(lr_schedule="cosine", warmup_steps=5), total_steps=5)
-    with pytest.raises(ConfigError, match=r"min_lr_ratio=1\.5"):
+    with pytest.raises(ConfigError, match=r"min_lr_ratio must be >= 0 and <= 1, got 1\.5"):
         check_schedule(OptimizerConfig(min_lr_ratio=1.5), total_steps=5)
     with pytest.raises(ConfigError, match="total optimizer steps=0"):
         check_schedule(OptimizerConfig(), total_steps=0)

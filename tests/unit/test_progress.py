@@ -314,17 +314,58 @@ def test_run_bar_show_selects_metrics():
 
 def test_run_quiet_logs_eta_from_this_runs_steps(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    # Resumed at step 3 of 10, started at t=0.
-    # t=6:  1 step in 6 s -> 6 s/step; 10 - 4 = 6 steps left -> 36 s.
-    # t=10: 2 steps in 10 s -> 5 s/step; 10 - 5 = 5 steps left -> 25 s.
-    clock = FakeClock([0.0, 6.0, 10.0])
+    # Resumed at step 3 of 10, started at t=0. The first step of a process is warm-up: it is
+    # the estimate only until a steady step exists.
+    # t=6:  warm-up step of 6 s -> 6 s/step; 10 - 4 = 6 steps left -> 36 s.
+    # t=8:  first steady step, 2 s -> 2 s/step (warm-up left out); 5 left -> 10 s.
+    clock = FakeClock([0.0, 6.0, 8.0])
     with RunProgress(10, Topology(), enabled=False, initial=3, clock=clock) as run:
         run.advance({"reward": 0.5})
         run.advance({})
     assert [r.getMessage() for r in caplog.records] == [
         "step 4/10 (40%): 6.00 s/step, ETA 0:00:36 | reward=0.5",
-        "step 5/10 (50%): 5.00 s/step, ETA 0:00:25",
+        "step 5/10 (50%): 2.00 s/step, ETA 0:00:10",
     ]
+
+
+def test_run_rate_follows_recent_steps_and_leaves_out_checkpoints(caplog):
+    # finding 9: a mean since the start let warm-up and checkpoint saves inflate the ETA
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    times = [
+        0.0,  # start
+        30.0,  # step 1: 30 s of warm-up
+        31.0,  # step 2: 1 s
+        32.0,  # step 3: 1 s
+        33.0, 53.0,  # step 4 ends at 33, then a 20 s checkpoint save (excluded)
+        53.0,  # step 4 counted: 33 - 32 = 1 s
+        55.0,  # step 5: 2 s -> EMA 1 + 0.3 * (2 - 1) = 1.3
+        57.0,  # step 6: 2 s -> 1.3 + 0.3 * (2 - 1.3) = 1.51
+    ]  # fmt: skip
+    clock = FakeClock(times)
+    with RunProgress(60, Topology(), enabled=False, clock=clock) as run:
+        for step in range(1, 7):
+            if step == 4:
+                with run.excluded():
+                    pass
+            run.advance({})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "step 1/60 (2%): 30.00 s/step, ETA 0:29:30",  # only the warm-up so far: 59 x 30 s
+        "step 2/60 (3%): 1.00 s/step, ETA 0:00:58",
+        "step 3/60 (5%): 1.00 s/step, ETA 0:00:57",
+        "step 4/60 (7%): 1.00 s/step, ETA 0:00:56",
+        "step 5/60 (8%): 1.30 s/step, ETA 0:01:12",  # 55 x 1.3 = 71.5 -> 72
+        "step 6/60 (10%): 1.51 s/step, ETA 0:01:22",  # 54 x 1.51 = 81.54
+    ]
+
+
+def test_run_bar_shows_the_same_rate(spy_tqdm):
+    stream = FakeTTY()
+    clock = FakeClock([0.0, 10.0, 12.0])
+    with RunProgress(5, Topology(), stream=stream, clock=clock) as run:
+        run.advance({"reward": 0.5})
+        run.advance({"reward": 0.5})
+    assert "ETA 0:00:06, 2.00 s/step | reward=0.5" in stream.getvalue()
 
 
 def test_run_initial_past_total_is_a_config_error():

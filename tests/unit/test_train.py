@@ -2,6 +2,7 @@
 (DeepSpeed, one process), its outputs, resume, and training on a rollout file."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,13 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def _run_train_in_subprocess(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    # a fresh process per run: DeepSpeed keeps process-global state
+    # a fresh process per run: DeepSpeed keeps process-global state; the repository root on the
+    # path so that the `tests.unit.custom_hooks` hooks import
+    root = str(Path(__file__).parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, "-m", "unirl.cli", "train", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=600,
+        cwd=cwd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
 
 
@@ -94,13 +98,17 @@ def test_train_on_rollout_file(tmp_path):
     proc = _run_train_in_subprocess(
         [str(EXAMPLES / "tiny_grpo.yaml"), "--rollouts", str(EXAMPLES / "tiny_rollouts.jsonl"),
          "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.tensorboard=false",
-         "--set", "algorithm.rollout_correction.mode=tis"],
+         "--set", "algorithm.rollout_correction.mode=tis",
+         # issue 15 finding 3: the hook is called on every rollout (it zeroes the rewards)
+         "--set", "algorithm.rollout_postprocess_hook=tests.unit.custom_hooks:zero_rewards_hook",
+         "--set", "algorithm.rollout_postprocess_hook_reads_logprobs=false"],
         tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     # the file holds 2 rollouts of 128 samples: 2 RL steps, then a checkpoint and the export
     assert [r["step"] for r in rows] == [1, 2]
+    assert [r["reward/mean"] for r in rows] == [0.0, 0.0]  # the file's rewards are not all 0
     assert "is_weight_mean" in rows[0] and "train_rollout_logprob_abs_diff" in rows[0]
     assert (tmp_path / "run" / "checkpoints" / "step_0000002" / "complete").is_file()
     assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()

@@ -17,11 +17,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from unirl.backends.watchdog import record_peers
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import ParallelConfig
 
-# How long a collective may wait for the other ranks before the run fails.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a collective may wait for the other ranks before the run fails, when
+# parallel.timeout_s is not set: minutes on the CPU, longer on GPUs (NCCL's first collectives and
+# large checkpoint saves, during which the other ranks wait in a barrier, can take minutes).
+DEFAULT_TIMEOUT_S = {"gloo": 300.0, "nccl": 1800.0}
 
 
 @attrs.frozen(kw_only=True)
@@ -69,12 +72,31 @@ def init_process_group(parallel: ParallelConfig) -> ProcessGroupSetup:
             # No launcher: an in-memory store needs no address or port.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
-            dist.init_process_group(
-                backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
-            )
+            timeout = collective_timeout(parallel, backend)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            _timeout_for_new_groups(timeout)
+            record_peers()  # so that a rank that times out can stop a hung one (watchdog)
     return ProcessGroupSetup(
         rank=rank, world_size=world, local_rank=local_rank, device=device, owns_process_group=owns
     )
+
+
+def collective_timeout(parallel: ParallelConfig, backend: str) -> datetime.timedelta:
+    """How long a collective of this run may wait: ``parallel.timeout_s``, else the default of
+    the communication backend (``"gloo"`` or ``"nccl"``)."""
+    return datetime.timedelta(seconds=parallel.timeout_s or DEFAULT_TIMEOUT_S[backend])
+
+
+def _timeout_for_new_groups(timeout: datetime.timedelta) -> None:
+    """Groups the engines create later (DeepSpeed's data-parallel group, Megatron's model-parallel
+    groups) do not inherit the default group's timeout: ``new_group(timeout=None)`` takes torch's
+    module default (30 minutes), and a rank that hangs in their collectives (gradient all-reduce)
+    would hang the job that long. torch keeps that default in a module global of
+    `torch.distributed.distributed_c10d`; set it for this process."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def destroy_process_group(setup: ProcessGroupSetup) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.core.errors import ConfigError
+from unirl.core.errors import ConfigError, RunError
 
 
 @attrs.frozen(kw_only=True)
@@ -151,6 +151,12 @@ class Sampler:
 
     def _draw(self, logp_bv: torch.Tensor) -> torch.Tensor:
         probs = top_p_filter(logp_bv.exp(), self.top_p)
+        if bool(torch.isnan(probs).any()):  # one sync per token; the loop syncs anyway
+            raise RunError(
+                "the policy's next-token distribution holds NaN: its weights diverged (see "
+                "grad_norm and lr in metrics.jsonl); lower optimizer.lr or keep "
+                "optimizer.grad_clip set, then --resume from the newest checkpoint"
+            )
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
     def _generate_equal_length(self, ids_bp: torch.Tensor) -> list[Generation]:

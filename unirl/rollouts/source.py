@@ -85,9 +85,11 @@ class _JsonlReader:
         if self.count % rollout_size:
             self.leftover_location = self.starts.pop()[1]
 
-    def read(self, index: int) -> list[RolloutSample]:
+    def read(self, index: int) -> tuple[list[RolloutSample], list[str]]:
+        """The samples of rollout `index` and where each one is ("FILE line N")."""
         offset, line_number = self.starts[index]
         samples: list[RolloutSample] = []
+        origins: list[str] = []
         with open(self.path, "rb") as f:
             f.seek(offset)
             while len(samples) < self.rollout_size:
@@ -95,14 +97,15 @@ class _JsonlReader:
                 assert line, "the scan counted more records than the file holds"
                 if line.strip():
                     samples.append(self._parse(line, line_number))
+                    origins.append(f"{self.path} line {line_number}")
                 line_number += 1
-        return samples
+        return samples, origins
 
     def _parse(self, line: bytes, line_number: int) -> RolloutSample:
         where = f"{self.path} line {line_number}"
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except ValueError as err:  # bad JSON, bad UTF-8, an integer past Python's digit limit
             raise RolloutDataError(
                 f"{where}: not valid JSON ({err}); write one JSON object per line"
             ) from None
@@ -133,7 +136,7 @@ class _ParquetReader:
         self.last_location = self.count
         self.leftover_location = full * rollout_size + 1 if self.count % rollout_size else 0
 
-    def read(self, index: int) -> list[RolloutSample]:
+    def read(self, index: int) -> tuple[list[RolloutSample], list[str]]:
         first = index * self.rollout_size
         rows = self.table.slice(first, self.rollout_size).to_pylist()
         samples = []
@@ -142,7 +145,8 @@ class _ParquetReader:
                 samples.append(RolloutSample.from_record(row))
             except RolloutDataError as err:
                 raise RolloutDataError(f"{self.path} row {first + i + 1}: {err}") from None
-        return samples
+        origins = [f"{self.path} row {first + i + 1}" for i in range(len(samples))]
+        return samples, origins
 
 
 # -- the file source -------------------------------------------------------------------------
@@ -204,9 +208,9 @@ class FileRolloutSource:
                 f"before rl_step {rl_step}. Lower train.rl_steps to {self.num_rollouts} or "
                 "write more rollouts"
             )
-        samples = r.read(self._next)
+        samples, origins = r.read(self._next)
         self._next += 1
-        return RolloutBatch(tuple(samples))
+        return RolloutBatch(tuple(samples), origins=tuple(origins))
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Nothing to update: the file's samples are fixed."""

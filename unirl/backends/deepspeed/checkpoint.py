@@ -9,8 +9,9 @@ Layout of ``<path>/`` (on a filesystem every rank sees)::
     rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
     complete               written last, by rank 0, after every rank has finished
 
-Every rank writes into ``<path>.partial``; after a barrier rank 0 writes ``complete`` and renames
-the folder to ``<path>`` (one rename: readers see all or nothing). Loading refuses a folder
+Every rank writes into ``<path>.partial``; after a barrier rank 0 syncs every file to disk, writes
+``complete`` (with every file's size) and renames the folder to ``<path>`` (one rename: readers
+see all or nothing). Loading refuses a folder
 without ``complete``. With the same world size and ZeRO stage, a resumed run on the CPU is
 bit-exact: the same weights, optimizer moments, learning rate and random streams.
 """
@@ -59,6 +60,7 @@ def save_checkpoint(
             partial,
             path,
             {"world_size": world_size, "zero_stage": engine.zero_optimization_stage()},
+            client_state=client_state,
         )
     dist.barrier()
 

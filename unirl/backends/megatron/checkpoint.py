@@ -155,7 +155,7 @@ def save_checkpoint(
         torch.save(meta, partial / META)
     dist.barrier()
     if topology.rank == 0:
-        publish(partial, path, layout_of(topology))
+        publish(partial, path, layout_of(topology), client_state=client_state)
     dist.barrier()
 
 

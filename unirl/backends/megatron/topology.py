@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from unirl.backends.process_group import collective_timeout
 from unirl.core.run.config import ParallelConfig
 from unirl.core.topology import ProcessGroups, Topology
 
@@ -11,17 +13,19 @@ from unirl.core.topology import ProcessGroups, Topology
 def initialize_parallel_state(parallel: ParallelConfig) -> None:
     """Create Megatron's process groups from unirl's parallel config (dp is derived)."""
     if not ps.model_parallel_is_initialized():
+        # megatron gives its groups their own timeout (30 minutes by default): use the run's
+        # parallel.timeout_s so that a hung rank fails the job within that bound here too
+        timeout = collective_timeout(parallel, dist.get_backend())
         ps.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
             virtual_pipeline_model_parallel_size=parallel.vpp,
             context_parallel_size=parallel.cp,
+            distributed_timeout_minutes=timeout.total_seconds() / 60,
         )
 
 
 def topology_from_parallel_state() -> Topology:
-    import torch.distributed as dist
-
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     return Topology(
         world_size=dist.get_world_size(),

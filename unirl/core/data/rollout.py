@@ -57,7 +57,10 @@ _MAX_LISTED_PROBLEMS = 20
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str() (4300 digits by default)
+        return f"{type(value).__name__} of {value.bit_length()} bits"
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
@@ -76,6 +79,18 @@ def _is_int(v: Any) -> bool:
 
 def _fits_int64(v: Any) -> bool:
     return _is_int(v) and -(2**63) <= v < 2**63
+
+
+def _is_finite_float(v: Any) -> bool:
+    """A real number that float() can hold: a huge JSON integer (1e400 written as digits) would
+    raise OverflowError deep in a tensor constructor."""
+    if not _is_real(v):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
 
 
 def _is_int_dtype(dtype: torch.dtype) -> bool:
@@ -122,6 +137,9 @@ def _token_converter(field: str) -> Callable[[Any], torch.Tensor]:
         _check_sequence(field, value, want)
         if not len(value):
             return torch.zeros(0, dtype=torch.long)
+        if any(isinstance(v, bool) for v in value):
+            # torch.tensor([True, 3]) is an int64 tensor [1, 3]: a bool would train as token 1
+            raise _first_bad_element(field, value, _fits_int64, want)
         try:
             tensor = torch.tensor(value)
         except (TypeError, ValueError, RuntimeError):
@@ -173,8 +191,8 @@ def _float_converter(field: str) -> Callable[[Any], torch.Tensor | None]:
             _check_1d(field, value)
             return value.detach().to(device="cpu", dtype=torch.float32)
         _check_sequence(field, value, want)
-        if not all(_is_real(v) for v in value):
-            raise _first_bad_element(field, value, _is_real, want)
+        if not all(_is_finite_float(v) for v in value):
+            raise _first_bad_element(field, value, _is_finite_float, want)
         return torch.tensor([float(v) for v in value], dtype=torch.float32)
 
     return convert
@@ -189,12 +207,13 @@ def _scalar(field: str, value: Any, ok: Callable[[Any], bool], want: str) -> Any
 
 
 def _convert_reward(value: Any) -> float:
-    return float(_scalar("reward", value, _is_real, "give one number per sample"))
+    want = "give one finite number per sample (a float holds magnitudes up to about 1.8e308)"
+    return float(_scalar("reward", value, _is_finite_float, want))
 
 
 def _convert_group_id(value: Any) -> int:
-    want = "give an int naming the prompt this response answers"
-    return int(_scalar("group_id", value, _is_int, want))
+    want = "give an int in [-2**63, 2**63) naming the prompt this response answers"
+    return int(_scalar("group_id", value, _fits_int64, want))
 
 
 def _convert_metadata(value: Any) -> dict[str, Any]:
@@ -399,6 +418,14 @@ class RolloutBatch:
     """All samples of one RL step. Call `validate` once before planning microbatches."""
 
     samples: tuple[RolloutSample, ...] = attrs.field(converter=_samples_tuple)
+    # Where each sample came from (e.g. "rollouts.jsonl line 17"), so that validation errors
+    # point at the line to fix; None for batches built in memory.
+    origins: tuple[str, ...] | None = attrs.field(default=None, eq=False, kw_only=True)
+
+    def _label(self, i: int) -> str:
+        if self.origins is None:
+            return f"sample {i}"
+        return f"sample {i} ({self.origins[i]})"
 
     @classmethod
     def from_records(cls, records: Sequence[Mapping[str, Any]]) -> RolloutBatch:
@@ -434,10 +461,14 @@ class RolloutBatch:
                 raise RolloutDataError(f"validate: {name} must be a positive int, got {value!r}")
         if not self.samples:
             raise RolloutDataError("RolloutBatch has no samples; the rollout produced nothing")
+        if self.origins is not None and len(self.origins) != len(self.samples):
+            raise RolloutDataError(
+                f"RolloutBatch has {len(self.samples)} samples but {len(self.origins)} origins"
+            )
         problems: list[str] = []
         for i, sample in enumerate(self.samples):
             problems.extend(
-                f"sample {i}: {p}" for p in _sample_problems(sample, vocab_size, max_seq_len)
+                f"{self._label(i)}: {p}" for p in _sample_problems(sample, vocab_size, max_seq_len)
             )
         problems.extend(self._presence_problems())
         problems.extend(self._group_problems(samples_per_prompt))
@@ -460,7 +491,7 @@ class RolloutBatch:
             if any(have) and not all(have):
                 first_missing = have.index(False)
                 problems.append(
-                    f"sample {first_missing}: field '{name}' is missing but {sum(have)} other "
+                    f"{self._label(first_missing)}: field '{name}' is missing but {sum(have)} other "
                     f"samples have it; give it for every sample or for none"
                 )
         return problems
@@ -474,7 +505,7 @@ class RolloutBatch:
             if len(indices) != samples_per_prompt:
                 listed = ", ".join(map(str, indices[:10])) + (", ..." if len(indices) > 10 else "")
                 problems.append(
-                    f"sample {indices[0]}: field 'group_id' = {group_id} is shared by "
+                    f"{self._label(indices[0])}: field 'group_id' = {group_id} is shared by "
                     f"{len(indices)} samples ({listed}) but samples_per_prompt is "
                     f"{samples_per_prompt}; every prompt needs exactly samples_per_prompt "
                     "responses (drop incomplete groups or fix samples_per_prompt)"

@@ -26,7 +26,7 @@ from unirl.core.errors import RolloutDataError
 def read_rollouts(path: str | os.PathLike[str]) -> RolloutBatch:
     """Read a JSONL rollout file; a bad line raises `RolloutDataError` naming the file, the
     line number (from 1) and the field."""
-    samples = []
+    samples, origins = [], []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -39,11 +39,17 @@ def read_rollouts(path: str | os.PathLike[str]) -> RolloutBatch:
                     f"{where}: not valid JSON ({err.msg} at column {err.colno}); write one JSON "
                     "object per line"
                 ) from None
+            except ValueError as err:  # e.g. an integer past Python's digit limit
+                raise RolloutDataError(
+                    f"{where}: not valid JSON ({err}); write numbers as JSON numbers of "
+                    "ordinary size"
+                ) from None
             try:
                 samples.append(RolloutSample.from_record(record))
             except RolloutDataError as err:
                 raise RolloutDataError(f"{where}: {err}") from None
-    return RolloutBatch(tuple(samples))
+            origins.append(where)
+    return RolloutBatch(tuple(samples), origins=tuple(origins))
 
 
 def write_rollouts(

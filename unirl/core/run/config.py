@@ -24,21 +24,19 @@ import yaml
 from unirl.core.backend_plugin import BACKENDS
 from unirl.core.data.plan import split_per_rank
 from unirl.core.errors import ConfigError
+from unirl.core.run.validators import (
+    adam_betas,
+    check_hf_config_shape,
+    in_range,
+    non_negative,
+    positive,
+    unit_interval,
+)
 from unirl.core.topology import data_parallel_size
 
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
 Dtype = Literal["fp32", "bf16"]
 Schedule = Literal["constant", "linear", "cosine"]
-
-
-def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value < 0:
-        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
-
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,11 +49,11 @@ class ModelConfig:
     """The policy model: a local Hugging Face folder, or a HF config dict with a seed (random init)."""
 
     path: str | None = None
-    hf_config: dict[str, Any] | None = None
+    hf_config: dict[str, Any] | None = attrs.field(default=None, validator=check_hf_config_shape)
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
-    max_seq_len: int = attrs.field(default=2048, validator=_positive)
+    max_seq_len: int = attrs.field(default=2048, validator=positive)
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
     ref_offload: bool = False
@@ -64,16 +62,21 @@ class ModelConfig:
 @attrs.frozen(kw_only=True)
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"
-    lr: float = attrs.field(default=1e-6, validator=_positive)
+    # Above 1e30 AdamW's first step size, lr / (1 - betas[0]), nears fp32's limit and torch fails.
+    lr: float = attrs.field(
+        default=1e-6,
+        validator=in_range(0, 1e30, low_open=True, why="typical RL values: 1e-7 to 1e-5"),
+    )
     # AdamW's decoupled decay, on matrices only: norms and biases (1-D parameters) are not
     # decayed, as in Megatron-core and the Hugging Face Trainer (every backend does the same).
-    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = attrs.field(default=1e-8, validator=_positive)
-    grad_clip: float | None = 1.0
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), validator=adam_betas)
+    eps: float = attrs.field(default=1e-8, validator=positive)
+    # The max global grad norm; null = no clipping (0 or less is refused: it is not "off").
+    grad_clip: float | None = attrs.field(default=1.0, validator=positive)
     lr_schedule: Schedule = "constant"
-    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
-    min_lr_ratio: float = attrs.field(default=0.0, validator=_non_negative)
+    warmup_steps: int = attrs.field(default=0, validator=non_negative)
+    min_lr_ratio: float = attrs.field(default=0.0, validator=unit_interval)
 
 
 @attrs.frozen(kw_only=True)
@@ -82,23 +85,27 @@ class BatchConfig:
     cut into optimizer steps of ``samples_per_optimizer_step``, each into microbatches by count
     (``micro_batch_size`` samples per rank) or by a token budget (``max_tokens_per_microbatch``)."""
 
-    prompts_per_rollout: int = attrs.field(default=8, validator=_positive)
-    samples_per_prompt: int = attrs.field(default=4, validator=_positive)
-    samples_per_optimizer_step: int = attrs.field(default=32, validator=_positive)
-    micro_batch_size: int | None = attrs.field(default=None, validator=_positive)
-    max_tokens_per_microbatch: int | None = attrs.field(default=None, validator=_positive)
-    epochs_per_rollout: int = attrs.field(default=1, validator=_positive)
+    prompts_per_rollout: int = attrs.field(default=8, validator=positive)
+    samples_per_prompt: int = attrs.field(default=4, validator=positive)
+    samples_per_optimizer_step: int = attrs.field(default=32, validator=positive)
+    micro_batch_size: int | None = attrs.field(default=None, validator=positive)
+    max_tokens_per_microbatch: int | None = attrs.field(default=None, validator=positive)
+    epochs_per_rollout: int = attrs.field(default=1, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
 class ParallelConfig:
-    tp: int = attrs.field(default=1, validator=_positive)
-    pp: int = attrs.field(default=1, validator=_positive)
-    vpp: int | None = attrs.field(default=None, validator=_positive)
-    cp: int = attrs.field(default=1, validator=_positive)
+    tp: int = attrs.field(default=1, validator=positive)
+    pp: int = attrs.field(default=1, validator=positive)
+    vpp: int | None = attrs.field(default=None, validator=positive)
+    cp: int = attrs.field(default=1, validator=positive)
     zero_stage: Literal[0, 1, 2, 3] = 0
     # None: read WORLD_SIZE from the environment (1 without a launcher).
-    world_size: int | None = attrs.field(default=None, validator=_positive)
+    world_size: int | None = attrs.field(default=None, validator=positive)
+    # How long a collective (and so every rank) waits for a rank that stopped answering before
+    # the run fails on every rank; None: 300 s on the CPU (gloo), 1800 s on GPUs (NCCL, whose
+    # first collectives and large checkpoint saves can take minutes).
+    timeout_s: float | None = attrs.field(default=None, validator=positive)
 
 
 # The algorithm sections hold plain values: their names and bounds are checked once, by the
@@ -126,7 +133,7 @@ class AlgorithmConfig:
     advantage_estimator: str = "grpo"
     loss_aggregation: str = "token-mean"  # one of `unirl.core.maths.losses.AGGREGATION_MODES`
     # Dr.GRPO's constant for seq-mean-token-sum-norm; defaults to rollout.max_new_tokens.
-    norm_length: int | None = attrs.field(default=None, validator=_positive)
+    norm_length: int | None = attrs.field(default=None, validator=positive)
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
@@ -146,6 +153,8 @@ class AlgorithmConfig:
     mismatch_metrics: bool = False
     old_actor_snapshot: bool = False
     moe_routing_replay: bool = False
+    # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
+    # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
     # Whether that hook reads log-probs; None = assume it does.
     rollout_postprocess_hook_reads_logprobs: bool | None = None
@@ -161,28 +170,31 @@ class RolloutConfig:
     task: str = "reverse_digits"
     # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
     task_options: dict[str, Any] = attrs.field(factory=dict)
-    temperature: float = attrs.field(default=1.0, validator=_positive)
-    top_p: float = attrs.field(default=1.0, validator=_positive)
-    max_new_tokens: int = attrs.field(default=64, validator=_positive)
+    temperature: float = attrs.field(default=1.0, validator=positive)
+    top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, low_open=True))
+    max_new_tokens: int = attrs.field(default=64, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
 class TrainConfig:
-    rl_steps: int = attrs.field(default=10, validator=_positive)
+    rl_steps: int = attrs.field(default=10, validator=positive)
     seed: int = 0
+    # Stop the run (non-zero exit) after this many optimizer steps in a row were skipped for a
+    # non-finite loss or gradient; 0 = never stop for that (non-finite weights always stop it).
+    max_consecutive_skipped_steps: int = attrs.field(default=3, validator=non_negative)
 
 
 @attrs.frozen(kw_only=True)
 class ProgressConfig:
     enabled: bool = True
-    log_every: int = attrs.field(default=1, validator=_positive)
+    log_every: int = attrs.field(default=1, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
 class CheckpointConfig:
     dir: str | None = None
-    every: int = attrs.field(default=0, validator=_non_negative)
-    keep: int = attrs.field(default=2, validator=_positive)
+    every: int = attrs.field(default=0, validator=non_negative)
+    keep: int = attrs.field(default=2, validator=positive)
     export_hf: bool = True
 
 
@@ -324,8 +336,6 @@ def _check_combinations(cfg: UnirlConfig) -> None:
         )
     if cfg.rollout.source == "file" and not cfg.rollout.file:
         raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
-    if cfg.rollout.top_p > 1:
-        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
 
 
 def _derive_layout(cfg: UnirlConfig) -> Layout:

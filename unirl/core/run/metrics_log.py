@@ -1,12 +1,17 @@
 """Per-step metrics of a run: one JSON object per line in ``metrics.jsonl`` (plot it with
 `unirl plot RUN_DIR` or any JSONL reader), and TensorBoard events when tensorboard is installed
-and enabled. Written by the reporting rank only."""
+and enabled. Written by the reporting rank only.
+
+A killed process or a full disk can leave the last line cut off. Opening the log drops such a
+line (with a warning) before appending, and readers skip it, so a resumed run never glues its
+first record onto half of an old one and never fails to parse the file."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,8 +31,8 @@ class MetricsLog:
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_from_step is not None and self.path.exists():
-            self._truncate_after(resume_from_step)
+        if self.path.exists():
+            self._keep_whole_lines(resume_from_step)
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
@@ -38,13 +43,26 @@ class MetricsLog:
             else:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
-    def _truncate_after(self, step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint: drop them from the log."""
-        kept = []
-        for line in self.path.read_text().splitlines():
-            if line.strip() and json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+    def _keep_whole_lines(self, step: int | None) -> None:
+        """Drop cut-off lines and, on resume, the steps after the checkpoint (the resumed run
+        writes them again). Rewritten through a temporary file and a rename: a crash here
+        leaves the old file or the new one, never half of it."""
+        records, dropped = _parse_lines(self.path.read_bytes())
+        if dropped:
+            logger.warning(
+                "%s: dropped %d cut-off line(s) (a write interrupted by a crash or a full disk)",
+                self.path,
+                dropped,
+            )
+        kept = [line for line, rec in records if step is None or rec.get("step", 0) <= step]
+        if not dropped and len(kept) == len(records):
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as handle:
+            handle.write("".join(f"{line}\n" for line in kept))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -62,5 +80,28 @@ class MetricsLog:
             self._tb.close()
 
 
+def _parse_lines(data: bytes) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """(line, record) of every whole JSON-object line, and how many lines were not whole."""
+    records, dropped = [], 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+            record = json.loads(line)
+        except ValueError:  # cut off mid-line (also mid UTF-8 character)
+            dropped += 1
+            continue
+        if not isinstance(record, dict):
+            dropped += 1
+            continue
+        records.append((line, record))
+    return records, dropped
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every whole record of a metrics file; a cut-off line (a crash mid-write) is skipped."""
+    records, dropped = _parse_lines(Path(path).read_bytes())
+    if dropped:
+        logger.warning("%s: skipped %d cut-off line(s)", path, dropped)
+    return [record for _, record in records]

@@ -23,6 +23,7 @@ microbatch and feeds the postfix::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -35,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from unirl.core.errors import ConfigError
+from unirl.core.run.step_rate import StepRate
 from unirl.core.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -237,9 +239,9 @@ class MicrobatchProgress:
 
 # -- the run-level bar ------------------------------------------------------------------------
 
+# The rate and ETA come from `StepRate` (in the postfix), not tqdm's own mean since the start.
 RUN_BAR_FORMAT = (
-    "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-    "[{elapsed} elapsed, ETA {remaining}, {rate_fmt}{postfix}]"
+    "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed} elapsed{postfix}]"
 )
 
 
@@ -266,9 +268,9 @@ def _format_metrics(metrics: Mapping[str, Any], show: Iterable[str] | None) -> s
 class RunProgress:
     """The run-level bar over RL steps, with elapsed time, ETA and the step's key metrics.
 
-    `initial` is the step a resumed run starts from; the ETA uses only the steps of this run
-    (a mean over them, not a moving average: RL step time swings with response length). With
-    bars off the reporting rank logs one INFO line per step::
+    `initial` is the step a resumed run starts from; the rate and ETA follow the recent steps
+    of this run, leaving out its warm-up step and the time spent in `excluded()` (checkpoint
+    saves, see `StepRate`). With bars off the reporting rank logs one INFO line per step::
 
         step 4/10 (40%): 6.00 s/step, ETA 0:00:36 | reward=0.5 kl=0.01
     """
@@ -291,14 +293,14 @@ class RunProgress:
                 "checkpoint past the configured number of steps needs a larger total_steps"
             )
         self.total_steps = total_steps
-        self._initial = self._step = initial
+        self._step = initial
         self._show = None if show is None else tuple(show)
         self._clock = clock
         self._reporting = topology.is_reporting_rank
         draw = progress_enabled(enabled, stream)
         self._bar: tqdm | None = None
         self._log_steps = self._reporting and not draw
-        self._start = clock()
+        self._rate = StepRate(clock)
         if self._reporting and draw:
             self._bar = tqdm(
                 total=total_steps,
@@ -306,7 +308,6 @@ class RunProgress:
                 desc="RL steps",
                 unit="step",
                 file=sys.stderr if stream is None else stream,
-                smoothing=0,  # ETA from the mean step time of this run
                 mininterval=0,  # draw every step: steps are seconds to minutes apart
                 miniters=1,
                 bar_format=RUN_BAR_FORMAT,
@@ -319,23 +320,28 @@ class RunProgress:
         """RL steps done, counting those before a resume."""
         return self._step
 
+    def excluded(self) -> contextlib.AbstractContextManager[None]:
+        """Time spent inside (a checkpoint save, the export) is left out of the rate."""
+        return self._rate.excluded()
+
     def advance(self, metrics: Mapping[str, Any] | None = None) -> None:
         """One RL step done; `metrics` (name -> number or 0-d tensor) fill the postfix."""
         self._step += 1
+        self._rate.step_done()
         if not self._reporting:
             return
         text = _format_metrics(metrics or {}, self._show)
+        per_step = self._rate.seconds_per_step
+        eta = self._rate.eta(self.total_steps - self._step)
+        assert per_step is not None and eta is not None  # a step was just counted
+        timing = f"ETA {datetime.timedelta(seconds=round(eta))}, {per_step:.2f} s/step"
         if self._bar is not None:
-            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.set_postfix_str(f"{timing} | {text}" if text else timing, refresh=False)
             self._bar.update(1)
             return
-        elapsed = self._clock() - self._start
-        per_step = elapsed / (self._step - self._initial)
-        eta = datetime.timedelta(seconds=round(per_step * max(self.total_steps - self._step, 0)))
         pct = 100.0 * self._step / self.total_steps if self.total_steps else 100.0
-        line = (
-            f"step {self._step}/{self.total_steps} ({pct:.0f}%): {per_step:.2f} s/step, ETA {eta}"
-        )
+        line = f"step {self._step}/{self.total_steps} ({pct:.0f}%): {per_step:.2f} s/step, ETA "
+        line += str(datetime.timedelta(seconds=round(eta)))
         logger.info("%s", f"{line} | {text}" if text else line)
 
     def close(self) -> None:

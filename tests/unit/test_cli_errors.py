@@ -1,0 +1,101 @@
+"""Issue 15, findings 2, 3 and 7: expected failures reach the user as one ``unirl: error:`` line
+naming the key or path and the fix (exit 2), tracebacks only with ``--debug``; `unirl check`
+catches what `train` would only find later (hooks, the task and its options)."""
+
+from pathlib import Path
+
+import pytest
+
+from unirl.cli import main
+
+TINY = str(Path(__file__).parents[2] / "examples" / "tiny_grpo.yaml")
+
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("unirl: error: ")
+    return lines[0]
+
+
+HOOK = "algorithm.rollout_postprocess_hook"
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        # finding 2: these passed `unirl check`; .inf exported NaN weights, the others crashed
+        # `train` with a traceback or (grad_clip < 0) silently turned clipping off
+        ("optimizer.lr=.inf", "optimizer.lr must be a finite number > 0 and <= 1e+30, got inf"),
+        ("optimizer.lr=.nan", "optimizer.lr must be a finite number > 0 and <= 1e+30, got nan"),
+        ("optimizer.lr=1e39", "optimizer.lr must be > 0 and <= 1e+30, got 1e+39"),
+        (
+            "optimizer.betas=[0.9, 1.5]",
+            "optimizer.betas=[0.9, 1.5]: entry 1 (1.5) must be in [0, 1)",
+        ),
+        ("optimizer.betas=[-0.1, 0.9]", "optimizer.betas=[-0.1, 0.9]: entry 0 (-0.1)"),
+        ("optimizer.grad_clip=-1", "optimizer.grad_clip must be > 0, got -1.0"),
+        ("optimizer.eps=.nan", "optimizer.eps must be a finite number > 0, got nan"),
+        ("model.hf_config.vocab_size=-16", "model.hf_config.vocab_size=-16 must be a positive"),
+        ("model.hf_config.hidden_size=130", "model.hf_config.hidden_size=130 is not divisible by"),
+        ("model.hf_config.num_key_value_heads=3", "num_attention_heads=4 is not divisible by"),
+        ("algorithm.dual_clip=.nan", "algorithm.dual_clip must be finite, got nan"),
+        ("algorithm.gamma=1.5", "algorithm.gamma must be in [0, 1], got 1.5"),
+        ("algorithm.entropy_coef=.inf", "algorithm.entropy_coef must be finite, got inf"),
+        ("algorithm.kl_loss.coef=.nan", "algorithm.kl_loss.coef must be finite, got nan"),
+        ("rollout.top_p=.nan", "rollout.top_p must be a finite number > 0 and <= 1, got nan"),
+        ("rollout.temperature=.inf", "rollout.temperature must be a finite number > 0, got inf"),
+        ("parallel.timeout_s=0", "parallel.timeout_s must be > 0, got 0"),
+        ("train.max_consecutive_skipped_steps=-1", "max_consecutive_skipped_steps must be >= 0"),
+    ],
+)
+def test_check_refuses_bad_numbers_naming_the_key(capsys, override, words):
+    line = _error(capsys, ["check", TINY, "--set", override])
+    assert words in line, line
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (f"{HOOK}=nonexistent_mod:fn", "cannot import module 'nonexistent_mod'"),
+        (f"{HOOK}=tests.unit.custom_hooks:missing", "has no callable 'missing'"),
+        (f"{HOOK}=no_colon", "must look like 'package.module:function'"),
+        (
+            f"{HOOK}=tests.unit.custom_hooks:hook_without_rl_step",
+            "cannot be called as hook(batch, *, rl_step)",
+        ),
+        ("rollout.task=reverse_digit", "rollout.task='reverse_digit' is not a registered task"),
+        ("rollout.task_options={max_digitz: 3}", "rollout.task_options={'max_digitz': 3} do not"),
+        ("rollout.max_new_tokens=2", "rollout.max_new_tokens=2 is shorter than the longest"),
+    ],
+)
+def test_check_validates_hooks_and_the_task(capsys, override, words):
+    line = _error(capsys, ["check", TINY, "--set", override])
+    assert words in line, line
+
+
+def test_check_accepts_a_good_hook(capsys):
+    hook = "tests.unit.custom_hooks:zero_rewards_hook"
+    assert main(["check", TINY, "--set", f"{HOOK}={hook}"]) == 0
+
+
+def test_train_errors_before_any_work_are_one_line(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    line = _error(capsys, ["train", TINY, "--set", f"logging.run_dir={blocker}/run"])
+    assert f"logging.run_dir={str(blocker / 'run')!r} is not a writable directory" in line
+    run = f"logging.run_dir={tmp_path / 'run'}"
+    line = _error(capsys, ["train", TINY, "--set", run, "--rollouts", str(tmp_path / "no.jsonl")])
+    assert "rollout.file=" in line and "does not exist" in line
+    line = _error(capsys, ["train", TINY, "--set", run, "--set", "model.path=/no/such/model"])
+    assert "model.path='/no/such/model' is not a directory" in line  # was a Hub repo-id error
+    line = _error(capsys, ["train", TINY, "--set", run, "--resume", "--overwrite"])
+    assert "--resume continues the run" in line
+
+
+def test_debug_shows_the_traceback(capsys, tmp_path):
+    argv = ["--debug", "check", TINY, "--set", f"{HOOK}=nonexistent_mod:fn"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("unirl: error: ")

@@ -1,0 +1,19 @@
+"""What `unirl check` validates about rollouts beyond the config's own types: the task and its
+options build a task whose answers fit the generation budget, and the post-processing hook
+imports with the right signature. `unirl train` meets the same checks when it builds the rollout
+source, but a job should fail at ``check``, before it is queued. A rollout file is not opened
+here: ``check`` plans a job, often on another machine than the one holding the data."""
+
+from __future__ import annotations
+
+from unirl.core.run.config import UnirlConfig
+from unirl.rollouts.build import check_task_lengths
+from unirl.rollouts.postprocess import load_postprocess_hook
+from unirl.rollouts.tasks import make_task
+
+
+def check_rollout_config(cfg: UnirlConfig) -> None:
+    r = cfg.rollout
+    if r.source == "sampler":
+        check_task_lengths(cfg, make_task(r.task, r.task_options))
+    load_postprocess_hook(cfg)

@@ -1,0 +1,56 @@
+"""The rollout post-processing hook (``algorithm.rollout_postprocess_hook``): user code that sees
+every rollout before it is trained on, e.g. to reshape rewards or drop whole groups.
+
+The config names it ``"package.module:function"``; like any plug-in it runs arbitrary user code
+in the training process. Its signature is::
+
+    def hook(batch: RolloutBatch, *, rl_step: int) -> RolloutBatch
+
+It runs on every rank with the same rollout, so it must be deterministic. What it returns is
+validated like any rollout (a hook that breaks the contract stops the step with
+`RolloutDataError` before anything is trained). `unirl check` imports it and checks the
+signature, so a typo fails before a job is queued.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from unirl.core.data.rollout import RolloutBatch
+from unirl.core.errors import ConfigError, RolloutDataError
+from unirl.core.imports import import_callable
+from unirl.core.run.config import UnirlConfig
+
+KEY = "algorithm.rollout_postprocess_hook"
+Hook = Callable[..., RolloutBatch]
+
+
+def load_postprocess_hook(cfg: UnirlConfig) -> Hook | None:
+    """The configured hook, imported and its signature checked; None when none is set."""
+    spec = cfg.algorithm.rollout_postprocess_hook
+    if spec is None:
+        return None
+    fn = import_callable(spec, key=KEY, what="a rollout post-processing hook")
+    try:
+        inspect.signature(fn).bind(RolloutBatch(()), rl_step=0)
+    except TypeError as exc:
+        raise ConfigError(
+            f"{KEY}={spec!r} cannot be called as hook(batch, *, rl_step) ({exc}); define it as "
+            "'def hook(batch: RolloutBatch, *, rl_step: int) -> RolloutBatch'"
+        ) from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): the call itself will tell
+    return fn
+
+
+def apply_postprocess_hook(
+    hook: Hook, batch: RolloutBatch, rl_step: int, spec: str
+) -> RolloutBatch:
+    out = hook(batch, rl_step=rl_step)
+    if not isinstance(out, RolloutBatch):
+        raise RolloutDataError(
+            f"{KEY}={spec!r} returned {type(out).__name__} at rl_step {rl_step}; return a "
+            "RolloutBatch (the batch it was given, changed or not)"
+        )
+    return out
