@@ -35,14 +35,21 @@ class LossOutput:
 
 
 def compute_loss(
-    inp: LossInputs, counts: GlobalCounts, settings: LossSettings, *, validate: bool = True
+    inp: LossInputs,
+    counts: GlobalCounts,
+    settings: LossSettings,
+    *,
+    validate: bool = True,
+    pg_weight: torch.Tensor | None = None,
 ) -> LossOutput:
     """Loss and metrics of one microbatch on this rank.
 
     ``validate`` checks the inputs first (shapes, and one host sync for finiteness); turn it off
     only where the same inputs were validated already. ``inp.entropy`` enters the loss only when
     ``entropy_coef != 0``; otherwise it is only reported, detached. The KL term likewise needs
-    ``ref_logprobs`` only when ``kl_loss_coef != 0``.
+    ``ref_logprobs`` only when ``kl_loss_coef != 0``. ``pg_weight`` ``[T]`` is a per-token weight
+    of the policy-gradient term computed elsewhere (another framework's rollout correction, e.g.
+    verl's ``rollout_is_weights``), applied detached like ``rollout_correction``'s.
     """
     if validate:
         inp.validate()
@@ -62,6 +69,8 @@ def compute_loss(
     metrics.update(correction_metrics)
     if weight_t is not None:
         pg_t = pg_t * weight_t
+    if pg_weight is not None:
+        pg_t = pg_t * pg_weight.detach()
     metrics["pg_loss"] = aggregate_metric(pg_t, inp, counts, mode)
     metrics["ppo_kl"] = token_mean_metric(old - inp.logprobs.detach(), mask)
     if inp.rollout_logprobs is not None:
