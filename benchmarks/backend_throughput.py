@@ -213,7 +213,12 @@ def main() -> None:
         },
         "engines": {},
     }
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # the repository first, then whatever the caller's PYTHONPATH holds (the GPU machine's engine wheels)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
     for engine in [e for e in args.engines.split(",") if e]:
         if args.device == "cpu" and engine in NEEDS_CUDA:
             report["engines"][engine] = {"skipped": NEEDS_CUDA[engine]}
