@@ -8,6 +8,7 @@ The helpers at the top are shared with tests/distributed/test_deepspeed_dp.py.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -257,6 +258,25 @@ def test_forward_logprobs_match_per_sequence_transformers(tiny_folder):
         assert all(lp.dtype == torch.float32 and not lp.requires_grad for lp in got)
     finally:
         backend.close()
+
+
+def test_close_removes_the_launcher_variables_it_set(tiny_folder, monkeypatch):
+    """Without a launcher the backend sets RANK / WORLD_SIZE / LOCAL_RANK for DeepSpeed; left
+    behind after close(), they made accelerate (TRL) in the same process expect a launcher's
+    MASTER_ADDR and fail."""
+    from unirl.backends.deepspeed import build_backend
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    backend = build_backend(make_config(tiny_folder, stage=0), total_optimizer_steps=1)
+    assert {name: os.environ.get(name) for name in names} == {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
+    backend.close()
+    assert [name for name in names if name in os.environ] == []
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

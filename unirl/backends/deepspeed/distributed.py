@@ -114,19 +114,27 @@ def _build_folder() -> str:
     )
 
 
+# Launcher variables `init_distributed` set because no launcher had (name -> value).
+_ENV_SET_HERE: dict[str, str] = {}
+
+
 def init_distributed(parallel: ParallelConfig) -> ProcessGroupSetup:
     """Join or create the default process group (`unirl.backends.process_group`), then DeepSpeed's
     communication backend."""
     import deepspeed
 
     setup = init_process_group(parallel)
-    # DeepSpeed reads these in places (e.g. the engine's local rank).
+    # DeepSpeed reads these in places (e.g. the engine's local rank). Those set here are removed
+    # again by `close_distributed`: left behind, they tell the next library in this process
+    # (accelerate, say) that a launcher started it.
     for name, value in (
         ("RANK", setup.rank),
         ("WORLD_SIZE", setup.world_size),
         ("LOCAL_RANK", setup.local_rank),
     ):
-        os.environ.setdefault(name, str(value))
+        if name not in os.environ:
+            os.environ[name] = str(value)
+            _ENV_SET_HERE[name] = str(value)
     prebuild_shm_op()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     return setup
@@ -139,3 +147,7 @@ def close_distributed(setup: ProcessGroupSetup) -> None:
         import deepspeed.comm
 
         deepspeed.comm.destroy_process_group()
+    for name, value in list(_ENV_SET_HERE.items()):
+        if os.environ.get(name) == value:
+            del os.environ[name]
+        del _ENV_SET_HERE[name]
