@@ -1,16 +1,20 @@
 """CPU thread defaults, applied by the `unirl` command before torch is imported.
 
-OpenMP's default wait policy makes every idle thread of torch's intra-op pool spin for a while
-before sleeping. On a machine where another process wants the same cores (a laptop, a shared
-CI runner, two unirl runs side by side) the spinning threads take the cores from the threads
-doing work. On the project's 2-core machine the tiny example took 0.11 s/step alone, 0.40 s
-beside one busy process and 0.17 s there with ``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep at
-once; measured when the problem was reported); with the machine shared by other test jobs (load average 6-13), torch's default took
-3.7-20 s/step and the passive policy 0.10-0.45 s (``benchmarks/cpu_threads.py``, settings run
-back to back). With several ranks on one host each rank gets its share of the cores instead of
-one pool per rank as wide as the machine.
+torch's intra-op pool is as wide as the machine and OpenMP's idle threads spin before they
+sleep. When another process wants a core (a laptop, a shared CI runner, two unirl runs side by
+side), a pool that needs every core waits at each barrier for a thread the OS has descheduled.
+Measured on the project's 2-core machine, otherwise idle, the tiny example
+(``benchmarks/cpu_threads.py --steps 20``, s/step alone / beside one busy process):
 
-Anything the user set wins; ``UNIRL_CPU_THREADS=off`` leaves the environment alone.
+- torch's default (2 threads, spinning): 0.080-0.087 / 0.47-0.68 (5.8-7.8x slower);
+- ``OMP_WAIT_POLICY=PASSIVE``: 0.31-0.33 / 0.11 (sleeping threads wake too slowly for the tiny
+  model's many small ops: 4x slower alone);
+- one thread per core but one (here 1): 0.089 / 0.094 (1.06x).
+
+So the default leaves one core to the rest of the machine: ``OMP_NUM_THREADS`` is
+``(cores - 1) // local ranks``, at least 1, and the wait policy is left alone. Anything the user
+set wins (torchrun sets ``OMP_NUM_THREADS=1`` for several ranks itself); ``UNIRL_CPU_THREADS=off``
+leaves the environment alone.
 """
 
 from __future__ import annotations
@@ -36,10 +40,8 @@ def apply_cpu_thread_defaults(environ: MutableMapping[str, str] = os.environ) ->
     if environ.get(OFF_ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return {}
     chosen: dict[str, str] = {}
-    if "OMP_WAIT_POLICY" not in environ:
-        chosen["OMP_WAIT_POLICY"] = "PASSIVE"
     local_ranks = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if "OMP_NUM_THREADS" not in environ and local_ranks > 1:
-        chosen["OMP_NUM_THREADS"] = str(max(_cores() // local_ranks, 1))
+    if "OMP_NUM_THREADS" not in environ:
+        chosen["OMP_NUM_THREADS"] = str(max((_cores() - 1) // local_ranks, 1))
     environ.update(chosen)
     return chosen

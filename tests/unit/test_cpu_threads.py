@@ -7,13 +7,16 @@ import sys
 from unirl.cpu_threads import apply_cpu_thread_defaults
 
 
-def test_passive_wait_by_default_and_user_settings_win(monkeypatch):
+def test_one_core_left_free_by_default_and_user_settings_win(monkeypatch):
     monkeypatch.setattr("unirl.cpu_threads._cores", lambda: 8)
     env: dict[str, str] = {}
-    assert apply_cpu_thread_defaults(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE", "LOCAL_WORLD_SIZE": "4"}
-    assert apply_cpu_thread_defaults(env) == {"OMP_NUM_THREADS": "2"}  # 8 cores / 4 ranks
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert apply_cpu_thread_defaults(env) == {"OMP_NUM_THREADS": "7"}  # 8 cores, one left free
+    env = {"LOCAL_WORLD_SIZE": "4"}
+    assert apply_cpu_thread_defaults(env) == {"OMP_NUM_THREADS": "1"}  # (8 - 1) // 4 ranks
+    monkeypatch.setattr("unirl.cpu_threads._cores", lambda: 2)
+    assert apply_cpu_thread_defaults({}) == {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "2"}
+    assert apply_cpu_thread_defaults(env) == {} and env == {"OMP_NUM_THREADS": "2"}
     env = {"UNIRL_CPU_THREADS": "off"}
     assert apply_cpu_thread_defaults(env) == {} and env == {"UNIRL_CPU_THREADS": "off"}
 
