@@ -35,8 +35,15 @@ TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 def char_tokenizer_to_hf(tokenizer: CharTokenizer) -> Any:
     """A `transformers.PreTrainedTokenizerFast` with the ids of ``tokenizer``."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
@@ -45,7 +52,9 @@ def char_tokenizer_to_hf(tokenizer: CharTokenizer) -> Any:
     # One piece per character; Oniguruma's (?m) lets '.' match a newline too.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
     bos, sep = SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[SEP_ID]
     backend.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A {sep}", special_tokens=[(bos, BOS_ID), (sep, SEP_ID)]

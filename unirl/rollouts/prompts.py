@@ -71,7 +71,7 @@ def read_prompt_records(path: Path) -> list[PromptRecord]:
     if not path.is_file():
         raise ConfigError(
             f"rollout.prompts={str(path)!r} does not exist or is not a file; give the path of a "
-            "JSONL prompt file (one {\"prompt\": ..., \"metadata\": {...}} object per line)"
+            'JSONL prompt file (one {"prompt": ..., "metadata": {...}} object per line)'
         )
     records = []
     with open(path, "rb") as f:
@@ -94,8 +94,8 @@ def _parse_line(raw: bytes, where: str, number: int) -> PromptRecord:
         ) from None
     if not isinstance(record, dict):
         raise RolloutDataError(
-            f"{where}: expected a JSON object such as {{\"prompt\": \"...\", \"metadata\": "
-            f"{{\"answer\": 7}}}}, got {type(record).__name__}"
+            f'{where}: expected a JSON object such as {{"prompt": "...", "metadata": '
+            f'{{"answer": 7}}}}, got {type(record).__name__}'
         )
     unknown = sorted(set(record) - set(FIELDS))
     if unknown:
@@ -129,7 +129,7 @@ def _parse_line(raw: bytes, where: str, number: int) -> PromptRecord:
     if not isinstance(metadata, dict):
         raise RolloutDataError(
             f"{where}: field 'metadata' is {type(metadata).__name__}; give an object such as "
-            "{\"answer\": 7}, or leave it out"
+            '{"answer": 7}, or leave it out'
         )
     return PromptRecord(line=number, text=text, tokens=tokens, metadata=metadata)
 
@@ -171,7 +171,9 @@ def prompt_tokenizer(cfg: UnirlConfig, records: Sequence[PromptRecord]) -> HFTok
     character tokenizer over the file (a model built from ``model.hf_config``)."""
     m = cfg.model
     if m.tokenizer is not None:
-        return HFTokenizer(load_hf_tokenizer(m.tokenizer, key="model.tokenizer"), key="model.tokenizer")
+        return HFTokenizer(
+            load_hf_tokenizer(m.tokenizer, key="model.tokenizer"), key="model.tokenizer"
+        )
     if m.path is not None:
         return HFTokenizer(load_hf_tokenizer(m.path, key="model.path"), key="model.path")
     hf = char_tokenizer_to_hf(prompt_alphabet(records))

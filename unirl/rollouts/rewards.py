@@ -120,7 +120,7 @@ class NamedReward:
             rewards.append(float(value))
         return rewards
 
-    def _call(self, prompts, responses, metadata, prompt_tokens, response_tokens):  # noqa: ANN001, ANN202
+    def _call(self, prompts, responses, metadata, prompt_tokens, response_tokens):
         return self.fn(
             list(prompts),
             list(responses),
@@ -135,11 +135,11 @@ class NamedReward:
         for i in range(len(inputs[0])):
             try:
                 self._call(*(column[i : i + 1] for column in inputs))
-            except Exception as single:  # noqa: BLE001 - any failure of user code counts
+            except Exception as single:
                 return RolloutDataError(
-                    f"{KEY}={self.spec!r} raised {type(single).__name__}: {single} on sample {i} "
-                    f"({origins[i]}, response {_short(inputs[1][i])}); fix the function or that "
-                    "prompt's metadata"
+                    f"{KEY}={self.spec!r} failed on sample {i} ({origins[i]}, response "
+                    f"{_short(inputs[1][i])}): {type(single).__name__}: {single}; fix the "
+                    "function or that prompt's metadata"
                 )
         return RolloutDataError(
             f"{KEY}={self.spec!r} raised {type(exc).__name__}: {exc} on a rollout of "
