@@ -75,5 +75,9 @@ def test_adapter_decodes_like_char_tokenizer_beyond_the_vocabulary(tmp_path):
 def test_load_names_the_key_when_the_folder_has_no_tokenizer(tmp_path):
     from unirl.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"model.tokenizer=.*holds no Hugging Face tokenizer"):
+    with pytest.raises(ConfigError, match=r"model.tokenizer=.*holds no tokenizer files"):
         load_hf_tokenizer(str(tmp_path / "missing"), key="model.tokenizer")
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model.path=.*AutoTokenizer cannot load it") as err:
+        load_hf_tokenizer(str(tmp_path), key="model.path")
+    assert "\n" not in str(err.value)

@@ -31,6 +31,8 @@ from unirl.rollouts.tokenizer import BOS_ID, SEP_ID, SPECIAL_TOKENS, CharTokeniz
 # Written into tokenizer_config.json instead of transformers 5's "TokenizersBackend", which
 # transformers 4 (what most serving engines pin) does not know; both load it as a fast tokenizer.
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# A folder with none of these holds no tokenizer (AutoTokenizer would guess from config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def char_tokenizer_to_hf(tokenizer: CharTokenizer) -> Any:
@@ -88,12 +90,18 @@ def load_hf_tokenizer(path: str, *, key: str) -> Any:
     named the folder (shown in the error)."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), local_files_only=True)
-    except (OSError, ValueError) as exc:
+    folder = Path(path).expanduser()
+    fix = "set model.tokenizer to a folder with tokenizer.json / tokenizer_config.json"
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(
-            f"{key}={path!r} holds no Hugging Face tokenizer AutoTokenizer can load ({exc}); "
-            "set model.tokenizer to a folder with tokenizer.json / tokenizer_config.json"
+            f"{key}={path!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())  # one line: the CLI prints one
+        raise ConfigError(
+            f"{key}={path!r}: AutoTokenizer cannot load it ({reason}); {fix}"
         ) from None
 
 
