@@ -310,3 +310,30 @@ def test_unirl_check_imports_the_reward_and_reads_the_file(tmp_path, capsys):
     write_prompts(path, [SUMS[0], {"prompt": "1" * 30}])
     assert main(["check", str(config)]) == 2
     assert "line 2: the prompt is 32 tokens" in capsys.readouterr().err
+
+
+def test_export_gets_the_run_tokenizer_unless_model_path_brought_one(tmp_path):
+    from transformers import AutoTokenizer
+
+    from unirl.rollouts.build import save_run_tokenizer
+
+    path = write_prompts(tmp_path / "p.jsonl", SUMS)
+    export = tmp_path / "hf"
+    export.mkdir()
+    assert save_run_tokenizer(make_cfg(path), export)
+    # "1+2=" through the file's tokenizer ("+" 4, "1" 6, "2" 7, "=" 12; see above).
+    assert AutoTokenizer.from_pretrained(str(export))("1+2=")["input_ids"] == [1, 6, 4, 7, 12, 3]
+    # A tokenizer already in the export (copied from model.path by the backend) is kept.
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "tokenizer_config.json").write_text("{}")
+    assert not save_run_tokenizer(make_cfg(path), kept)
+    assert (kept / "tokenizer_config.json").read_text() == "{}"
+    # A built-in task's export carries its character tokenizer (digits: ids 4-13).
+    task_cfg = config_from_dict(
+        {"model": {"hf_config": dict(TINY)}, "batch": {"micro_batch_size": 32},
+         "rollout": {"task": "reverse_digits"}}
+    )  # fmt: skip
+    assert save_run_tokenizer(task_cfg, tmp_path / "task")
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path / "task"))
+    assert loaded("907")["input_ids"] == [1, 13, 4, 11, 3]
