@@ -63,7 +63,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
             "model.max_seq_len": 320,
         },
         "warmup": 2,
-        "steps": 10,
+        "steps": 8,
         "target_ratio": 0.6,
     },
 }
@@ -284,6 +284,7 @@ def child(args: argparse.Namespace) -> None:
         total = args.warmup + args.steps + 1  # the last step has no end mark in both loops
         data = workload_config(args.workload, total, f"{tmp}/run")
         out = run_unirl(data) if args.child == "unirl" else run_trl(data, f"{tmp}/trl")
+    out["torch_threads_after"] = torch.get_num_threads()  # neither trainer may change it
     print(RESULT_PREFIX + json.dumps(out), flush=True)
 
 
@@ -314,6 +315,7 @@ def one_run(trainer: str, workload: str, args: argparse.Namespace) -> dict[str, 
         "trainer": trainer,
         "wall_s": round(time.perf_counter() - t0, 1),
         "measured_steps": len(steps),
+        "torch_threads_after": raw["torch_threads_after"],
         "median_step_s": _median(steps),
         "median_generation_s": _median(gen),
         "median_rest_s": _median(rest),
@@ -384,11 +386,37 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _per_workload(
+    parser: argparse.ArgumentParser, flag: str, text: str | None, names: list[str], key: str
+) -> dict[str, int]:
+    """``N`` for every workload, or ``tiny=N,long=M``; the workload's default where unset."""
+    values = {w: int(WORKLOADS[w][key]) for w in names}
+    if text is None:
+        return values
+    try:
+        if "=" not in text:
+            return dict.fromkeys(names, int(text))
+        for part in text.split(","):
+            name, _, number = part.partition("=")
+            if name not in WORKLOADS:
+                parser.error(f"{flag}: unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
+            values[name] = int(number)
+    except ValueError:
+        parser.error(f"{flag}={text!r}: give a number or name=number pairs, e.g. tiny=100,long=8")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="tiny,long", help="comma-separated: tiny,long")
-    parser.add_argument("--steps", type=int, help="measured steps per run (default per workload)")
-    parser.add_argument("--warmup", type=int, help="steps dropped first (default per workload)")
+    parser.add_argument(
+        "--steps", help="measured steps per run: N, or per workload as tiny=N,long=M (default: "
+        + ", ".join(f"{w}={s['steps']}" for w, s in WORKLOADS.items()) + ")",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup", help="steps dropped first, as --steps (default: "
+        + ", ".join(f"{w}={s['warmup']}" for w, s in WORKLOADS.items()) + ")",
+    )  # fmt: skip
     parser.add_argument("--pairs", type=int, default=3, help="unirl/TRL pairs per workload")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parser.add_argument(
@@ -409,9 +437,8 @@ def main() -> None:
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workload(s) {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
-    steps, warmup = args.steps, args.warmup
-    args.steps = {w: steps or WORKLOADS[w]["steps"] for w in names}
-    args.warmup = {w: WORKLOADS[w]["warmup"] if warmup is None else warmup for w in names}
+    args.steps = _per_workload(parser, "--steps", args.steps, names, "steps")
+    args.warmup = _per_workload(parser, "--warmup", args.warmup, names, "warmup")
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     results = {w: benchmark(w, args) for w in names}

@@ -42,7 +42,9 @@ def main() -> None:
              "checkpoint.export_hf=false", "progress.enabled=false"],
         )  # fmt: skip
         train(cfg)
-        now = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
+        now = [
+            json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()
+        ]
     numeric = [k for k, v in before[0].items() if isinstance(v, float) and k not in ROLLOUT_KEYS]
     diffs = {k: abs(now[0][k] - before[0][k]) for k in numeric}
     worst = max(diffs, key=diffs.get)
