@@ -14,8 +14,8 @@ same token ids (a word-level Hugging Face tokenizer over unirl's ``CharTokenizer
 Per run: the median seconds per RL step over the steps after ``--warmup``, split into generation
 (unirl: ``next_rollout``, i.e. sampling and reward; TRL: ``_generate_and_score_completions``,
 i.e. sampling, reward and advantages) and the rest (the training phase, weight sync, logging),
-and the mean reward of every step. The ratio is unirl / TRL of the median step time, per pair and
-pooled over all runs. Results go to ``benchmarks/results/cpu_vs_trl.json`` (``--out``) with
+and the mean reward of every step. The ratio is unirl / TRL of the median step time, per pair;
+the target is judged on the median over pairs (also stored: the ratio of the pooled medians). Results go to ``benchmarks/results/cpu_vs_trl.json`` (``--out``) with
 every setting that could not be matched.
 
 Workloads: ``tiny`` is ``examples/tiny_grpo.yaml`` (reverse 2-3 digits, at most 8 new tokens);
@@ -281,7 +281,7 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        total = args.warmup + args.steps + 1  # the last step has no end mark in both loops
+        total = int(args.warmup) + int(args.steps) + 1  # the last step has no end mark (both)
         data = workload_config(args.workload, total, f"{tmp}/run")
         out = run_unirl(data) if args.child == "unirl" else run_trl(data, f"{tmp}/trl")
     out["torch_threads_after"] = torch.get_num_threads()  # neither trainer may change it
@@ -354,7 +354,9 @@ def benchmark(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         t: {k: pooled(t, k) for k in ("median_step_s", "median_generation_s", "median_rest_s")}
         for t in ("unirl", "trl")
     }
-    ratio = summary["unirl"]["median_step_s"] / summary["trl"]["median_step_s"]
+    # Each pair ran back to back, so its ratio is the least exposed to the machine's load
+    # drifting over the invocation: the target is judged on their median.
+    ratio = _median(ratios)
     target = WORKLOADS[workload]["target_ratio"]
     spec = WORKLOADS[workload]
     return {
@@ -364,7 +366,9 @@ def benchmark(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         "measured_steps": args.steps[workload],
         "pairs": args.pairs,
         "summary": summary,
-        "ratio_step_unirl_over_trl": ratio,
+        "ratio_step_unirl_over_trl": ratio,  # median over pairs
+        "ratio_of_pooled_median_steps": summary["unirl"]["median_step_s"]
+        / summary["trl"]["median_step_s"],
         "ratio_rest_unirl_over_trl": summary["unirl"]["median_rest_s"]
         / summary["trl"]["median_rest_s"],
         "ratio_per_pair": ratios,
@@ -467,6 +471,7 @@ def main() -> None:
             f"{s['unirl']['median_generation_s']:.4f}, rest {s['unirl']['median_rest_s']:.4f}); "
             f"TRL {s['trl']['median_step_s']:.4f} (gen {s['trl']['median_generation_s']:.4f}, "
             f"rest {s['trl']['median_rest_s']:.4f}); ratio {r['ratio_step_unirl_over_trl']:.3f} "
+            f"(median of pairs; of pooled medians {r['ratio_of_pooled_median_steps']:.3f}) "
             f"(target <= {r['target_ratio']}: {'met' if r['target_met'] else 'NOT met'}; "
             f"per pair {', '.join(f'{x:.3f}' for x in r['ratio_per_pair'])})"
         )

@@ -46,6 +46,11 @@ layers, 1 thread, a 2-core machine shared with other jobs, medians of 5-9 interl
   0.21 / 4.05 s, one padded call 0.14 / 0.66 s; buckets (``BUCKET_SPLIT``) 0.27-0.31 / 0.82-0.87
   against per-sequence 0.40 / 0.98 in a second, busier round.
 
+- the training phase (``RLStep.run``) of ``benchmarks/cpu_vs_trl.py``'s long workload, 128
+  responses of 1-256 tokens (mean 66-71) in one microbatch, two interleaved rounds:
+  ``BUCKET_SPLIT`` 1024: 1.05 s, 4096: 1.11 / 0.95 s, 8192: 1.05 s, 16384: 1.63 s, one padded
+  call 2.0 s, per-sequence calls on ``split`` views 1.68 / 1.07 s.
+
 So one padded call wins on short sequences and loses to per-sequence calls when lengths spread
 (padding to the longest is wasted attention work); buckets give the first when lengths are close
 and approach the second when they are not. A masked call loses everywhere (``T^2`` work).
