@@ -121,6 +121,13 @@ def test_packed_varlen_equals_per_sequence_on_gpu():
     _compare(torch.bfloat16, "cuda", logit_tol=2e-2, grad_tol=5e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_buckets_equal_per_sequence_on_gpu_fp32():
+    # fp32 on a GPU takes the bucketed SDPA path too (varlen flash attention is bf16/fp16 only)
+    _compare(torch.float32, "cuda", logit_tol=1e-5, grad_tol=1e-4, lengths=[7, 90, 1, 30, 2, 64])
+
+
 def test_empty_microbatch_runs_one_pad_token():
     packed, _ = _models(torch.float32, "cpu")
     empty = _microbatch([], HF_CONFIG["vocab_size"])

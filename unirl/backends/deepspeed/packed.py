@@ -173,6 +173,7 @@ def bucket_plan(cu_seqlens: torch.Tensor) -> _BucketPlan:
     A pad slot gathers token 0; it is a key only for the pad queries after it in its row (right
     padding + causal mask), and those queries' outputs are dropped, so every real query sees its
     own sequence only and no gradient reaches the pad slots."""
+    device = cu_seqlens.device  # the plan lives where attention runs: no copy per layer
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     starts = cu_seqlens[:-1].tolist()
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -189,14 +190,14 @@ def bucket_plan(cu_seqlens: torch.Tensor) -> _BucketPlan:
         first = torch.tensor([starts[i] for i in members])[:, None]
         real = step[None, :] < torch.tensor([lengths[i] for i in members])[:, None]
         index = torch.where(real, first + step, 0).flatten()
-        buckets.append(_Bucket(rows=len(members), length=longest, gather=index))
+        buckets.append(_Bucket(rows=len(members), length=longest, gather=index.to(device)))
         real = real.flatten()
         token_ids.append(index[real])
         slots.append(torch.arange(offset, offset + index.numel())[real])
         offset += index.numel()
     scatter = torch.empty(int(cu_seqlens[-1]), dtype=torch.long)
     scatter[torch.cat(token_ids)] = torch.cat(slots)
-    return _BucketPlan(buckets=tuple(buckets), scatter=scatter)
+    return _BucketPlan(buckets=tuple(buckets), scatter=scatter.to(device))
 
 
 def _cached_bucket_plan(cu_seqlens: torch.Tensor) -> _BucketPlan:
@@ -225,15 +226,14 @@ def _bucketed_sdpa(
     for b in plan.buckets:
 
         def padded(x: torch.Tensor, b: _Bucket = b) -> torch.Tensor:
-            gather = b.gather.to(x.device)
-            return x.index_select(0, gather).view(b.rows, b.length, *x.shape[1:]).transpose(1, 2)
+            return x.index_select(0, b.gather).view(b.rows, b.length, *x.shape[1:]).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(
             padded(q), padded(k), padded(v), is_causal=True, scale=scaling, enable_gqa=gqa
         )  # [rows, H, length, D]
         outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))
     flat = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return flat.index_select(0, plan.scatter.to(flat.device))[None]
+    return flat.index_select(0, plan.scatter)[None]
 
 
 def use_packed_attention(model: Any) -> None:
