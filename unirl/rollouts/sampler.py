@@ -59,6 +59,48 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs.masked_fill(drop, 0.0)
 
 
+def _reserved_cache(num_layers: int, capacity: int) -> Any:
+    """A KV cache that reserves room for ``capacity`` positions per layer at its first update and
+    then writes each new position in place, handing attention a view of the filled part.
+
+    transformers' `DynamicCache` concatenates the whole cache with each new token: O(L) copies
+    per decoded token, which made up a third of sampling 256 tokens for 128 rows on the CPU.
+    Attention reads the same values either way. None when this transformers has no cache layers
+    to extend (the model then builds its own cache).
+    """
+    try:
+        from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+    except ImportError:
+        return None
+
+    class ReservedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            rows, heads, _, dim = key_states.shape
+            self._key_buffer = key_states.new_empty(rows, heads, capacity, dim)
+            self._value_buffer = value_states.new_empty(rows, heads, capacity, dim)
+            self._filled = 0
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self._filled, self._filled + key_states.shape[-2]
+            self._key_buffer[:, :, start:end].copy_(key_states)
+            self._value_buffer[:, :, start:end].copy_(value_states)
+            self._filled = end
+            self.keys = self._key_buffer[:, :, :end]
+            self.values = self._value_buffer[:, :, :end]
+            return self.keys, self.values
+
+    class ReservedCache(DynamicCache):
+        def __init__(self) -> None:
+            Cache.__init__(self, layers=[ReservedLayer() for _ in range(num_layers)])
+
+    return ReservedCache()
+
+
 class Sampler:
     """Samples responses from its own eval-mode copy of ``model``; `sync_weights` loads the
     policy's latest weights into that copy."""
@@ -161,7 +203,11 @@ class Sampler:
 
     def _generate_equal_length(self, ids_bp: torch.Tensor) -> list[Generation]:
         rows = ids_bp.shape[0]
-        logits_bv, cache = self._forward(ids_bp, None)
+        layers = getattr(self.model.config, "num_hidden_layers", None)
+        cache = None
+        if layers is not None:
+            cache = _reserved_cache(int(layers), ids_bp.shape[1] + self.max_new_tokens)
+        logits_bv, cache = self._forward(ids_bp, cache)
         tokens, logprobs = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=self.device)

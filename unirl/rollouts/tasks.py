@@ -5,7 +5,7 @@ scores a response by comparing it with the one right answer, so a run needs no r
 no download. Rewards lie in [0, 1] with partial credit (`positional_reward`), which gives GRPO a
 signal before the policy solves anything exactly.
 
-    task = make_task("reverse_digits")          # or "add_small", or "package.module:factory"
+    task = make_task("reverse_digits")  # or "add_small", "repeat_digit", "package.module:factory"
     problem = task.sample_problem(random.Random(0))
     task.reward(problem, response_tokens)        # 1.0 only for the exact answer ended by <eos>
 
@@ -219,6 +219,52 @@ class AddSmall:
         return positional_reward(response_tokens, problem.target_tokens)
 
 
+@attrs.frozen
+class RepeatDigit:
+    """Prompt ``<bos> d c1 .. ck <sep>``, answer the digit d written c times then ``<eos>``:
+    d uniform 0-9, c uniform in [min_count, max_count], written with as many digits as
+    ``max_count`` has (zero-padded), so every prompt has the same length.
+
+    Answers run from tens to hundreds of tokens (the default: 10-250), so a batch of responses
+    varies widely in length: the workload where packing sequences (not padding them) pays.
+    """
+
+    min_count: int = 10
+    max_count: int = 250
+    name: str = "repeat_digit"
+    tokenizer: CharTokenizer = attrs.field(factory=lambda: CharTokenizer(DIGITS))
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.min_count <= self.max_count:
+            raise ConfigError(
+                f"RepeatDigit: need 1 <= min_count <= max_count, got "
+                f"min_count={self.min_count}, max_count={self.max_count}"
+            )
+
+    @property
+    def max_prompt_length(self) -> int:
+        return len(str(self.max_count)) + 3  # <bos> d count <sep>
+
+    @property
+    def max_target_length(self) -> int:
+        return self.max_count + 1  # d * count <eos>
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        d = rng.choice(DIGITS)
+        count = rng.randint(self.min_count, self.max_count)
+        question = d + str(count).zfill(len(str(self.max_count)))
+        answer = d * count
+        return Problem(
+            prompt_tokens=self.tokenizer.encode(question, bos=True, sep=True),
+            target_tokens=self.tokenizer.encode(answer, eos=True),
+            prompt_text=question,
+            target_text=answer,
+        )
+
+    def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float:
+        return positional_reward(response_tokens, problem.target_tokens)
+
+
 # -- registry ------------------------------------------------------------------------------
 
 TaskFactory = Callable[..., Task]
@@ -264,3 +310,4 @@ def _import_factory(spec: str) -> TaskFactory:
 
 register_task("reverse_digits", ReverseDigits)
 register_task("add_small", AddSmall)
+register_task("repeat_digit", RepeatDigit)

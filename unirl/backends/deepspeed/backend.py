@@ -57,6 +57,10 @@ class DeepSpeedBackend(EngineBackend):
         self.engine, self._scheduler = initialize_policy(
             model, cfg, total_steps=total_optimizer_steps, dp_size=self.topology.dp_size
         )
+        if self.topology.dp_size == 1 and cfg.parallel.zero_stage == 0:
+            # One data-parallel rank: DeepSpeed would still flatten every gradient, all-reduce
+            # it over a group of one and copy it back after each backward on the boundary.
+            self.engine.enable_backward_allreduce = False
         self.device = torch.device(self.engine.device)
         self._reference: Any = None
         self._closed = False
