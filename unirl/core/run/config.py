@@ -151,13 +151,9 @@ class AlgorithmConfig:
     distillation_coef: float = 0.0
     # Features that read the policy's log-probs before the first optimizer step.
     mismatch_metrics: bool = False
-    old_actor_snapshot: bool = False
-    moe_routing_replay: bool = False
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
-    # Whether that hook reads log-probs; None = assume it does.
-    rollout_postprocess_hook_reads_logprobs: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
