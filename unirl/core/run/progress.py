@@ -106,6 +106,13 @@ class MicrobatchProgress:
     than the last nothing ticks, so `count` stays 0 there.
     """
 
+    UNIT = "mb"  # tqdm's rate unit
+    NOUN = "microbatches"  # in the summary line
+    MISCOUNT_HINT = (
+        "the step function is wrapped or ticked the wrong number of times (under VPP, once per "
+        "microbatch on the last chunk only)"
+    )
+
     def __init__(
         self,
         phase: str,
@@ -113,13 +120,15 @@ class MicrobatchProgress:
         topology: Topology,
         *,
         enabled: bool = True,
+        log_summary: bool = True,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`enabled` is the config flag (see `progress_enabled`); `clock` is injectable for
-        tests."""
+        """`enabled` is the config flag (see `progress_enabled`); `log_summary`: with bars off,
+        whether this phase's summary is an INFO line (False: DEBUG, for the RL steps that
+        ``progress.log_every`` leaves out, see `logs_step`); `clock` is injectable for tests."""
         if total < 0:
-            raise ValueError(f"MicrobatchProgress total={total} must be >= 0 (microbatches)")
+            raise ValueError(f"{type(self).__name__} total={total} must be >= 0 ({self.NOUN})")
         self.phase = phase
         self.total = total
         self._topology = topology
@@ -136,12 +145,12 @@ class MicrobatchProgress:
             self._bar = tqdm(
                 total=total,
                 desc=phase,
-                unit="mb",
+                unit=self.UNIT,
                 file=sys.stderr if stream is None else stream,
                 leave=False,  # the run bar stays; phase bars come and go beneath it
                 dynamic_ncols=True,
             )
-        self._log_summary = self._reporting and not draw
+        self._log_summary = self._reporting and not draw and log_summary
 
     # -- advancing ------------------------------------------------------------------------
 
@@ -210,12 +219,12 @@ class MicrobatchProgress:
         elapsed = self._clock() - self._start
         if error is None:
             stats = self._stats(elapsed)
-            line = f"{self.phase}: {self._count} microbatches in {elapsed:.2f} s"
+            line = f"{self.phase}: {self._count} {self.NOUN} in {elapsed:.2f} s"
             line += f" ({', '.join(stats)})" if stats else ""
         else:
             line = (
                 f"{self.phase}: stopped by {type(error).__name__} after {self._count} of "
-                f"{self.total} microbatches in {elapsed:.2f} s"
+                f"{self.total} {self.NOUN} in {elapsed:.2f} s"
             )
         if self._bar is not None:
             self._bar.close()
@@ -223,11 +232,12 @@ class MicrobatchProgress:
         logger.log(logging.INFO if self._log_summary else logging.DEBUG, line)
         if error is None and self._count != self.total:
             logger.warning(
-                "%s: counted %d microbatches, planned %d; the step function is wrapped or ticked "
-                "the wrong number of times (under VPP, once per microbatch on the last chunk only)",
+                "%s: counted %d %s, planned %d; %s",
                 self.phase,
                 self._count,
+                self.NOUN,
                 self.total,
+                self.MISCOUNT_HINT,
             )
 
     def __enter__(self) -> MicrobatchProgress:
@@ -235,6 +245,45 @@ class MicrobatchProgress:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
+
+
+class GenerationProgress(MicrobatchProgress):
+    """The generation bar of one rollout: samples done and generated tokens/s.
+
+    Generation is a phase like the others: the training loop opens the bar (on the reporting rank
+    only; with bars off, one summary line per rollout) and hands it to the rollout source's
+    ``next_rollout(rl_step, progress=bar)``; the source, whatever engine it drives, reports as it
+    goes::
+
+        with GenerationProgress("generate", total_samples, topology, enabled=...) as bar:
+            batch = source.next_rollout(rl_step, progress=bar)
+                # inside the source, as often as it learns something (per decode step, per
+                # finished request, or once at the end):
+                bar.update(samples=newly_finished, tokens=newly_generated)
+
+    `update` is cheap on every rank and draws only on the reporting rank; an engine that runs on
+    another rank (or in its own process) reports when its results arrive. ``tokens`` are new
+    (response) tokens, so the rate is the engine's decode throughput; ``samples`` must add up to
+    `total` (a warning names the phase otherwise).
+    """
+
+    UNIT = "sample"
+    NOUN = "samples"
+    MISCOUNT_HINT = "the rollout source reported a different number of finished samples"
+
+    def update(self, *, samples: int = 0, tokens: int = 0) -> None:
+        """`samples` finished and `tokens` generated since the last call (plain ints: the
+        caller already holds them on the host)."""
+        if tokens:
+            self.report(tokens=tokens)
+        if samples:
+            self.tick(samples)
+
+
+def logs_step(step: int, every: int, total: int | None = None) -> bool:
+    """With bars off, whether RL step `step` (counted from 1) writes its INFO lines
+    (``progress.log_every``): every `every`-th step, and the last one (`total`)."""
+    return step % every == 0 or step == total
 
 
 # -- the run-level bar ------------------------------------------------------------------------
@@ -270,9 +319,12 @@ class RunProgress:
 
     `initial` is the step a resumed run starts from; the rate and ETA follow the recent steps
     of this run, leaving out its warm-up step and the time spent in `excluded()` (checkpoint
-    saves, see `StepRate`). With bars off the reporting rank logs one INFO line per step::
+    saves, see `StepRate`). With bars off the reporting rank logs one INFO line every `log_every`
+    steps (``progress.log_every``) and for the last step::
 
         step 4/10 (40%): 6.00 s/step, ETA 0:00:36 | reward=0.5 kl=0.01
+
+    The bar itself redraws every step: it is one line, overwritten in place.
     """
 
     def __init__(
@@ -284,9 +336,13 @@ class RunProgress:
         *,
         stream: TextIO | None = None,
         show: Iterable[str] | None = None,
+        log_every: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`show`: metric keys for the postfix, in order (default: every scalar metric)."""
+        if log_every < 1:
+            raise ConfigError(f"progress.log_every={log_every} must be >= 1 (RL steps)")
+        self._log_every = log_every
         if not 0 <= initial <= total_steps:
             raise ConfigError(
                 f"resume step initial={initial} is outside [0, total_steps={total_steps}]; a "
@@ -338,6 +394,8 @@ class RunProgress:
         if self._bar is not None:
             self._bar.set_postfix_str(f"{timing} | {text}" if text else timing, refresh=False)
             self._bar.update(1)
+            return
+        if not logs_step(self._step, self._log_every, self.total_steps):
             return
         pct = 100.0 * self._step / self.total_steps if self.total_steps else 100.0
         line = f"step {self._step}/{self.total_steps} ({pct:.0f}%): {per_step:.2f} s/step, ETA "
