@@ -61,7 +61,8 @@ class ModelConfig:
 
 @attrs.frozen(kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
+    """AdamW on every backend (torch's; Megatron's wraps it in its distributed optimizer)."""
+
     # Above 1e30 AdamW's first step size, lr / (1 - betas[0]), nears fp32's limit and torch fails.
     lr: float = attrs.field(
         default=1e-6,
