@@ -183,7 +183,11 @@ class TrainConfig:
 
 @attrs.frozen(kw_only=True)
 class ProgressConfig:
+    """Bars on a terminal (run, generation, each training phase; `unirl.core.run.progress`)."""
+
     enabled: bool = True
+    # Without bars (a log file, UNIRL_PROGRESS=0): the per-step INFO lines (the step line and
+    # each phase's summary) every this many RL steps, and for the last step.
     log_every: int = attrs.field(default=1, validator=positive)
 
 
@@ -198,6 +202,8 @@ class CheckpointConfig:
 @attrs.frozen(kw_only=True)
 class LoggingConfig:
     run_dir: str = "runs/unirl"
+    # unirl's log level; the engines (DeepSpeed, torch.distributed, vLLM, transformers) log only
+    # errors unless it is DEBUG (`unirl.log_setup`).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = True
 

@@ -1,4 +1,5 @@
-"""Progress of an RL run: a microbatch bar per phase and a run-level bar over RL steps.
+"""Progress of an RL run: a bar per phase (generation: `GenerationProgress`; forward-only and
+training passes: `MicrobatchProgress`) and a run-level bar over RL steps (`RunProgress`).
 
 Exactly one rank draws (`Topology.is_reporting_rank`: dp-with-cp rank 0, tp rank 0, last pipeline
 stage, where the loss lives); every other rank creates nothing. A phase bar advances once per
@@ -9,9 +10,12 @@ function once per model chunk (VPP-size times per microbatch): the backend ticks
 The live postfix (loss, tokens/s) never forces a host sync per microbatch: reported tensors are
 summed on their device and turned into Python numbers only when the display refreshes (at most
 every 0.5 s) and once at close. When bars are off (config, ``UNIRL_PROGRESS=0``, or stderr not a
-terminal, e.g. a log file on a cluster) each phase writes one ``logging`` INFO line instead::
+terminal, e.g. a log file on a cluster) each phase writes one ``logging`` INFO line instead,
+every ``progress.log_every`` RL steps (`logs_step`)::
 
     actor train: 8 microbatches in 1.23 s (loss 0.123, 4567 tok/s)
+
+Log lines never break a bar: the CLI writes records through ``tqdm.write`` (`unirl.log_setup`).
 
 Usage: core's RL step opens the bar and hands it to the backend, which ticks it per finished
 microbatch and feeds the postfix::
