@@ -80,6 +80,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     checkpoint; `overwrite` deletes a previous run there first. Without either, a directory that
     holds another run is refused (`ConfigError`) before anything is built or written."""
     from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
+    from unirl.rollouts.build import save_run_tokenizer
     from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
 
     apply_log_level(cfg.logging.level)
@@ -186,6 +187,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         if cfg.checkpoint.export_hf:
             export = run_dir / "hf"
             backend.export_hf(export)
+            if _is_rank0():  # the tokenizer the rollouts used, for AutoTokenizer and engines
+                save_run_tokenizer(cfg, export)
             _barrier()
             if topo.is_reporting_rank:
                 logger.info("policy exported in Hugging Face layout to %s", export)

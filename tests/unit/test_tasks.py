@@ -59,8 +59,8 @@ def test_tokenizer_rejects_bad_alphabets_and_characters():
         CharTokenizer("0123456789").encode("1x")
     with pytest.raises(ValueError, match=r"repeats \['1'\]"):
         CharTokenizer("0112")
-    with pytest.raises(ValueError, match=r"<= 32"):
-        CharTokenizer("abcdefghijklmnopqrstuvwxyz0123")  # 30 + 4 special = 34
+    with pytest.raises(ValueError, match=r"<= 256"):
+        CharTokenizer("".join(map(chr, range(300, 553))))  # 253 + 4 special = 257
     with pytest.raises(ValueError, match=r"empty"):
         CharTokenizer("")
 

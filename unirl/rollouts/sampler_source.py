@@ -20,8 +20,7 @@ from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.run.progress import GenerationProgress
 from unirl.rollouts.sampler import Sampler
-from unirl.rollouts.tasks import Task
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.tasks import Task, TaskTokenizer, load_task_state, task_rewards, task_state
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class SamplerRolloutSource:
         device: torch.device | str | None = None,
     ) -> None:
         self.task = task
-        self.tokenizer: CharTokenizer = task.tokenizer
+        self.tokenizer: TaskTokenizer = task.tokenizer
         self.prompts_per_rollout = prompts_per_rollout
         self.samples_per_prompt = samples_per_prompt
         self._vocab_size = model_vocab_size(model)
@@ -96,25 +95,31 @@ class SamplerRolloutSource:
         generations = self.sampler.generate(prompts, progress=progress)
         # Group ids stay unique over the run, which keeps logged samples traceable.
         first_group = self._rollouts_drawn * self.prompts_per_rollout
+        sample_problems = [problems[i // group] for i in range(len(generations))]
+        responses = [gen.response_tokens.tolist() for gen in generations]
+        rewards = task_rewards(task, sample_problems, responses)
         samples = []
-        for i, gen in enumerate(generations):
-            problem = problems[i // group]
-            response = gen.response_tokens.tolist()
+        for i, (gen, problem, response) in enumerate(zip(generations, sample_problems, responses)):
+            metadata = {
+                "task": task.name,
+                "rl_step": rl_step,
+                "prompt": problem.prompt_text,
+                "target": problem.target_text,
+                "response": tok.decode(response),
+                "finished": gen.finished,
+            }
+            if problem.origin:
+                metadata["origin"] = problem.origin
+            if problem.metadata:
+                metadata["prompt_metadata"] = dict(problem.metadata)
             samples.append(
                 RolloutSample(
                     prompt_tokens=list(problem.prompt_tokens),
                     response_tokens=gen.response_tokens,
-                    reward=task.reward(problem, response),
+                    reward=rewards[i],
                     group_id=first_group + i // group,
                     rollout_logprobs=gen.logprobs,
-                    metadata={
-                        "task": task.name,
-                        "rl_step": rl_step,
-                        "prompt": problem.prompt_text,
-                        "target": problem.target_text,
-                        "response": tok.decode(response),
-                        "finished": gen.finished,
-                    },
+                    metadata=metadata,
                 )
             )
         self._rollouts_drawn += 1
@@ -134,6 +139,7 @@ class SamplerRolloutSource:
             "rollouts_drawn": self._rollouts_drawn,
             "prompt_rng": self._prompt_rng.getstate(),
             "sampler": self.sampler.state_dict(),
+            "task_state": task_state(self.task),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -151,4 +157,5 @@ class SamplerRolloutSource:
         # A state that went through JSON comes back with lists where random wants tuples.
         self._prompt_rng.setstate((version, tuple(internal), gauss))
         self.sampler.load_state_dict(state["sampler"])
+        load_task_state(self.task, state.get("task_state"))
         self._rollouts_drawn = int(state["rollouts_drawn"])

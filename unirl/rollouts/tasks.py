@@ -12,12 +12,18 @@ signal before the policy solves anything exactly.
 Add a task with ``register_task("name", factory)`` (``factory()`` returns a `Task`), e.g. a
 longer reversal: ``register_task("reverse_long", lambda: ReverseDigits(min_digits=5,
 max_digits=8))``, then ``rollout.task: reverse_long``.
+
+Two optional extensions, which a rollout source reaches through `task_rewards`,
+`task_state` and `load_task_state` (so a task without them works unchanged):
+`BatchRewardTask.rewards` scores a whole rollout in one call (a prompt file's named reward
+function is batched), and `StatefulTask.state_dict` / ``load_state_dict`` carry a task's own
+stream position through a checkpoint (a prompt file's cursor).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -32,12 +38,32 @@ DIGITS = "0123456789"
 
 @attrs.frozen(kw_only=True)
 class Problem:
-    """One prompt and its answer. ``target_tokens`` ends with ``<eos>``."""
+    """One prompt and its answer. ``target_tokens`` ends with ``<eos>``; a prompt read from a
+    file may have no target tokens (its reward function reads ``metadata``, e.g. the reference
+    answer) and names its place in ``origin`` ("FILE line N")."""
 
     prompt_tokens: tuple[int, ...] = attrs.field(converter=tuple)
-    target_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    target_tokens: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     prompt_text: str
-    target_text: str
+    target_text: str = ""
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    origin: str = ""
+
+
+@runtime_checkable
+class TaskTokenizer(Protocol):
+    """What a rollout source needs from a task's tokenizer: `CharTokenizer`, or a Hugging Face
+    tokenizer through `unirl.rollouts.hf_tokenizer.HFTokenizer`."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def special_token_ids(self) -> dict[str, int]: ...
 
 
 @runtime_checkable
@@ -45,7 +71,7 @@ class Task(Protocol):
     """What a rollout source needs from a task."""
 
     name: str
-    tokenizer: CharTokenizer
+    tokenizer: TaskTokenizer
     # Bounds over every problem the task can draw (the answer counts its <eos>), checked
     # against rollout.max_new_tokens and model.max_seq_len before a run starts.
     max_prompt_length: int
@@ -54,6 +80,51 @@ class Task(Protocol):
     def sample_problem(self, rng: random.Random) -> Problem: ...
 
     def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float: ...
+
+
+@runtime_checkable
+class BatchRewardTask(Protocol):
+    """A task that scores many responses in one call (one reward per response, in order)."""
+
+    def rewards(
+        self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]
+    ) -> list[float]: ...
+
+
+@runtime_checkable
+class StatefulTask(Protocol):
+    """A task whose problem stream has a position of its own (beyond the rng it is given),
+    saved with the rollout source's state so a resumed run draws the problems it would have."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def task_rewards(
+    task: Task, problems: Sequence[Problem], responses: Sequence[Sequence[int]]
+) -> list[float]:
+    """The reward of each response (``responses[i]`` answers ``problems[i]``): one batched call
+    when the task has `BatchRewardTask.rewards`, else `Task.reward` per response."""
+    if isinstance(task, BatchRewardTask):
+        return task.rewards(problems, responses)
+    return [task.reward(p, r) for p, r in zip(problems, responses, strict=True)]
+
+
+def task_state(task: Task) -> dict[str, Any] | None:
+    """The task's own stream state for a checkpoint; None for a task without one."""
+    return task.state_dict() if isinstance(task, StatefulTask) else None
+
+
+def load_task_state(task: Task, state: Mapping[str, Any] | None) -> None:
+    """Restore what `task_state` returned (None: nothing to restore)."""
+    if isinstance(task, StatefulTask):
+        if state is None:
+            raise ConfigError(
+                f"the checkpoint holds no stream state for task {task.name!r}; resume with the "
+                "rollout settings the run started with"
+            )
+        task.load_state_dict(state)
 
 
 def positional_reward(response_tokens: Sequence[int], target_tokens: Sequence[int]) -> float:

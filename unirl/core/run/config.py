@@ -54,6 +54,9 @@ class ModelConfig:
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
     max_seq_len: int = attrs.field(default=2048, validator=positive)
+    # A local Hugging Face tokenizer folder for rollout.prompts text (and saved with the export);
+    # None: model.path's tokenizer, else a character tokenizer over the prompt file.
+    tokenizer: str | None = None
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
     ref_offload: bool = False
@@ -170,6 +173,15 @@ class RolloutConfig:
     temperature: float = attrs.field(default=1.0, validator=positive)
     top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, low_open=True))
     max_new_tokens: int = attrs.field(default=64, validator=positive)
+    # A JSONL prompt file used instead of rollout.task, scored by rollout.reward (a registered
+    # name or "package.module:function") with rollout.reward_options as keyword arguments
+    # (unirl/rollouts/prompts.py, unirl/rollouts/rewards.py).
+    prompts: str | None = None
+    reward: str | None = None
+    reward_options: dict[str, Any] = attrs.field(factory=dict)
+    # Drop prompts longer than model.max_seq_len - max_new_tokens (with a warning) instead of
+    # refusing the file.
+    skip_long_prompts: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -339,6 +351,41 @@ def _check_combinations(cfg: UnirlConfig) -> None:
         )
     if cfg.rollout.source == "file" and not cfg.rollout.file:
         raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
+    _check_prompts(cfg)
+
+
+def _check_prompts(cfg: UnirlConfig) -> None:
+    """rollout.prompts and the keys that only mean something with it."""
+    r = cfg.rollout
+    if r.prompts is None:
+        for key, value in (
+            ("rollout.reward", r.reward),
+            ("rollout.reward_options", r.reward_options or None),
+            ("rollout.skip_long_prompts", r.skip_long_prompts or None),
+            ("model.tokenizer", cfg.model.tokenizer),
+        ):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}={value!r} applies to prompts read from a file, but rollout.prompts "
+                    f"is not set (the built-in tasks score and tokenize themselves); set "
+                    f"rollout.prompts or remove {key}"
+                )
+        return
+    if r.source == "file":
+        raise ConfigError(
+            "rollout.prompts is read by a generating source, but rollout.source: file trains on "
+            "finished rollouts; remove rollout.prompts or set rollout.source: sampler"
+        )
+    if r.reward is None:
+        raise ConfigError(
+            "rollout.prompts needs rollout.reward: a registered reward such as math_answer, or "
+            "'package.module:function'"
+        )
+    if r.task_options:
+        raise ConfigError(
+            "rollout.task_options configure rollout.task, which rollout.prompts replaces; remove "
+            "rollout.task_options"
+        )
 
 
 def _derive_layout(cfg: UnirlConfig) -> Layout:
