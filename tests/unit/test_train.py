@@ -109,8 +109,7 @@ def test_train_on_rollout_file(tmp_path):
          "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.tensorboard=false",
          "--set", "algorithm.rollout_correction.mode=tis",
          # issue 15 finding 3: the hook is called on every rollout (it zeroes the rewards)
-         "--set", "algorithm.rollout_postprocess_hook=tests.unit.custom_hooks:zero_rewards_hook",
-         "--set", "algorithm.rollout_postprocess_hook_reads_logprobs=false"],
+         "--set", "algorithm.rollout_postprocess_hook=tests.unit.custom_hooks:zero_rewards_hook"],
         tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from unirl.core.errors import ConfigError, RunError
+from unirl.core.run.progress import GenerationProgress
 
 
 @attrs.frozen(kw_only=True)
@@ -168,8 +169,11 @@ class Sampler:
     # -- generation ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]]) -> list[Generation]:
-        """One response per prompt, in the order given."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], progress: GenerationProgress | None = None
+    ) -> list[Generation]:
+        """One response per prompt, in the order given. `progress` (a generation bar) hears of
+        every decode step: the tokens it generated and the samples it finished."""
         by_length: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
@@ -180,7 +184,8 @@ class Sampler:
         for length in sorted(by_length):
             indices = by_length[length]
             ids = torch.tensor([list(prompts[i]) for i in indices], dtype=torch.long)
-            for i, gen in zip(indices, self._generate_equal_length(ids.to(self.device))):
+            gens = self._generate_equal_length(ids.to(self.device), progress)
+            for i, gen in zip(indices, gens):
                 results[i] = gen
         assert all(g is not None for g in results)
         return results  # type: ignore[return-value]
@@ -201,8 +206,11 @@ class Sampler:
             )
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
-    def _generate_equal_length(self, ids_bp: torch.Tensor) -> list[Generation]:
+    def _generate_equal_length(
+        self, ids_bp: torch.Tensor, progress: GenerationProgress | None
+    ) -> list[Generation]:
         rows = ids_bp.shape[0]
+        finished = 0  # rows done before this step (ended by <eos>)
         layers = getattr(self.model.config, "num_hidden_layers", None)
         cache = None
         if layers is not None:
@@ -220,7 +228,15 @@ class Sampler:
             ended = ~done & (token_b == self.eos_id)
             lengths[ended] = step + 1
             done |= ended
-            if bool(done.all()) or step == self.max_new_tokens - 1:
+            now_finished = int(done.sum())  # the one host sync of this step
+            last = now_finished == rows or step == self.max_new_tokens - 1
+            if progress is not None:
+                # every row unfinished before this step made one real token; at the last step
+                # the rows still open end by the budget
+                ended_now = (rows if last else now_finished) - finished
+                progress.update(samples=ended_now, tokens=rows - finished)
+            finished = now_finished
+            if last:
                 break
             # Finished rows keep decoding (batch shapes stay fixed); their extra tokens are cut.
             logits_bv, cache = self._forward(token_b[:, None], cache)

@@ -64,7 +64,8 @@ class ModelConfig:
 
 @attrs.frozen(kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
+    """AdamW on every backend (torch's; Megatron's wraps it in its distributed optimizer)."""
+
     # Above 1e30 AdamW's first step size, lr / (1 - betas[0]), nears fp32's limit and torch fails.
     lr: float = attrs.field(
         default=1e-6,
@@ -154,13 +155,9 @@ class AlgorithmConfig:
     distillation_coef: float = 0.0
     # Features that read the policy's log-probs before the first optimizer step.
     mismatch_metrics: bool = False
-    old_actor_snapshot: bool = False
-    moe_routing_replay: bool = False
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
-    # Whether that hook reads log-probs; None = assume it does.
-    rollout_postprocess_hook_reads_logprobs: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -198,7 +195,11 @@ class TrainConfig:
 
 @attrs.frozen(kw_only=True)
 class ProgressConfig:
+    """Bars on a terminal (run, generation, each training phase; `unirl.core.run.progress`)."""
+
     enabled: bool = True
+    # Without bars (a log file, UNIRL_PROGRESS=0): the per-step INFO lines (the step line and
+    # each phase's summary) every this many RL steps, and for the last step.
     log_every: int = attrs.field(default=1, validator=positive)
 
 
@@ -213,6 +214,8 @@ class CheckpointConfig:
 @attrs.frozen(kw_only=True)
 class LoggingConfig:
     run_dir: str = "runs/unirl"
+    # unirl's log level; the engines (DeepSpeed, torch.distributed, vLLM, transformers) log only
+    # errors unless it is DEBUG (`unirl.log_setup`).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = True
 
