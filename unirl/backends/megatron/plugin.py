@@ -64,6 +64,8 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("padded", 1, options={"attention": "padded"}),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
+        # model.fused_head with the vocabulary (padded to 128 x tp) sharded over TP
+        ContractLayout.of("tp2-fused", 2, model={"fused_head": True}, tp=2),
         ContractLayout.of("pp2", 2, pp=2),
         ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2),
         ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),
