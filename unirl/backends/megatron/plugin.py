@@ -62,10 +62,11 @@ PLUGIN = BackendPlugin(
     layouts=(
         ContractLayout.of("tp1-pp1-dp1", 1),
         ContractLayout.of("padded", 1, options={"attention": "padded"}),
+        # model.fused_head (TP-sharded: tests/distributed/test_megatron_model.py; every layout:
+        # benchmarks/megatron_contract.py --fused-head on)
+        ContractLayout.of("fused", 1, model={"fused_head": True}),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
-        # model.fused_head with the vocabulary (padded to 128 x tp) sharded over TP
-        ContractLayout.of("tp2-fused", 2, model={"fused_head": True}, tp=2),
         ContractLayout.of("pp2", 2, pp=2),
         ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2),
         ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),
