@@ -213,8 +213,10 @@ class _LogprobsFromHidden(torch.autograd.Function):
         grad_h32 = (
             torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         )
-        # rows of padding (and of other ranks' ids) keep a zero gradient
-        grad_w = torch.zeros_like(weight) if want_w else None
+        grad_w = None
+        if want_w:  # every valid row is written once below; padding rows get 0
+            grad_w = torch.empty_like(weight)
+            grad_w[n_valid:] = 0
         chunks = _Chunks(hidden, weight, n_valid, chunk_size, fp32=kernels is None)
         for lo, hi in chunks.bounds:
             logits = chunks.logits(lo, hi)
