@@ -42,9 +42,10 @@ contributions are all-reduced (SUM) in backward, as Megatron's column-parallel l
 input.
 
 On CUDA with Triton the per-chunk statistics and gradient are the kernels of
-`unirl.core.maths.kernels.logprobs_triton` (cuBLAS does the matmuls; chunk logits in the input
-dtype, as the head's matmul writes them); otherwise the chunked PyTorch path in fp32, which is
-also the reference.
+`unirl.core.maths.kernels.logprobs_triton`; cuBLAS does the matmuls, the chunk's logits in fp32
+(bf16 inputs, fp32 accumulation and output: finer than the head's bf16 logits), ``dz`` in the
+inputs' dtype for the two gradient matmuls. Otherwise the chunked PyTorch path, all fp32, which
+is also the reference.
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.add_(a @ b)
 
 
+@functools.cache
+def _fp32_out_mm_works(device_type: str) -> bool:
+    """Whether ``mm(..., out_dtype=float32)`` (bf16 inputs, fp32 output) runs here."""
+    if device_type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
 class _Chunks:
     """The vocabulary chunks of one call and how to compute each chunk's logits."""
 
@@ -114,7 +127,8 @@ class _Chunks:
         self, hidden: torch.Tensor, weight: torch.Tensor, n_valid: int, chunk: int, fp32: bool
     ) -> None:
         self.bounds = [(lo, min(lo + chunk, n_valid)) for lo in range(0, n_valid, chunk)]
-        # the PyTorch path computes in fp32 (no copy when the inputs are fp32 already)
+        # the PyTorch path computes in fp32 (no copy when the inputs are fp32 already); the
+        # kernels' path keeps the gradient matmuls in the inputs' dtype
         self.hidden = hidden.float() if fp32 else hidden
         self.weight = weight
         self.fp32 = fp32
@@ -124,8 +138,17 @@ class _Chunks:
         return w.float() if self.fp32 else w
 
     def logits(self, lo: int, hi: int) -> torch.Tensor:
-        """``hidden @ weight[lo:hi].T`` (unscaled), ``[T, hi - lo]``, contiguous."""
-        return self.hidden @ self.weight_rows(lo, hi).T
+        """``hidden @ weight[lo:hi].T`` (unscaled) in fp32, ``[T, hi - lo]``, contiguous: the
+        matmul accumulates in fp32 and its output is not rounded to bf16 (the head's own matmul
+        rounds the logits to the inputs' dtype; a chunk can afford fp32)."""
+        h, w = self.hidden, self.weight_rows(lo, hi)
+        if h.dtype == torch.float32:
+            return h @ w.T
+        if h.is_cuda:
+            if _fp32_out_mm_works(h.device.type):
+                return torch.mm(h, w.T, out_dtype=torch.float32)
+            return h @ w.T  # an older torch: logits rounded as the head's matmul rounds them
+        return h.float() @ w.float().T  # the kernels on the CPU (Triton's interpreter)
 
 
 def _merge(
@@ -221,8 +244,8 @@ class _LogprobsFromHidden(torch.autograd.Function):
         for lo, hi in chunks.bounds:
             logits = chunks.logits(lo, hi)
             args = (targets, vocab_start + lo, hi - lo, inv_temp, lse, g_logp, mean_z, g_entropy)
-            if kernels is not None:
-                dz = kernels.logits_grad(logits, *args)
+            if kernels is not None:  # dz in the inputs' dtype, for the gradient matmuls
+                dz = kernels.logits_grad(logits, *args, out_dtype=hidden.dtype)
             else:
                 dz = _torch_logits_grad(logits, *args, max(n_rows, 1))
             del logits
