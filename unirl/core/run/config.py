@@ -56,7 +56,9 @@ class ModelConfig:
     # Log-probs straight from the final hidden states and the LM head's weight, in vocabulary
     # chunks (`unirl.core.maths.logprobs_hidden`): the [tokens, vocab] logits and their gradient
     # are never held (4.6 GiB each in bf16 at 16k tokens x 152k vocabulary), for one more
-    # head-sized matmul in backward. Turn on when the logits cap the microbatch length.
+    # head-sized matmul in backward. Off by default: measured slower on the CPU (head +
+    # log-probs 1.25x, in-process A/B, benchmarks/fused_head.py); turn it on when the logits cap
+    # the microbatch length.
     fused_head: bool = False
     max_seq_len: int = attrs.field(default=2048, validator=positive)
     # The reference model for KL; defaults to the initial policy weights.
