@@ -244,8 +244,9 @@ def main() -> None:
                     row[key][method] = cuda_measure(step, inputs, args.warmup, args.iters, run)
                 except torch.OutOfMemoryError:
                     row[key][method] = {"error": "out of memory"}
-                    inputs[0].grad = inputs[1].grad = None
-                    torch.cuda.empty_cache()
+                # after the except block: its traceback no longer holds the failed step's tensors
+                inputs[0].grad = inputs[1].grad = None
+                torch.cuda.empty_cache()
         for m in row["methods"].values():
             if "peak_extra_gib" in m:  # what a method adds beyond the two gradients
                 m["beyond_grads_gib"] = round(m["peak_extra_gib"] - row["grads_gib"], 3)
