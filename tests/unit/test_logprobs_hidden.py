@@ -178,11 +178,15 @@ def test_never_holds_more_than_one_chunk_of_logits() -> None:
 
 
 def test_default_chunk_size() -> None:
-    cpu = torch.device("cpu")
-    assert default_chunk_size(1 << 14, cpu) == 1024  # 2**24 elements / 16,384 tokens
-    assert default_chunk_size(1 << 30, cpu) == 128  # never below one 128-column tile
-    assert default_chunk_size(1 << 14, torch.device("cuda")) == 4096  # 2**26 on CUDA
-    assert default_chunk_size(3000, cpu) % 128 == 0
+    cpu, cuda, bf16, f32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
+    assert default_chunk_size(1 << 14, cpu, f32) == 1024  # 2**24 elements / 16,384 tokens
+    assert default_chunk_size(1 << 30, cpu, f32) == 128  # never below one 128-column tile
+    assert default_chunk_size(3000, cpu, f32) % 128 == 0
+    # CUDA: 2**28 bytes of fp32 logits + bf16 dz (6 bytes per element) over 16,384 rows = 2,730
+    # columns, down to a multiple of 128; at 65,536 rows the 2,048-column floor
+    assert default_chunk_size(1 << 14, cuda, bf16) == 2688
+    assert default_chunk_size(1 << 16, cuda, bf16) == 2048
+    assert default_chunk_size(1 << 12, cuda, f32) == 8192  # 2**28 / (4,096 x 8 bytes)
 
 
 def test_bad_input_names_the_field() -> None:

@@ -68,18 +68,31 @@ from unirl.core.maths.logprobs import (
     validate_targets_and_options,
 )
 
-# Chunk logits of about this many elements: on CUDA 2**26 (128 MiB in bf16, plus its gradient),
-# small beside the [T, V] logits at RL microbatch sizes; on the CPU the fp32 path makes a few
-# temporaries per chunk, so 2**24 as in logprobs_from_logits.
-_CHUNK_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 24}
-# Chunk widths are rounded to this many columns (whole tensor-core tiles for the matmuls).
+# Per chunk the CUDA path holds the chunk's fp32 logits and its gradient dz in the inputs' dtype
+# (6 bytes per element in bf16): 256 MiB of them, beside the [T, H] fp32 accumulator. At 16k
+# tokens that is ~2.7k columns (0.34-0.47 GiB with the accumulator at H = 1,536-3,584, under 1/8
+# of the 4.6 GiB bf16 logits).
+_CUDA_CHUNK_BYTES = 1 << 28
+# Never fewer columns on CUDA: each chunk's dz @ weight[c] reads and writes the [T, H] fp32
+# accumulator, 4 / columns bytes per FLOP; at 2,048 columns that is 0.002, under the H200's
+# ~0.005 bytes/FLOP balance, so the matmul stays mostly compute-bound (at 65k tokens the chunk
+# then holds 0.75 GiB, beside 18.5 GiB of logits).
+_CUDA_MIN_COLUMNS = 2048
+# The CPU's fp32 path makes a few temporaries of the chunk's size: 2**24 elements, as in
+# logprobs_from_logits.
+_CPU_CHUNK_ELEMENTS = 1 << 24
+# Chunk widths are whole multiples of this many columns (tensor-core tiles for the matmuls).
 _CHUNK_ALIGN = 128
 
 
-def default_chunk_size(n_tokens: int, device: torch.device) -> int:
-    """Vocabulary columns per chunk for ``n_tokens`` rows on ``device``."""
-    budget = _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS["cpu"])
-    cols = budget // max(n_tokens, 1)
+def default_chunk_size(n_tokens: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Vocabulary columns per chunk for ``n_tokens`` rows of ``dtype`` on ``device``."""
+    rows = max(n_tokens, 1)
+    if device.type == "cuda":
+        per_element = 4 + dtype.itemsize  # fp32 chunk logits + dz
+        cols = max(_CUDA_MIN_COLUMNS, _CUDA_CHUNK_BYTES // (rows * per_element))
+    else:
+        cols = _CPU_CHUNK_ELEMENTS // rows
     return max(_CHUNK_ALIGN, cols // _CHUNK_ALIGN * _CHUNK_ALIGN)
 
 
@@ -378,8 +391,8 @@ def logprobs_from_hidden(
         vocab_size: the true vocabulary; weight rows at or beyond it (padding) are left out.
         with_entropy: also return the entropy per token.
         entropy_grad: when False the entropy is returned detached and backward skips its term.
-        chunk_size: vocabulary columns per chunk (default: about 2**26 chunk elements on CUDA,
-            2**24 on the CPU, in multiples of 128).
+        chunk_size: vocabulary columns per chunk (default `default_chunk_size`: 256 MiB of
+            chunk logits and gradient on CUDA, at least 2,048 columns; 2**24 elements on the CPU).
         kernel: "auto" (Triton for CUDA tensors when importable, else PyTorch), "torch" or
             "triton".
 
@@ -416,7 +429,7 @@ def logprobs_from_hidden(
         hidden = hidden.contiguous()
         targets = targets.contiguous()
     if chunk_size is None:
-        chunk_size = default_chunk_size(hidden.shape[0], hidden.device)
+        chunk_size = default_chunk_size(hidden.shape[0], hidden.device, hidden.dtype)
     group = tp_group if tp_size > 1 else None
     logp, entropy = _LogprobsFromHidden.apply(
         hidden,
