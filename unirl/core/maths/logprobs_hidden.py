@@ -102,11 +102,13 @@ def _fp32_addmm_works(device_type: str) -> bool:
     runs here; torch has it on CUDA only."""
     if device_type != "cuda":
         return False
-    try:
-        a = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
-        acc = torch.zeros(2, 2, device=device_type, dtype=torch.float32)
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        return bool(acc[0, 0] == 2)
+    try:  # shaped as used: acc [T, H] += dz [T, c] @ weight[c] [c, H], twice
+        a = torch.ones(4, 6, device=device_type, dtype=torch.bfloat16)
+        b = torch.ones(6, 8, device=device_type, dtype=torch.bfloat16)
+        acc = torch.zeros(4, 8, device=device_type, dtype=torch.float32)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return bool(acc[0, 0] == 12)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
@@ -126,9 +128,11 @@ def _fp32_out_mm_works(device_type: str) -> bool:
     """Whether ``mm(..., out_dtype=float32)`` (bf16 inputs, fp32 output) runs here."""
     if device_type != "cuda":
         return False
-    try:
-        a = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    try:  # shaped as used: hidden [T, H] @ weight[c].T
+        a = torch.ones(4, 8, device=device_type, dtype=torch.bfloat16)
+        b = torch.ones(6, 8, device=device_type, dtype=torch.bfloat16)
+        out = torch.mm(a, b.T, out_dtype=torch.float32)
+        return out.dtype == torch.float32 and bool(out[0, 0] == 8)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
