@@ -51,6 +51,7 @@ is also the reference.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from types import ModuleType
 from typing import Any, Literal, overload
@@ -67,6 +68,8 @@ from unirl.core.maths.logprobs import (
     _triton_kernels,
     validate_targets_and_options,
 )
+
+logger = logging.getLogger(__name__)
 
 # Per chunk the CUDA path holds the chunk's fp32 logits and its gradient dz in the inputs' dtype
 # (6 bytes per element in bf16): 256 MiB of them, beside the [T, H] fp32 accumulator. At 16k
@@ -109,7 +112,12 @@ def _fp32_addmm_works(device_type: str) -> bool:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
         return bool(acc[0, 0] == 12)
-    except (RuntimeError, TypeError, NotImplementedError):
+    except (RuntimeError, TypeError, NotImplementedError) as err:
+        logger.warning(
+            "torch.addmm(out_dtype=float32) unavailable (%s): the fused head sums the hidden "
+            "states' gradient in fp32 from per-chunk products rounded to the inputs' dtype",
+            err,
+        )
         return False
 
 
@@ -133,7 +141,12 @@ def _fp32_out_mm_works(device_type: str) -> bool:
         b = torch.ones(6, 8, device=device_type, dtype=torch.bfloat16)
         out = torch.mm(a, b.T, out_dtype=torch.float32)
         return out.dtype == torch.float32 and bool(out[0, 0] == 8)
-    except (RuntimeError, TypeError, NotImplementedError):
+    except (RuntimeError, TypeError, NotImplementedError) as err:
+        logger.warning(
+            "torch.mm(out_dtype=float32) unavailable (%s): the fused head's chunk logits are "
+            "rounded to the inputs' dtype, as the head's own matmul rounds them",
+            err,
+        )
         return False
 
 
