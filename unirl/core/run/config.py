@@ -53,6 +53,13 @@ class ModelConfig:
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
+    # Log-probs straight from the final hidden states and the LM head's weight, in vocabulary
+    # chunks (`unirl.core.maths.logprobs_hidden`): the [tokens, vocab] logits and their gradient
+    # are never held (4.6 GiB each in bf16 at 16k tokens x 152k vocabulary), for one more
+    # head-sized matmul in backward. Off by default: measured slower on the CPU (head +
+    # log-probs 1.25x, in-process A/B, benchmarks/fused_head.py); turn it on when the logits cap
+    # the microbatch length.
+    fused_head: bool = False
     max_seq_len: int = attrs.field(default=2048, validator=positive)
     # A local Hugging Face tokenizer folder for rollout.prompts text (and saved with the export);
     # None: model.path's tokenizer, else a character tokenizer over the prompt file.
