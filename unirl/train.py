@@ -22,7 +22,7 @@ from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
 from unirl.core.run.algorithm import needs_reference
-from unirl.core.run.config import UnirlConfig, config_from_dict
+from unirl.core.run.config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.progress import RunProgress, progress_enabled
@@ -32,7 +32,7 @@ from unirl.core.step import RLStep
 logger = logging.getLogger(__name__)
 
 # Shown on the run bar; everything is in metrics.jsonl.
-RUN_BAR_KEYS = ("reward/mean", "loss", "kl", "entropy", "grad_norm")
+RUN_BAR_KEYS = ("reward/mean", "loss", "kl", "entropy", "grad_norm", "critic/value_loss")
 
 
 @attrs.frozen(kw_only=True)
@@ -103,9 +103,16 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         )  # fmt: skip
         total = source.num_rollouts
 
+    policy_steps = policy_rl_steps(cfg, total)
+    if policy_steps < 1:
+        raise ConfigError(
+            f"critic.warmup_steps={cfg.critic.warmup_steps} leaves the policy no RL step of the "
+            f"{total} this run takes (the rollout file's length); lower critic.warmup_steps"
+        )
     backend = build_backend(
         cfg,
-        total_optimizer_steps=total * cfg.layout.optimizer_steps_per_rollout,
+        # the policy's steps (its LR schedule); the critic adds its warm-up steps
+        total_optimizer_steps=policy_steps * cfg.layout.optimizer_steps_per_rollout,
         needs_reference=needs_reference(cfg),
     )
     topo = backend.topology
@@ -168,6 +175,13 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             _barrier()
             if topo.is_reporting_rank:
                 logger.info("policy exported in Hugging Face layout to %s", export)
+            if backend.critic is not None:
+                backend.critic.export_hf(run_dir / "hf_critic")
+                _barrier()
+                if topo.is_reporting_rank:
+                    logger.info(
+                        "critic exported in Hugging Face layout to %s", run_dir / "hf_critic"
+                    )
         if metrics_log is not None:
             metrics_log.close()
         return RunSummary(
