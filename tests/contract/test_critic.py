@@ -21,6 +21,7 @@ TOL = clauses.TOLERANCES["fp32"]
 # The layouts CI runs (the first of each backend is its baseline for the dp-size comparison).
 CPU_LAYOUTS = {
     "deepspeed": ("zero0-dp1", "zero3-dp2"),
+    "megatron": ("tp1-pp1-dp1", "tp2", "pp2-vpp2"),
 }
 
 

@@ -173,6 +173,7 @@ def load_critic(model_cfg: ModelConfig, critic_cfg: CriticConfig) -> Any:
             backbone = getattr(model, model.base_model_prefix)
             backbone.load_state_dict(getattr(base, base.base_model_prefix).state_dict())
             model = model.to(dtype)
+    model.config.architectures = [type(model).__name__]  # what an export's config names
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
