@@ -18,6 +18,7 @@ import torch.distributed as dist
 import yaml
 
 from unirl.backends import build_backend, watchdog
+from unirl.core.critic import critic_summary
 from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
@@ -146,6 +147,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         )
         source.sync_weights(backend.hf_state_dict())
         rl_step = RLStep(cfg, backend)
+        if topo.is_reporting_rank and backend.critic is not None:
+            logger.info("critic: %s", critic_summary(cfg))
         guard = DivergenceGuard(cfg.train.max_consecutive_skipped_steps)
         metrics: dict[str, float] = {}
         bars = progress_enabled(cfg.progress.enabled)

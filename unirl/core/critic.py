@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core.run.config import UnirlConfig
+from unirl.core.run.config import UnirlConfig, critic_enabled
 
 # Keeps the explained variance finite when every return is equal (as verl does).
 _EV_EPS = 1e-8
@@ -50,3 +50,20 @@ def value_metrics(
         "critic/explained_variance": float(1 - (r - v).var(unbiased=False) / (var_r + _EV_EPS)),
         "critic/values_abs_error": float((r - v).abs().mean()),
     }
+
+
+def critic_summary(cfg: UnirlConfig) -> str:
+    """Whether a critic trains, and from what weights, in one line."""
+    c, estimator = cfg.critic, cfg.algorithm.advantage_estimator
+    if not critic_enabled(cfg):
+        why = "critic.enabled: false" if c.enabled is False else f"estimator {estimator!r}"
+        return f"off ({why}{'; values from the rollout' if estimator == 'gae' else ''})"
+    init = (
+        f"critic.path={c.path!r}" if c.path else "the policy's initial weights + a new value head"
+    )
+    stage = cfg.parallel.zero_stage if c.zero_stage is None else c.zero_stage
+    return (
+        f"on (estimator {estimator!r}): {init}; lr {c.optimizer.lr} ({c.optimizer.lr_schedule}), "
+        f"zero_stage {stage}, micro_batch_size "
+        f"{c.micro_batch_size or 'as the policy'}, warm-up {c.warmup_steps} RL steps"
+    )
