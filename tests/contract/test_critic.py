@@ -22,6 +22,7 @@ TOL = clauses.TOLERANCES["fp32"]
 CPU_LAYOUTS = {
     "deepspeed": ("zero0-dp1", "zero3-dp2"),
     "megatron": ("tp1-pp1-dp1", "tp2", "pp2-vpp2"),
+    "fsdp2": ("full-dp1", "sp2"),
 }
 
 

@@ -60,11 +60,23 @@ def test_critic_keys_without_a_critic_are_refused():
         )
 
 
-def test_fsdp2_refuses_a_critic_with_a_clear_message():
-    with pytest.raises(
-        ConfigError, match=r"backend: fsdp2 has no critic .* use backend: deepspeed or megatron"
-    ):
-        _cfg(backend="fsdp2", algorithm={"advantage_estimator": "gae"})
+def test_a_backend_without_a_critic_refuses_one_with_a_clear_message():
+    """A plug-in that does not declare ``supports_critic`` (the test suite's toy backend)."""
+    from tests.plugins import toy_backend
+    from unirl.core.backend_plugin import BACKENDS
+
+    BACKENDS.register("toy", toy_backend.PLUGIN)
+    try:
+        with pytest.raises(
+            ConfigError, match=r"backend: toy has no critic .* use backend: deepspeed"
+        ):
+            _cfg(
+                backend="toy",
+                model={"hf_config": {"model_type": "llama", "vocab_size": 16}},
+                algorithm={"advantage_estimator": "gae"},
+            )
+    finally:
+        BACKENDS.unregister("toy")
 
 
 def test_critic_bounds_name_their_keys():

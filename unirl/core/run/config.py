@@ -413,7 +413,7 @@ def _check_critic(cfg: UnirlConfig) -> None:
     if not plugin.supports_critic:
         raise ConfigError(
             f"backend: {cfg.backend} has no critic (a learned value model for "
-            f"algorithm.advantage_estimator={estimator!r}); use backend: deepspeed or megatron, "
+            f"algorithm.advantage_estimator={estimator!r}); use backend: deepspeed, megatron or fsdp2, "
             "or an estimator without values (grpo, rloo, reinforce_pp), or critic.enabled: false "
             "with per-token 'values' in a rollout file"
         )
