@@ -18,11 +18,13 @@ from tests.contract.backends import REGISTRY, skip_reason
 
 TOL = clauses.TOLERANCES["fp32"]
 
-# The layouts CI runs (the first of each backend is its baseline for the dp-size comparison).
+# The layouts CI runs, to keep its added time near a minute and a half (the first of each backend
+# is the baseline of the layout comparison); every other layout passed once by hand and runs in
+# the GPU runners.
 CPU_LAYOUTS = {
     "deepspeed": ("zero0-dp1", "zero3-dp2"),
-    "megatron": ("tp1-pp1-dp1", "tp2", "pp2-vpp2"),
-    "fsdp2": ("full-dp1", "sp2"),
+    "megatron": ("tp2", "pp2-vpp2"),
+    "fsdp2": ("sp2",),
 }
 
 
