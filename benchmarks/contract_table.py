@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.run_environment import run_environment
-from tests.contract import clauses, launch
+from tests.contract import clauses, critic, launch
 from tests.contract.backends import FUSED_HEAD_MODES, REGISTRY, skip_reason, with_fused_head
 
 logger = logging.getLogger("contract_table")
@@ -86,6 +86,11 @@ def main() -> None:
         default="declared",
         help="model.fused_head on every layout (on / off) or as each layout declares it",
     )
+    parser.add_argument(
+        "--no-critic",
+        action="store_true",
+        help="skip the critic clauses (tests/contract/critic.py)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -99,6 +104,7 @@ def main() -> None:
 
     model_dir, records = launch.prepare(root)
     reference = clauses.compute_reference(model_dir, records)
+    critic_ref = None  # computed at the first critic group
     results: dict[str, dict[str, Any]] = {}
     for name in [x for x in args.backends.split(",") if x]:
         entry = REGISTRY[name]
@@ -140,6 +146,32 @@ def main() -> None:
             row["logprob_calls"] = logprob_calls(measured)
             verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in row["clauses"].items()}
             logger.info("%s/%s: %.1f s, %s", name, layout.name, measured.wall_s, verdict)
+            if entry.supports_critic and not args.no_critic:
+                # PPO's critic (C1-C5), its own group of processes
+                try:
+                    mc = critic.run_critic_group(
+                        entry,
+                        layout,
+                        model_dir=model_dir,
+                        records=records,
+                        work_dir=root / f"{name}-{layout.name}-critic",
+                        device=args.device,
+                        dtype=args.dtype,
+                    )
+                except Exception as err:
+                    row["critic_error"] = str(err)[-4000:]
+                    continue
+                if critic_ref is None:
+                    critic_ref = critic.compute_critic_reference(model_dir, records)
+                row["critic_wall_s"] = round(mc.wall_s, 2)
+                row["critic_harness_errors"] = {k: v[-2000:] for k, v in mc.errors.items()}
+                row["critic_clauses"] = summarise(
+                    critic.grouped(critic.all_critic_checks(mc, critic_ref, records, tol))
+                )
+                verdict = {
+                    c: ("ok" if e["ok"] else "FAIL") for c, e in row["critic_clauses"].items()
+                }
+                logger.info("%s/%s critic: %.1f s, %s", name, layout.name, mc.wall_s, verdict)
 
     table = {
         "device": args.device,

@@ -54,7 +54,7 @@ import torch
 
 from benchmarks.contract_table import logprob_calls
 from benchmarks.run_environment import run_environment
-from tests.contract import clauses, fixtures, harness, launch
+from tests.contract import clauses, critic, fixtures, harness, launch
 from tests.contract.backends import Layout, with_fused_head
 
 logger = logging.getLogger("megatron_contract")
@@ -114,7 +114,8 @@ def worker(job_file: Path) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # gloo: dry runs
     try:
-        result = harness.run_job(rank, world, job)
+        run_job = critic.run_critic_job if isinstance(job, critic.CriticJob) else harness.run_job
+        result = run_job(rank, world, job)
         torch.save(result, job_file.with_name(f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -124,11 +125,20 @@ def worker(job_file: Path) -> None:
 
 
 def run_layout(
-    layout: Layout, dtype: str, model_dir: Path, records: list, root: Path, run: str
+    layout: Layout,
+    dtype: str,
+    model_dir: Path,
+    records: list,
+    root: Path,
+    run: str,
+    *,
+    with_critic: bool = False,
 ) -> Any:
-    work = root / f"{run}-{layout.name}"
+    """The policy's contract group, or (``with_critic``) the critic's (`tests.contract.critic`)."""
+    work = root / f"{run}-{layout.name}{'-critic' if with_critic else ''}"
     work.mkdir(parents=True, exist_ok=True)
-    job = harness.Job(
+    job_type = critic.CriticJob if with_critic else harness.Job
+    job = job_type(
         backend="megatron",
         layout=layout,
         model_dir=str(model_dir),
@@ -287,6 +297,9 @@ def main() -> None:
     runs = [r for r in RUNS if r[0] in wanted_runs]
     stds = sorted({r[2] for r in runs})
     prepared = {std: prepare_fixture(root, std) for std in stds}
+    critic_refs = {
+        std: critic.compute_critic_reference(prepared[std][0], prepared[std][1]) for std in stds
+    }
     wanted = {x for x in args.layouts.split(",") if x}
     layouts = [y for x in LAYOUTS if (y := with_fused_head(x, args.fused_head)) is not None]
     gpus = torch.cuda.device_count()
@@ -343,6 +356,17 @@ def main() -> None:
                 out["logprob_calls"] = logprob_calls(m)
                 verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in out["clauses"].items()}
                 logger.info("%s / %s: %.1f s %s", run, layout.name, m.wall_s, verdict)
+                # PPO's critic (C1-C5), its own group of processes
+                mc, _ = run_layout(layout, dtype, model_dir, records, root, run, with_critic=True)
+                out["critic_wall_s"] = round(mc.wall_s, 1)
+                out["critic_harness_errors"] = {k: v[-3000:] for k, v in mc.errors.items()}
+                out["critic_clauses"] = summarise(
+                    critic.grouped(critic.all_critic_checks(mc, critic_refs[std], records, tol))
+                )
+                verdict = {
+                    c: ("ok" if e["ok"] else "FAIL") for c, e in out["critic_clauses"].items()
+                }
+                logger.info("%s / %s critic: %.1f s %s", run, layout.name, mc.wall_s, verdict)
             except Exception as err:  # a crash or hang of the whole group
                 out["error"] = str(err)[-6000:]
                 logger.info("%s / %s failed: %s", run, layout.name, str(err)[-2000:])

@@ -61,6 +61,7 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
+    from unirl.core.critic import critic_summary
     from unirl.core.old_logprobs import decide_old_logprobs
 
     decision = decide_old_logprobs(cfg)
@@ -79,6 +80,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         },
         "plan": _plan_summary(cfg),
         "old_logprobs": decision.to_dict() | {"explanation": decision.explain()},
+        "critic": critic_summary(cfg),
     }
 
 
@@ -97,6 +99,7 @@ def _print_report(report: dict[str, Any]) -> None:
         out.write(f"{key}: {value}\n")
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
+    out.write("\n# critic\n" + report["critic"] + "\n")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

@@ -14,6 +14,8 @@ PANELS = (
     ("entropy", "entropy"),
     ("grad_norm", "grad norm"),
     ("pg_clipfrac", "clip fraction"),
+    ("critic/value_loss", "critic value loss"),
+    ("critic/explained_variance", "critic explained variance"),
 )
 
 
@@ -35,8 +37,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ]
     if not rows or not panels:
         raise UnirlError(f"{metrics_path} holds no steps with reward or loss metrics yet")
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
-    for ax, (key, title) in zip(axes[0], panels):
+    cols = 4 if len(panels) > 6 else len(panels)  # a PPO run's 8 panels in two rows
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4 * cols, 3.2 * rows_n), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax, (key, title) in zip(axes.flat, panels):
         points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
         ax.set_title(title)

@@ -18,11 +18,12 @@ import torch.distributed as dist
 import yaml
 
 from unirl.backends import build_backend, watchdog
+from unirl.core.critic import critic_summary
 from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
 from unirl.core.run.algorithm import needs_reference
-from unirl.core.run.config import UnirlConfig, config_from_dict
+from unirl.core.run.config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.progress import (
@@ -38,7 +39,7 @@ from unirl.log_setup import apply_log_level
 logger = logging.getLogger(__name__)
 
 # Shown on the run bar; everything is in metrics.jsonl.
-RUN_BAR_KEYS = ("reward/mean", "loss", "kl", "entropy", "grad_norm")
+RUN_BAR_KEYS = ("reward/mean", "loss", "kl", "entropy", "grad_norm", "critic/value_loss")
 
 
 @attrs.frozen(kw_only=True)
@@ -111,9 +112,16 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         )  # fmt: skip
         total = source.num_rollouts
 
+    policy_steps = policy_rl_steps(cfg, total)
+    if policy_steps < 1:
+        raise ConfigError(
+            f"critic.warmup_steps={cfg.critic.warmup_steps} leaves the policy no RL step of the "
+            f"{total} this run takes (the rollout file's length); lower critic.warmup_steps"
+        )
     backend = build_backend(
         cfg,
-        total_optimizer_steps=total * cfg.layout.optimizer_steps_per_rollout,
+        # the policy's steps (its LR schedule); the critic adds its warm-up steps
+        total_optimizer_steps=policy_steps * cfg.layout.optimizer_steps_per_rollout,
         needs_reference=needs_reference(cfg),
     )
     topo = backend.topology
@@ -147,6 +155,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         )
         source.sync_weights(backend.hf_state_dict())
         rl_step = RLStep(cfg, backend)
+        if topo.is_reporting_rank and backend.critic is not None:
+            logger.info("critic: %s", critic_summary(cfg))
         guard = DivergenceGuard(cfg.train.max_consecutive_skipped_steps)
         metrics: dict[str, float] = {}
         bars = progress_enabled(cfg.progress.enabled)
@@ -192,6 +202,13 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             _barrier()
             if topo.is_reporting_rank:
                 logger.info("policy exported in Hugging Face layout to %s", export)
+            if backend.critic is not None:
+                backend.critic.export_hf(run_dir / "hf_critic")
+                _barrier()
+                if topo.is_reporting_rank:
+                    logger.info(
+                        "critic exported in Hugging Face layout to %s", run_dir / "hf_critic"
+                    )
         if metrics_log is not None:
             metrics_log.close()
         return RunSummary(

@@ -137,3 +137,40 @@ def test_plot_writes_a_png(tmp_path):
     png = tmp_path / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(tmp_path / "missing")]) == 2  # names the missing metrics file
+
+
+def test_ppo_critic_resume_equals_uninterrupted_and_exports_the_critic(tmp_path):
+    """PPO with a critic (GAE, warm-up of 1 RL step, 2 optimizer steps per rollout): the critic's
+    state is in the checkpoint, so a resumed run reproduces the uninterrupted one step for step,
+    and its Hugging Face export reloads as a one-label token classifier."""
+    base = [str(EXAMPLES / "tiny_ppo.yaml"), "--set", "logging.tensorboard=false",
+            "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=16",
+            "--set", "batch.micro_batch_size=8", "--set", "critic.warmup_steps=1"]  # fmt: skip
+    full = _run_train_in_subprocess(
+        [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
+        tmp_path,
+    )
+    assert full.returncode == 0, full.stderr[-3000:]
+    cut = [*base, "--set", f"logging.run_dir={tmp_path / 'cut'}", "--set", "checkpoint.every=2"]
+    first = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=4", "--resume"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert a[0]["critic/warmup"] == 1.0 and "loss" not in a[0]  # step 1: the critic alone
+    assert a[1]["critic/warmup"] == 0.0 and "loss" in a[1]
+    for ra, rb in zip(a, b):
+        for key in ("reward/mean", "critic/value_loss", "critic/grad_norm",
+                    "critic/explained_variance", "critic/values_mean"):  # fmt: skip
+            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+        if "loss" in ra:
+            assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"]
+    for folder in ("hf", "hf_critic"):
+        wa = load_file(str(tmp_path / "full" / folder / "model.safetensors"))
+        wb = load_file(str(tmp_path / "cut" / folder / "model.safetensors"))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), folder
+    config = json.loads((tmp_path / "full" / "hf_critic" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForTokenClassification"]
+    assert wa["score.weight"].shape == (1, 128)

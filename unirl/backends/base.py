@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from unirl.core.backend import LogprobSpec, LossFn, ModelRole
+from unirl.core.backend import CriticModel, LogprobSpec, LossFn, ModelRole
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
@@ -44,6 +44,7 @@ class EngineBackend:
 
     def __init__(self) -> None:
         self.forward_calls: dict[ModelRole, int] = dict.fromkeys(ROLES, 0)
+        self.critic: CriticModel | None = None  # a backend with a critic builds it
 
     def _count_forward(self, role: ModelRole) -> None:
         self.forward_calls[role] += 1

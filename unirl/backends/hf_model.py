@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import ModelConfig
+from unirl.core.run.config import CriticConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -106,4 +106,75 @@ def load_reference(model_cfg: ModelConfig) -> Any:
     model.config.use_cache = False
     model.requires_grad_(False)
     model.eval()
+    return model
+
+
+def _critic_config(config: Any) -> Any:
+    """A copy of a model config set up for a value head: one label, no classifier dropout (the
+    values must be deterministic in training, as the log-probs are), no KV cache."""
+    import copy
+
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    config.use_cache = False
+    return config
+
+
+def load_critic(model_cfg: ModelConfig, critic_cfg: CriticConfig) -> Any:
+    """PPO's value model in Hugging Face layout: ``AutoModelForTokenClassification`` with one
+    label (the causal LM's backbone + ``score``, a ``Linear(hidden, 1)`` per token), in train mode.
+
+    From ``critic.path``: a saved critic loads whole; a causal LM gives its backbone and the head
+    is initialised. Otherwise the backbone is the policy's initial weights (reloaded from
+    ``model.path`` or rebuilt from ``model.hf_config`` + ``model.init_seed``). A new head is
+    transformers' own init (normal, std ``initializer_range``; zero bias) drawn from a torch RNG
+    seeded with ``model.init_seed`` (forked: the caller's stream does not move)."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    dtype = torch_dtype(model_cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model_cfg.init_seed)
+        if critic_cfg.path is not None:
+            folder = _check_folder(critic_cfg.path, "critic.path")
+            config = _critic_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+            try:
+                model = AutoModelForTokenClassification.from_pretrained(
+                    str(folder),
+                    config=config,
+                    dtype=dtype,
+                    attn_implementation=ATTN_IMPLEMENTATION,
+                    local_files_only=True,
+                )
+            except ValueError as err:
+                raise ConfigError(
+                    f"critic.path={critic_cfg.path!r}: no value model: {err}"
+                ) from None
+        else:
+            base = (
+                load_pretrained(model_cfg.path, torch.float32)
+                if model_cfg.path is not None
+                else build_from_config(
+                    model_cfg.hf_config or {}, model_cfg.init_seed, torch.float32
+                )
+            )
+            torch.manual_seed(model_cfg.init_seed)  # the head's init: from this seed alone
+            try:
+                model = AutoModelForTokenClassification.from_config(
+                    _critic_config(base.config),
+                    dtype=torch.float32,
+                    attn_implementation=ATTN_IMPLEMENTATION,
+                )
+            except ValueError as err:
+                raise ConfigError(
+                    f"critic: the policy's architecture {type(base).__name__} has no token-"
+                    f"classification variant in transformers ({err}); give critic.path"
+                ) from None
+            backbone = getattr(model, model.base_model_prefix)
+            backbone.load_state_dict(getattr(base, base.base_model_prefix).state_dict())
+            model = model.to(dtype)
+    model.config.architectures = [type(model).__name__]  # what an export's config names
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
     return model

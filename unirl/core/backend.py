@@ -34,6 +34,8 @@ LossFn = Callable[
     tuple[torch.Tensor, Mapping[str, Metric]],
 ]
 ModelRole = Literal["policy", "reference"]
+# value_loss_fn(microbatch, values [T] fp32 with grad) -> (loss, metrics): the critic's share.
+ValueLossFn = Callable[[TrainMicrobatch, torch.Tensor], tuple[torch.Tensor, Mapping[str, Metric]]]
 
 
 @attrs.frozen(kw_only=True)
@@ -118,6 +120,41 @@ class OptimizerStepStats:
 
 
 @runtime_checkable
+class CriticModel(Protocol):
+    """PPO's value model as core's RL step drives it: a causal-LM backbone with a scalar head per
+    token, on the same processes and parallel layout as its policy, with its own optimizer and
+    LR schedule. The seam is the policy's: the backend makes the per-token values ``[T]`` (fp32,
+    logit-position alignment: position t is V of the prefix that predicts ``targets[t]``, the
+    value before that response token; CP-local); core computes GAE and the value loss, and the
+    backend multiplies the loss by its one averaging factor. Checkpoints and ``--resume`` include
+    it through its backend's `TrainingBackend.save_checkpoint` / ``load_checkpoint``."""
+
+    def forward_values(
+        self, microbatches: Sequence[TrainMicrobatch], *, progress: MicrobatchProgress
+    ) -> list[torch.Tensor]:
+        """Forward-only: detached fp32 values ``[T]`` per microbatch ([] off the last pipeline
+        stage)."""
+        ...
+
+    def forward_backward(
+        self,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        loss_fn: ValueLossFn,
+        progress: MicrobatchProgress,
+    ) -> list[Mapping[str, Metric]]:
+        """Accumulate the critic's gradients over one optimizer step's microbatches."""
+        ...
+
+    def optimizer_step(self) -> OptimizerStepStats: ...
+
+    def export_hf(self, path: Path) -> None:
+        """The critic in Hugging Face layout (``AutoModelForTokenClassification``, one label):
+        collective, one rank writes."""
+        ...
+
+
+@runtime_checkable
 class TrainingBackend(Protocol):
     """What core's RL step needs from an engine. Implementations live in unirl/backends/<name>
     and are built by their plug-in's ``build(cfg, total_optimizer_steps=..., needs_reference=...)``
@@ -127,6 +164,8 @@ class TrainingBackend(Protocol):
     vocab_size: int
     # Where this rank computes: the core step's data-parallel reductions run on it.
     device: torch.device
+    # PPO's value model, built when the config enables one (`critic_enabled`); else None.
+    critic: CriticModel | None
 
     def loss_scale(self, num_microbatches: int) -> float:
         """The one factor each microbatch's loss is multiplied by before its backward: it cancels

@@ -10,7 +10,8 @@ it, so adding a backend edits no file under ``unirl/core``:
 - ``build``: its constructor, ``build(cfg, total_optimizer_steps=..., needs_reference=...)``;
   it imports the engine lazily (`LazyBuilder`), so registering needs no engine installed;
 - ``requires`` / ``install_hint``: the engine packages it imports, and how to install them;
-- ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on.
+- ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on;
+- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy.
 
 Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
 outside the package registers itself with ``BACKENDS.register(plugin.name, plugin)``.
@@ -128,6 +129,9 @@ class BackendPlugin:
     layouts: tuple[ContractLayout, ...] = ()
     # Why the contract suite cannot run it without CUDA, or None if it runs on the CPU over gloo.
     needs_cuda: str | None = None
+    # Whether its backends build a critic (`TrainingBackend.critic`) when the config enables one;
+    # a config that enables a critic on a backend without is refused at load.
+    supports_critic: bool = False
 
 
 BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.core.backend import ModelRole, TrainingBackend
+from unirl.core.critic import critic_warming_up, value_metrics
 from unirl.core.data.context_parallel import gather_from_cp
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.data.microbatch import TrainMicrobatch, build_microbatch
@@ -28,7 +29,7 @@ from unirl.core.data.plan import MicrobatchPlan
 from unirl.core.data.rollout import PackedMicrobatch, RolloutBatch
 from unirl.core.errors import RolloutDataError
 from unirl.core.maths.advantages import AdvantageInputs, compute_advantages
-from unirl.core.maths.losses import LossInputs, Metric, compute_loss, reduce_metrics
+from unirl.core.maths.losses import LossInputs, Metric, compute_loss, critic_loss, reduce_metrics
 from unirl.core.old_logprobs import DecisionLog, OldLogprobDecision, decide_old_logprobs
 from unirl.core.run.algorithm import (
     advantage_settings,
@@ -41,6 +42,9 @@ from unirl.core.run.config import UnirlConfig, norm_length
 from unirl.core.run.progress import MicrobatchProgress, logs_step, progress_enabled
 
 logger = logging.getLogger(__name__)
+
+# A forward-only pass: (microbatches, progress bar) -> per-microbatch [T] tensors.
+_ForwardPass = Callable[[Sequence[TrainMicrobatch], MicrobatchProgress], list[torch.Tensor]]
 
 
 @attrs.frozen(kw_only=True)
@@ -62,6 +66,8 @@ class RLStep:
         self.decisions = DecisionLog()
         self.show_bars = progress_enabled(cfg.progress.enabled)
         self.log_phases = True  # with bars off: this step's phase lines at INFO (log_every)
+        # PPO's value model, when the config enables one (`unirl.core.critic`).
+        self.critic = backend.critic
 
     # -- public -------------------------------------------------------------------------
 
@@ -79,6 +85,12 @@ class RLStep:
             self.decisions.update(decision)
         self._check_data_for(decision, batch)
         plans = self._plans(batch, rl_step)
+        critic_plans = (
+            self._plans(batch, rl_step, micro_batch_size=cfg.critic.micro_batch_size)
+            if self.critic is not None and cfg.critic.micro_batch_size is not None
+            else plans
+        )
+        warming_up = self.critic is not None and critic_warming_up(cfg, rl_step)
         timings: dict[str, float] = {}
 
         # Forward-only passes over this rank's share (the first epoch's microbatches).
@@ -91,27 +103,47 @@ class RLStep:
         old_bl = ref_bl = None
         if decision.source == "recompute":
             t0 = time.perf_counter()
-            old_bl = self._forward_to_responses(batch, first, "policy", "actor forward")
+            old_bl = self._forward_to_responses(
+                batch, first, self._logprobs_of("policy"), "actor forward"
+            )
             timings["time/actor_forward_s"] = time.perf_counter() - t0
         if needs_ref_forward:
             t0 = time.perf_counter()
-            ref_bl = self._forward_to_responses(batch, first, "reference", "ref forward")
+            ref_bl = self._forward_to_responses(
+                batch, first, self._logprobs_of("reference"), "ref forward"
+            )
             timings["time/ref_forward_s"] = time.perf_counter() - t0
         padded = batch.padded_responses()
         if ref_bl is None and padded.ref_logprobs is not None:
             ref_bl = padded.ref_logprobs
         if decision.source == "rollout":
             old_bl = padded.rollout_logprobs
+        values_bl = padded.values
+        if self.critic is not None:
+            t0 = time.perf_counter()
+            critic = self.critic
+            values_bl = self._forward_to_responses(
+                batch,
+                [
+                    batch.pack(i)
+                    for step in critic_plans[0].steps
+                    for i in step.microbatches(topo.dp_rank)
+                ],
+                lambda mbs, bar: critic.forward_values(mbs, progress=bar),
+                "critic forward",
+            )
+            timings["time/critic_forward_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        response_mask = padded.loss_mask.to(torch.float32) * padded.mask
         adv = compute_advantages(
             AdvantageInputs(
                 rewards=batch.rewards.to(torch.float32),
                 group_ids=batch.group_ids,
-                response_mask=padded.loss_mask.to(torch.float32) * padded.mask,
+                response_mask=response_mask,
                 old_logprobs=old_bl,
                 ref_logprobs=ref_bl,
-                values=padded.values,
+                values=values_bl,
                 teacher_logprobs=ref_bl if cfg.algorithm.distillation_coef > 0 else None,
             ),
             self.advantage_settings,
@@ -120,20 +152,33 @@ class RLStep:
 
         t0 = time.perf_counter()
         step_metrics: list[dict[str, float]] = []
-        for plan in plans:
+        for plan in [] if warming_up else plans:
             for step in plan.steps:
                 step_metrics.append(
                     self._optimizer_step(batch, step, adv.advantages, old_bl, ref_bl)
                 )
         timings["time/train_s"] = time.perf_counter() - t0
+        critic_metrics: list[dict[str, float]] = []
+        if self.critic is not None:
+            assert values_bl is not None
+            t0 = time.perf_counter()
+            for plan in critic_plans:
+                for step in plan.steps:
+                    critic_metrics.append(self._critic_step(batch, step, adv.returns, values_bl))
+            timings["time/critic_train_s"] = time.perf_counter() - t0
         timings["time/step_s"] = time.perf_counter() - t_start
 
         metrics = _mean_over_steps(step_metrics)
+        if self.critic is not None:
+            assert values_bl is not None
+            metrics.update({f"critic/{k}": v for k, v in _mean_over_steps(critic_metrics).items()})
+            metrics.update(value_metrics(values_bl, adv.returns, response_mask))
+            metrics["critic/warmup"] = float(warming_up)
         metrics.update(_batch_metrics(batch))
         metrics.update(timings)
         tokens = int(batch.lengths.sum()) * cfg.batch.epochs_per_rollout
         metrics["throughput/train_tokens_per_s"] = tokens / max(timings["time/train_s"], 1e-9)
-        metrics["optimizer_steps"] = float(len(step_metrics))
+        metrics["optimizer_steps"] = float(len(step_metrics))  # the policy's
         metrics["old_logprobs/recompute"] = float(decision.source == "recompute")
         return StepResult(metrics=metrics, decision=decision)
 
@@ -155,7 +200,11 @@ class RLStep:
                 "the rollout engine's per-token log-probs for every sample, or change those settings"
             )
 
-    def _plans(self, batch: RolloutBatch, rl_step: int) -> list[MicrobatchPlan]:
+    def _plans(
+        self, batch: RolloutBatch, rl_step: int, *, micro_batch_size: int | None = None
+    ) -> list[MicrobatchPlan]:
+        """The policy's plans, one per epoch; with ``micro_batch_size`` (the critic's own), the
+        same optimizer steps cut into microbatches of that many samples."""
         cfg, b = self.cfg, self.cfg.batch
         if len(batch) % b.samples_per_optimizer_step:
             raise RolloutDataError(
@@ -171,8 +220,10 @@ class RLStep:
                     batch.valid_token_counts.tolist(),
                     num_optimizer_steps=len(batch) // b.samples_per_optimizer_step,
                     dp_size=self.topology.dp_size,
-                    micro_batch_size=b.micro_batch_size,
-                    max_tokens_per_microbatch=b.max_tokens_per_microbatch,
+                    micro_batch_size=micro_batch_size or b.micro_batch_size,
+                    max_tokens_per_microbatch=None
+                    if micro_batch_size
+                    else b.max_tokens_per_microbatch,
                     norm_length=norm_length(cfg),
                     # later epochs see the groups in a new order (same on every rank)
                     shuffle_seed=None
@@ -189,6 +240,9 @@ class RLStep:
         advantages_bl: torch.Tensor | None,
         old_bl: torch.Tensor | None,
         ref_bl: torch.Tensor | None,
+        *,
+        returns_bl: torch.Tensor | None = None,
+        old_values_bl: torch.Tensor | None = None,
     ) -> TrainMicrobatch:
         topo = self.topology
 
@@ -202,22 +256,34 @@ class RLStep:
             advantages=place(advantages_bl),
             old_logprobs=place(old_bl),
             ref_logprobs=place(ref_bl),
+            returns=place(returns_bl),
+            old_values=place(old_values_bl),
             cp_size=topo.cp_size,
             cp_rank=topo.cp_rank,
             cp_group=topo.groups.cp,
         )
 
+    def _logprobs_of(self, role: ModelRole) -> _ForwardPass:
+        spec = forward_logprob_spec(self.cfg, self.backend.vocab_size)
+        return lambda mbs, bar: self.backend.forward_logprobs(
+            mbs, role=role, spec=spec, progress=bar
+        )
+
     def _forward_to_responses(
-        self, batch: RolloutBatch, packs: Sequence[PackedMicrobatch], role: ModelRole, phase: str
+        self,
+        batch: RolloutBatch,
+        packs: Sequence[PackedMicrobatch],
+        forward: _ForwardPass,
+        phase: str,
     ) -> torch.Tensor:
-        """Forward-only log-probs of every response token, as a batch ``[B, L]`` tensor."""
+        """A forward-only per-token quantity (log-probs, values) of every response token, as a
+        batch ``[B, L]`` tensor."""
         topo = self.topology
         mbs = [self._microbatch(p, None, None, None) for p in packs]
-        spec = forward_logprob_spec(self.cfg, self.backend.vocab_size)
         with MicrobatchProgress(
             phase, len(mbs), topo, enabled=self.show_bars, log_summary=self.log_phases
         ) as bar:
-            results = self.backend.forward_logprobs(mbs, role=role, spec=spec, progress=bar)
+            results = forward(mbs, bar)
         width = int(batch.response_lengths.max())
         out = torch.zeros(len(batch), width, dtype=torch.float32)
         for packed, logp in zip(packs, results):  # empty on non-last pipeline stages
@@ -288,6 +354,53 @@ class RLStep:
             metrics = reduce_metrics(per_mb, group=topo.groups.dp_cp)
         if topo.pp_size > 1:
             metrics = _from_last_stage(metrics, topo.groups.pp, topo.pp_size)
+        metrics["grad_norm"] = stats.grad_norm
+        metrics["lr"] = stats.lr
+        metrics["skipped_steps"] = float(stats.skipped)
+        return metrics
+
+    def _critic_step(
+        self, batch: RolloutBatch, step: Any, returns_bl: torch.Tensor, values_bl: torch.Tensor
+    ) -> dict[str, float]:
+        """One optimizer step of the critic on the returns, clipped around the pre-step values."""
+        assert self.critic is not None
+        topo, settings = self.topology, self.loss_settings
+        counts: GlobalCounts = step.counts
+        packs = [batch.pack(idx) for idx in step.microbatches(topo.dp_rank)]
+        mbs = [
+            self._microbatch(p, None, None, None, returns_bl=returns_bl, old_values_bl=values_bl)
+            for p in packs
+        ]
+
+        def loss_fn(
+            mb: TrainMicrobatch, values: torch.Tensor
+        ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
+            device = values.device
+            assert mb.returns is not None
+            out = critic_loss(
+                values,
+                mb.returns.to(device),
+                None if mb.old_values is None else mb.old_values.to(device),
+                loss_mask=mb.loss_mask.to(device),
+                seq_ids=mb.seq_ids.to(device),
+                num_seqs=mb.num_seqs,
+                seq_token_counts=mb.seq_token_counts.to(device),
+                counts=counts,
+                settings=settings,
+            )
+            return out.loss, out.metrics
+
+        with MicrobatchProgress(
+            "critic train", len(mbs), topo, enabled=self.show_bars, log_summary=self.log_phases
+        ) as bar:
+            per_mb = self.critic.forward_backward(mbs, loss_fn=loss_fn, progress=bar)
+        stats = self.critic.optimizer_step()
+        metrics: dict[str, float] = {}
+        if topo.is_last_pipeline_stage():
+            metrics = reduce_metrics(per_mb, group=topo.groups.dp_cp)
+        if topo.pp_size > 1:
+            metrics = _from_last_stage(metrics, topo.groups.pp, topo.pp_size)
+        metrics.pop("values_mean", None)  # the pre-step mean over the rollout is reported
         metrics["grad_norm"] = stats.grad_norm
         metrics["lr"] = stats.lr
         metrics["skipped_steps"] = float(stats.skipped)

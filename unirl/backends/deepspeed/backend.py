@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,13 @@ import torch
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.deepspeed import checkpoint, export
+from unirl.backends.deepspeed.critic import DeepSpeedCritic
 from unirl.backends.deepspeed.distributed import close_distributed, init_distributed
-from unirl.backends.deepspeed.engine import initialize_policy, initialize_reference
+from unirl.backends.deepspeed.engine import (
+    initialize_policy,
+    initialize_reference,
+    step_engine,
+)
 from unirl.backends.deepspeed.packed import forward_packed, use_packed_attention
 from unirl.backends.deepspeed.topology import deepspeed_topology
 from unirl.backends.forward_only import forward_only
@@ -36,8 +40,9 @@ from unirl.backends.fused_head import FusedLMHead, install_fused_head, packed_lo
 from unirl.backends.hf_model import load_policy, load_reference
 from unirl.backends.microbatch import to_device, zero_through_graph
 from unirl.core.backend import ModelRole, OptimizerStepStats
+from unirl.core.critic import critic_optimizer_steps
 from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig
+from unirl.core.run.config import UnirlConfig, critic_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,14 @@ class DeepSpeedBackend(EngineBackend):
         self._closed = False
         if needs_reference:
             self._reference_module()
+        self.critic: DeepSpeedCritic | None = None
+        if critic_enabled(cfg):
+            self.critic = DeepSpeedCritic(
+                cfg,
+                total_optimizer_steps=critic_optimizer_steps(cfg, total_optimizer_steps),
+                topology=self.topology,
+                rank=self._dist.rank,
+            )
 
     # -- properties --------------------------------------------------------------------------
 
@@ -155,38 +168,9 @@ class DeepSpeedBackend(EngineBackend):
 
     # -- optimizer ---------------------------------------------------------------------------
 
-    def _local_grad_norm(self) -> float:
-        """The norm of the module's (already all-reduced) gradients: DeepSpeed reports none
-        without ZeRO and without bf16 (client optimizer path)."""
-        grads = [
-            p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None
-        ]
-        if not grads:
-            return 0.0
-        return float(
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        )
-
     def optimizer_step(self) -> OptimizerStepStats:
         """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
-        lr = float(self.engine.get_lr()[0])
-        plain = self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled()
-        own_norm = self._local_grad_norm() if plain else None
-        if own_norm is not None and not math.isfinite(own_norm):
-            # DeepSpeed's plain path would apply it: skip, as ZeRO does on a non-finite norm.
-            logger.warning("non-finite gradient norm %s: optimizer step skipped", own_norm)
-            self.engine.zero_grad()
-            return OptimizerStepStats(grad_norm=own_norm, lr=lr, skipped=True)
-        self.engine.step()
-        norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
-        if norm is None:
-            raise RuntimeError(
-                "DeepSpeed reported no gradient norm after the step (ZeRO gradient-norm "
-                "computation disabled in deepspeed.extra?)"
-            )
-        return OptimizerStepStats(
-            grad_norm=float(norm), lr=lr, skipped=not self.engine.was_step_applied()
-        )
+        return step_engine(self.engine)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -197,11 +181,19 @@ class DeepSpeedBackend(EngineBackend):
             client_state,
             rank=self._dist.rank,
             world_size=self._dist.world_size,
+            extra_engines=self._extra_engines(),
         )
+
+    def _extra_engines(self) -> dict[str, Any]:
+        return {} if self.critic is None else {"critic": self.critic.engine}
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         return checkpoint.load_checkpoint(
-            self.engine, Path(path), rank=self._dist.rank, world_size=self._dist.world_size
+            self.engine,
+            Path(path),
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            extra_engines=self._extra_engines(),
         )
 
     def export_hf(self, path: Path) -> None:
@@ -218,6 +210,8 @@ class DeepSpeedBackend(EngineBackend):
             return
         self._closed = True
         self.engine.destroy()
+        if self.critic is not None:
+            self.critic.close()
         if self._reference is not None and hasattr(self._reference, "destroy"):
             self._reference.destroy()
         self._reference = None

@@ -6,6 +6,7 @@ Layout of ``<path>/`` (on a filesystem every rank sees)::
 
     state/...              engine.save_checkpoint(tag="state"): module, optimizer (per ZeRO rank),
                            LR scheduler, and {"unirl": client_state}
+    critic/...             the critic's engine, the same way (when the run trains one)
     rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
     complete               written last, by rank 0, after every rank has finished
 
@@ -41,9 +42,17 @@ def _rng_file(folder: Path, rank: int) -> Path:
 
 
 def save_checkpoint(
-    engine: Any, path: Path, client_state: Mapping[str, Any], *, rank: int, world_size: int
+    engine: Any,
+    path: Path,
+    client_state: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    extra_engines: Mapping[str, Any] | None = None,
 ) -> None:
-    """Collective: every rank calls it with the same `path`."""
+    """Collective: every rank calls it with the same `path`. ``extra_engines``: more engines of
+    the run (the critic) by tag, saved into the same folder before it is published."""
+    extra = dict(extra_engines or {})
     path = Path(path)
     partial = partial_dir(path)
     if rank == 0:
@@ -53,20 +62,34 @@ def save_checkpoint(
     engine.save_checkpoint(
         str(partial), tag=TAG, client_state={_CLIENT_KEY: dict(client_state)}, save_latest=False
     )
+    for tag, other in extra.items():
+        other.save_checkpoint(str(partial), tag=tag, save_latest=False)
     torch.save(rng_state(), _rng_file(partial, rank))
     dist.barrier()
     if rank == 0:
         publish(
             partial,
             path,
-            {"world_size": world_size, "zero_stage": engine.zero_optimization_stage()},
+            {
+                "world_size": world_size,
+                "zero_stage": engine.zero_optimization_stage(),
+                "engines": sorted(extra),
+            },
             client_state=client_state,
         )
     dist.barrier()
 
 
-def load_checkpoint(engine: Any, path: Path, *, rank: int, world_size: int) -> dict[str, Any]:
-    """Restore the engine and this rank's RNG states; returns the client state saved with it."""
+def load_checkpoint(
+    engine: Any,
+    path: Path,
+    *,
+    rank: int,
+    world_size: int,
+    extra_engines: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Restore the engines and this rank's RNG states; returns the client state saved with it."""
+    extra = dict(extra_engines or {})
     path = Path(path)
     meta = read_marker(path)
     if meta["world_size"] != world_size:
@@ -79,5 +102,14 @@ def load_checkpoint(engine: Any, path: Path, *, rank: int, world_size: int) -> d
     )
     if load_path is None:
         raise ConfigError(f"checkpoint {str(path)!r}: DeepSpeed found no state under tag {TAG!r}")
+    saved = set(meta.get("engines", []))
+    for tag, other in extra.items():
+        if tag not in saved:
+            raise ConfigError(
+                f"checkpoint {str(path)!r} holds no {tag} state (it was written by a run without "
+                f"a {tag}); resume with the config that wrote it, or start a new run"
+            )
+        if other.load_checkpoint(str(path), tag=tag)[0] is None:
+            raise ConfigError(f"checkpoint {str(path)!r}: DeepSpeed found no state under {tag!r}")
     set_rng_state(torch.load(_rng_file(path, rank), weights_only=False))
     return dict(client[_CLIENT_KEY])

@@ -24,13 +24,15 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from unirl.core.backend import OptimizerStepStats
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import UnirlConfig
+from unirl.core.run.config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule, learning_rate
 
 logger = logging.getLogger(__name__)
@@ -70,9 +72,18 @@ def _lookup(tree: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
     return True, node
 
 
-def deepspeed_config(cfg: UnirlConfig, dp_size: int) -> dict[str, Any]:
-    """The DeepSpeed config dict of the policy engine."""
-    if cfg.model.dtype == "bf16" and cfg.parallel.zero_stage == 0:
+def deepspeed_config(
+    cfg: UnirlConfig,
+    dp_size: int,
+    *,
+    optimizer: OptimizerConfig | None = None,
+    zero_stage: int | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict of the policy engine, or (``optimizer`` / ``zero_stage`` given)
+    of the critic's; ``deepspeed.extra`` is merged into both."""
+    opt = cfg.optimizer if optimizer is None else optimizer
+    stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
+    if cfg.model.dtype == "bf16" and stage == 0:
         # Measured on 2 x H200 (benchmarks/results/contract_h200_bf16.json): ZeRO-0 keeps bf16
         # gradients and bf16 weights, and DeepSpeed 0.19 refuses fp32 accumulation there, so
         # runs drift from fp32 much more than ZeRO 1-3, whose optimizer keeps fp32 masters.
@@ -85,8 +96,8 @@ def deepspeed_config(cfg: UnirlConfig, dp_size: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": dp_size,
-        "gradient_clipping": float(cfg.optimizer.grad_clip or 0.0),
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "gradient_clipping": float(opt.grad_clip or 0.0),
+        "zero_optimization": {"stage": stage},
         "bf16": {"enabled": cfg.model.dtype == "bf16"},
         "zero_allow_untested_optimizer": True,  # the client torch AdamW under ZeRO
         "steps_per_print": 2**31 - 1,  # unirl logs; DeepSpeed's periodic prints stay off
@@ -150,10 +161,26 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 
 def initialize_policy(model: torch.nn.Module, cfg: UnirlConfig, *, total_steps: int, dp_size: int):
     """``deepspeed.initialize`` of the policy; returns ``(engine, scheduler)``."""
+    return initialize_trainable(
+        model, cfg, cfg.optimizer, cfg.parallel.zero_stage, total_steps=total_steps, dp_size=dp_size
+    )
+
+
+def initialize_trainable(
+    model: torch.nn.Module,
+    cfg: UnirlConfig,
+    opt: OptimizerConfig,
+    zero_stage: int,
+    *,
+    total_steps: int,
+    dp_size: int,
+    key: str = "optimizer",
+):
+    """``deepspeed.initialize`` of a trained model (the policy, the critic) with its own
+    optimizer section and ZeRO stage; returns ``(engine, scheduler)``."""
     import deepspeed
 
-    check_schedule(cfg.optimizer, total_steps)
-    opt = cfg.optimizer
+    check_schedule(opt, total_steps, key=key)
     optimizer = torch.optim.AdamW(
         adamw_param_groups(model, opt.weight_decay),
         lr=opt.lr,
@@ -166,9 +193,40 @@ def initialize_policy(model: torch.nn.Module, cfg: UnirlConfig, *, total_steps: 
         model=model,
         optimizer=optimizer,
         lr_scheduler=lambda basic_optimizer: ScheduledLR(basic_optimizer, schedule),
-        config=deepspeed_config(cfg, dp_size),
+        config=deepspeed_config(cfg, dp_size, optimizer=opt, zero_stage=zero_stage),
     )
     return engine, scheduler
+
+
+def _local_grad_norm(engine: Any) -> float:
+    """The norm of the module's (already all-reduced) gradients: DeepSpeed reports none
+    without ZeRO and without bf16 (client optimizer path)."""
+    grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    )
+
+
+def step_engine(engine: Any) -> OptimizerStepStats:
+    """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
+    lr = float(engine.get_lr()[0])
+    plain = engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled()
+    own_norm = _local_grad_norm(engine) if plain else None
+    if own_norm is not None and not math.isfinite(own_norm):
+        # DeepSpeed's plain path would apply it: skip, as ZeRO does on a non-finite norm.
+        logger.warning("non-finite gradient norm %s: optimizer step skipped", own_norm)
+        engine.zero_grad()
+        return OptimizerStepStats(grad_norm=own_norm, lr=lr, skipped=True)
+    engine.step()
+    norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+    if norm is None:
+        raise RuntimeError(
+            "DeepSpeed reported no gradient norm after the step (ZeRO gradient-norm "
+            "computation disabled in deepspeed.extra?)"
+        )
+    return OptimizerStepStats(grad_norm=float(norm), lr=lr, skipped=not engine.was_step_applied())
 
 
 def initialize_reference(model: torch.nn.Module, cfg: UnirlConfig, device: torch.device) -> Any:

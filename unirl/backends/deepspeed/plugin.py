@@ -42,6 +42,7 @@ PLUGIN = BackendPlugin(
     build=LazyBuilder("unirl.backends.deepspeed.backend:DeepSpeedBackend"),
     check=check,
     requires=("deepspeed", "transformers"),
+    supports_critic=True,
     install_hint="pip install 'unirl[deepspeed,hf]'",
     # ZeRO 0/1/2/3 with one and two processes: optimizer-state (1), gradient (2) and parameter
     # (3) sharding each change where the step's numbers are reduced. zero 1/2 with one process

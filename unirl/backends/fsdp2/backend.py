@@ -31,6 +31,7 @@ import torch
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
 from unirl.backends.fsdp2 import checkpoint, export, packed
+from unirl.backends.fsdp2.critic import Fsdp2Critic
 from unirl.backends.fsdp2.engine import build_optimizer, shard_model
 from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.backends.fsdp2.topology import build_mesh
@@ -39,8 +40,9 @@ from unirl.backends.hf_model import load_policy, load_reference, torch_dtype
 from unirl.backends.microbatch import to_device, zero_through_graph
 from unirl.backends.process_group import destroy_process_group, init_process_group
 from unirl.core.backend import ModelRole, OptimizerStepStats
+from unirl.core.critic import critic_optimizer_steps
 from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig
+from unirl.core.run.config import UnirlConfig, critic_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,11 @@ class Fsdp2Backend(EngineBackend):
         self._closed = False
         if needs_reference:
             self._reference_module()
+        self.critic: Fsdp2Critic | None = None
+        if critic_enabled(cfg):
+            self.critic = Fsdp2Critic(
+                self, total_optimizer_steps=critic_optimizer_steps(cfg, total_optimizer_steps)
+            )
 
     def loss_scale(self, num_microbatches: int) -> float:
         """Cancels FSDP2's mean over all ``dp x sp`` ranks (see the module docstring); the
@@ -204,7 +211,11 @@ class Fsdp2Backend(EngineBackend):
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             meta={"sp": self.fsdp.sp, "sharding": self.fsdp.sharding},
+            extra=self._extra_models(),
         )
+
+    def _extra_models(self) -> dict[str, checkpoint.TrainedModel]:
+        return {} if self.critic is None else {"critic": self.critic.trained}
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         return checkpoint.load_checkpoint(
@@ -214,6 +225,7 @@ class Fsdp2Backend(EngineBackend):
             Path(path),
             rank=self._dist.rank,
             world_size=self._dist.world_size,
+            extra=self._extra_models(),
         )
 
     def export_hf(self, path: Path) -> None:
@@ -235,6 +247,8 @@ class Fsdp2Backend(EngineBackend):
         if self._closed:
             return
         self._closed = True
+        if self.critic is not None:
+            self.critic.close()
         self.model = None  # type: ignore[assignment]
         self.optimizer = None  # type: ignore[assignment]
         self._reference = None

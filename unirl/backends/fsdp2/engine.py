@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from unirl.backends.deepspeed.engine import ScheduledLR, adamw_param_groups
 from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import UnirlConfig
+from unirl.core.run.config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule, learning_rate
 
 
@@ -85,10 +85,16 @@ def shard_model(
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: UnirlConfig, *, total_steps: int
+    model: torch.nn.Module,
+    cfg: UnirlConfig,
+    *,
+    total_steps: int,
+    section: OptimizerConfig | None = None,
+    key: str = "optimizer",
 ) -> tuple[torch.optim.Optimizer, ScheduledLR]:
-    check_schedule(cfg.optimizer, total_steps)
-    opt = cfg.optimizer
+    """AdamW and its LR schedule from ``optimizer:`` or another section (the critic's)."""
+    opt = cfg.optimizer if section is None else section
+    check_schedule(opt, total_steps, key=key)
     optimizer = torch.optim.AdamW(
         adamw_param_groups(model, opt.weight_decay),
         lr=opt.lr,

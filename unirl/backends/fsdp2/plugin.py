@@ -79,6 +79,11 @@ def check(cfg: UnirlConfig) -> None:
             "parameters, gradients and optimizer state: remove parallel.zero_stage and choose "
             "fsdp2.sharding (full_shard, shard_grad_op or hybrid)"
         )
+    if cfg.critic.zero_stage is not None:
+        raise ConfigError(
+            f"critic.zero_stage={cfg.critic.zero_stage} with backend: fsdp2; the critic is "
+            "sharded like the policy (fsdp2.sharding): remove critic.zero_stage"
+        )
     if options.shard_size is not None and options.sharding != "hybrid":
         raise ConfigError(
             f"fsdp2.shard_size={options.shard_size} is only used with fsdp2.sharding: hybrid "
@@ -93,6 +98,7 @@ PLUGIN = BackendPlugin(
     check=check,
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
+    supports_critic=True,
     # full_shard with one process (sharding over one rank still runs FSDP2's gather and reduce
     # hooks) and two; Ulysses sp=2 (two ranks, one sequence split over both; dp = 1).
     layouts=(

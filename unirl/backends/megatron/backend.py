@@ -38,6 +38,7 @@ from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import checkpoint, cpu_compat, schedule
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
+from unirl.backends.megatron.critic import MegatronCritic
 from unirl.backends.megatron.fused_head import emit_hidden, head_weight
 from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
@@ -56,9 +57,10 @@ from unirl.core.backend import (
     token_logprobs,
     token_logprobs_from_hidden,
 )
+from unirl.core.critic import critic_optimizer_steps
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig
+from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.run.lr_schedule import check_schedule
 
 logger = logging.getLogger(__name__)
@@ -144,6 +146,11 @@ class MegatronBackend(EngineBackend):
         self._zero_grads()
         if needs_reference:
             self._reference_chunks()
+        self.critic: MegatronCritic | None = None
+        if critic_enabled(cfg):
+            self.critic = MegatronCritic(
+                self, total_optimizer_steps=critic_optimizer_steps(cfg, total_optimizer_steps)
+            )
 
     # -- building ----------------------------------------------------------------------------
 
@@ -346,12 +353,21 @@ class MegatronBackend(EngineBackend):
             self.topology,
             client_state=client_state,
             steps_done=self._steps_done,
+            extra=self._extra_models(),
         )
 
+    def _extra_models(self) -> dict[str, checkpoint.ExtraModel]:
+        if self.critic is None:
+            return {}
+        c = self.critic
+        return {"critic": checkpoint.ExtraModel(c.ddp, c.optimizer, c.steps_done)}
+
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        client, self._steps_done = checkpoint.load_checkpoint(
-            Path(path), self.ddp, self.optimizer, self.topology
+        client, self._steps_done, extra_steps = checkpoint.load_checkpoint(
+            Path(path), self.ddp, self.optimizer, self.topology, extra=self._extra_models()
         )
+        if self.critic is not None:
+            self.critic.after_load(extra_steps["critic"])
         self._zero_grads()
         apply_schedule(self.optimizer, self.cfg, self._steps_done, self.total_optimizer_steps)
         return client
@@ -370,6 +386,8 @@ class MegatronBackend(EngineBackend):
         if self._closed:
             return
         self._closed = True
+        if self.critic is not None:
+            self.critic.close()
         self.optimizer = None
         self.ddp = []
         self.chunks = []

@@ -7,7 +7,8 @@ Layout of ``<path>/`` (a filesystem every rank sees)::
     dist/                  dist_checkpointing.save of {"model0": chunk 0, ..., "optimizer": ...}
                            (each rank writes its own shards; megatron's sharded_state_dict names
                            every tensor by its global position, so TP / PP shards never clash)
-    unirl.pt               {"client_state", "steps_done", "layout"} from rank 0
+    critic/                the critic's chunks and optimizer, the same way (when the run has one)
+    unirl.pt               {"client_state", "steps_done", "layout", "extra"} from rank 0
     rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
     complete               written last, by rank 0, after every rank has finished
 
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -121,6 +123,15 @@ def sharded_state(
     return state
 
 
+@attrs.frozen
+class ExtraModel:
+    """Another trained model of the run (the critic), saved beside the policy under its name."""
+
+    ddp_chunks: Sequence[torch.nn.Module]
+    optimizer: Any
+    steps_done: int
+
+
 def save_checkpoint(
     path: Path,
     ddp_chunks: Sequence[torch.nn.Module],
@@ -129,8 +140,10 @@ def save_checkpoint(
     *,
     client_state: Mapping[str, Any],
     steps_done: int,
+    extra: Mapping[str, ExtraModel] | None = None,
 ) -> None:
     """Collective: every rank calls it with the same `path`."""
+    extra = dict(extra or {})
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -138,12 +151,24 @@ def save_checkpoint(
     if topology.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         (partial / DIST).mkdir(parents=True)
+        for name in extra:
+            (partial / name).mkdir()
     dist.barrier()
     with_optimizer = has_optimizer_state(optimizer)
     dist_checkpointing.save(
         sharded_state(ddp_chunks, optimizer, is_loading=False, with_optimizer=with_optimizer),
         str(partial / DIST),
     )
+    extra_meta = {}
+    for name, model in extra.items():
+        model_opt = has_optimizer_state(model.optimizer)
+        dist_checkpointing.save(
+            sharded_state(
+                model.ddp_chunks, model.optimizer, is_loading=False, with_optimizer=model_opt
+            ),
+            str(partial / name),
+        )
+        extra_meta[name] = {"steps_done": model.steps_done, "optimizer_state": model_opt}
     torch.save(rng_state(), _rng_file(partial, topology.rank))
     if topology.rank == 0:
         meta = {
@@ -151,6 +176,7 @@ def save_checkpoint(
             "steps_done": steps_done,
             "optimizer_state": with_optimizer,
             "layout": layout_of(topology),
+            "extra": extra_meta,
         }
         torch.save(meta, partial / META)
     dist.barrier()
@@ -159,12 +185,39 @@ def save_checkpoint(
     dist.barrier()
 
 
-def load_checkpoint(
-    path: Path, ddp_chunks: Sequence[torch.nn.Module], optimizer: Any, topology: Topology
-) -> tuple[dict[str, Any], int]:
-    """Restore the chunks, the optimizer and this rank's RNG states; returns the client state
-    and the number of optimizer steps taken before the save (the LR schedule position)."""
+def _load_model(
+    folder: Path, ddp_chunks: Sequence[torch.nn.Module], optimizer: Any, meta: Mapping[str, Any]
+) -> None:
     from megatron.core import dist_checkpointing
+
+    with_optimizer = bool(meta["optimizer_state"])
+    if with_optimizer:
+        materialize_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(
+        sharded_state(ddp_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer),
+        str(folder),
+    )
+    for i, ddp in enumerate(ddp_chunks):
+        ddp.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    with torch.no_grad():  # megatron copies into the main parameters in place
+        if with_optimizer:
+            optimizer.load_state_dict(loaded["optimizer"])
+            set_adam_steps(optimizer, int(meta["steps_done"]))
+        else:
+            reset_optimizer_state(optimizer)
+
+
+def load_checkpoint(
+    path: Path,
+    ddp_chunks: Sequence[torch.nn.Module],
+    optimizer: Any,
+    topology: Topology,
+    *,
+    extra: Mapping[str, ExtraModel] | None = None,
+) -> tuple[dict[str, Any], int, dict[str, int]]:
+    """Restore the chunks, the optimizer, the ``extra`` models and this rank's RNG states;
+    returns the client state, the number of optimizer steps taken before the save (the LR
+    schedule position) and each extra model's."""
 
     path = Path(path)
     saved = read_marker(path)
@@ -175,20 +228,16 @@ def load_checkpoint(
             f"{ours}; resume with the same parallel settings and number of ranks"
         )
     meta = torch.load(path / META, weights_only=False)
-    with_optimizer = bool(meta["optimizer_state"])
-    if with_optimizer:
-        materialize_optimizer_state(optimizer)
-    loaded = dist_checkpointing.load(
-        sharded_state(ddp_chunks, optimizer, is_loading=True, with_optimizer=with_optimizer),
-        str(path / DIST),
-    )
-    for i, ddp in enumerate(ddp_chunks):
-        ddp.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    with torch.no_grad():  # megatron copies into the main parameters in place
-        if with_optimizer:
-            optimizer.load_state_dict(loaded["optimizer"])
-            set_adam_steps(optimizer, int(meta["steps_done"]))
-        else:
-            reset_optimizer_state(optimizer)
+    _load_model(path / DIST, ddp_chunks, optimizer, meta)
+    saved_extra = meta.get("extra", {})
+    extra_steps = {}
+    for name, model in (extra or {}).items():
+        if name not in saved_extra:
+            raise ConfigError(
+                f"checkpoint {str(path)!r} holds no {name} state (it was written by a run "
+                f"without a {name}); resume with the config that wrote it, or start a new run"
+            )
+        _load_model(path / name, model.ddp_chunks, model.optimizer, saved_extra[name])
+        extra_steps[name] = int(saved_extra[name]["steps_done"])
     set_rng_state(torch.load(_rng_file(path, topology.rank), weights_only=False))
-    return dict(meta["client_state"]), int(meta["steps_done"])
+    return dict(meta["client_state"]), int(meta["steps_done"]), extra_steps

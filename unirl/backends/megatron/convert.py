@@ -156,15 +156,25 @@ _LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+# A critic's value head (its ``is_value_head``) replaces the output layer: ``Linear(hidden, 1)``
+# whole on every TP rank, in HF's token-classification names.
+_VALUE_HEAD = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
+
+
 def chunk_entries(chunk: torch.nn.Module, hf_config: Any) -> list[Entry]:
     """Every parameter of ``chunk`` mapped to its HF tensors; layer indices are the layers'
     own ``layer_number - 1``, so any PP / VPP split megatron chose is followed."""
     tied = bool(hf_config.tie_word_embeddings)
+    value_head = getattr(getattr(chunk, "output_layer", None), "is_value_head", False)
     layer_index = [layer.layer_number - 1 for layer in chunk.decoder.layers]
     entries = []
     for name, _ in chunk.named_parameters():
         if name == "embedding.word_embeddings.weight":
             entries.append(Entry(name, ("model.embed_tokens.weight",), "vocab"))
+        elif (
+            value_head and name in _VALUE_HEAD
+        ):  # a critic's head (`unirl.backends.megatron.critic`)
+            entries.append(Entry(name, (_VALUE_HEAD[name],), "replicated"))
         elif name == "output_layer.weight":
             # tied with pp > 1: the last stage's copy of the embedding
             hf = "model.embed_tokens.weight" if tied else "lm_head.weight"
@@ -182,10 +192,18 @@ def chunk_entries(chunk: torch.nn.Module, hf_config: Any) -> list[Entry]:
     return entries
 
 
+def is_value_model(hf_config: Any) -> bool:
+    """A critic's config (``*ForTokenClassification``, one label) rather than a causal LM's."""
+    return any(a.endswith("ForTokenClassification") for a in hf_config.architectures or ())
+
+
 def expected_hf_names(hf_config: Any) -> list[str]:
-    """The HF state-dict keys of a Llama / Qwen2 model (without the tied ``lm_head``)."""
+    """The HF state-dict keys of a Llama / Qwen2 model (without the tied ``lm_head``), or of its
+    one-label token classifier (a critic: ``score`` instead of ``lm_head``)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not hf_config.tie_word_embeddings:
+    if is_value_model(hf_config):
+        names += ["score.weight", "score.bias"]
+    elif not hf_config.tie_word_embeddings:
         names.append("lm_head.weight")
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]

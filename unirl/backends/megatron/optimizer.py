@@ -27,7 +27,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 
-from unirl.core.run.config import UnirlConfig
+from unirl.core.run.config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import learning_rate
 
 
@@ -65,13 +65,18 @@ def mark_tensor_parallel_params(chunks: Sequence[torch.nn.Module]) -> None:
                 mark(module.weight, 1)  # its bias is whole on every rank
 
 
-def wrap_ddp(chunks: Sequence[torch.nn.Module], cfg: UnirlConfig) -> list[DistributedDataParallel]:
+def wrap_ddp(
+    chunks: Sequence[torch.nn.Module], cfg: UnirlConfig, *, distributed: bool | None = None
+) -> list[DistributedDataParallel]:
     """Each model chunk in megatron's DDP (contiguous fp32 gradient buffers, reduced once per
-    optimizer step by `finalize_model_grads` at the end of the schedule)."""
+    optimizer step by `finalize_model_grads` at the end of the schedule). ``distributed``: the
+    distributed optimizer (default: the policy's ``parallel.zero_stage``)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer(cfg),
+        use_distributed_optimizer=use_distributed_optimizer(cfg)
+        if distributed is None
+        else distributed,
         check_for_nan_in_grad=False,
     )
     mark_tensor_parallel_params(chunks)
@@ -93,9 +98,17 @@ def wrap_ddp(chunks: Sequence[torch.nn.Module], cfg: UnirlConfig) -> list[Distri
     return wrapped
 
 
-def build_optimizer(ddp_chunks: Sequence[DistributedDataParallel], cfg: UnirlConfig) -> Any:
-    """megatron's optimizer over the DDP-wrapped chunks (see the module docstring)."""
-    opt = cfg.optimizer
+def build_optimizer(
+    ddp_chunks: Sequence[DistributedDataParallel],
+    cfg: UnirlConfig,
+    *,
+    optimizer: OptimizerConfig | None = None,
+    distributed: bool | None = None,
+) -> Any:
+    """megatron's optimizer over the DDP-wrapped chunks (see the module docstring); the policy's
+    ``optimizer`` section unless another (the critic's) is given."""
+    opt = cfg.optimizer if optimizer is None else optimizer
+    distributed = use_distributed_optimizer(cfg) if distributed is None else distributed
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     clip = float(opt.grad_clip) if opt.grad_clip else float("inf")
     config = MegatronOptimizerConfig(
@@ -109,7 +122,7 @@ def build_optimizer(ddp_chunks: Sequence[DistributedDataParallel], cfg: UnirlCon
         clip_grad=clip,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
-        use_distributed_optimizer=use_distributed_optimizer(cfg),
+        use_distributed_optimizer=distributed,
     )
     return get_megatron_optimizer(config, list(ddp_chunks))
 
@@ -121,11 +134,20 @@ def param_groups(optimizer: Any) -> list[dict[str, Any]]:
     return [group for o in optimizers for group in o.param_groups]
 
 
-def apply_schedule(optimizer: Any, cfg: UnirlConfig, steps_done: int, total_steps: int) -> float:
+def apply_schedule(
+    optimizer: Any,
+    cfg: UnirlConfig,
+    steps_done: int,
+    total_steps: int,
+    *,
+    section: OptimizerConfig | None = None,
+) -> float:
     """Write the step's learning rate (and each group's weight decay: ``weight_decay *
-    wd_mult``, 0 for 1-D parameters) into the optimizer; returns the learning rate."""
-    lr = learning_rate(steps_done, cfg.optimizer, total_steps)
+    wd_mult``, 0 for 1-D parameters) into the optimizer; returns the learning rate. ``section``:
+    the optimizer config (default the policy's ``optimizer``)."""
+    opt = cfg.optimizer if section is None else section
+    lr = learning_rate(steps_done, opt, total_steps)
     for group in param_groups(optimizer):
         group["lr"] = lr * group.get("lr_mult", 1.0)
-        group["weight_decay"] = cfg.optimizer.weight_decay * group.get("wd_mult", 1.0)
+        group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
     return lr

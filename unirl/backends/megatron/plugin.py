@@ -40,6 +40,11 @@ def check(cfg: UnirlConfig) -> None:
             f"parallel.cp={p.cp} needs megatron.attention: packed (context parallel splits packed "
             f"sequences), got {options.attention!r}; set megatron.attention: packed or parallel.cp: 1"
         )
+    if (cfg.critic.zero_stage or 0) > 1:
+        raise ConfigError(
+            f"critic.zero_stage={cfg.critic.zero_stage} with backend: megatron; the critic's "
+            "optimizer is sharded by megatron's distributed optimizer: use 0 (off) or 1"
+        )
     layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
         raise ConfigError(
@@ -55,6 +60,7 @@ PLUGIN = BackendPlugin(
     check=check,
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",
+    supports_critic=True,
     # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).
     # Packed sequences (the default) everywhere; the padded form on one process and under the
     # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's

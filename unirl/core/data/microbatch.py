@@ -34,6 +34,8 @@ class TrainMicrobatch:
     old_logprobs: torch.Tensor | None = None  # None: reuse the training forward's own
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    returns: torch.Tensor | None = None  # [T] float32: the critic's regression targets (GAE)
+    old_values: torch.Tensor | None = None  # [T] float32: the critic's pre-step values
     cp_group: Any = attrs.field(default=None, eq=False)
     # Unsplit (pre-CP) stream boundaries; needed to map results back to samples.
     global_cu_seqlens: torch.Tensor | None = None
@@ -64,13 +66,16 @@ def build_microbatch(
     advantages: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    returns: torch.Tensor | None = None,
+    old_values: torch.Tensor | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_group: Any = None,
 ) -> TrainMicrobatch:
     """Shift a packed microbatch to logit-position alignment, then split it for CP.
 
-    ``advantages`` / ``old_logprobs`` / ``ref_logprobs`` are token-aligned ``[T]`` tensors (as
+    ``advantages`` / ``old_logprobs`` / ``ref_logprobs`` / ``returns`` / ``old_values`` are
+    token-aligned ``[T]`` tensors (as
     `PackedMicrobatch.place_responses` gives them); rollout and ref log-probs from the data are
     taken from ``packed`` when not given.
     """
@@ -88,6 +93,8 @@ def build_microbatch(
         "old_logprobs": shift(old_logprobs),
         "ref_logprobs": shift(ref_logprobs if ref_logprobs is not None else packed.ref_logprobs),
         "rollout_logprobs": shift(packed.rollout_logprobs),
+        "returns": shift(returns),
+        "old_values": shift(old_values),
     }
     seq_counts = sequence_token_counts(loss_mask, cu)
     if cp_size == 1:

@@ -255,7 +255,7 @@ def _check_arguments(
 
 
 def split_per_rank(
-    samples_per_step: int, dp_size: int, micro_batch_size: int | None
+    samples_per_step: int, dp_size: int, micro_batch_size: int | None, *, key: str = "batch"
 ) -> tuple[int, int | None]:
     """The divisibility rules of an optimizer step, checked here only (the config checks them
     through this function at load, the plan again for the batch it is given): the step's samples
@@ -273,7 +273,7 @@ def split_per_rank(
     if per_rank % micro_batch_size:
         raise ConfigError(
             f"batch.samples_per_optimizer_step={samples_per_step} is not divisible by "
-            f"batch.micro_batch_size x data-parallel size = {micro_batch_size} x {dp_size}; "
+            f"{key}.micro_batch_size x data-parallel size = {micro_batch_size} x {dp_size}; "
             f"choose a multiple of {micro_batch_size * dp_size}"
         )
     return per_rank, per_rank // micro_batch_size

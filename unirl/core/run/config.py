@@ -168,6 +168,32 @@ class AlgorithmConfig:
 
 
 @attrs.frozen(kw_only=True)
+class CriticConfig:
+    """PPO's learned value function: a causal-LM backbone with a scalar head per token, trained in
+    the same run beside the policy with its own optimizer and LR schedule; GAE reads its values
+    (`unirl.core.critic`). The loss is the shared clipped value loss (``algorithm.value_clip``,
+    weighted by ``algorithm.value_coef``)."""
+
+    # None: on exactly when algorithm.advantage_estimator uses values (gae). false with gae takes
+    # the values from the rollout (a file's per-token 'values').
+    enabled: bool | None = None
+    # A local Hugging Face folder: a causal LM (its backbone is taken, the head initialised) or a
+    # saved critic (a run's hf_critic/). None: the policy's initial weights (model.path or
+    # model.hf_config + model.init_seed), with the head initialised from model.init_seed.
+    path: str | None = None
+    optimizer: OptimizerConfig = attrs.field(factory=lambda: OptimizerConfig(lr=1e-5))
+    # Samples per critic microbatch per rank; None: the policy's plan (batch.micro_batch_size or
+    # batch.max_tokens_per_microbatch).
+    micro_batch_size: int | None = attrs.field(default=None, validator=positive)
+    # The critic's own ZeRO stage (DeepSpeed) / distributed optimizer (Megatron, 1); None: the
+    # policy's parallel.zero_stage.
+    zero_stage: Literal[0, 1, 2, 3] | None = None
+    # RL steps at the start of the run that train only the critic (the policy waits for values
+    # that mean something; its LR schedule counts only the steps it takes).
+    warmup_steps: int = attrs.field(default=0, validator=non_negative)
+
+
+@attrs.frozen(kw_only=True)
 class RolloutConfig:
     """How rollouts are produced or read. The temperature is also the one the trainer divides
     logits by, so train and rollout log-probs describe the same distribution."""
@@ -256,6 +282,7 @@ class UnirlConfig:
     batch: BatchConfig = attrs.field(factory=BatchConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
     algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
+    critic: CriticConfig = attrs.field(factory=CriticConfig)
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
     train: TrainConfig = attrs.field(factory=TrainConfig)
     progress: ProgressConfig = attrs.field(factory=ProgressConfig)
@@ -359,6 +386,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     if cfg.rollout.source == "file" and not cfg.rollout.file:
         raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
     _check_prompts(cfg)
+    _check_critic(cfg)
 
 
 def _check_prompts(cfg: UnirlConfig) -> None:
@@ -395,12 +423,72 @@ def _check_prompts(cfg: UnirlConfig) -> None:
         )
 
 
+def critic_enabled(cfg: UnirlConfig) -> bool:
+    """Whether the run trains a critic: ``critic.enabled``, or (unset) whether the advantage
+    estimator reads values."""
+    if cfg.critic.enabled is not None:
+        return cfg.critic.enabled
+    from unirl.core.maths.advantages import estimator_needs_values
+
+    return estimator_needs_values(cfg.algorithm.advantage_estimator)
+
+
+def policy_rl_steps(cfg: UnirlConfig, rl_steps: int) -> int:
+    """RL steps in which the policy trains: all but the critic's warm-up."""
+    return rl_steps - (cfg.critic.warmup_steps if critic_enabled(cfg) else 0)
+
+
+def _check_critic(cfg: UnirlConfig) -> None:
+    from unirl.core.maths.advantages import estimator_needs_values
+
+    c, estimator = cfg.critic, cfg.algorithm.advantage_estimator
+    if c.enabled and not estimator_needs_values(estimator):
+        raise ConfigError(
+            f"critic.enabled: true, but algorithm.advantage_estimator={estimator!r} does not read "
+            "values: the critic would train for nothing; set algorithm.advantage_estimator: gae "
+            "or remove critic.enabled"
+        )
+    if not critic_enabled(cfg):
+        defaults = CriticConfig()
+        changed = [
+            f.name
+            for f in attrs.fields(CriticConfig)
+            if f.name != "enabled" and getattr(c, f.name) != getattr(defaults, f.name)
+        ]
+        if changed:
+            why = (
+                "critic.enabled: false"
+                if c.enabled is False
+                else f"algorithm.advantage_estimator={estimator!r} reads no values"
+            )
+            raise ConfigError(
+                f"critic.{changed[0]} is set but no critic trains ({why}); remove the critic "
+                "section or set algorithm.advantage_estimator: gae"
+            )
+        return
+    plugin = BACKENDS.get(cfg.backend)
+    if not plugin.supports_critic:
+        raise ConfigError(
+            f"backend: {cfg.backend} has no critic (a learned value model for "
+            f"algorithm.advantage_estimator={estimator!r}); use backend: deepspeed, megatron or fsdp2, "
+            "or an estimator without values (grpo, rloo, reinforce_pp), or critic.enabled: false "
+            "with per-token 'values' in a rollout file"
+        )
+    if c.warmup_steps >= cfg.train.rl_steps:
+        raise ConfigError(
+            f"critic.warmup_steps={c.warmup_steps} leaves the policy no RL step of "
+            f"train.rl_steps={cfg.train.rl_steps}; lower critic.warmup_steps"
+        )
+
+
 def _derive_layout(cfg: UnirlConfig) -> Layout:
     p, b = cfg.parallel, cfg.batch
     world = _world_size(cfg)
     dp = data_parallel_size(world, tp=p.tp, pp=p.pp, cp=p.cp)
     rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
     per_rank, microbatches = split_per_rank(b.samples_per_optimizer_step, dp, b.micro_batch_size)
+    if cfg.critic.micro_batch_size is not None:
+        split_per_rank(b.samples_per_optimizer_step, dp, cfg.critic.micro_batch_size, key="critic")
     steps = rollout_samples // b.samples_per_optimizer_step * b.epochs_per_rollout
     return Layout(
         world_size=world,

@@ -51,8 +51,9 @@ def learning_rate(step: int, optimizer: OptimizerConfig, total_steps: int) -> fl
     )
 
 
-def check_schedule(optimizer: OptimizerConfig, total_steps: int) -> None:
-    """Setup-time checks of the schedule against the run length (raise `ConfigError`)."""
+def check_schedule(optimizer: OptimizerConfig, total_steps: int, *, key: str = "optimizer") -> None:
+    """Setup-time checks of the schedule against the run length (raise `ConfigError`); ``key``
+    names the section in the messages (``critic.optimizer`` for the critic's)."""
     if total_steps < 1:
         raise ConfigError(
             f"total optimizer steps={total_steps} must be >= 1 (train.rl_steps x optimizer steps "
@@ -60,12 +61,12 @@ def check_schedule(optimizer: OptimizerConfig, total_steps: int) -> None:
         )
     if optimizer.min_lr_ratio > 1:
         raise ConfigError(
-            f"optimizer.min_lr_ratio={optimizer.min_lr_ratio} must be in [0, 1] (the final lr "
-            "as a fraction of optimizer.lr)"
+            f"{key}.min_lr_ratio={optimizer.min_lr_ratio} must be in [0, 1] (the final lr "
+            "as a fraction of the lr)"
         )
     if optimizer.lr_schedule != "constant" and optimizer.warmup_steps >= total_steps:
         raise ConfigError(
-            f"optimizer.warmup_steps={optimizer.warmup_steps} leaves no step for the "
+            f"{key}.warmup_steps={optimizer.warmup_steps} leaves no step for the "
             f"{optimizer.lr_schedule} decay of a run of {total_steps} optimizer steps; lower "
             "warmup_steps or use lr_schedule: constant"
         )

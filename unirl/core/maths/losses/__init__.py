@@ -22,6 +22,7 @@ from unirl.core.maths.losses.aggregation import (
     token_weights,
 )
 from unirl.core.maths.losses.cispo import cispo_loss
+from unirl.core.maths.losses.critic import critic_loss
 from unirl.core.maths.losses.gspo import gspo_loss
 from unirl.core.maths.losses.inputs import LossInputs
 from unirl.core.maths.losses.metrics import Metric, reduce_metrics
@@ -57,6 +58,7 @@ __all__ = [
     "aggregate_metric",
     "cispo_loss",
     "compute_loss",
+    "critic_loss",
     "get_policy_loss",
     "global_normaliser",
     "gspo_loss",

@@ -1,0 +1,134 @@
+"""The critic's contract (`tests/contract/critic.py`): PPO's value model on every backend that
+builds one, against the independent fp32 reference, with the GPU tolerances (1e-5).
+
+On the CPU (CI) a few layouts per backend keep the added time near a minute; the GPU runners
+(`benchmarks/contract_table.py`, `benchmarks/megatron_contract.py`) run every layout.
+
+    python -m pytest tests/contract/test_critic.py -q
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.contract import clauses, critic
+from tests.contract.backends import REGISTRY, skip_reason
+
+TOL = clauses.TOLERANCES["fp32"]
+
+# The layouts CI runs, to keep its added time near a minute and a half (the first of each backend
+# is the baseline of the layout comparison); every other layout passed once by hand and runs in
+# the GPU runners.
+CPU_LAYOUTS = {
+    "deepspeed": ("zero0-dp1", "zero3-dp2"),
+    "megatron": ("tp2", "pp2-vpp2"),
+    "fsdp2": ("sp2",),
+}
+
+
+def _cases() -> list:
+    params = []
+    for entry in REGISTRY.values():
+        if not entry.supports_critic:
+            continue
+        for layout in entry.layouts:
+            if layout.name not in CPU_LAYOUTS.get(entry.name, ()):
+                continue
+            reason = skip_reason(entry, layout, device="cpu", devices_available=0)
+            marks = [pytest.mark.skip(reason=reason)] if reason else []
+            params.append(
+                pytest.param((entry, layout), id=f"{entry.name}-{layout.name}", marks=marks)
+            )
+    return params
+
+
+class CriticRuns:
+    def __init__(self, tmp: pytest.TempPathFactory, data: Any) -> None:
+        self._tmp, self._data = tmp, data
+        self._done: dict[tuple[str, str], Any] = {}
+
+    def get(self, entry: Any, layout: Any) -> clauses.Measured:
+        key = (entry.name, layout.name)
+        if key not in self._done:
+            model_dir, records = self._data
+            try:
+                self._done[key] = critic.run_critic_group(
+                    entry,
+                    layout,
+                    model_dir=model_dir,
+                    records=records,
+                    work_dir=self._tmp.mktemp(f"critic-{entry.name}-{layout.name}"),
+                )
+            except BaseException as err:
+                self._done[key] = err
+        result = self._done[key]
+        if isinstance(result, BaseException):
+            pytest.fail(f"the critic group {key} did not finish: {result}", pytrace=False)
+        return result
+
+
+@pytest.fixture(scope="session")
+def critic_runs(tmp_path_factory: pytest.TempPathFactory, contract_data: Any) -> CriticRuns:
+    return CriticRuns(tmp_path_factory, contract_data)
+
+
+@pytest.fixture(scope="session")
+def critic_reference(contract_data: Any) -> critic.CriticReferenceResults:
+    model_dir, records = contract_data
+    return critic.compute_critic_reference(model_dir, records)
+
+
+@pytest.fixture(scope="module", params=_cases())
+def case(request: pytest.FixtureRequest) -> tuple:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def group(case: tuple, critic_runs: CriticRuns) -> clauses.Measured:
+    return critic_runs.get(*case)
+
+
+def _assert(fn, *args) -> None:
+    try:
+        checks = fn(*args)
+    except clauses.SectionFailed as err:
+        pytest.fail(str(err), pytrace=False)
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        pytest.fail(
+            f"{len(failed)} of {len(checks)} checks failed:\n"
+            + "\n".join(c.describe() for c in failed[:40]),
+            pytrace=False,
+        )
+
+
+def test_critic_c1_values(group, critic_reference):
+    _assert(critic.clause_c1_values, group, critic_reference, TOL)
+
+
+def test_critic_c2_value_loss_and_grad_norm(group, critic_reference):
+    _assert(critic.clause_c2_step, group, critic_reference, TOL)
+
+
+def test_critic_c3_values_after_step(group, critic_reference):
+    _assert(critic.clause_c3_values_after, group, critic_reference, TOL)
+
+
+def test_critic_c4_microbatch_split(group):
+    _assert(critic.clause_c4_microbatching, group, TOL)
+
+
+def test_critic_c4_data_parallel_size(case, group, critic_runs):
+    entry, layout = case
+    baseline = next(lay for lay in entry.layouts if lay.name == CPU_LAYOUTS[entry.name][0])
+    if layout == baseline:
+        pytest.skip(f"{layout.name} is the baseline of the other {entry.name} critic layouts")
+    other = critic_runs.get(entry, baseline)
+    label = f"{layout.name} vs {baseline.name}"
+    _assert(critic.compare_critic_layouts, group, other, TOL, label)
+
+
+def test_critic_c5_hf_export(group, contract_data):
+    _assert(critic.clause_c5_export, group, contract_data[1], TOL)
