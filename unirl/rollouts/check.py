@@ -14,6 +14,6 @@ from unirl.rollouts.tasks import make_task
 
 def check_rollout_config(cfg: UnirlConfig) -> None:
     r = cfg.rollout
-    if r.source == "sampler":
+    if r.source in ("sampler", "vllm"):
         check_task_lengths(cfg, make_task(r.task, r.task_options))
     load_postprocess_hook(cfg)
