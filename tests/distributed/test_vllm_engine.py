@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ pytest.importorskip(
 pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
 
 from unirl.backends import build_backend
+from unirl.core.errors import RunError
 from unirl.core.run.algorithm import needs_reference
 from unirl.core.run.config import load_config
 from unirl.core.step import RLStep
@@ -144,3 +146,48 @@ def test_same_seed_same_rollouts(source):
         assert a.rollout_logprobs.tolist() == b.rollout_logprobs.tolist()
     assert len({tuple(s.response_tokens.tolist()) for s in first.samples}) > 1
     assert all(math.isfinite(s.reward) for s in first.samples)
+
+
+class _Wrapped:
+    """The source's task with one method replaced (the Task protocol is all the source sees)."""
+
+    def __init__(self, task, **replace):
+        self._task, self._replace = task, replace
+
+    def __getattr__(self, name):
+        return self._replace.get(name) or getattr(self._task, name)
+
+
+def test_reward_that_raises_names_the_sample(source):
+    calls = []
+
+    def reward(problem, response):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("cannot parse the answer")
+        return 0.0
+
+    task = source.task
+    source.task = _Wrapped(task, reward=reward)
+    try:
+        with pytest.raises(
+            RunError, match=r"raised ValueError: cannot parse the answer on sample 2 "
+        ):
+            source.next_rollout(40)
+    finally:
+        source.task = task
+
+
+def test_prompt_longer_than_the_engine_names_the_fix(source):
+    task = source.task
+
+    def long_problem(rng):
+        p = task.sample_problem(rng)
+        return attrs.evolve(p, prompt_tokens=p.prompt_tokens * 20)
+
+    source.task = _Wrapped(task, sample_problem=long_problem)
+    try:
+        with pytest.raises(RunError, match=r"prompt \d+ of task .* > the engine's max length 64"):
+            source.next_rollout(41)
+    finally:
+        source.task = task

@@ -182,8 +182,11 @@ class VllmConfig:
     # Where weight syncs are written for the engine to reload (a tmpfs folder: memory, not
     # disk); null = a fresh folder under /dev/shm when it exists, else the system temp folder.
     sync_dir: str | None = None
-    # vLLM's own log level (VLLM_LOGGING_LEVEL) in its processes: its INFO lines are noise here.
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    # vLLM's own log level (VLLM_LOGGING_LEVEL) in its processes. ERROR: its INFO lines are noise
+    # here, and every in-place reload warns that the rotary embedding's cos/sin cache (a buffer,
+    # not in any checkpoint) was "not loaded" (it is kept, as it should be). unirl reports the
+    # engine's failures itself; INFO shows vLLM's full report.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "ERROR"
 
 
 @attrs.frozen(kw_only=True)
