@@ -78,6 +78,8 @@ def _engine_env(options: VllmConfig) -> None:
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     os.environ["VLLM_LOGGING_LEVEL"] = options.log_level
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    # Lines vLLM logs in this process while it is imported, before it configures its logger.
+    logging.getLogger("vllm").setLevel(options.log_level)
 
 
 class VllmEngine:
