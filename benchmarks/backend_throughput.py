@@ -10,7 +10,8 @@ per rollout) and the FLOP count are those of `benchmarks/megatron_throughput.py`
 it, so the Megatron row here and that script's measure the same thing. Each engine runs in its own
 process (a fresh CUDA context: peak memory is the engine's own, and no engine's global state
 leaks into the next), `RLStep.run` with ``old_logprobs: reuse`` (the training pass alone) and,
-with ``--modes reuse,recompute``, with a forward-only pass first. Times are medians of
+with ``--modes reuse,recompute``, with a forward-only pass first; ``--fused-head`` sets
+``model.fused_head: true`` for every engine. Times are medians of
 ``--steps`` steps after ``--warmup``; MFU = model FLOPs / (time x 989 TFLOP/s).
 
 CPU smoke run of the driver (FSDP2 and DeepSpeed only; Megatron's schedules need CUDA)::
@@ -174,6 +175,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--tokens-per-microbatch", type=int, default=16384)
     parser.add_argument("--recompute-activations", action="store_true")
+    parser.add_argument(
+        "--fused-head", action="store_true", help="model.fused_head: log-probs without logits"
+    )
     parser.add_argument("--modes", default="reuse")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -206,6 +210,7 @@ def main() -> None:
             "max_len": max(lengths),
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "activation_recompute": args.recompute_activations,
+            "fused_head": args.fused_head,
         },
         "flops": {
             "train_pass": model_flops(hf, lengths, training=True),

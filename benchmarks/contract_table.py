@@ -11,6 +11,10 @@ chosen dtype, and the failing checks. On a GPU machine each layout runs one proc
     PYTHONPATH=$PWD python benchmarks/contract_table.py --device cpu --dtype fp32 \\
         --backends deepspeed --layouts zero0-dp1,zero3-dp2 --out /tmp/contract_cpu.json
 
+``--fused-head on`` runs every layout with ``model.fused_head: true`` (log-probs from the hidden
+states and the LM head's weight), ``off`` with it false; the default runs the layouts as the
+backends declare them (a few fused ones among them).
+
 Needs torch, transformers and the engines of the chosen backends (deepspeed, megatron-core).
 """
 
@@ -28,7 +32,7 @@ import torch
 
 from benchmarks.run_environment import run_environment
 from tests.contract import clauses, launch
-from tests.contract.backends import REGISTRY, skip_reason
+from tests.contract.backends import FUSED_HEAD_MODES, REGISTRY, skip_reason, with_fused_head
 
 logger = logging.getLogger("contract_table")
 
@@ -59,6 +63,15 @@ def summarise(checks: dict[str, list[clauses.Check]]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
+def logprob_calls(measured: clauses.Measured) -> dict[str, int]:
+    """Calls of core's log-prob entry points over the group's ranks, by input: logits / hidden."""
+    total = {"logits": 0, "hidden": 0}
+    for r in measured.ranks:
+        for key, n in r.get("logprob_calls", {}).items():
+            total[key] += n
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -67,6 +80,12 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(REGISTRY), help="comma-separated names")
     parser.add_argument("--layouts", default="", help="comma-separated layout names (default: all)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary folder")
+    parser.add_argument(
+        "--fused-head",
+        choices=FUSED_HEAD_MODES,
+        default="declared",
+        help="model.fused_head on every layout (on / off) or as each layout declares it",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -83,12 +102,14 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for name in [x for x in args.backends.split(",") if x]:
         entry = REGISTRY[name]
-        for layout in entry.layouts:
-            if wanted and layout.name not in wanted:
+        for declared in entry.layouts:
+            layout = with_fused_head(declared, args.fused_head)
+            if layout is None or (wanted and layout.name not in wanted):
                 continue
             row: dict[str, Any] = {
                 "world_size": layout.world_size,
                 "parallel": layout.parallel_dict,
+                "model": layout.model_dict,
             }
             results.setdefault(name, {})[layout.name] = row
             reason = skip_reason(entry, layout, args.device, gpus)
@@ -115,12 +136,15 @@ def main() -> None:
             row["section_s"] = {k: round(v, 3) for k, v in measured.timings().items()}
             row["harness_errors"] = {k: v[-2000:] for k, v in measured.errors.items()}
             row["clauses"] = summarise(clauses.all_checks(measured, reference, records, tol))
+            # which of core's log-prob entry points ran (model.fused_head: "hidden")
+            row["logprob_calls"] = logprob_calls(measured)
             verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in row["clauses"].items()}
             logger.info("%s/%s: %.1f s, %s", name, layout.name, measured.wall_s, verdict)
 
     table = {
         "device": args.device,
         "dtype": args.dtype,
+        "fused_head": args.fused_head,
         "tolerance": {"rtol": tol.rtol, "atol": tol.atol},
         "environment": run_environment(("transformers", "deepspeed", "megatron-core")),
         "results": results,

@@ -27,6 +27,10 @@ JSON file, rewritten after every layout so that a run stopped by a deadline keep
 
     PYTHONPATH=$PWD python benchmarks/megatron_contract.py --jobs 4 \
         --out benchmarks/results/megatron_contract_h200.json
+
+``--fused-head on`` runs every layout with ``model.fused_head: true`` (the last stage hands its
+hidden states and the output layer's weight shard to core; no logits), names unchanged; the
+table records the setting.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.contract_table import logprob_calls
 from benchmarks.run_environment import run_environment
 from tests.contract import clauses, fixtures, harness, launch
-from tests.contract.backends import Layout
+from tests.contract.backends import Layout, with_fused_head
 
 logger = logging.getLogger("megatron_contract")
 
@@ -265,6 +270,9 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no layout after")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fused-head", choices=("on", "off"), default="off", help="model.fused_head everywhere"
+    )
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker)
@@ -280,25 +288,28 @@ def main() -> None:
     stds = sorted({r[2] for r in runs})
     prepared = {std: prepare_fixture(root, std) for std in stds}
     wanted = {x for x in args.layouts.split(",") if x}
+    layouts = [y for x in LAYOUTS if (y := with_fused_head(x, args.fused_head)) is not None]
     gpus = torch.cuda.device_count()
     table: dict[str, Any] = {
         "model": {**fixtures.TINY_LLAMA, "initializer_range": {r[0]: r[2] for r in runs}},
         "hf_bf16_floor": {f"std{std}": prepared[std][3] for std in stds},
         "environment": run_environment(),
+        "fused_head": args.fused_head == "on",
         "tolerance": {d: {"rtol": t.rtol, "atol": t.atol} for d, t in clauses.TOLERANCES.items()},
         "layouts": {
             x.name: {
                 "world_size": x.world_size,
                 "parallel": x.parallel_dict,
                 "options": x.options_dict,
+                "model": x.model_dict,
             }
-            for x in LAYOUTS
+            for x in layouts
         },
         "results": {},
     }
     jobs = []
     for run, dtype, std, only in runs:
-        for layout in LAYOUTS:
+        for layout in layouts:
             if (wanted and layout.name not in wanted) or (only and layout.name not in only):
                 continue
             row: dict[str, Any] = {"world_size": layout.world_size, "fixture_std": std}
@@ -329,6 +340,7 @@ def main() -> None:
                 out["cpu_compat_patched"] = any("cpu_compat_lines" in r for r in m.ranks)
                 out["clauses"] = summarise(clauses.all_checks(m, ref, records, tol))
                 out["headline"] = headline(m, ref)
+                out["logprob_calls"] = logprob_calls(m)
                 verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in out["clauses"].items()}
                 logger.info("%s / %s: %.1f s %s", run, layout.name, m.wall_s, verdict)
             except Exception as err:  # a crash or hang of the whole group

@@ -26,6 +26,20 @@ the output layer; the embedding lookup is not a matmul), plus causal attention `
 (training) or ``2 L d Σ s²`` (forward), ``d`` = heads x head dim, ``s`` each sequence's length.
 MFU = model FLOPs / (time x 989 TFLOP/s x GPUs), the H200's dense bf16 peak.
 
+``--fused-head`` sets ``model.fused_head: true`` (log-probs from the last stage's hidden states and
+the output layer's weight, no ``[T, V]`` logits); the plain loop computes megatron's own
+cross-entropy from logits and does not run then.
+
+``--search-tokens 16384,24576,32768,...`` finds the largest token-budget microbatch that fits:
+it runs the reuse step at each budget in turn (each rollout long enough for two full
+microbatches, sequences of ``--min-len`` to ``--max-len`` tokens), records its time, MFU and peak
+memory, and stops at the first out-of-memory (the backend is not usable after one; on several
+GPUs every rank holds the same shapes and runs out alike)::
+
+    PYTHONPATH=$PWD python benchmarks/megatron_throughput.py --fused-head \
+        --search-tokens 16384,24576,32768,49152,65536,98304,131072 \
+        --out benchmarks/results/megatron_throughput_h200_fused_search.json
+
 Times are medians over ``--steps`` timed steps after ``--warmup`` untimed ones, with CUDA
 synchronised around each step. The model is randomly initialised (bf16 weights, fp32 optimizer
 state): the step's speed does not depend on the values.
@@ -130,8 +144,15 @@ def rollout_records(lengths: list[int], vocab: int, group: int, seed: int) -> li
     return records
 
 
-def config_dict(args: argparse.Namespace, hf: dict[str, Any], old_logprobs: str) -> dict:
-    samples = args.samples
+def config_dict(
+    args: argparse.Namespace,
+    hf: dict[str, Any],
+    old_logprobs: str,
+    *,
+    samples: int | None = None,
+    tokens_per_microbatch: int | None = None,
+) -> dict:
+    samples = samples or args.samples
     return {
         "backend": "megatron",
         "old_logprobs": old_logprobs,
@@ -142,13 +163,14 @@ def config_dict(args: argparse.Namespace, hf: dict[str, Any], old_logprobs: str)
             "dtype": "bf16",
             "max_seq_len": args.max_len,
             "gradient_checkpointing": args.recompute_activations,
+            "fused_head": args.fused_head,
         },
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
         "batch": {
             "prompts_per_rollout": samples // args.group,
             "samples_per_prompt": args.group,
             "samples_per_optimizer_step": samples,  # one optimizer step: on-policy
-            "max_tokens_per_microbatch": args.tokens_per_microbatch,
+            "max_tokens_per_microbatch": tokens_per_microbatch or args.tokens_per_microbatch,
         },
         "parallel": {
             "tp": args.tp,
@@ -294,6 +316,45 @@ def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Name
 # -- the driver --------------------------------------------------------------------------------
 
 
+def search_tokens(
+    args: argparse.Namespace, hf: dict[str, Any], backend: Any, gpus: int
+) -> dict[str, Any]:
+    """The reuse step at each budget of ``--search-tokens`` in turn, up to the first OOM."""
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.config import config_from_dict
+
+    rows: list[dict[str, Any]] = []
+    largest = None
+    mean_len = (args.min_len + args.max_len) / 2
+    for budget in [int(x) for x in args.search_tokens.split(",") if x]:
+        # two full microbatches per data-parallel rank, in whole groups
+        dp = backend.topology.dp_size
+        samples = max(args.group, int(2 * budget * dp / mean_len) // args.group * args.group)
+        search_args = argparse.Namespace(**{**vars(args), "samples": samples})
+        lengths = rollout_lengths(search_args)
+        batch = RolloutBatch.from_records(rollout_records(lengths, hf["vocab_size"], args.group, 0))
+        cfg = config_from_dict(
+            config_dict(args, hf, "reuse", samples=samples, tokens_per_microbatch=budget)
+        )
+        row: dict[str, Any] = {"tokens_per_microbatch": budget, "samples": samples}
+        rows.append(row)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            res = run_rl_steps(cfg, backend, batch, args)
+        except torch.OutOfMemoryError as err:
+            row["fits"] = False
+            row["error"] = str(err).splitlines()[0][:300]
+            logger.info("%d tokens per microbatch: out of memory", budget)
+            break
+        row["fits"] = True
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["tokens"] = sum(lengths)
+        row["summary"] = summary(hf, lengths, res, gpus)
+        largest = budget
+        logger.info("%d tokens per microbatch: %s", budget, json.dumps(row["summary"]))
+    return {"largest_fitting_tokens_per_microbatch": largest, "budgets": rows}
+
+
 def summary(
     hf: dict[str, Any], lengths: list[int], res: dict[str, Any], gpus: int
 ) -> dict[str, Any]:
@@ -337,7 +398,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-dir", type=Path, default=None, help="profile one more step")
+    parser.add_argument(
+        "--fused-head", action="store_true", help="model.fused_head: log-probs without logits"
+    )
+    parser.add_argument(
+        "--search-tokens",
+        default="",
+        help="comma-separated microbatch token budgets: the largest that fits (reuse step)",
+    )
     args = parser.parse_args()
+    if args.fused_head and "plain" in args.modes.split(",") and not args.search_tokens:
+        parser.error(
+            "--fused-head: the plain megatron-core loop computes its cross-entropy from logits; "
+            "pass --modes reuse,recompute"
+        )
     PROFILE["dir"] = args.profile_dir
     # host ops here are small: many intra-op threads only contend with the thread that
     # launches the GPU work (torchrun sets 1 per process for the same reason)
@@ -374,6 +448,7 @@ def main() -> None:
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "attention": args.attention,
             "activation_recompute": args.recompute_activations,
+            "fused_head": args.fused_head,
         },
         "parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "cp": args.cp, "gpus": gpus},
         "flops": {
@@ -385,6 +460,15 @@ def main() -> None:
         "results": {},
     }
     results = report["results"]
+    if args.search_tokens:
+        report["search"] = search_tokens(args, hf, backend, gpus)
+        if backend.topology.rank == 0:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+            logger.info("largest: %s", report["search"]["largest_fitting_tokens_per_microbatch"])
+        if report["search"]["budgets"][-1]["fits"]:
+            backend.close()  # after an out-of-memory it is left as it is: the process ends
+        return
     for mode in [m for m in args.modes.split(",") if m]:
         logger.info("mode %s", mode)
         torch.cuda.reset_peak_memory_stats()

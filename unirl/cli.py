@@ -29,6 +29,7 @@ import yaml
 
 from unirl.core.errors import CollectiveTimeoutError, UnirlError
 from unirl.cpu_threads import apply_cpu_thread_defaults
+from unirl.log_setup import apply_log_level, install_handler
 
 if TYPE_CHECKING:
     from unirl.core.run.config import UnirlConfig
@@ -131,6 +132,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from unirl.rollouts.check import check_rollout_config
 
     cfg = load_config(args.config, args.set, world_size=args.world_size)
+    apply_log_level(cfg.logging.level)
     check_rollout_config(cfg)
     report = check_report(cfg)
     if args.json:
@@ -221,9 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    install_handler()  # log lines go through tqdm: they never break a progress bar
     apply_cpu_thread_defaults()
     args = build_parser().parse_args(argv)
     try:

@@ -26,9 +26,15 @@ from unirl.core.run.algorithm import needs_reference
 from unirl.core.run.config import UnirlConfig, config_from_dict
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
-from unirl.core.run.progress import RunProgress, progress_enabled
+from unirl.core.run.progress import (
+    GenerationProgress,
+    RunProgress,
+    logs_step,
+    progress_enabled,
+)
 from unirl.core.run.resume import check_resume_fits
 from unirl.core.step import RLStep
+from unirl.log_setup import apply_log_level
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +81,10 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     checkpoint; `overwrite` deletes a previous run there first. Without either, a directory that
     holds another run is refused (`ConfigError`) before anything is built or written."""
     from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
+    from unirl.rollouts.build import save_run_tokenizer
     from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
 
+    apply_log_level(cfg.logging.level)
     run_dir = Path(cfg.logging.run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     # Before any work: the directories can be written, and they hold no other run.
@@ -146,10 +154,24 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         guard = DivergenceGuard(cfg.train.max_consecutive_skipped_steps)
         metrics: dict[str, float] = {}
         bars = progress_enabled(cfg.progress.enabled)
-        with RunProgress(total, topo, bars, initial=start, show=RUN_BAR_KEYS) as bar:
+        every = cfg.progress.log_every
+        generates = cfg.rollout.source != "file"  # reading a file is no phase worth a bar
+        with RunProgress(
+            total, topo, bars, initial=start, show=RUN_BAR_KEYS, log_every=every
+        ) as bar:
             for k in range(start, total):
                 t0 = time.perf_counter()
-                batch = source.next_rollout(k)
+                if generates:
+                    with GenerationProgress(
+                        "generate",
+                        cfg.layout.rollout_samples,
+                        topo,
+                        enabled=bars,
+                        log_summary=logs_step(k + 1, every, total),
+                    ) as gen_bar:
+                        batch = source.next_rollout(k, progress=gen_bar)
+                else:
+                    batch = source.next_rollout(k)
                 generation_s = time.perf_counter() - t0
                 if hook is not None:
                     batch = apply_postprocess_hook(
@@ -177,6 +199,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         if cfg.checkpoint.export_hf:
             export = run_dir / "hf"
             backend.export_hf(export)
+            if _is_rank0():  # the tokenizer the rollouts used, for AutoTokenizer and engines
+                save_run_tokenizer(cfg, export)
             _barrier()
             if topo.is_reporting_rank:
                 logger.info("policy exported in Hugging Face layout to %s", export)

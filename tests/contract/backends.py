@@ -7,6 +7,9 @@ reason that says what is missing (`skip_reason`).
 from __future__ import annotations
 
 import importlib.util
+from typing import Literal
+
+import attrs
 
 from unirl.backends import BACKENDS
 from unirl.core.backend_plugin import BackendPlugin, ContractLayout
@@ -30,3 +33,20 @@ def skip_reason(
     if device == "cuda" and layout.world_size > devices_available:
         return f"layout {layout.name} needs {layout.world_size} GPUs, {devices_available} available"
     return None
+
+
+FusedHeadMode = Literal["declared", "on", "off"]
+FUSED_HEAD_MODES = ("declared", "on", "off")
+
+
+def with_fused_head(layout: ContractLayout, mode: FusedHeadMode) -> ContractLayout | None:
+    """`layout` under a GPU runner's ``--fused-head``: "declared" as the plug-in declares it;
+    "on" / "off" set ``model.fused_head`` on every layout, names unchanged (under "off" a layout
+    declared with the fused head is left out: it would repeat its plain twin)."""
+    if mode == "declared":
+        return layout
+    declared = bool(layout.model_dict.get("fused_head", False))
+    if mode == "off" and declared:
+        return None
+    model = {**layout.model_dict, "fused_head": mode == "on"}
+    return attrs.evolve(layout, model=tuple(sorted(model.items())))

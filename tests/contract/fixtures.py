@@ -161,14 +161,20 @@ def base_config(
     dtype: str,
     run_dir: str,
     options: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The config every variant starts from (a plain dict for `config_from_dict`); ``options``:
-    keys of the backend's own section that the layout sets."""
+    keys of the backend's own section that the layout sets; ``model``: its model keys."""
     return {
         "backend": backend,
         backend: dict(options or {}),
         "old_logprobs": "auto",
-        "model": {"path": model_dir, "dtype": dtype, "max_seq_len": MAX_SEQ_LEN},
+        "model": {
+            "path": model_dir,
+            "dtype": dtype,
+            "max_seq_len": MAX_SEQ_LEN,
+            **dict(model or {}),
+        },
         "optimizer": {**OPTIMIZER, "grad_clip": grad_clip(model_dir)},
         "batch": {
             "prompts_per_rollout": NUM_GROUPS,

@@ -124,6 +124,26 @@ class ForwardCounter:
 # -- helpers --------------------------------------------------------------------------------
 
 
+class LogprobPathSpy:
+    """Counts the calls of core's two log-prob entry points as the backends reach them (through
+    `unirl.core.backend`): from logits, or from hidden states (``model.fused_head``)."""
+
+    def __init__(self) -> None:
+        self.calls = {"logits": 0, "hidden": 0}
+
+    def install(self) -> None:
+        from unirl.core import backend as core_backend
+
+        for key, name in (("logits", "logprobs_from_logits"), ("hidden", "logprobs_from_hidden")):
+            original = getattr(core_backend, name)
+
+            def counted(*args: Any, _key: str = key, _fn: Any = original, **kwargs: Any) -> Any:
+                self.calls[_key] += 1
+                return _fn(*args, **kwargs)
+
+            setattr(core_backend, name, counted)
+
+
 def _calls(backend: InstrumentedBackend) -> dict[str, int]:
     return {k: int(v) for k, v in backend.forward_calls.items()}
 
@@ -207,6 +227,7 @@ class _GroupRun:
             world_size=world_size,
             parallel=job.layout.parallel_dict,
             options=job.layout.options_dict,
+            model=job.layout.model_dict,
             dtype=job.dtype,
             run_dir=str(self.work / "runs"),
         )
@@ -214,6 +235,7 @@ class _GroupRun:
         self.timings: dict[str, float] = {}
         self.out: dict[str, Any] = {"rank": rank, "errors": self.errors, "timings": self.timings}
         self.spy = BarSpy()
+        self.paths = LogprobPathSpy()
         self.init_ckpt = self.work / "ckpt-init"
 
     def section(self, name: str) -> Any:
@@ -243,6 +265,7 @@ class _GroupRun:
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.spy.install()
+        self.paths.install()
         backend = None
         with self.section("build"):
             backend = self.make_backend()
@@ -264,6 +287,7 @@ class _GroupRun:
             self.variants(backend)
             self.resume(backend)
         self.timings["total"] = time.perf_counter() - t0
+        self.out["logprob_calls"] = dict(self.paths.calls)
         compat = sys.modules.get("unirl.backends.megatron.cpu_compat")
         if compat is not None and compat.is_installed():  # patched lines of megatron-core that ran
             self.out["cpu_compat_lines"] = sorted(compat.reached_lines())

@@ -123,6 +123,17 @@ def test_clause8_hf_export(group, contract_data):
     assert_checks(_run(clauses.clause8_export, group, records, TOL))
 
 
+def test_logprob_path(case, group):
+    """The log-probs came from the path the layout asks for: hidden states and the head's weight
+    with ``model.fused_head``, logits otherwise (on the ranks that hold the loss; none other)."""
+    _, layout = case
+    fused = bool(layout.model_dict.get("fused_head", False))
+    calls = [r["logprob_calls"] for r in group.ranks]
+    used, unused = ("hidden", "logits") if fused else ("logits", "hidden")
+    assert sum(c[unused] for c in calls) == 0, (layout.name, calls)
+    assert sum(c[used] for c in calls) > 0, (layout.name, calls)
+
+
 def test_cpu_compat_lines_listed(group):
     """Megatron on the CPU: every megatron-core line that `cpu_compat` patched and that ran in this
     layout is one it lists (a patch reaching an unlisted CUDA line is an unreviewed change)."""

@@ -177,6 +177,83 @@ def _eight_layer_chunks(world):
     return out
 
 
+FUSED_TEMPERATURE = 0.9
+
+
+def _fused_weights(n):
+    gen = torch.Generator().manual_seed(77)
+    return torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+
+def _fused_head_tp2(cases, world):
+    """``model.fused_head`` at TP = 2 (x DP = 2): the output layer returns hidden states, core's
+    logprobs_from_hidden takes them and the weight shard; log-probs, entropy and the gradients
+    of the head's weight and of the final norm under sum(w_logp logp) + sum(w_ent H)."""
+    from megatron.core import parallel_state as ps
+
+    from unirl.backends.megatron.convert import load_hf_weights
+    from unirl.backends.megatron.fused_head import emit_hidden, head_weight
+    from unirl.backends.megatron.model import build_model_chunks
+    from unirl.backends.megatron.topology import (
+        initialize_parallel_state,
+        topology_from_parallel_state,
+    )
+    from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
+    from unirl.core.run.config import ParallelConfig
+
+    parallel = ParallelConfig(tp=2, world_size=world)
+    initialize_parallel_state(parallel)
+    topo = topology_from_parallel_state()
+    w_logp, w_ent = _fused_weights(BATCH * (SEQ - 1))
+    out = {"tp_rank": topo.tp_rank}
+    for name, (config, source, ids, _) in cases.items():
+        (chunk,) = build_model_chunks(config, parallel, dtype=torch.float32)
+        load_hf_weights([chunk], source, config, topo)
+        emit_hidden([chunk])
+        hidden = chunk(ids, torch.arange(SEQ)[None].expand(BATCH, SEQ), None)
+        weight = head_weight(chunk)
+        logp, entropy = logprobs_from_hidden(
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+            weight,
+            ids[:, 1:].reshape(-1),
+            tp_group=topo.groups.tp,
+            temperature=FUSED_TEMPERATURE,
+            vocab_size=VOCAB,
+            with_entropy=True,
+        )
+        ((w_logp * logp).sum() + (w_ent * entropy).sum()).backward()
+        out[name] = {
+            "hidden_shape": tuple(hidden.shape),
+            "logp": logp.detach(),
+            "entropy": entropy.detach(),
+            "head": weight.grad.clone(),
+            "norm": chunk.decoder.final_layernorm.weight.grad.clone(),
+        }
+    ps.destroy_model_parallel()
+    return out
+
+
+def _fused_reference(config, state, ids):
+    """fp64 autograd through the HF model: log-probs, entropy at FUSED_TEMPERATURE, and the
+    gradients of lm_head (the embedding when tied: both uses) and of the final norm."""
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, attn_implementation="eager"
+    )
+    model.load_state_dict({k: v.double() for k, v in state.items()})
+    logits = model(ids).logits[:, :-1].reshape(-1, VOCAB) / FUSED_TEMPERATURE
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(1, ids[:, 1:].reshape(-1, 1)).squeeze(1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    w_logp, w_ent = _fused_weights(logp.shape[0])
+    ((w_logp.double() * logp).sum() + (w_ent.double() * entropy).sum()).backward()
+    return {
+        "logp": logp.detach(),
+        "entropy": entropy.detach(),
+        "head": model.lm_head.weight.grad,
+        "norm": model.model.norm.weight.grad,
+    }
+
+
 def _four_ranks(rank, world, cases, save_dir):
     # one spawn for every layout: starting 4 processes that import megatron costs ~30 s on 2 cores
     return {
@@ -184,6 +261,7 @@ def _four_ranks(rank, world, cases, save_dir):
         "pp2_vpp2": _run_layout(1, 2, 2, cases, world),
         "tp2_dp2": _run_layout(2, 1, None, cases, world),
         "eight_layers": _eight_layer_chunks(world),
+        "fused_tp2": _fused_head_tp2(cases, world),
     }
 
 
@@ -272,9 +350,16 @@ def _assert_exact(exported, original, tied):
         assert torch.equal(exported[key], original[key]), key
 
 
-def test_layouts_round_trip_and_logprobs(tmp_path):
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """(cases, per-rank results, export folder) of the one 4-process spawn."""
+    save_dir = tmp_path_factory.mktemp("megatron-export")
     cases = _cases(_configs())
-    per_rank = run_distributed(_four_ranks, 4, cases, str(tmp_path))
+    return cases, run_distributed(_four_ranks, 4, cases, str(save_dir)), save_dir
+
+
+def test_layouts_round_trip_and_logprobs(four_ranks):
+    cases, per_rank, tmp_path = four_ranks
     # Megatron rank order tp-dp-pp: with pp=2 ranks 0,1 are stage 0 and ranks 2,3 stage 1.
     expected_layers = {
         # 4 layers, pp=2: stage 0 holds HF layers 0-1, stage 1 layers 2-3
@@ -345,3 +430,27 @@ def test_single_process_from_folder_and_config_errors(tmp_path):
     # unsupported configurations raise ConfigError naming the key (checked in the same process)
     for (_, _, pattern), message in zip(_unsupported_configs(), result["config_errors"]):
         assert message is not None and re.search(pattern, message), (pattern, message)
+
+
+def test_fused_head_tp2_matches_hf_fp64(four_ranks):
+    """Tied and untied; vocabulary 100 padded to 256 rows at TP = 2: rank 0 holds ids 0-99 and
+    28 padding rows, rank 1 only padding."""
+    cases, per_rank, _ = four_ranks
+    rows_per_rank = 128
+    close = dict(atol=1e-4, rtol=1e-4)
+    for name, (config, state, ids, _) in cases.items():
+        ref = _fused_reference(config, state, ids)
+        for rank in range(4):
+            res = per_rank[rank]["fused_tp2"]
+            tp_rank, res = res["tp_rank"], res[name]
+            assert res["hidden_shape"] == (BATCH, SEQ, 64)  # hidden states, not logits
+            torch.testing.assert_close(res["logp"].double(), ref["logp"], **close)
+            torch.testing.assert_close(res["entropy"].double(), ref["entropy"], **close)
+            # the final norm sits before the head: its gradient needs every shard's share of
+            # d/dhidden (the all-reduce in core's backward)
+            torch.testing.assert_close(res["norm"].double(), ref["norm"], **close)
+            rows = slice(tp_rank * rows_per_rank, (tp_rank + 1) * rows_per_rank)
+            real = max(0, min(rows_per_rank, VOCAB - tp_rank * rows_per_rank))
+            head = res["head"].double()
+            torch.testing.assert_close(head[:real], ref["head"][rows][:real], **close)
+            assert torch.all(head[real:] == 0), (name, rank, "padding rows")

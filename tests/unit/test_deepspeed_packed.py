@@ -1,6 +1,7 @@
 """The packed forward of the DeepSpeed backend (`unirl.backends.deepspeed.packed`): logits and
 parameter gradients of one packed stream equal those of each sequence run alone through an
-unmodified transformers model (its own SDPA attention) — on the CPU (per-sequence SDPA path) and,
+unmodified transformers model (its own SDPA attention) — on the CPU (SDPA per bucket of similar
+lengths, right-padded; one bucket or several) and,
 on a GPU, through flash varlen attention in bf16. Unsupported attention features are refused."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from unirl.backends.deepspeed.packed import (  # noqa: E402
     _varlen_attn,
+    bucket_plan,
     forward_packed,
     use_packed_attention,
 )
@@ -69,9 +71,11 @@ def _microbatch(lengths, vocab: int) -> TrainMicrobatch:
     )
 
 
-def _compare(dtype: torch.dtype, device: str, logit_tol: float, grad_tol: float) -> None:
+def _compare(
+    dtype: torch.dtype, device: str, logit_tol: float, grad_tol: float, lengths=LENGTHS
+) -> None:
     packed, ref = _models(dtype, device)
-    mb = _microbatch(LENGTHS, HF_CONFIG["vocab_size"])
+    mb = _microbatch(lengths, HF_CONFIG["vocab_size"])
     weights = torch.randn(
         mb.num_tokens, HF_CONFIG["vocab_size"], generator=torch.Generator().manual_seed(2)
     )
@@ -100,6 +104,14 @@ def test_packed_equals_per_sequence_on_cpu():
     _compare(torch.float32, "cpu", logit_tol=1e-6, grad_tol=1e-5)
 
 
+def test_packed_in_several_length_buckets_equals_per_sequence_on_cpu():
+    # 90^2 - 64^2 = 4004 <= 64^2 < 90^2 - 30^2: two padded SDPA calls, [90, 64] and [30, 7, 2, 1]
+    lengths = [7, 90, 1, 30, 2, 64]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    assert [(b.rows, b.length) for b in bucket_plan(cu).buckets] == [(2, 90), (4, 30)]
+    _compare(torch.float32, "cpu", logit_tol=1e-6, grad_tol=1e-5, lengths=lengths)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_packed_varlen_equals_per_sequence_on_gpu():
@@ -107,6 +119,13 @@ def test_packed_varlen_equals_per_sequence_on_gpu():
         pytest.skip("needs torch.nn.attention.varlen (torch >= 2.9)")
     # bf16: both sides round activations to bf16 (relative step 2**-8) in different orders
     _compare(torch.bfloat16, "cuda", logit_tol=2e-2, grad_tol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_buckets_equal_per_sequence_on_gpu_fp32():
+    # fp32 on a GPU takes the bucketed SDPA path too (varlen flash attention is bf16/fp16 only)
+    _compare(torch.float32, "cuda", logit_tol=1e-5, grad_tol=1e-4, lengths=[7, 90, 1, 30, 2, 64])
 
 
 def test_empty_microbatch_runs_one_pad_token():

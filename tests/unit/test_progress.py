@@ -13,7 +13,13 @@ from tqdm import tqdm
 
 from unirl.core.errors import ConfigError
 from unirl.core.run import progress
-from unirl.core.run.progress import MicrobatchProgress, RunProgress, progress_enabled
+from unirl.core.run.progress import (
+    GenerationProgress,
+    MicrobatchProgress,
+    RunProgress,
+    logs_step,
+    progress_enabled,
+)
 from unirl.core.topology import Topology
 
 LOGGER = "unirl.core.run.progress"
@@ -371,3 +377,77 @@ def test_run_bar_shows_the_same_rate(spy_tqdm):
 def test_run_initial_past_total_is_a_config_error():
     with pytest.raises(ConfigError, match=r"initial=12 .*total_steps=10"):
         RunProgress(10, Topology(), initial=12)
+
+
+# -- progress.log_every -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "every, total, logged",
+    [
+        (1, 5, [1, 2, 3, 4, 5]),
+        (2, 5, [2, 4, 5]),  # every second step, and the last
+        (3, 6, [3, 6]),
+        (10, 4, [4]),  # only the last
+    ],
+)
+def test_logs_step(every, total, logged):
+    assert [s for s in range(1, total + 1) if logs_step(s, every, total)] == logged
+
+
+def test_run_quiet_logs_every_n_steps_and_the_last(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clock = FakeClock(step=1.0)  # 1 s per step
+    with RunProgress(5, Topology(), enabled=False, clock=clock, log_every=2) as run:
+        for _ in range(5):
+            run.advance({"reward": 0.5})
+    steps = [re.match(r"step (\d+)/5", r.getMessage()).group(1) for r in caplog.records]
+    assert steps == ["2", "4", "5"]
+    with pytest.raises(ConfigError, match=r"progress\.log_every=0"):
+        RunProgress(5, Topology(), enabled=False, log_every=0)
+
+
+def test_phase_summary_left_out_is_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with MicrobatchProgress("actor train", 1, Topology(), enabled=False, log_summary=False) as bar:
+        bar.tick()
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
+# -- the generation bar ---------------------------------------------------------------------------
+
+
+def test_generation_bar_counts_samples_and_tokens_per_second(spy_tqdm, caplog):
+    created, closed = spy_tqdm
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    stream = FakeTTY()
+    clock = FakeClock([0.0, 0.1, 0.2, 2.0])  # start, one refresh per update, close
+    with GenerationProgress("generate", 6, Topology(), stream=stream, clock=clock) as bar:
+        bar.update(samples=2, tokens=40)
+        bar.update(samples=4, tokens=60)
+    assert bar.count == 6 and len(created) == 1 and closed == created
+    assert created[0].unit == "sample" and (created[0].n, created[0].total) == (6, 6)
+    assert "generate:" in stream.getvalue() and "tok/s" in stream.getvalue()
+    # bars on: the summary is DEBUG; quiet: one INFO line, 100 tokens in 2 s = 50 tok/s
+    caplog.clear()
+    clock = FakeClock([0.0, 2.0])  # start, close (quiet: updates read no clock)
+    with GenerationProgress("generate", 6, Topology(), enabled=False, clock=clock) as bar:
+        bar.update(samples=2, tokens=40)
+        bar.update(samples=4, tokens=60)
+    assert [r.getMessage() for r in caplog.records] == ["generate: 6 samples in 2.00 s (50 tok/s)"]
+
+
+def test_generation_bar_only_on_the_reporting_rank_and_miscount_warns(spy_tqdm, caplog):
+    created, _ = spy_tqdm
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    other = Topology(world_size=2, rank=1, dp_size=2, dp_rank=1)
+    with GenerationProgress("generate", 4, other, stream=FakeTTY()) as bar:
+        bar.update(samples=4, tokens=9)
+    assert created == [] and caplog.records == [] and bar.count == 4
+    with GenerationProgress("generate", 4, Topology(), enabled=False) as bar:
+        bar.update(samples=3, tokens=9)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "generate: counted 3 samples, planned 4; the rollout source reported a different "
+        "number of finished samples"
+    ]

@@ -42,11 +42,8 @@ TWO_EPOCHS = {"batch__epochs_per_rollout": 2}
 KL_REWARD = {"algorithm__kl_in_reward__coef": 0.05}
 DISTILL = {"algorithm__distillation_coef": 0.5}
 MISMATCH = {"algorithm__mismatch_metrics": True}
-SNAPSHOT = {"algorithm__old_actor_snapshot": True}
-ROUTING = {"algorithm__moe_routing_replay": True}
+# The hook runs before any policy log-prob exists: it declares no need (reuse stays valid).
 HOOK = {"algorithm__rollout_postprocess_hook": "mypkg.hooks:filter"}
-HOOK_NO_LP = {**HOOK, "algorithm__rollout_postprocess_hook_reads_logprobs": False}
-HOOK_LP = {**HOOK, "algorithm__rollout_postprocess_hook_reads_logprobs": True}
 GAE = {"algorithm__advantage_estimator": "gae"}
 CUSTOM_LOSS = {"algorithm__policy_loss": "tests.unit.custom_components:undeclared_loss"}
 CUSTOM_LOSS_OK = {"algorithm__policy_loss": "tests.unit.custom_components:reuse_safe_loss"}
@@ -66,11 +63,7 @@ TABLE = [
     ("auto", KL_REWARD, "recompute", {"kl_in_reward"}),
     ("auto", DISTILL, "recompute", {"distillation_shaping"}),
     ("auto", MISMATCH, "recompute", {"mismatch_metrics"}),
-    ("auto", SNAPSHOT, "recompute", {"old_actor_snapshot"}),
-    ("auto", ROUTING, "recompute", {"moe_routing_replay"}),
-    ("auto", HOOK, "recompute", {"rollout_postprocess_hook"}),
-    ("auto", HOOK_LP, "recompute", {"rollout_postprocess_hook"}),
-    ("auto", HOOK_NO_LP, "reuse", set()),
+    ("auto", HOOK, "reuse", set()),
     ("auto", GAE, "recompute", {"value_estimator"}),
     ("auto", CUSTOM_LOSS, "recompute", {"policy_loss"}),
     ("auto", CUSTOM_LOSS_OK, "reuse", set()),
@@ -94,7 +87,7 @@ TABLE = [
     ("reuse", {**KL_LOSS, **ENTROPY, **TIS}, "reuse", set()),
     ("rollout", {}, "rollout", set()),
     ("rollout", TWO_STEPS, "rollout", {"multiple_optimizer_steps"}),
-    ("rollout", {**DISTILL, **ROUTING}, "rollout", {"distillation_shaping", "moe_routing_replay"}),
+    ("rollout", {**DISTILL, **MISMATCH}, "rollout", {"distillation_shaping", "mismatch_metrics"}),
 ]
 
 
@@ -115,7 +108,6 @@ def test_decision_table(mode, overrides, source, needs):
         (TWO_STEPS, "multiple_optimizer_steps"),
         (KL_REWARD, "kl_in_reward"),
         (GAE, "value_estimator"),
-        (HOOK, "rollout_postprocess_hook"),
         (CUSTOM_LOSS, "policy_loss"),
     ],
 )
@@ -150,10 +142,7 @@ FEATURES = {
     "kl_reward": KL_REWARD,
     "distill": DISTILL,
     "mismatch": MISMATCH,
-    "snapshot": SNAPSHOT,
-    "routing": ROUTING,
     "hook": HOOK,
-    "hook_no_lp": HOOK_NO_LP,
     "gae": GAE,
     "custom_loss": CUSTOM_LOSS,
     "custom_est": CUSTOM_EST,
@@ -168,9 +157,6 @@ NEEDY = {
     "kl_reward",
     "distill",
     "mismatch",
-    "snapshot",
-    "routing",
-    "hook",
     "gae",
     "custom_loss",
     "custom_est",
@@ -183,8 +169,6 @@ NEEDY = {
     mode=st.sampled_from(["auto", "recompute", "reuse", "rollout"]),
 )
 def test_reuse_never_chosen_while_a_need_is_active(chosen, mode):
-    if {"hook", "hook_no_lp"} <= chosen:
-        chosen = chosen - {"hook"}
     if mode == "rollout":
         chosen = chosen - {"tis"}  # a config error of its own (corrects nothing)
     if {"gae", "custom_est"} <= chosen:

@@ -89,6 +89,34 @@ def test_stops_at_eos_and_respects_the_budget():
     assert all(len(g.response_tokens) == 3 for g in short if not g.finished)
 
 
+class RecordingProgress:
+    """Stands in for `GenerationProgress`: records every update the sampler makes."""
+
+    def __init__(self):
+        self.updates = []
+
+    def update(self, *, samples=0, tokens=0):
+        self.updates.append((samples, tokens))
+
+
+def test_progress_hears_every_sample_and_every_generated_token():
+    model = tiny_model(2)
+    prompts = PROMPTS * 12  # 60 samples in three length groups; some end by <eos>, some by budget
+    progress = RecordingProgress()
+    gens = make_sampler(model, temperature=2.0, max_new_tokens=8, seed=3).generate(
+        prompts, progress=progress
+    )
+    assert any(g.finished for g in gens) and not all(g.finished for g in gens)
+    # the totals, counted from the returned responses: one sample each, their tokens
+    assert sum(s for s, _ in progress.updates) == len(prompts)
+    assert sum(t for _, t in progress.updates) == sum(len(g.response_tokens) for g in gens)
+    # one update per decode step of each of the 3 prompt lengths (4, 5, 6): 1 to 8 steps each
+    assert 3 <= len(progress.updates) <= 3 * 8
+    # the same samples with and without a bar
+    plain = make_sampler(model, temperature=2.0, max_new_tokens=8, seed=3).generate(prompts)
+    assert all(torch.equal(a.response_tokens, b.response_tokens) for a, b in zip(gens, plain))
+
+
 def test_same_seed_same_samples():
     model = tiny_model(0)
     a = make_sampler(model, seed=5).generate(PROMPTS * 4)

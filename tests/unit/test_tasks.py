@@ -8,6 +8,7 @@ from unirl.core.errors import ConfigError
 from unirl.rollouts.tasks import (
     AddSmall,
     Problem,
+    RepeatDigit,
     ReverseDigits,
     make_task,
     positional_reward,
@@ -59,8 +60,8 @@ def test_tokenizer_rejects_bad_alphabets_and_characters():
         CharTokenizer("0123456789").encode("1x")
     with pytest.raises(ValueError, match=r"repeats \['1'\]"):
         CharTokenizer("0112")
-    with pytest.raises(ValueError, match=r"<= 32"):
-        CharTokenizer("abcdefghijklmnopqrstuvwxyz0123")  # 30 + 4 special = 34
+    with pytest.raises(ValueError, match=r"<= 256"):
+        CharTokenizer("".join(map(chr, range(300, 553))))  # 253 + 4 special = 257
     with pytest.raises(ValueError, match=r"empty"):
         CharTokenizer("")
 
@@ -222,3 +223,32 @@ def test_task_options_reach_the_factory():
     assert (task.max_prompt_length, task.max_target_length) == (5, 4)
     with pytest.raises(ConfigError, match=r"rollout.task_options=\{'digits': 3\} do not fit"):
         make_task("reverse_digits", {"digits": 3})
+
+
+def test_repeat_digit_prompts_answers_and_reward():
+    task = make_task("repeat_digit", {"min_count": 3, "max_count": 120})
+    assert isinstance(task, RepeatDigit)
+    assert (task.max_prompt_length, task.max_target_length) == (6, 121)
+    rng = random.Random(0)
+    problems = [task.sample_problem(rng) for _ in range(200)]
+    for p in problems:
+        # <bos> d c c c <sep>: the count zero-padded to 3 digits, so every prompt has 6 tokens
+        d, count = p.prompt_text[0], int(p.prompt_text[1:])
+        assert len(p.prompt_text) == 4 and 3 <= count <= 120
+        assert p.prompt_tokens == (
+            BOS,
+            digit(int(d)),
+            *(digit(int(c)) for c in p.prompt_text[1:]),
+            SEP,
+        )
+        assert p.target_tokens == (digit(int(d)),) * count + (EOS,)
+    counts = {int(p.prompt_text[1:]) for p in problems}
+    assert min(counts) < 20 and max(counts) > 100  # answers from tens to a hundred tokens
+    # "7" x 4: four digits right, <eos> missing -> 4/5; with <eos> 5/5; "7 7 <eos>" -> 2/5
+    p = Problem(prompt_tokens=(BOS, digit(7), digit(0), digit(0), digit(4), SEP),
+                target_tokens=(digit(7),) * 4 + (EOS,), prompt_text="7004", target_text="7777")  # fmt: skip
+    assert task.reward(p, [digit(7)] * 4) == pytest.approx(4 / 5)
+    assert task.reward(p, [digit(7)] * 4 + [EOS]) == 1.0
+    assert task.reward(p, [digit(7), digit(7), EOS]) == pytest.approx(2 / 5)
+    with pytest.raises(ConfigError, match="min_count"):
+        RepeatDigit(min_count=5, max_count=4)

@@ -67,6 +67,15 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path):
     weights = load_file(str(run / "hf" / "model.safetensors"))
     assert weights and json.loads((run / "hf" / "config.json").read_text())["vocab_size"] == 16
     assert (run / "config.yaml").is_file()
+    # the export carries the task's tokenizer: AutoTokenizer gives CharTokenizer's ids
+    from transformers import AutoTokenizer
+
+    from unirl.rollouts.tokenizer import CharTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(run / "hf"))
+    assert tokenizer("3071")["input_ids"] == CharTokenizer("0123456789").encode(
+        "3071", bos=True, sep=True
+    )
 
 
 def test_resume_equals_uninterrupted(tmp_path):
@@ -100,8 +109,7 @@ def test_train_on_rollout_file(tmp_path):
          "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.tensorboard=false",
          "--set", "algorithm.rollout_correction.mode=tis",
          # issue 15 finding 3: the hook is called on every rollout (it zeroes the rewards)
-         "--set", "algorithm.rollout_postprocess_hook=tests.unit.custom_hooks:zero_rewards_hook",
-         "--set", "algorithm.rollout_postprocess_hook_reads_logprobs=false"],
+         "--set", "algorithm.rollout_postprocess_hook=tests.unit.custom_hooks:zero_rewards_hook"],
         tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

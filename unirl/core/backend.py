@@ -1,7 +1,8 @@
 """The interface every training engine implements, and the one piece of maths they share.
 
 The seam: a backend turns a `TrainMicrobatch` into logits, calls `token_logprobs` (core) to get
-per-token log-probs, hands them to the core loss function it is given, and multiplies the returned
+per-token log-probs (or, with ``model.fused_head``, hands the final hidden states and the LM
+head's weight to `token_logprobs_from_hidden`, which never makes the ``[T, V]`` logits), hands them to the core loss function it is given, and multiplies the returned
 loss by exactly one factor that cancels its own averaging (`TrainingBackend.loss_scale`). It never
 computes a log-softmax, a ratio or a normaliser itself.
 
@@ -21,6 +22,7 @@ import torch
 
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.logprobs import logprobs_from_logits
+from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
 from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
@@ -67,6 +69,39 @@ def token_logprobs(
         return logp, ent
     logp = logprobs_from_logits(
         logits_tv,
+        targets_t,
+        tp_group=tp_group,
+        temperature=spec.temperature,
+        vocab_size=spec.vocab_size,
+    )
+    return logp, None
+
+
+def token_logprobs_from_hidden(
+    hidden_th: torch.Tensor,
+    weight_vh: torch.Tensor,
+    targets_t: torch.Tensor,
+    spec: LogprobSpec,
+    *,
+    tp_group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of the logits ``hidden_th @ weight_vh.T`` (``weight_vh``: this rank's
+    vocabulary shard of the LM head), computed without them (`logprobs_from_hidden`)."""
+    if spec.with_entropy:
+        logp, ent = logprobs_from_hidden(
+            hidden_th,
+            weight_vh,
+            targets_t,
+            tp_group=tp_group,
+            temperature=spec.temperature,
+            vocab_size=spec.vocab_size,
+            with_entropy=True,
+            entropy_grad=spec.entropy_grad,
+        )
+        return logp, ent
+    logp = logprobs_from_hidden(
+        hidden_th,
+        weight_vh,
         targets_t,
         tp_group=tp_group,
         temperature=spec.temperature,

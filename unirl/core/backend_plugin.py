@@ -61,23 +61,37 @@ class LazyBuilder:
 class ContractLayout:
     """One parallel layout the contract suite runs a backend on: a name for test ids and tables,
     the process count, the config's ``parallel`` section (without ``world_size``, which is the
-    process count) and keys of the backend's own section (e.g. ``attention: padded``)."""
+    process count), keys of the backend's own section (e.g. ``attention: padded``) and keys of the
+    ``model`` section (e.g. ``fused_head: true``)."""
 
     name: str
     world_size: int
     parallel: tuple[tuple[str, Any], ...]
     options: tuple[tuple[str, Any], ...] = ()
+    model: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(
-        cls, name: str, world_size: int, options: Mapping[str, Any] | None = None, **parallel: Any
+        cls,
+        name: str,
+        world_size: int,
+        options: Mapping[str, Any] | None = None,
+        model: Mapping[str, Any] | None = None,
+        **parallel: Any,
     ) -> ContractLayout:
         return cls(
             name=name,
             world_size=world_size,
             parallel=tuple(sorted(parallel.items())),
             options=tuple(sorted((options or {}).items())),
+            model=tuple(sorted((model or {}).items())),
         )
+
+    def with_model(self, suffix: str, **model: Any) -> ContractLayout:
+        """This layout with more ``model`` keys, named ``{name}-{suffix}`` (the GPU runners'
+        ``--fused-head on``)."""
+        merged = {**dict(self.model), **model}
+        return attrs.evolve(self, name=f"{self.name}-{suffix}", model=tuple(sorted(merged.items())))
 
     @property
     def parallel_dict(self) -> dict[str, Any]:
@@ -86,6 +100,10 @@ class ContractLayout:
     @property
     def options_dict(self) -> dict[str, Any]:
         return dict(self.options)
+
+    @property
+    def model_dict(self) -> dict[str, Any]:
+        return dict(self.model)
 
     @property
     def dp_size(self) -> int:

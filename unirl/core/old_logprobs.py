@@ -54,7 +54,12 @@ def register_need(feature: str) -> Callable[[NeedCheck], NeedCheck]:
     """Declare that `feature` may need the policy's log-probs before the first optimizer step.
 
     The function returns a reason (the need is active) or None. New features register here;
-    nothing else has to change for the decision to stay right.
+    nothing else has to change for the decision to stay right. A feature outside unirl (a
+    plug-in module) registers at import, before the config is checked::
+
+        @register_need("my_reward_shaping")
+        def _needs(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+            return "my reward shaping reads the policy's log-probs" if my_feature_on(cfg) else None
     """
 
     def deco(fn: NeedCheck) -> NeedCheck:
@@ -109,40 +114,6 @@ def _distillation(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
 def _mismatch(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
     if cfg.algorithm.mismatch_metrics:
         return "algorithm.mismatch_metrics: compares the trainer's log-probs with the rollout's"
-    return None
-
-
-@register_need("old_actor_snapshot")
-def _snapshot(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
-    if cfg.algorithm.old_actor_snapshot:
-        return "algorithm.old_actor_snapshot: a separate old-actor copy produces the old log-probs"
-    return None
-
-
-@register_need("moe_routing_replay")
-def _routing_replay(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
-    if cfg.algorithm.moe_routing_replay:
-        return (
-            "algorithm.moe_routing_replay: the forward-only pass records the MoE routing that "
-            "training replays"
-        )
-    return None
-
-
-@register_need("rollout_postprocess_hook")
-def _hook(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
-    a = cfg.algorithm
-    if a.rollout_postprocess_hook and a.rollout_postprocess_hook_reads_logprobs is not False:
-        declared = a.rollout_postprocess_hook_reads_logprobs is True
-        how = (
-            "declares it reads"
-            if declared
-            else "is assumed to read (it does not declare otherwise)"
-        )
-        return (
-            f"algorithm.rollout_postprocess_hook={a.rollout_postprocess_hook!r} {how} log-probs; "
-            "set algorithm.rollout_postprocess_hook_reads_logprobs: false if it does not"
-        )
     return None
 
 

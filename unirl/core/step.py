@@ -38,7 +38,7 @@ from unirl.core.run.algorithm import (
     train_logprob_spec,
 )
 from unirl.core.run.config import UnirlConfig, norm_length
-from unirl.core.run.progress import MicrobatchProgress, progress_enabled
+from unirl.core.run.progress import MicrobatchProgress, logs_step, progress_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,14 @@ class RLStep:
         self.uses_reference = needs_reference(cfg)
         self.decisions = DecisionLog()
         self.show_bars = progress_enabled(cfg.progress.enabled)
+        self.log_phases = True  # with bars off: this step's phase lines at INFO (log_every)
 
     # -- public -------------------------------------------------------------------------
 
     def run(self, batch: RolloutBatch, *, rl_step: int = 0) -> StepResult:
         cfg, topo = self.cfg, self.topology
         t_start = time.perf_counter()
+        self.log_phases = logs_step(rl_step + 1, cfg.progress.log_every, cfg.train.rl_steps)
         batch.validate(
             vocab_size=self.backend.vocab_size,
             max_seq_len=cfg.model.max_seq_len,
@@ -212,7 +214,9 @@ class RLStep:
         topo = self.topology
         mbs = [self._microbatch(p, None, None, None) for p in packs]
         spec = forward_logprob_spec(self.cfg, self.backend.vocab_size)
-        with MicrobatchProgress(phase, len(mbs), topo, enabled=self.show_bars) as bar:
+        with MicrobatchProgress(
+            phase, len(mbs), topo, enabled=self.show_bars, log_summary=self.log_phases
+        ) as bar:
             results = self.backend.forward_logprobs(mbs, role=role, spec=spec, progress=bar)
         width = int(batch.response_lengths.max())
         out = torch.zeros(len(batch), width, dtype=torch.float32)
@@ -274,7 +278,9 @@ class RLStep:
             return out.loss, out.metrics
 
         spec = train_logprob_spec(self.cfg, self.backend.vocab_size)
-        with MicrobatchProgress("actor train", len(mbs), topo, enabled=self.show_bars) as bar:
+        with MicrobatchProgress(
+            "actor train", len(mbs), topo, enabled=self.show_bars, log_summary=self.log_phases
+        ) as bar:
             per_mb = self.backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
         stats = self.backend.optimizer_step()
         metrics: dict[str, float] = {}

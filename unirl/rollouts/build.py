@@ -2,11 +2,14 @@
 
 source = build_rollout_source(cfg, hf_model=policy_hf_model)  # rollout.source: sampler | file | vllm
 write_task_rollouts("rollouts.jsonl", cfg, n_rollouts=4, seed=0)
+save_run_tokenizer(cfg, "runs/x/hf")   # the tokenizer the rollouts used, beside the weights
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +20,7 @@ from unirl.rollouts.model import build_task_model
 from unirl.rollouts.sampler_source import SamplerRolloutSource
 from unirl.rollouts.source import FileRolloutSource, RolloutSource
 from unirl.rollouts.tasks import Task, make_task
+from unirl.rollouts.tokenizer import CharTokenizer
 
 
 def check_task_lengths(cfg: UnirlConfig, task: Task) -> None:
@@ -36,14 +40,26 @@ def check_task_lengths(cfg: UnirlConfig, task: Task) -> None:
         )
 
 
+def build_task(cfg: UnirlConfig) -> Task:
+    """The task a generating source draws from: the prompt file of ``rollout.prompts`` scored by
+    ``rollout.reward``, else the task ``rollout.task`` names; its lengths checked."""
+    if cfg.rollout.prompts is not None:
+        from unirl.rollouts.prompts import make_prompt_task  # tokenizers need transformers
+
+        task: Task = make_prompt_task(cfg)
+    else:
+        task = make_task(cfg.rollout.task, cfg.rollout.task_options)
+    check_task_lengths(cfg, task)
+    return task
+
+
 def _sampler_source(
     cfg: UnirlConfig,
     hf_model: torch.nn.Module | None,
     device: torch.device | str | None,
     seed: int,
 ) -> SamplerRolloutSource:
-    task = make_task(cfg.rollout.task, cfg.rollout.task_options)
-    check_task_lengths(cfg, task)
+    task = build_task(cfg)
     if hf_model is None:
         hf_model = build_task_model(cfg.model, task.tokenizer)
     return SamplerRolloutSource(
@@ -67,8 +83,7 @@ def _vllm_source(cfg: UnirlConfig) -> RolloutSource:
     from unirl.rollouts.vllm.engine import require_vllm
 
     require_vllm()
-    task = make_task(cfg.rollout.task, cfg.rollout.task_options)
-    check_task_lengths(cfg, task)
+    task = build_task(cfg)
     if cfg.model.path is not None:
         hf_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     else:
@@ -121,3 +136,40 @@ def write_task_rollouts(
     samples = [s for step in range(n_rollouts) for s in source.next_rollout(step).samples]
     write_rollouts(path, samples)
     return len(samples)
+
+
+def run_tokenizer(cfg: UnirlConfig) -> Any | None:
+    """The Hugging Face tokenizer of the run's rollouts: that of ``rollout.prompts`` (see
+    `unirl.rollouts.prompts.prompt_tokenizer`), the built-in task's character tokenizer, or
+    None for a rollout file (the export then carries ``model.path``'s tokenizer files, if any)."""
+    if cfg.rollout.source == "file":
+        return None
+    from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf
+
+    if cfg.rollout.prompts is not None:
+        from unirl.rollouts.prompts import prompt_tokenizer, read_prompt_records
+
+        needs_file = cfg.model.tokenizer is None and cfg.model.path is None
+        records = read_prompt_records(Path(cfg.rollout.prompts)) if needs_file else []
+        return prompt_tokenizer(cfg, records).hf
+    task = make_task(cfg.rollout.task, cfg.rollout.task_options)
+    if not isinstance(task.tokenizer, CharTokenizer):
+        return None  # a custom task with its own tokenizer: nothing unirl knows how to save
+    return char_tokenizer_to_hf(task.tokenizer)
+
+
+def save_run_tokenizer(cfg: UnirlConfig, folder: str | os.PathLike[str]) -> bool:
+    """Save `run_tokenizer` into ``folder`` (the Hugging Face export), so that
+    ``AutoTokenizer.from_pretrained(folder)`` (and a serving engine) gets the ids the policy was
+    trained on. A tokenizer already there (copied from ``model.path``) is kept unless
+    ``model.tokenizer`` names another. Returns whether one was written."""
+    from unirl.rollouts.hf_tokenizer import save_hf_tokenizer
+
+    folder = Path(folder)
+    if cfg.model.tokenizer is None and (folder / "tokenizer_config.json").is_file():
+        return False
+    tokenizer = run_tokenizer(cfg)
+    if tokenizer is None:
+        return False
+    save_hf_tokenizer(tokenizer, folder)
+    return True

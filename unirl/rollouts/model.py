@@ -17,13 +17,13 @@ import torch
 
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import ModelConfig
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.tasks import TaskTokenizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def hf_config_for_tokenizer(
-    hf_config: Mapping[str, Any], tokenizer: CharTokenizer
+    hf_config: Mapping[str, Any], tokenizer: TaskTokenizer
 ) -> dict[str, Any]:
     """``hf_config`` with ``vocab_size`` (when absent) and the special token ids filled in from
     ``tokenizer``. A larger ``vocab_size`` is kept (the extra ids are never right answers); a
@@ -33,8 +33,8 @@ def hf_config_for_tokenizer(
     if not isinstance(vocab, int) or vocab < tokenizer.vocab_size:
         raise ConfigError(
             f"model.hf_config.vocab_size={vocab!r} is smaller than the task tokenizer's "
-            f"vocabulary of {tokenizer.vocab_size} tokens ({tokenizer.alphabet!r} plus 4 special "
-            f"tokens); set it to {tokenizer.vocab_size} or more, or leave it out"
+            f"vocabulary of {tokenizer.vocab_size} tokens; set it to {tokenizer.vocab_size} or "
+            "more, or leave it out"
         )
     for key, value in tokenizer.special_token_ids().items():
         have = config.setdefault(key, value)
@@ -46,7 +46,7 @@ def hf_config_for_tokenizer(
     return config
 
 
-def build_task_model(model_cfg: ModelConfig, tokenizer: CharTokenizer) -> torch.nn.Module:
+def build_task_model(model_cfg: ModelConfig, tokenizer: TaskTokenizer) -> torch.nn.Module:
     """The model of ``model_cfg``: loaded from ``model.path`` (local files only), or randomly
     initialised from ``model.hf_config`` with ``model.init_seed`` (the global torch RNG is left
     as it was)."""

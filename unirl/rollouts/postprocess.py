@@ -10,6 +10,13 @@ It runs on every rank with the same rollout, so it must be deterministic. What i
 validated like any rollout (a hook that breaks the contract stops the step with
 `RolloutDataError` before anything is trained). `unirl check` imports it and checks the
 signature, so a typo fails before a job is queued.
+
+It declares no need to the old-log-prob decision (`unirl.core.old_logprobs`): it runs before any
+policy log-prob of the rollout exists, so it cannot read them, and whatever batch it returns (fewer
+samples, other rewards, even other tokens or rollout log-probs) gets the same old log-probs from
+``reuse`` as from ``recompute`` (the policy's, on the same weights). The one thing it can change
+that matters, the number of samples and so of optimizer steps, the decision already sees: it is
+made for the batch the hook returned.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from unirl.core.errors import ConfigError, RunError
+from unirl.core.run.progress import GenerationProgress
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +58,48 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return probs.masked_fill(drop, 0.0)
+
+
+def _reserved_cache(num_layers: int, capacity: int) -> Any:
+    """A KV cache that reserves room for ``capacity`` positions per layer at its first update and
+    then writes each new position in place, handing attention a view of the filled part.
+
+    transformers' `DynamicCache` concatenates the whole cache with each new token: O(L) copies
+    per decoded token, which made up a third of sampling 256 tokens for 128 rows on the CPU.
+    Attention reads the same values either way. None when this transformers has no cache layers
+    to extend (the model then builds its own cache).
+    """
+    try:
+        from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+    except ImportError:
+        return None
+
+    class ReservedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            rows, heads, _, dim = key_states.shape
+            self._key_buffer = key_states.new_empty(rows, heads, capacity, dim)
+            self._value_buffer = value_states.new_empty(rows, heads, capacity, dim)
+            self._filled = 0
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self._filled, self._filled + key_states.shape[-2]
+            self._key_buffer[:, :, start:end].copy_(key_states)
+            self._value_buffer[:, :, start:end].copy_(value_states)
+            self._filled = end
+            self.keys = self._key_buffer[:, :, :end]
+            self.values = self._value_buffer[:, :, :end]
+            return self.keys, self.values
+
+    class ReservedCache(DynamicCache):
+        def __init__(self) -> None:
+            Cache.__init__(self, layers=[ReservedLayer() for _ in range(num_layers)])
+
+    return ReservedCache()
 
 
 class Sampler:
@@ -126,8 +169,11 @@ class Sampler:
     # -- generation ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]]) -> list[Generation]:
-        """One response per prompt, in the order given."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], progress: GenerationProgress | None = None
+    ) -> list[Generation]:
+        """One response per prompt, in the order given. `progress` (a generation bar) hears of
+        every decode step: the tokens it generated and the samples it finished."""
         by_length: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
@@ -138,7 +184,8 @@ class Sampler:
         for length in sorted(by_length):
             indices = by_length[length]
             ids = torch.tensor([list(prompts[i]) for i in indices], dtype=torch.long)
-            for i, gen in zip(indices, self._generate_equal_length(ids.to(self.device))):
+            gens = self._generate_equal_length(ids.to(self.device), progress)
+            for i, gen in zip(indices, gens):
                 results[i] = gen
         assert all(g is not None for g in results)
         return results  # type: ignore[return-value]
@@ -159,9 +206,16 @@ class Sampler:
             )
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
-    def _generate_equal_length(self, ids_bp: torch.Tensor) -> list[Generation]:
+    def _generate_equal_length(
+        self, ids_bp: torch.Tensor, progress: GenerationProgress | None
+    ) -> list[Generation]:
         rows = ids_bp.shape[0]
-        logits_bv, cache = self._forward(ids_bp, None)
+        finished = 0  # rows done before this step (ended by <eos>)
+        layers = getattr(self.model.config, "num_hidden_layers", None)
+        cache = None
+        if layers is not None:
+            cache = _reserved_cache(int(layers), ids_bp.shape[1] + self.max_new_tokens)
+        logits_bv, cache = self._forward(ids_bp, cache)
         tokens, logprobs = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=self.device)
@@ -174,7 +228,15 @@ class Sampler:
             ended = ~done & (token_b == self.eos_id)
             lengths[ended] = step + 1
             done |= ended
-            if bool(done.all()) or step == self.max_new_tokens - 1:
+            now_finished = int(done.sum())  # the one host sync of this step
+            last = now_finished == rows or step == self.max_new_tokens - 1
+            if progress is not None:
+                # every row unfinished before this step made one real token; at the last step
+                # the rows still open end by the budget
+                ended_now = (rows if last else now_finished) - finished
+                progress.update(samples=ended_now, tokens=rows - finished)
+            finished = now_finished
+            if last:
                 break
             # Finished rows keep decoding (batch shapes stay fixed); their extra tokens are cut.
             logits_bv, cache = self._forward(token_b[:, None], cache)

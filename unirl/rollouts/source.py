@@ -29,6 +29,7 @@ import torch
 
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RolloutDataError
+from unirl.core.run.progress import GenerationProgress
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class RolloutSource(Protocol):
     file). ``state_dict`` / ``load_state_dict`` carry the stream position (RNG states, file
     position) through a checkpoint, so a resumed run sees the rollouts it would have seen.
     ``close`` releases what the source started (an engine's processes).
+    ``next_rollout`` reports finished samples and generated tokens to ``progress`` (the
+    generation bar the training loop opens, `GenerationProgress`) when one is given.
     """
 
     @property
@@ -52,7 +55,9 @@ class RolloutSource(Protocol):
     @property
     def vocab_size(self) -> int | None: ...
 
-    def next_rollout(self, rl_step: int) -> RolloutBatch: ...
+    def next_rollout(
+        self, rl_step: int, progress: GenerationProgress | None = None
+    ) -> RolloutBatch: ...
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
 
@@ -206,7 +211,9 @@ class FileRolloutSource:
     def vocab_size(self) -> None:
         return None
 
-    def next_rollout(self, rl_step: int) -> RolloutBatch:
+    def next_rollout(
+        self, rl_step: int, progress: GenerationProgress | None = None
+    ) -> RolloutBatch:
         r = self._reader
         if self._next >= self.num_rollouts:
             raise RolloutDataError(
@@ -217,6 +224,8 @@ class FileRolloutSource:
             )
         samples, origins = r.read(self._next)
         self._next += 1
+        if progress is not None:  # samples read (a file generates no tokens)
+            progress.update(samples=len(samples))
         return RolloutBatch(tuple(samples), origins=tuple(origins))
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -5,19 +5,25 @@ scores a response by comparing it with the one right answer, so a run needs no r
 no download. Rewards lie in [0, 1] with partial credit (`positional_reward`), which gives GRPO a
 signal before the policy solves anything exactly.
 
-    task = make_task("reverse_digits")          # or "add_small", or "package.module:factory"
+    task = make_task("reverse_digits")  # or "add_small", "repeat_digit", "package.module:factory"
     problem = task.sample_problem(random.Random(0))
     task.reward(problem, response_tokens)        # 1.0 only for the exact answer ended by <eos>
 
 Add a task with ``register_task("name", factory)`` (``factory()`` returns a `Task`), e.g. a
 longer reversal: ``register_task("reverse_long", lambda: ReverseDigits(min_digits=5,
 max_digits=8))``, then ``rollout.task: reverse_long``.
+
+Two optional extensions, which a rollout source reaches through `task_rewards`,
+`task_state` and `load_task_state` (so a task without them works unchanged):
+`BatchRewardTask.rewards` scores a whole rollout in one call (a prompt file's named reward
+function is batched), and `StatefulTask.state_dict` / ``load_state_dict`` carry a task's own
+stream position through a checkpoint (a prompt file's cursor).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -32,12 +38,32 @@ DIGITS = "0123456789"
 
 @attrs.frozen(kw_only=True)
 class Problem:
-    """One prompt and its answer. ``target_tokens`` ends with ``<eos>``."""
+    """One prompt and its answer. ``target_tokens`` ends with ``<eos>``; a prompt read from a
+    file may have no target tokens (its reward function reads ``metadata``, e.g. the reference
+    answer) and names its place in ``origin`` ("FILE line N")."""
 
     prompt_tokens: tuple[int, ...] = attrs.field(converter=tuple)
-    target_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    target_tokens: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     prompt_text: str
-    target_text: str
+    target_text: str = ""
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    origin: str = ""
+
+
+@runtime_checkable
+class TaskTokenizer(Protocol):
+    """What a rollout source needs from a task's tokenizer: `CharTokenizer`, or a Hugging Face
+    tokenizer through `unirl.rollouts.hf_tokenizer.HFTokenizer`."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def special_token_ids(self) -> dict[str, int]: ...
 
 
 @runtime_checkable
@@ -45,7 +71,7 @@ class Task(Protocol):
     """What a rollout source needs from a task."""
 
     name: str
-    tokenizer: CharTokenizer
+    tokenizer: TaskTokenizer
     # Bounds over every problem the task can draw (the answer counts its <eos>), checked
     # against rollout.max_new_tokens and model.max_seq_len before a run starts.
     max_prompt_length: int
@@ -54,6 +80,51 @@ class Task(Protocol):
     def sample_problem(self, rng: random.Random) -> Problem: ...
 
     def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float: ...
+
+
+@runtime_checkable
+class BatchRewardTask(Protocol):
+    """A task that scores many responses in one call (one reward per response, in order)."""
+
+    def rewards(
+        self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]
+    ) -> list[float]: ...
+
+
+@runtime_checkable
+class StatefulTask(Protocol):
+    """A task whose problem stream has a position of its own (beyond the rng it is given),
+    saved with the rollout source's state so a resumed run draws the problems it would have."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def task_rewards(
+    task: Task, problems: Sequence[Problem], responses: Sequence[Sequence[int]]
+) -> list[float]:
+    """The reward of each response (``responses[i]`` answers ``problems[i]``): one batched call
+    when the task has `BatchRewardTask.rewards`, else `Task.reward` per response."""
+    if isinstance(task, BatchRewardTask):
+        return task.rewards(problems, responses)
+    return [task.reward(p, r) for p, r in zip(problems, responses, strict=True)]
+
+
+def task_state(task: Task) -> dict[str, Any] | None:
+    """The task's own stream state for a checkpoint; None for a task without one."""
+    return task.state_dict() if isinstance(task, StatefulTask) else None
+
+
+def load_task_state(task: Task, state: Mapping[str, Any] | None) -> None:
+    """Restore what `task_state` returned (None: nothing to restore)."""
+    if isinstance(task, StatefulTask):
+        if state is None:
+            raise ConfigError(
+                f"the checkpoint holds no stream state for task {task.name!r}; resume with the "
+                "rollout settings the run started with"
+            )
+        task.load_state_dict(state)
 
 
 def positional_reward(response_tokens: Sequence[int], target_tokens: Sequence[int]) -> float:
@@ -148,6 +219,52 @@ class AddSmall:
         return positional_reward(response_tokens, problem.target_tokens)
 
 
+@attrs.frozen
+class RepeatDigit:
+    """Prompt ``<bos> d c1 .. ck <sep>``, answer the digit d written c times then ``<eos>``:
+    d uniform 0-9, c uniform in [min_count, max_count], written with as many digits as
+    ``max_count`` has (zero-padded), so every prompt has the same length.
+
+    Answers run from tens to hundreds of tokens (the default: 10-250), so a batch of responses
+    varies widely in length: the workload where packing sequences (not padding them) pays.
+    """
+
+    min_count: int = 10
+    max_count: int = 250
+    name: str = "repeat_digit"
+    tokenizer: CharTokenizer = attrs.field(factory=lambda: CharTokenizer(DIGITS))
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.min_count <= self.max_count:
+            raise ConfigError(
+                f"RepeatDigit: need 1 <= min_count <= max_count, got "
+                f"min_count={self.min_count}, max_count={self.max_count}"
+            )
+
+    @property
+    def max_prompt_length(self) -> int:
+        return len(str(self.max_count)) + 3  # <bos> d count <sep>
+
+    @property
+    def max_target_length(self) -> int:
+        return self.max_count + 1  # d * count <eos>
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        d = rng.choice(DIGITS)
+        count = rng.randint(self.min_count, self.max_count)
+        question = d + str(count).zfill(len(str(self.max_count)))
+        answer = d * count
+        return Problem(
+            prompt_tokens=self.tokenizer.encode(question, bos=True, sep=True),
+            target_tokens=self.tokenizer.encode(answer, eos=True),
+            prompt_text=question,
+            target_text=answer,
+        )
+
+    def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float:
+        return positional_reward(response_tokens, problem.target_tokens)
+
+
 # -- registry ------------------------------------------------------------------------------
 
 TaskFactory = Callable[..., Task]
@@ -193,3 +310,4 @@ def _import_factory(spec: str) -> TaskFactory:
 
 register_task("reverse_digits", ReverseDigits)
 register_task("add_small", AddSmall)
+register_task("repeat_digit", RepeatDigit)

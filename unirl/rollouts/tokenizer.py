@@ -10,7 +10,9 @@ follows in order:
     tok.decode([7, 6, 2])                     # "32" (special tokens skipped)
 
 The special ids match Hugging Face's Llama defaults (bos 1, eos 2), so a Llama config built for a
-task needs no special-token keys.
+task needs no special-token keys. `unirl.rollouts.hf_tokenizer.char_tokenizer_to_hf` builds the
+same tokenizer as a Hugging Face one (saved with the model's export, loadable by
+``AutoTokenizer``), with the same ids.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ BOS_ID = 1
 EOS_ID = 2
 SEP_ID = 3
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>")
-# Beyond this a task should use a real subword tokenizer, not this one.
-MAX_VOCAB_SIZE = 32
+# Room for the alphabet of a text prompt file (letters, digits, punctuation); beyond this a
+# task should use a real subword tokenizer, not this one.
+MAX_VOCAB_SIZE = 256
 
 
 def _check_alphabet(instance: CharTokenizer, attribute: attrs.Attribute, alphabet: str) -> None:
@@ -37,7 +40,8 @@ def _check_alphabet(instance: CharTokenizer, attribute: attrs.Attribute, alphabe
     if len(alphabet) + len(SPECIAL_TOKENS) > MAX_VOCAB_SIZE:
         raise ValueError(
             f"CharTokenizer alphabet {alphabet!r} has {len(alphabet)} characters; with the "
-            f"{len(SPECIAL_TOKENS)} special tokens the vocabulary must stay <= {MAX_VOCAB_SIZE}"
+            f"{len(SPECIAL_TOKENS)} special tokens the vocabulary must stay <= {MAX_VOCAB_SIZE}; "
+            "use a subword tokenizer (model.tokenizer) for text this varied"
         )
 
 
@@ -60,6 +64,12 @@ class CharTokenizer:
     bos_id = BOS_ID
     eos_id = EOS_ID
     sep_id = SEP_ID
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> CharTokenizer:
+        """The tokenizer over every character the texts use, in code-point order (so the same
+        texts give the same ids whatever order they come in)."""
+        return cls("".join(sorted(set().union(*map(set, texts)))))
 
     @property
     def vocab_size(self) -> int:

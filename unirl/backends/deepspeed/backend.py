@@ -32,9 +32,10 @@ from unirl.backends.deepspeed.engine import initialize_policy, initialize_refere
 from unirl.backends.deepspeed.packed import forward_packed, use_packed_attention
 from unirl.backends.deepspeed.topology import deepspeed_topology
 from unirl.backends.forward_only import forward_only
+from unirl.backends.fused_head import FusedLMHead, install_fused_head, packed_logprobs
 from unirl.backends.hf_model import load_policy, load_reference
 from unirl.backends.microbatch import to_device, zero_through_graph
-from unirl.core.backend import ModelRole, OptimizerStepStats, token_logprobs
+from unirl.core.backend import ModelRole, OptimizerStepStats
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
 
@@ -53,10 +54,18 @@ class DeepSpeedBackend(EngineBackend):
         self.topology = deepspeed_topology(self._dist.rank, self._dist.world_size)
         model = load_policy(cfg.model)
         use_packed_attention(model)
+        # model.fused_head: the LM head computes the log-probs (no [T, V] logits)
+        self._heads: dict[ModelRole, FusedLMHead | None] = {
+            "policy": install_fused_head(model) if cfg.model.fused_head else None
+        }
         self.vocab_size = int(model.config.vocab_size)
         self.engine, self._scheduler = initialize_policy(
             model, cfg, total_steps=total_optimizer_steps, dp_size=self.topology.dp_size
         )
+        if self.topology.dp_size == 1 and cfg.parallel.zero_stage == 0:
+            # One data-parallel rank: DeepSpeed would still flatten every gradient, all-reduce
+            # it over a group of one and copy it back after each backward on the boundary.
+            self.engine.enable_backward_allreduce = False
         self.device = torch.device(self.engine.device)
         self._reference: Any = None
         self._closed = False
@@ -81,6 +90,9 @@ class DeepSpeedBackend(EngineBackend):
         if self._reference is None:
             ref = load_reference(self.cfg.model)
             use_packed_attention(ref)
+            self._heads["reference"] = (
+                install_fused_head(ref) if self.cfg.model.fused_head else None
+            )
             self._reference = initialize_reference(ref, self.cfg, self.device)
         return self._reference
 
@@ -101,11 +113,10 @@ class DeepSpeedBackend(EngineBackend):
         with self._forward_only(role) as module:
             for mb in microbatches:
                 mb = to_device(mb, self.device)
-                logits = forward_packed(module, mb, self.device)
+                logp, _, _ = packed_logprobs(
+                    lambda m: forward_packed(module, m, self.device), self._heads[role], mb, spec
+                )
                 self._count_forward(role)
-                if mb.num_tokens == 0:
-                    logits = logits[:0]  # the pad token of an empty microbatch predicts nothing
-                logp, _ = token_logprobs(logits, mb.targets, spec)
                 out.append(logp.float())
                 progress.report(tokens=mb.num_tokens)
                 progress.tick()
@@ -126,13 +137,16 @@ class DeepSpeedBackend(EngineBackend):
             mb = to_device(mb, self.device)
             # Reduce (ZeRO 0/1) / finish the partitioned reduction (ZeRO 2/3) on the last one.
             self.engine.set_gradient_accumulation_boundary(i == last)
-            logits = forward_packed(self.engine, mb, self.device)
+            logp, entropy, out = packed_logprobs(
+                lambda m: forward_packed(self.engine, m, self.device),
+                self._heads["policy"],
+                mb,
+                spec,
+            )
             self._count_forward("policy")
-            empty = mb.num_tokens == 0
-            logp, entropy = token_logprobs(logits[:0] if empty else logits, mb.targets, spec)
             loss, mb_metrics = loss_fn(mb, logp, entropy)
-            if empty:
-                loss = loss + zero_through_graph(logits)  # ZeRO's gradient hooks still fire
+            if mb.num_tokens == 0:
+                loss = loss + zero_through_graph(out)  # ZeRO's gradient hooks still fire
             self.engine.backward(loss * scale, scale_wrt_gas=False)
             metrics.append(mb_metrics)
             progress.report(loss=loss.detach(), tokens=mb.num_tokens)

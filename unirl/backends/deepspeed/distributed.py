@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from unirl.backends.process_group import ProcessGroupSetup, init_process_group
 from unirl.core.run.config import ParallelConfig
+from unirl.log_setup import engine_prints
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,9 @@ def init_distributed(parallel: ParallelConfig) -> ProcessGroupSetup:
         if name not in os.environ:
             os.environ[name] = str(value)
             _ENV_SET_HERE[name] = str(value)
-    prebuild_shm_op()
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    with engine_prints():  # DeepSpeed prints "... built successfully" for its op, twice
+        prebuild_shm_op()
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     return setup
 
 

@@ -53,5 +53,7 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("zero2-dp2", 2, zero_stage=2),
         ContractLayout.of("zero3-dp1", 1, zero_stage=3),
         ContractLayout.of("zero3-dp2", 2, zero_stage=3),
+        # model.fused_head: the log-probs from the LM head's input (ZeRO-3 gathers its weight)
+        ContractLayout.of("zero3-dp1-fused", 1, model={"fused_head": True}, zero_stage=3),
     ),
 )

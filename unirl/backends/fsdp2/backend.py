@@ -34,10 +34,11 @@ from unirl.backends.fsdp2 import checkpoint, export, packed
 from unirl.backends.fsdp2.engine import build_optimizer, shard_model
 from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.backends.fsdp2.topology import build_mesh
+from unirl.backends.fused_head import FusedLMHead, install_fused_head, packed_logprobs
 from unirl.backends.hf_model import load_policy, load_reference, torch_dtype
 from unirl.backends.microbatch import to_device, zero_through_graph
 from unirl.backends.process_group import destroy_process_group, init_process_group
-from unirl.core.backend import ModelRole, OptimizerStepStats, token_logprobs
+from unirl.core.backend import ModelRole, OptimizerStepStats
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
 
@@ -64,6 +65,10 @@ class Fsdp2Backend(EngineBackend):
         self.topology = self._mesh.topology
         model = load_policy(cfg.model)
         packed.use_attention(model, fsdp.sp)
+        # model.fused_head: the LM head computes the log-probs (no [T, V] logits)
+        self._heads: dict[ModelRole, FusedLMHead | None] = {
+            "policy": install_fused_head(model) if cfg.model.fused_head else None
+        }
         self.vocab_size = int(model.config.vocab_size)
         self.model = shard_model(
             model,
@@ -96,6 +101,9 @@ class Fsdp2Backend(EngineBackend):
         if self._reference is None:
             ref = load_reference(self.cfg.model)
             packed.use_attention(ref, self.fsdp.sp)
+            self._heads["reference"] = (
+                install_fused_head(ref) if self.cfg.model.fused_head else None
+            )
             ref_fsdp = attrs.evolve(self.fsdp, cpu_offload=self.cfg.model.ref_offload)
             self._reference = shard_model(
                 ref,
@@ -121,11 +129,13 @@ class Fsdp2Backend(EngineBackend):
         with self._forward_only(role) as module:
             for mb in microbatches:
                 mb = to_device(mb, self.device)
-                logits = packed.forward(module, mb, self.device, self._sp_group)
+                logp, _, _ = packed_logprobs(
+                    lambda m: packed.forward(module, m, self.device, self._sp_group),
+                    self._heads[role],
+                    mb,
+                    spec,
+                )
                 self._count_forward(role)
-                if mb.num_tokens == 0:
-                    logits = logits[:0]  # the pad token of an empty microbatch predicts nothing
-                logp, _ = token_logprobs(logits, mb.targets, spec)
                 out.append(logp.float())
                 progress.report(tokens=mb.num_tokens)
                 progress.tick()
@@ -145,14 +155,17 @@ class Fsdp2Backend(EngineBackend):
         metrics = []
         for mb in microbatches:
             mb = to_device(mb, self.device)
-            logits = packed.forward(self.model, mb, self.device, self._sp_group)
+            logp, entropy, out = packed_logprobs(
+                lambda m: packed.forward(self.model, m, self.device, self._sp_group),
+                self._heads["policy"],
+                mb,
+                spec,
+            )
             self._count_forward("policy")
-            empty = mb.num_tokens == 0
-            logp, entropy = token_logprobs(logits[:0] if empty else logits, mb.targets, spec)
             loss, mb_metrics = loss_fn(mb, logp, entropy)
-            if empty:
+            if mb.num_tokens == 0:
                 # this rank's backward must run the same reduce-scatters as the others'
-                loss = loss + zero_through_graph(logits)
+                loss = loss + zero_through_graph(out)
             (loss * scale).backward()
             metrics.append(mb_metrics)
             progress.report(loss=loss.detach(), tokens=mb.num_tokens)

@@ -99,5 +99,6 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("full-dp1", 1),
         ContractLayout.of("full-dp2", 2),
         ContractLayout.of("sp2", 2, options={"sp": 2}),
+        ContractLayout.of("full-dp1-fused", 1, model={"fused_head": True}),
     ),
 )

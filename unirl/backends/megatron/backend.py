@@ -12,7 +12,8 @@ Each microbatch runs through megatron's schedule for the layout (`schedule`) as 
 stream (`packed`: THD with varlen flash attention, context parallel included) or, with
 ``megatron.attention: padded | unfused``, as right-padded rows (`padded`); on the last pipeline stage the vocabulary-parallel logits of the real tokens
 go to core's `token_logprobs` (TP all-reduces of per-token statistics only, never the full
-vocabulary) and then to core's loss. The only loss arithmetic here is `schedule.loss_scale`, the
+vocabulary) and then to core's loss; with ``model.fused_head`` the last stage's hidden states and
+the output layer's weight shard go to `token_logprobs_from_hidden` instead (`fused_head`). The only loss arithmetic here is `schedule.loss_scale`, the
 factor that cancels megatron's mean over microbatches and data-parallel ranks.
 
 On the CPU (gloo) the same megatron-core schedules, DDP and optimizer run, with the few
@@ -37,6 +38,7 @@ from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import checkpoint, cpu_compat, schedule
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
+from unirl.backends.megatron.fused_head import emit_hidden, head_weight
 from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
 from unirl.backends.megatron.schedule import (
@@ -48,7 +50,12 @@ from unirl.backends.megatron.schedule import (
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
 from unirl.backends.microbatch import zero_through_graph
 from unirl.backends.process_group import destroy_process_group, init_process_group
-from unirl.core.backend import OptimizerStepStats, token_logprobs
+from unirl.core.backend import (
+    LogprobSpec,
+    OptimizerStepStats,
+    token_logprobs,
+    token_logprobs_from_hidden,
+)
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
@@ -160,7 +167,28 @@ class MegatronBackend(EngineBackend):
             unfused_attention=self.cfg.backend_options.attention == "unfused",
         )
         load_hf_weights(chunks, source.weights, source.hf_config, self.topology)
+        if self.cfg.model.fused_head:
+            emit_hidden(chunks)
         return chunks
+
+    def _logprobs(
+        self,
+        chunks: list[torch.nn.Module],
+        item: ScheduledMicrobatch,
+        output: torch.Tensor,
+        spec: LogprobSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Core's log-probs of a microbatch from the last stage's output (``chunks``: this rank's
+        unwrapped chunks of the model that ran): logits, or hidden states with the fused head."""
+        assert item.mb is not None
+        tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
+        rows = item.batch.real_logits(output)  # [T, V_local] logits or [T, H] hidden states
+        if self.cfg.model.fused_head:
+            weight = head_weight(chunks[-1])
+            return token_logprobs_from_hidden(
+                rows, weight, item.mb.targets, spec, tp_group=tp_group
+            )
+        return token_logprobs(rows, item.mb.targets, spec, tp_group=tp_group)
 
     def _reference_chunks(self) -> list[torch.nn.Module]:
         if self._reference is None:
@@ -199,22 +227,20 @@ class MegatronBackend(EngineBackend):
             return []
         if role == "policy":
             model: list[torch.nn.Module] = list(self.ddp)
+            chunks = self.chunks
         else:
-            model = self._reference_chunks()
+            model = chunks = self._reference_chunks()
         offloaded = role == "reference" and self.cfg.model.ref_offload
         items, rows, seq_len = schedule_items(
             microbatches, self.topology, self.device, packed=self.packed
         )
         results: dict[int, torch.Tensor] = {}
-        tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
 
-        def loss_func(item: ScheduledMicrobatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        def loss_func(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
             zero = torch.zeros((), device=self.device)
             if item.mb is None:
                 return zero, {}
-            logp, _ = token_logprobs(
-                item.batch.real_logits(logits), item.mb.targets, spec, tp_group=tp_group
-            )
+            logp, _ = self._logprobs(chunks, item, output, spec)
             results[item.index] = logp.detach().float()
             progress.report(tokens=item.mb.num_tokens)
             return zero, {}
@@ -255,19 +281,17 @@ class MegatronBackend(EngineBackend):
         )
         scale = self.loss_scale(len(items))
         metrics: dict[int, Mapping[str, Metric]] = {}
-        tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
 
-        def loss_func(item: ScheduledMicrobatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        def loss_func(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            # output: the last stage's logits, or its hidden states with the fused head
             if item.mb is None:  # VPP padding: a zero that still reaches every parameter
-                return zero_through_graph(logits), {}
+                return zero_through_graph(output), {}
             mb = item.mb
-            logp, entropy = token_logprobs(
-                item.batch.real_logits(logits), mb.targets, spec, tp_group=tp_group
-            )
+            logp, entropy = self._logprobs(self.chunks, item, output, spec)
             loss, mb_metrics = loss_fn(mb, logp, entropy)
             if mb.num_tokens == 0:
                 # the backward (and the pipeline's gradient sends) run as for any microbatch
-                loss = loss + zero_through_graph(logits)
+                loss = loss + zero_through_graph(output)
             metrics[item.index] = mb_metrics
             progress.report(loss=loss.detach(), tokens=mb.num_tokens)
             return loss * scale, {}

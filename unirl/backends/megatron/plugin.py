@@ -62,6 +62,9 @@ PLUGIN = BackendPlugin(
     layouts=(
         ContractLayout.of("tp1-pp1-dp1", 1),
         ContractLayout.of("padded", 1, options={"attention": "padded"}),
+        # model.fused_head (TP-sharded: tests/distributed/test_megatron_model.py; every layout:
+        # benchmarks/megatron_contract.py --fused-head on)
+        ContractLayout.of("fused", 1, model={"fused_head": True}),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
         ContractLayout.of("pp2", 2, pp=2),

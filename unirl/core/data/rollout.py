@@ -466,10 +466,14 @@ class RolloutBatch:
                 f"RolloutBatch has {len(self.samples)} samples but {len(self.origins)} origins"
             )
         problems: list[str] = []
-        for i, sample in enumerate(self.samples):
-            problems.extend(
-                f"{self._label(i)}: {p}" for p in _sample_problems(sample, vocab_size, max_seq_len)
-            )
+        # The per-sample loop names every problem; a batch-wide check first spares it when
+        # there is nothing to find (it cost 7 ms of a 0.1 s tiny-example step).
+        if _batch_may_have_problems(self.samples, vocab_size, max_seq_len):
+            for i, sample in enumerate(self.samples):
+                problems.extend(
+                    f"{self._label(i)}: {p}"
+                    for p in _sample_problems(sample, vocab_size, max_seq_len)
+                )
         problems.extend(self._presence_problems())
         problems.extend(self._group_problems(samples_per_prompt))
         if not problems and not any(bool(s.loss_mask.any()) for s in self.samples):
@@ -614,6 +618,39 @@ class RolloutBatch:
             response_index=response_index,
             **optional,
         )
+
+
+def _batch_may_have_problems(
+    samples: Sequence[RolloutSample], vocab_size: int, max_seq_len: int
+) -> bool:
+    """Whether `_sample_problems` could find anything in ``samples``: the same checks on whole
+    concatenated tensors (a few ops per batch instead of several per sample). Only a batch that
+    fails here goes through the per-sample loop, which names each sample and field."""
+    prompt_lengths = [s.prompt_tokens.numel() for s in samples]
+    response_lengths = [s.response_tokens.numel() for s in samples]
+    if min(prompt_lengths) == 0 or min(response_lengths) == 0:
+        return True
+    if max(p + r for p, r in zip(prompt_lengths, response_lengths)) > max_seq_len:
+        return True
+    if not all(math.isfinite(s.reward) for s in samples):
+        return True
+    for name in ("loss_mask", *PER_TOKEN_FLOAT_FIELDS):
+        sizes = [None if getattr(s, name) is None else getattr(s, name).numel() for s in samples]
+        if any(n is not None and n != r for n, r in zip(sizes, response_lengths)):
+            return True
+    tokens = torch.cat([t for s in samples for t in (s.prompt_tokens, s.response_tokens)])
+    if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+        return True
+    for name in PER_TOKEN_FLOAT_FIELDS:
+        present = [getattr(s, name) for s in samples if getattr(s, name) is not None]
+        if not present:
+            continue
+        values = torch.cat(present)
+        if not bool(torch.isfinite(values).all()):
+            return True
+        if name in LOGPROB_FIELDS and bool((values > LOGPROB_TOLERANCE).any()):
+            return True
+    return False
 
 
 def _sample_problems(sample: RolloutSample, vocab_size: int, max_seq_len: int) -> list[str]:

@@ -269,6 +269,37 @@ def _validate(
         )
     if not logits.is_floating_point():
         raise LossInputError(f"{where}: logits must be floating point, got dtype {logits.dtype}")
+    validate_targets_and_options(
+        where,
+        "logits",
+        logits.shape[0],
+        logits.shape[1],
+        logits.device,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_size=vocab_size,
+        tp_size=tp_size,
+        kernel=kernel,
+    )
+
+
+def validate_targets_and_options(
+    where: str,
+    rows_name: str,
+    n_rows: int,
+    n_local: int,
+    device: torch.device,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_size: int | None,
+    vocab_size: int | None,
+    tp_size: int,
+    kernel: str,
+) -> None:
+    """The checks shared by `logprobs_from_logits` and `logprobs_from_hidden`: targets (shape,
+    dtype, device, range) and the options; ``n_local`` is this rank's vocabulary columns."""
     if not isinstance(targets, torch.Tensor) or targets.dim() != 1:
         shape = (
             tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
@@ -278,14 +309,14 @@ def _validate(
         raise LossInputError(
             f"{where}: targets must hold integer token ids, got dtype {targets.dtype}"
         )
-    if targets.shape[0] != logits.shape[0]:
+    if targets.shape[0] != n_rows:
         raise LossInputError(
-            f"{where}: targets has {targets.shape[0]} tokens but logits has {logits.shape[0]} "
-            "rows; pass the next-token ids aligned with each logits row"
+            f"{where}: targets has {targets.shape[0]} tokens but {rows_name} has {n_rows} "
+            f"rows; pass the next-token ids aligned with each {rows_name} row"
         )
-    if targets.device != logits.device:
+    if targets.device != device:
         raise LossInputError(
-            f"{where}: targets on {targets.device} but logits on {logits.device}; "
+            f"{where}: targets on {targets.device} but {rows_name} on {device}; "
             "move them to the same device"
         )
     if not (
@@ -296,11 +327,11 @@ def _validate(
         )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise LossInputError(f"{where}: chunk_size must be an int >= 1 or None, got {chunk_size!r}")
-    full_vocab = logits.shape[1] * tp_size
+    full_vocab = n_local * tp_size
     if vocab_size is not None and not (1 <= vocab_size <= full_vocab):
         raise LossInputError(
             f"{where}: vocab_size={vocab_size} must be in [1, {full_vocab}] (vocab_local "
-            f"{logits.shape[1]} x tensor-parallel size); it is the true vocabulary without padding"
+            f"{n_local} x tensor-parallel size); it is the true vocabulary without padding"
         )
     if kernel not in _KERNELS:
         raise LossInputError(f"{where}: kernel={kernel!r} is not one of {_KERNELS}")

@@ -53,7 +53,17 @@ class ModelConfig:
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
+    # Log-probs straight from the final hidden states and the LM head's weight, in vocabulary
+    # chunks (`unirl.core.maths.logprobs_hidden`): the [tokens, vocab] logits and their gradient
+    # are never held (4.6 GiB each in bf16 at 16k tokens x 152k vocabulary), for one more
+    # head-sized matmul in backward. Off by default: measured slower on the CPU (head +
+    # log-probs 1.25x, in-process A/B, benchmarks/fused_head.py); turn it on when the logits cap
+    # the microbatch length.
+    fused_head: bool = False
     max_seq_len: int = attrs.field(default=2048, validator=positive)
+    # A local Hugging Face tokenizer folder for rollout.prompts text (and saved with the export);
+    # None: model.path's tokenizer, else a character tokenizer over the prompt file.
+    tokenizer: str | None = None
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
     ref_offload: bool = False
@@ -61,7 +71,8 @@ class ModelConfig:
 
 @attrs.frozen(kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
+    """AdamW on every backend (torch's; Megatron's wraps it in its distributed optimizer)."""
+
     # Above 1e30 AdamW's first step size, lr / (1 - betas[0]), nears fp32's limit and torch fails.
     lr: float = attrs.field(
         default=1e-6,
@@ -151,13 +162,9 @@ class AlgorithmConfig:
     distillation_coef: float = 0.0
     # Features that read the policy's log-probs before the first optimizer step.
     mismatch_metrics: bool = False
-    old_actor_snapshot: bool = False
-    moe_routing_replay: bool = False
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
-    # Whether that hook reads log-probs; None = assume it does.
-    rollout_postprocess_hook_reads_logprobs: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -182,11 +189,6 @@ class VllmConfig:
     # Where weight syncs are written for the engine to reload (a tmpfs folder: memory, not
     # disk); null = a fresh folder under /dev/shm when it exists, else the system temp folder.
     sync_dir: str | None = None
-    # vLLM's own log level (VLLM_LOGGING_LEVEL) in its processes. ERROR: its INFO lines are noise
-    # here, and every in-place reload warns that the rotary embedding's cos/sin cache (a buffer,
-    # not in any checkpoint) was "not loaded" (it is kept, as it should be). unirl reports the
-    # engine's failures itself; INFO shows vLLM's full report.
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "ERROR"
 
 
 @attrs.frozen(kw_only=True)
@@ -203,6 +205,15 @@ class RolloutConfig:
     top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, low_open=True))
     max_new_tokens: int = attrs.field(default=64, validator=positive)
     vllm: VllmConfig = attrs.field(factory=VllmConfig)
+    # A JSONL prompt file used instead of rollout.task, scored by rollout.reward (a registered
+    # name or "package.module:function") with rollout.reward_options as keyword arguments
+    # (unirl/rollouts/prompts.py, unirl/rollouts/rewards.py).
+    prompts: str | None = None
+    reward: str | None = None
+    reward_options: dict[str, Any] = attrs.field(factory=dict)
+    # Drop prompts longer than model.max_seq_len - max_new_tokens (with a warning) instead of
+    # refusing the file.
+    skip_long_prompts: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -216,7 +227,11 @@ class TrainConfig:
 
 @attrs.frozen(kw_only=True)
 class ProgressConfig:
+    """Bars on a terminal (run, generation, each training phase; `unirl.core.run.progress`)."""
+
     enabled: bool = True
+    # Without bars (a log file, UNIRL_PROGRESS=0): the per-step INFO lines (the step line and
+    # each phase's summary) every this many RL steps, and for the last step.
     log_every: int = attrs.field(default=1, validator=positive)
 
 
@@ -231,6 +246,8 @@ class CheckpointConfig:
 @attrs.frozen(kw_only=True)
 class LoggingConfig:
     run_dir: str = "runs/unirl"
+    # unirl's log level; the engines (DeepSpeed, torch.distributed, vLLM, transformers) log only
+    # errors unless it is DEBUG (`unirl.log_setup`).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = True
 
@@ -372,6 +389,41 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             f"rollout.vllm.max_model_len={vllm.max_model_len} exceeds model.max_seq_len="
             f"{cfg.model.max_seq_len}: the trainer could not take the engine's longest samples; "
             "lower it or leave it out (it defaults to model.max_seq_len)"
+        )
+    _check_prompts(cfg)
+
+
+def _check_prompts(cfg: UnirlConfig) -> None:
+    """rollout.prompts and the keys that only mean something with it."""
+    r = cfg.rollout
+    if r.prompts is None:
+        for key, value in (
+            ("rollout.reward", r.reward),
+            ("rollout.reward_options", r.reward_options or None),
+            ("rollout.skip_long_prompts", r.skip_long_prompts or None),
+            ("model.tokenizer", cfg.model.tokenizer),
+        ):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}={value!r} applies to prompts read from a file, but rollout.prompts "
+                    f"is not set (the built-in tasks score and tokenize themselves); set "
+                    f"rollout.prompts or remove {key}"
+                )
+        return
+    if r.source == "file":
+        raise ConfigError(
+            "rollout.prompts is read by a generating source, but rollout.source: file trains on "
+            "finished rollouts; remove rollout.prompts or set rollout.source: sampler"
+        )
+    if r.reward is None:
+        raise ConfigError(
+            "rollout.prompts needs rollout.reward: a registered reward such as math_answer, or "
+            "'package.module:function'"
+        )
+    if r.task_options:
+        raise ConfigError(
+            "rollout.task_options configure rollout.task, which rollout.prompts replaces; remove "
+            "rollout.task_options"
         )
 
 

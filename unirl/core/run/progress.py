@@ -1,4 +1,5 @@
-"""Progress of an RL run: a microbatch bar per phase and a run-level bar over RL steps.
+"""Progress of an RL run: a bar per phase (generation: `GenerationProgress`; forward-only and
+training passes: `MicrobatchProgress`) and a run-level bar over RL steps (`RunProgress`).
 
 Exactly one rank draws (`Topology.is_reporting_rank`: dp-with-cp rank 0, tp rank 0, last pipeline
 stage, where the loss lives); every other rank creates nothing. A phase bar advances once per
@@ -9,9 +10,12 @@ function once per model chunk (VPP-size times per microbatch): the backend ticks
 The live postfix (loss, tokens/s) never forces a host sync per microbatch: reported tensors are
 summed on their device and turned into Python numbers only when the display refreshes (at most
 every 0.5 s) and once at close. When bars are off (config, ``UNIRL_PROGRESS=0``, or stderr not a
-terminal, e.g. a log file on a cluster) each phase writes one ``logging`` INFO line instead::
+terminal, e.g. a log file on a cluster) each phase writes one ``logging`` INFO line instead,
+every ``progress.log_every`` RL steps (`logs_step`)::
 
     actor train: 8 microbatches in 1.23 s (loss 0.123, 4567 tok/s)
+
+Log lines never break a bar: the CLI writes records through ``tqdm.write`` (`unirl.log_setup`).
 
 Usage: core's RL step opens the bar and hands it to the backend, which ticks it per finished
 microbatch and feeds the postfix::
@@ -106,6 +110,13 @@ class MicrobatchProgress:
     than the last nothing ticks, so `count` stays 0 there.
     """
 
+    UNIT = "mb"  # tqdm's rate unit
+    NOUN = "microbatches"  # in the summary line
+    MISCOUNT_HINT = (
+        "the step function is wrapped or ticked the wrong number of times (under VPP, once per "
+        "microbatch on the last chunk only)"
+    )
+
     def __init__(
         self,
         phase: str,
@@ -113,13 +124,15 @@ class MicrobatchProgress:
         topology: Topology,
         *,
         enabled: bool = True,
+        log_summary: bool = True,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`enabled` is the config flag (see `progress_enabled`); `clock` is injectable for
-        tests."""
+        """`enabled` is the config flag (see `progress_enabled`); `log_summary`: with bars off,
+        whether this phase's summary is an INFO line (False: DEBUG, for the RL steps that
+        ``progress.log_every`` leaves out, see `logs_step`); `clock` is injectable for tests."""
         if total < 0:
-            raise ValueError(f"MicrobatchProgress total={total} must be >= 0 (microbatches)")
+            raise ValueError(f"{type(self).__name__} total={total} must be >= 0 ({self.NOUN})")
         self.phase = phase
         self.total = total
         self._topology = topology
@@ -136,12 +149,12 @@ class MicrobatchProgress:
             self._bar = tqdm(
                 total=total,
                 desc=phase,
-                unit="mb",
+                unit=self.UNIT,
                 file=sys.stderr if stream is None else stream,
                 leave=False,  # the run bar stays; phase bars come and go beneath it
                 dynamic_ncols=True,
             )
-        self._log_summary = self._reporting and not draw
+        self._log_summary = self._reporting and not draw and log_summary
 
     # -- advancing ------------------------------------------------------------------------
 
@@ -210,12 +223,12 @@ class MicrobatchProgress:
         elapsed = self._clock() - self._start
         if error is None:
             stats = self._stats(elapsed)
-            line = f"{self.phase}: {self._count} microbatches in {elapsed:.2f} s"
+            line = f"{self.phase}: {self._count} {self.NOUN} in {elapsed:.2f} s"
             line += f" ({', '.join(stats)})" if stats else ""
         else:
             line = (
                 f"{self.phase}: stopped by {type(error).__name__} after {self._count} of "
-                f"{self.total} microbatches in {elapsed:.2f} s"
+                f"{self.total} {self.NOUN} in {elapsed:.2f} s"
             )
         if self._bar is not None:
             self._bar.close()
@@ -223,11 +236,12 @@ class MicrobatchProgress:
         logger.log(logging.INFO if self._log_summary else logging.DEBUG, line)
         if error is None and self._count != self.total:
             logger.warning(
-                "%s: counted %d microbatches, planned %d; the step function is wrapped or ticked "
-                "the wrong number of times (under VPP, once per microbatch on the last chunk only)",
+                "%s: counted %d %s, planned %d; %s",
                 self.phase,
                 self._count,
+                self.NOUN,
                 self.total,
+                self.MISCOUNT_HINT,
             )
 
     def __enter__(self) -> MicrobatchProgress:
@@ -235,6 +249,45 @@ class MicrobatchProgress:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
+
+
+class GenerationProgress(MicrobatchProgress):
+    """The generation bar of one rollout: samples done and generated tokens/s.
+
+    Generation is a phase like the others: the training loop opens the bar (on the reporting rank
+    only; with bars off, one summary line per rollout) and hands it to the rollout source's
+    ``next_rollout(rl_step, progress=bar)``; the source, whatever engine it drives, reports as it
+    goes::
+
+        with GenerationProgress("generate", total_samples, topology, enabled=...) as bar:
+            batch = source.next_rollout(rl_step, progress=bar)
+                # inside the source, as often as it learns something (per decode step, per
+                # finished request, or once at the end):
+                bar.update(samples=newly_finished, tokens=newly_generated)
+
+    `update` is cheap on every rank and draws only on the reporting rank; an engine that runs on
+    another rank (or in its own process) reports when its results arrive. ``tokens`` are new
+    (response) tokens, so the rate is the engine's decode throughput; ``samples`` must add up to
+    `total` (a warning names the phase otherwise).
+    """
+
+    UNIT = "sample"
+    NOUN = "samples"
+    MISCOUNT_HINT = "the rollout source reported a different number of finished samples"
+
+    def update(self, *, samples: int = 0, tokens: int = 0) -> None:
+        """`samples` finished and `tokens` generated since the last call (plain ints: the
+        caller already holds them on the host)."""
+        if tokens:
+            self.report(tokens=tokens)
+        if samples:
+            self.tick(samples)
+
+
+def logs_step(step: int, every: int, total: int | None = None) -> bool:
+    """With bars off, whether RL step `step` (counted from 1) writes its INFO lines
+    (``progress.log_every``): every `every`-th step, and the last one (`total`)."""
+    return step % every == 0 or step == total
 
 
 # -- the run-level bar ------------------------------------------------------------------------
@@ -270,9 +323,12 @@ class RunProgress:
 
     `initial` is the step a resumed run starts from; the rate and ETA follow the recent steps
     of this run, leaving out its warm-up step and the time spent in `excluded()` (checkpoint
-    saves, see `StepRate`). With bars off the reporting rank logs one INFO line per step::
+    saves, see `StepRate`). With bars off the reporting rank logs one INFO line every `log_every`
+    steps (``progress.log_every``) and for the last step::
 
         step 4/10 (40%): 6.00 s/step, ETA 0:00:36 | reward=0.5 kl=0.01
+
+    The bar itself redraws every step: it is one line, overwritten in place.
     """
 
     def __init__(
@@ -284,9 +340,13 @@ class RunProgress:
         *,
         stream: TextIO | None = None,
         show: Iterable[str] | None = None,
+        log_every: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`show`: metric keys for the postfix, in order (default: every scalar metric)."""
+        if log_every < 1:
+            raise ConfigError(f"progress.log_every={log_every} must be >= 1 (RL steps)")
+        self._log_every = log_every
         if not 0 <= initial <= total_steps:
             raise ConfigError(
                 f"resume step initial={initial} is outside [0, total_steps={total_steps}]; a "
@@ -338,6 +398,8 @@ class RunProgress:
         if self._bar is not None:
             self._bar.set_postfix_str(f"{timing} | {text}" if text else timing, refresh=False)
             self._bar.update(1)
+            return
+        if not logs_step(self._step, self._log_every, self.total_steps):
             return
         pct = 100.0 * self._step / self.total_steps if self.total_steps else 100.0
         line = f"step {self._step}/{self.total_steps} ({pct:.0f}%): {per_step:.2f} s/step, ETA "

@@ -71,15 +71,13 @@ class EngineSample:
     finished: bool  # ended by the stop token, not by max_new_tokens
 
 
-def _engine_env(options: VllmConfig) -> None:
+def _engine_env() -> None:
     """Settings vLLM reads from the environment when the engine starts (its children inherit
-    them). Spawn: see the module docstring. vLLM's own INFO lines and bars stay off the terminal
-    unless ``rollout.vllm.log_level`` asks for them."""
+    them). Spawn: see the module docstring. Its log level (``VLLM_LOGGING_LEVEL``) is set by
+    `unirl.log_setup` from ``logging.level``: ERROR unless DEBUG, which also hides the warning
+    every in-place reload prints about the rotary embedding's cos/sin cache (a buffer that no
+    checkpoint holds, rightly kept)."""
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    os.environ["VLLM_LOGGING_LEVEL"] = options.log_level
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    # Lines vLLM logs in this process while it is imported, before it configures its logger.
-    logging.getLogger("vllm").setLevel(options.log_level)
 
 
 class VllmEngine:
@@ -113,7 +111,7 @@ class VllmEngine:
         Any failure (vLLM refusing the model shape, too little memory for the KV cache) raises
         `RunError` naming the ``rollout.vllm`` settings, after every started process is gone."""
         require_vllm()
-        _engine_env(options)
+        _engine_env()
         import vllm
 
         before = set(_child_pids())
@@ -138,7 +136,7 @@ class VllmEngine:
                 f"rollout.vllm (dtype={dtype}, kv_cache_gb={options.kv_cache_gb}, "
                 f"max_model_len={max_model_len}, tensor_parallel_size="
                 f"{options.tensor_parallel_size}) and the model (its architecture must be one "
-                "vLLM supports); rollout.vllm.log_level: INFO shows vLLM's own report"
+                "vLLM supports); logging.level: DEBUG shows vLLM's own report"
             ) from exc
         engine = cls(
             llm,

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.run.config import UnirlConfig
+from unirl.core.run.progress import GenerationProgress
 from unirl.rollouts.tasks import Problem, Task
 from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine
 from unirl.rollouts.vllm.weights import WeightFolder
@@ -115,7 +116,7 @@ class VllmRolloutSource:
                 error = (
                     f"the weight sync to the vLLM engine failed ({type(exc).__name__}: {exc}); "
                     "the newest complete checkpoint is intact: run again with --resume (with "
-                    "rollout.vllm.log_level: INFO to see the engine's report)"
+                    "logging.level: DEBUG to see the engine's report)"
                 )
                 logger.debug("weight sync failed", exc_info=True)
         error = _broadcast(error)
@@ -144,7 +145,11 @@ class VllmRolloutSource:
 
     # -- rollouts ------------------------------------------------------------------------------
 
-    def next_rollout(self, rl_step: int) -> RolloutBatch:
+    def next_rollout(
+        self, rl_step: int, progress: GenerationProgress | None = None
+    ) -> RolloutBatch:
+        """The next rollout; `progress` (the generation bar) advances when it arrives (rank 0
+        waits for the whole batch from the engine, the other ranks for the broadcast)."""
         problems = [
             self.task.sample_problem(self._prompt_rng) for _ in range(self.prompts_per_rollout)
         ]
@@ -159,6 +164,9 @@ class VllmRolloutSource:
         if isinstance(result, str):
             raise RunError(result)
         assert isinstance(result, RolloutBatch)
+        if progress is not None:
+            tokens = sum(len(s.response_tokens) for s in result.samples)
+            progress.update(samples=len(result.samples), tokens=tokens)
         return result
 
     def _generate(self, problems: list[Problem], rl_step: int) -> RolloutBatch:

@@ -172,11 +172,12 @@ def logits_grad(
     mean_z: torch.Tensor | None,
     g_entropy: torch.Tensor | None,
     config: tuple[int, int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Gradient w.r.t. ``logits`` in their dtype, one fresh buffer; the entropy term only when
-    ``g_entropy`` is given (then ``mean_z`` must be too)."""
+    """Gradient w.r.t. ``logits`` in ``out_dtype`` (default: the logits' dtype), one fresh
+    buffer; the entropy term only when ``g_entropy`` is given (then ``mean_z`` must be too)."""
     n_rows, n_cols = logits.shape
-    grad = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
+    grad = torch.empty((n_rows, n_cols), dtype=out_dtype or logits.dtype, device=logits.device)
     if n_rows == 0:
         return grad
     with_entropy = g_entropy is not None

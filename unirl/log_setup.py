@@ -1,0 +1,132 @@
+"""What reaches the terminal: unirl's log lines at ``logging.level``, never inside a progress bar,
+and the engines' own chatter only when ``logging.level: DEBUG`` asks for it.
+
+- `install_handler` (the CLI calls it once, at start; it does what ``logging.basicConfig`` does
+  and nothing when the program already configured logging) writes every record through
+  ``tqdm.write``: a bar drawn on the same stream is lifted, the line written on its own line and
+  the bar redrawn beneath it. A plain stream handler would write into the middle of the bar.
+- `apply_log_level` (``unirl train`` and ``unirl check`` call it with ``cfg.logging.level``) sets
+  the ``unirl`` logger's level and the engines': below DEBUG, records of DeepSpeed,
+  torch.distributed, vLLM,
+  Megatron, transformers and their helpers are dropped unless they are errors, Hugging Face's own
+  progress bars (e.g. "Writing model shards" of an export) are switched off and vLLM's engine
+  processes are told the same (``VLLM_LOGGING_LEVEL``, unless the user set it). At DEBUG
+  everything passes.
+- `engine_prints` wraps engine calls that ``print`` (DeepSpeed's op build): below DEBUG their
+  output becomes DEBUG records of ``unirl.engines`` instead of terminal lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+from tqdm import tqdm
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# Loggers of the engines and libraries unirl drives (their top-level names; DeepSpeed logs to
+# "DeepSpeed", with its own handler).
+ENGINE_LOGGERS = (
+    "DeepSpeed",
+    "deepspeed",
+    "torch.distributed",
+    "vllm",
+    "megatron",
+    "transformers",
+    "accelerate",
+    "huggingface_hub",
+    "safetensors",
+)
+ENGINE_QUIET_LEVEL = logging.ERROR
+_VLLM_ENV = "VLLM_LOGGING_LEVEL"
+
+
+class TqdmHandler(logging.Handler):
+    """Writes records to the current ``sys.stderr`` through ``tqdm.write`` (bars stay intact)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+def install_handler(level: str = "INFO") -> bool:
+    """Give the root logger a `TqdmHandler` at `level`, as ``logging.basicConfig`` would; does
+    nothing (returns False) when the root logger already has handlers (the embedding program,
+    or pytest, chose where records go)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return False
+    handler = TqdmHandler()
+    handler.setFormatter(logging.Formatter(FORMAT))
+    root.addHandler(handler)
+    root.setLevel(level)
+    return True
+
+
+class _Below(logging.Filter):
+    """Drops records under a threshold. Set on DeepSpeed's logger as well as its level, because
+    DeepSpeed sets that logger's level (and its own handler) when it is first imported."""
+
+    def __init__(self, threshold: int) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.threshold
+
+
+_vllm_env_set_here: str | None = None
+
+
+def apply_log_level(level: str) -> None:
+    """``logging.level``: unirl's own loggers at `level`; the engines' at ERROR unless `level`
+    is DEBUG (then everything passes)."""
+    global _vllm_env_set_here
+    logging.getLogger("unirl").setLevel(level)
+    debug = level == "DEBUG"
+    engines = logging.DEBUG if debug else ENGINE_QUIET_LEVEL
+    for name in ENGINE_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(engines)
+        for old in [f for f in logger.filters if isinstance(f, _Below)]:
+            logger.removeFilter(old)
+        logger.addFilter(_Below(engines))
+    # vLLM configures its loggers from the environment in every engine process it spawns.
+    if _VLLM_ENV not in os.environ or os.environ[_VLLM_ENV] == _vllm_env_set_here:
+        _vllm_env_set_here = "DEBUG" if debug else logging.getLevelName(ENGINE_QUIET_LEVEL)
+        os.environ[_VLLM_ENV] = _vllm_env_set_here
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # transformers is optional (the hf extra)
+        return
+    if debug:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def engine_prints() -> Iterator[None]:
+    """Below DEBUG, what an engine ``print``s inside becomes DEBUG records of ``unirl.engines``
+    (Python-level prints only; at DEBUG it goes to stdout as usual)."""
+    logger = logging.getLogger("unirl.engines")
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        for line in captured.getvalue().splitlines():
+            if line.strip():
+                logger.debug("%s", line)

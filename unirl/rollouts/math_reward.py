@@ -1,0 +1,116 @@
+"""Rewards that check a response's final answer against the prompt's reference answer
+(``metadata["answer"]``): ``math_answer`` (exact numeric match) and ``exact_match`` (text).
+
+The final answer of a response (`extract_answer`) is read in this order:
+
+1. the content of the last ``\\boxed{...}``, if the response has one;
+2. else the text after the last ``####`` (the GSM8K convention), if it has one;
+3. else the whole response;
+
+and within that text, the **last number**: an optional minus sign (only where it does not
+follow a letter or digit, so ``3-4`` reads as 4), digits with optional thousands commas
+(``1,234``), an optional decimal part (``2.50``) or a fraction (``3/4``). ``math_answer`` gives
+1.0 when that number equals the reference exactly (as fractions: ``2.50`` equals ``2.5``,
+``0.75`` equals ``3/4``; no tolerance) and 0.0 otherwise, including when the response has no
+number. The reference is an int, a float (read through its shortest decimal form, so 0.1 is
+1/10) or a string holding one number in the same notation.
+
+    math_answer(["2+3?"], ["so the answer is 5"], [{"answer": 5}],
+                prompt_tokens=[[]], response_tokens=[[]])   # [1.0]
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+# A minus sign counts only where it does not follow a letter or digit ("3-4" is 3 then 4);
+# a number starts at no digit or point; thousands commas group exactly three digits.
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+|/\d+)?")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of one number written as `extract_answer` reads it, or None."""
+    text = text.replace(",", "")
+    if "/" in text:
+        numerator, denominator = text.split("/")
+        return Fraction(int(numerator), int(denominator)) if int(denominator) else None
+    return Fraction(text)
+
+
+def extract_answer(response: str) -> Fraction | None:
+    """The final number of ``response`` by the rule in the module docstring; None if none."""
+    boxed = _BOXED.findall(response)
+    if boxed:
+        text = boxed[-1]
+    elif "####" in response:
+        text = response.rsplit("####", 1)[1]
+    else:
+        text = response
+    numbers = [m.group(0) for m in _NUMBER.finditer(text)]
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def reference_answer(metadata: Mapping[str, Any], key: str) -> Fraction:
+    """The prompt's reference answer as an exact number; ValueError names what is wrong."""
+    if key not in metadata:
+        raise ValueError(
+            f"the prompt's metadata has no {key!r} (keys: {sorted(metadata)}); give each prompt "
+            f'line "metadata": {{"{key}": ...}}'
+        )
+    value = metadata[key]
+    if isinstance(value, bool):
+        value = str(value)  # a bool is not a number: refused below
+    if isinstance(value, int):
+        return Fraction(value)
+    if isinstance(value, float):
+        return Fraction(repr(value))
+    text = str(value).strip()
+    match = _NUMBER.fullmatch(text)
+    number = parse_number(text) if match else None
+    if number is None:
+        raise ValueError(
+            f"metadata {key!r}={value!r} is not one number (write e.g. 42, -3, 2.5, 1,250 or 3/4)"
+        )
+    return number
+
+
+def math_answer(
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    *,
+    answer_key: str = "answer",
+    **_: Any,
+) -> list[float]:
+    """1.0 where the response's final number (`extract_answer`) equals
+    ``metadata[answer_key]`` exactly, else 0.0."""
+    rewards = []
+    for response, meta in zip(responses, metadata, strict=True):
+        reference = reference_answer(meta, answer_key)
+        rewards.append(1.0 if extract_answer(response) == reference else 0.0)
+    return rewards
+
+
+def exact_match(
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    *,
+    answer_key: str = "answer",
+    **_: Any,
+) -> list[float]:
+    """1.0 where the response, stripped of surrounding whitespace, equals
+    ``str(metadata[answer_key])`` stripped, else 0.0."""
+    rewards = []
+    for response, meta in zip(responses, metadata, strict=True):
+        if answer_key not in meta:
+            raise ValueError(
+                f"the prompt's metadata has no {answer_key!r} (keys: {sorted(meta)}); give each "
+                f'prompt line "metadata": {{"{answer_key}": ...}}'
+            )
+        rewards.append(1.0 if response.strip() == str(meta[answer_key]).strip() else 0.0)
+    return rewards

@@ -1,0 +1,151 @@
+"""Reward functions chosen by name (``rollout.reward``) for prompts read from a file.
+
+``rollout.reward`` names a registered reward (``math_answer``, ``exact_match``) or a user
+function as ``"package.module:function"``; ``rollout.reward_options`` are extra keyword
+arguments. A reward function is batched: it scores every sample of a rollout in one call::
+
+    def reward(
+        prompts: list[str],              # prompt text (decoded from the ids for a token prompt)
+        responses: list[str],            # response text, special tokens (<eos>) removed
+        metadata: list[dict],            # the prompt line's "metadata" (e.g. {"answer": "42"})
+        *,
+        prompt_tokens: list[list[int]],  # the ids the policy saw
+        response_tokens: list[list[int]],# the ids it sampled (ending with eos when finished)
+        **reward_options,
+    ) -> Sequence[float]                 # one finite reward per sample, in order
+
+All lists have one entry per sample; the ``samples_per_prompt`` samples of a prompt are
+consecutive and share its metadata. Write ``**kwargs`` to ignore the token ids. Like any
+plug-in it runs user code in the training process, on every rank with the same inputs, so it
+must be deterministic. `unirl check` imports it and binds its signature; during a run a function
+that raises, returns the wrong number of values or a non-finite one stops the run with a
+`RolloutDataError` naming the sample (its prompt file line and response).
+
+    register_reward("my_reward", my_reward)    # then rollout.reward: my_reward
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from unirl.core.errors import ConfigError, RolloutDataError
+from unirl.core.imports import import_callable
+from unirl.core.registry import Registry, same_callable
+
+KEY = "rollout.reward"
+RewardFn = Callable[..., Sequence[float]]
+SIGNATURE = (
+    "def reward(prompts, responses, metadata, *, prompt_tokens, response_tokens, **options) "
+    "-> list[float]"
+)
+
+
+def _load_builtins() -> None:
+    from unirl.rollouts import math_reward
+
+    register_reward("math_answer", math_reward.math_answer)
+    register_reward("exact_match", math_reward.exact_match)
+
+
+REWARDS: Registry[RewardFn] = Registry(
+    "reward function", key=KEY, same=same_callable, load=_load_builtins
+)
+
+
+def register_reward(name: str, fn: RewardFn) -> None:
+    """Make ``rollout.reward: name`` call ``fn`` (the signature in the module docstring)."""
+    REWARDS.register(name, fn)
+
+
+def registered_rewards() -> list[str]:
+    return REWARDS.names()
+
+
+class NamedReward:
+    """The reward function ``spec`` names, bound to its options, with every call checked."""
+
+    def __init__(self, spec: str, options: Mapping[str, Any] | None = None) -> None:
+        if ":" in spec:
+            fn = import_callable(spec, key=KEY, what="a reward function")
+        else:
+            fn = REWARDS.get(spec, hint="or a reward function as 'package.module:function'")
+        self.spec, self.fn, self.options = spec, fn, dict(options or {})
+        try:
+            inspect.signature(fn).bind(
+                [], [], [], prompt_tokens=[], response_tokens=[], **self.options
+            )
+        except TypeError as exc:
+            raise ConfigError(
+                f"{KEY}={spec!r} with rollout.reward_options={self.options!r} cannot be called as "
+                f"{SIGNATURE} ({exc}); fix the function's signature or the options"
+            ) from None
+        except ValueError:
+            pass  # no signature to inspect (a builtin): the call itself will tell
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+        *,
+        prompt_tokens: Sequence[Sequence[int]],
+        response_tokens: Sequence[Sequence[int]],
+        origins: Sequence[str],
+    ) -> list[float]:
+        """The rewards, checked; ``origins`` name each sample's prompt (its file line) in
+        errors."""
+        n = len(prompts)
+        inputs = (prompts, responses, metadata, prompt_tokens, response_tokens)
+        try:
+            values = list(self._call(*inputs))
+        except Exception as exc:  # user code: find the sample it fails on, name it
+            raise self._failure(exc, inputs, origins) from exc
+        if len(values) != n:
+            raise RolloutDataError(
+                f"{KEY}={self.spec!r} returned {len(values)} rewards for {n} samples; return "
+                "one reward per response, in order"
+            )
+        rewards = []
+        for i, value in enumerate(values):
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value):
+                raise RolloutDataError(
+                    f"{KEY}={self.spec!r} gave sample {i} ({origins[i]}, response "
+                    f"{_short(responses[i])}) the reward {value!r}; return a finite number"
+                )
+            rewards.append(float(value))
+        return rewards
+
+    def _call(self, prompts, responses, metadata, prompt_tokens, response_tokens):
+        return self.fn(
+            list(prompts),
+            list(responses),
+            [dict(m) for m in metadata],
+            prompt_tokens=[list(t) for t in prompt_tokens],
+            response_tokens=[list(t) for t in response_tokens],
+            **self.options,
+        )
+
+    def _failure(self, exc: Exception, inputs: tuple, origins: Sequence[str]) -> RolloutDataError:
+        """The first sample that fails alone (the batch call cannot say which one did)."""
+        for i in range(len(inputs[0])):
+            try:
+                self._call(*(column[i : i + 1] for column in inputs))
+            except Exception as single:
+                return RolloutDataError(
+                    f"{KEY}={self.spec!r} failed on sample {i} ({origins[i]}, response "
+                    f"{_short(inputs[1][i])}): {type(single).__name__}: {single}; fix the "
+                    "function or that prompt's metadata"
+                )
+        return RolloutDataError(
+            f"{KEY}={self.spec!r} raised {type(exc).__name__}: {exc} on a rollout of "
+            f"{len(inputs[0])} samples (each sample alone scores fine); fix the function"
+        )
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
