@@ -191,3 +191,14 @@ def test_prompt_longer_than_the_engine_names_the_fix(source):
             source.next_rollout(41)
     finally:
         source.task = task
+
+
+def test_engine_failure_while_generating_is_one_clear_error(source, monkeypatch):
+    def dead(requests):
+        raise RuntimeError("EngineCore encountered an issue")
+
+    monkeypatch.setattr(source._engine, "generate", dead)
+    with pytest.raises(
+        RunError, match=r"vLLM engine failed while generating rollout 42 .*--resume"
+    ):
+        source.next_rollout(42)

@@ -127,6 +127,11 @@ class VllmEngine:
                 logprobs_mode="processed_logprobs",
                 seed=seed,
                 disable_log_stats=True,
+                # A prompt split over scheduler steps (chunked prefill) discards the token
+                # sampled for its first part and rewinds that request's seeded generator, which
+                # a CPU generator cannot do (vLLM 0.32: "CPU Generator does not use offset"); per-
+                # sample seeds are what makes rollouts reproducible, so prompts are never split.
+                enable_chunked_prefill=False,
                 use_tqdm_on_load=False,
             )
         except Exception as exc:

@@ -159,6 +159,13 @@ class VllmRolloutSource:
                 result = self._generate(problems, rl_step)
             except UnirlError as exc:
                 result = str(exc)
+            except Exception as exc:  # the engine died or refused the requests
+                logger.debug("vLLM generation failed", exc_info=True)
+                result = (
+                    f"the vLLM engine failed while generating rollout {rl_step} "
+                    f"({type(exc).__name__}: {exc}); the newest complete checkpoint is intact: "
+                    "run again with --resume (logging.level: DEBUG shows the engine's report)"
+                )
         result = _broadcast(result)
         self._rollouts_drawn += 1
         if isinstance(result, str):
