@@ -60,6 +60,30 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
     return summary
 
 
+def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
+    r = cfg.rollout
+    summary: dict[str, Any] = {"source": r.source}
+    if r.source == "vllm":
+        v = r.vllm
+        summary |= {
+            "engine": "vLLM on global rank 0; each rollout is broadcast to every rank",
+            "dtype": cfg.model.dtype if v.dtype == "model" else v.dtype,
+            "max_model_len": v.max_model_len or cfg.model.max_seq_len,
+            "kv_cache_gb": v.kv_cache_gb,
+            "enforce_eager": v.enforce_eager,
+            "tensor_parallel_size": v.tensor_parallel_size,
+            "rollout_logprobs": (
+                f"vLLM processed_logprobs: the sampled distribution, temperature "
+                f"{r.temperature} applied"
+            ),
+            "weight_sync": (
+                f"after every optimizer step: safetensors in {v.sync_dir or '/dev/shm'}, "
+                "reloaded in place (LLM.collective_rpc('reload_weights'))"
+            ),
+        }
+    return summary
+
+
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
     from unirl.core.old_logprobs import decide_old_logprobs
@@ -79,6 +103,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
             "zero_stage": p.zero_stage,
         },
         "plan": _plan_summary(cfg),
+        "rollout": _rollout_summary(cfg),
         "old_logprobs": decision.to_dict() | {"explanation": decision.explain()},
         "critic": critic_summary(cfg),
     }
@@ -96,6 +121,9 @@ def _print_report(report: dict[str, Any]) -> None:
     )
     out.write("\n# microbatch plan\n")
     for key, value in report["plan"].items():
+        out.write(f"{key}: {value}\n")
+    out.write("\n# rollouts\n")
+    for key, value in report["rollout"].items():
         out.write(f"{key}: {value}\n")
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")

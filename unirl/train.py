@@ -10,6 +10,7 @@ final policy exported in Hugging Face layout (``RUN_DIR/hf``).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +154,10 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             if topo.is_reporting_rank
             else None
         )
+        t0 = time.perf_counter()
         source.sync_weights(backend.hf_state_dict())
+        # Logged with the step whose rollout came from the weights this sync delivered.
+        sync_s = time.perf_counter() - t0
         rl_step = RLStep(cfg, backend)
         if topo.is_reporting_rank and backend.critic is not None:
             logger.info("critic: %s", critic_summary(cfg))
@@ -166,6 +170,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             total, topo, bars, initial=start, show=RUN_BAR_KEYS, log_every=every
         ) as bar:
             for k in range(start, total):
+                t0 = time.perf_counter()
                 if generates:
                     with GenerationProgress(
                         "generate",
@@ -177,17 +182,24 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                         batch = source.next_rollout(k, progress=gen_bar)
                 else:
                     batch = source.next_rollout(k)
+                generation_s = time.perf_counter() - t0
                 if hook is not None:
                     batch = apply_postprocess_hook(
                         hook, batch, k, str(cfg.algorithm.rollout_postprocess_hook)
                     )
                 result = rl_step.run(batch, rl_step=k)
-                metrics = result.metrics | {"old_logprobs/source": result.decision.source}
+                metrics = result.metrics | {
+                    "old_logprobs/source": result.decision.source,
+                    "time/generation_s": generation_s,
+                    "time/weight_sync_s": sync_s,
+                }
                 weights = backend.hf_state_dict()
                 if metrics_log is not None:
                     metrics_log.write(k + 1, metrics)
                 guard.after_step(k + 1, metrics, weights)  # before any sync, save or export
+                t0 = time.perf_counter()
                 source.sync_weights(weights)
+                sync_s = time.perf_counter() - t0
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                     with bar.excluded():  # a save is not a step: keep it out of the ETA
@@ -232,6 +244,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             "(raise parallel.timeout_s if a rank is only slow)"
         ) from exc
     finally:
+        source.close()  # an engine's processes go also when the run failed
         if not timed_out:
             backend.close()
 

@@ -169,6 +169,7 @@ def step_loss(
     # Per sample: lists of per-token scalars (valid tokens only) for each term.
     pg, kl, ent, total = [], [], [], []
     flags: dict[str, list[float]] = {}  # token-mean metrics: flat lists over valid tokens
+    maxima: dict[str, float] = {}  # max metrics over valid tokens
 
     def flag(name: str, value: float) -> None:
         flags.setdefault(name, []).append(float(value))
@@ -236,8 +237,11 @@ def step_loss(
             flag("entropy", _val(entropy[t]))
             flag("ppo_kl", _val(old[t] - lp))
             if has_rollout:
-                flag(
-                    "train_rollout_logprob_abs_diff", abs(_val(old[t]) - rec["rollout_logprobs"][t])
+                diff = _val(old[t]) - rec["rollout_logprobs"][t]
+                flag("train_rollout_logprob_abs_diff", abs(diff))
+                flag("train_rollout_kl", math.exp(diff) - 1 - diff)  # k3 of KL(rollout || train)
+                maxima["train_rollout_logprob_abs_diff_max"] = max(
+                    maxima.get("train_rollout_logprob_abs_diff_max", 0.0), abs(diff)
                 )
             seq_pg.append(loss_t)
             seq_ent.append(entropy[t])
@@ -276,6 +280,7 @@ def step_loss(
         if name == "kl" and ref_logprobs is None:
             continue
         metrics[name] = sum(values) / len(values)
+    metrics.update(maxima)
     return loss, metrics
 
 

@@ -120,7 +120,10 @@ def loop_reference(b: dict, s: LossSettings) -> tuple[torch.Tensor, dict[str, fl
         return torch.clamp(k3, -10.0, 10.0)  # low_var_kl
 
     sums = {k: [] for k in ("total", "pg", "kl", "value")}
-    tok = dict.fromkeys(("clip", "ppo_kl", "kl", "ent", "w", "is_clip", "absdiff", "vf_clip"), 0.0)
+    tok = dict.fromkeys(
+        ("clip", "ppo_kl", "kl", "ent", "w", "is_clip", "absdiff", "roll_kl", "vf_clip"), 0.0
+    )
+    absdiff_max = float("-inf")
     for toks in seqs:
         acc = dict.fromkeys(sums, 0.0)
         if toks:
@@ -165,7 +168,11 @@ def loop_reference(b: dict, s: LossSettings) -> tuple[torch.Tensor, dict[str, fl
             acc["pg"] = acc["pg"] + w * pg
             tok["ppo_kl"] += old[t].item() - lp[t].item()
             if roll is not None:
-                tok["absdiff"] += abs(old[t].item() - roll[t].item())
+                diff = old[t].item() - roll[t].item()
+                tok["absdiff"] += abs(diff)
+                absdiff_max = max(absdiff_max, abs(diff))
+                # KL(rollout || train), k3 on a rollout token: e^d - 1 - d, d = train - rollout
+                tok["roll_kl"] += math.exp(diff) - 1 - diff
             if ref is not None:
                 k = kl(t)
                 tok["kl"] += k.item()
@@ -201,6 +208,8 @@ def loop_reference(b: dict, s: LossSettings) -> tuple[torch.Tensor, dict[str, fl
         }
     if roll is not None:
         metrics["train_rollout_logprob_abs_diff"] = tok["absdiff"] / num_tokens
+        metrics["train_rollout_logprob_abs_diff_max"] = absdiff_max if num_tokens else 0.0
+        metrics["train_rollout_kl"] = tok["roll_kl"] / num_tokens
     if ref is not None:
         metrics |= {"kl": tok["kl"] / num_tokens, "kl_loss": agg(sums["kl"]).item()}
     if ent is not None:

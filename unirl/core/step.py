@@ -416,9 +416,14 @@ def _from_last_stage(metrics: dict[str, float], pp_group: Any, pp_size: int) -> 
 
 
 def _mean_over_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The mean of each metric over the optimizer steps; a maximum (``*_max``) stays a max."""
     keys = {k for s in steps for k in s}
     return {
-        k: sum(s[k] for s in steps if k in s) / sum(1 for s in steps if k in s)
+        k: (
+            max(s[k] for s in steps if k in s)
+            if k.endswith("_max")
+            else sum(s[k] for s in steps if k in s) / sum(1 for s in steps if k in s)
+        )
         for k in sorted(keys)
     }
 

@@ -84,6 +84,9 @@ class SamplerRolloutSource:
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.sampler.sync_weights(state_dict)
 
+    def close(self) -> None:
+        """Nothing to release: the sampler is a model in this process."""
+
     def next_rollout(
         self, rl_step: int, progress: GenerationProgress | None = None
     ) -> RolloutBatch:

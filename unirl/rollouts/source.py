@@ -1,9 +1,10 @@
-"""Where a run's rollouts come from: one interface, two sources.
+"""Where a run's rollouts come from: one interface, three sources.
 
 `RolloutSource` is what the training loop calls once per RL step. `FileRolloutSource` cuts a
 file of samples written by another engine (JSONL; Parquet when pyarrow is installed) into
 rollouts of ``batch.prompts_per_rollout x batch.samples_per_prompt`` samples, in file order;
-`unirl.rollouts.sampler_source.SamplerRolloutSource` generates them with the current policy.
+`unirl.rollouts.sampler_source.SamplerRolloutSource` generates them with the current policy,
+`unirl.rollouts.vllm.VllmRolloutSource` with a vLLM engine that follows the policy's weights.
 
     source = FileRolloutSource("rollouts.jsonl", rollout_size=128)
     source.num_rollouts           # full rollouts in the file
@@ -43,6 +44,7 @@ class RolloutSource(Protocol):
     ``vocab_size`` is the size of the vocabulary its token ids come from (None: unknown, e.g. a
     file). ``state_dict`` / ``load_state_dict`` carry the stream position (RNG states, file
     position) through a checkpoint, so a resumed run sees the rollouts it would have seen.
+    ``close`` releases what the source started (an engine's processes).
     ``next_rollout`` reports finished samples and generated tokens to ``progress`` (the
     generation bar the training loop opens, `GenerationProgress`) when one is given.
     """
@@ -62,6 +64,11 @@ class RolloutSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Release what the source started (an engine's processes); the run calls it last,
+        also after an error."""
+        ...
 
 
 # -- readers: a file of records, read one rollout at a time ---------------------------------
@@ -223,6 +230,9 @@ class FileRolloutSource:
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Nothing to update: the file's samples are fixed."""
+
+    def close(self) -> None:
+        """Nothing to release: the file is opened per rollout."""
 
     def state_dict(self) -> dict[str, Any]:
         return {

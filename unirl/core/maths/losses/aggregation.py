@@ -90,3 +90,10 @@ def token_mean_metric(values_t: torch.Tensor, mask_t: torch.Tensor) -> Metric:
     mask = mask_t.to(dtype)
     numerator = (values_t.detach().to(dtype) * mask).sum()
     return Metric(numerator=numerator, denominator=mask.sum(), kind="tokens")
+
+
+def token_max_metric(values_t: torch.Tensor, mask_t: torch.Tensor) -> Metric:
+    """Max over valid tokens (reduced by max over microbatches and ranks; 0.0 with none)."""
+    values = values_t.detach().masked_fill(~mask_t.bool(), float("-inf"))
+    numerator = values.max() if values.numel() else values.new_tensor(float("-inf"))
+    return Metric(numerator=numerator, denominator=1.0, kind="max")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from unirl.core.errors import LossInputError
 
-MetricKind = Literal["tokens", "sequences"]
+MetricKind = Literal["tokens", "sequences", "max"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -27,6 +27,8 @@ class Metric:
 
     ``kind`` names what the denominator counts: valid tokens, or sequences (a sequence counted
     as the sum of ``1 / n_s`` over its valid tokens, so it adds up to one across CP ranks).
+    Kind ``max`` is a maximum instead: ``numerator`` is this microbatch's largest value (-inf
+    with no valid token), reduced by max; the denominator is unused.
     """
 
     numerator: torch.Tensor
@@ -51,10 +53,14 @@ def reduce_metrics(metrics: Sequence[Mapping[str, Metric]], group: Any = None) -
                     f"metric {name!r} is counted in {kinds[name]} in one microbatch and in "
                     f"{m.kind} in another; a metric must keep one denominator kind"
                 )
-    names = sorted(kinds)
-    if not names:
+    names = sorted(k for k, kind in kinds.items() if kind != "max")
+    max_names = sorted(k for k, kind in kinds.items() if kind == "max")
+    if not kinds:
         return {}
     device = next(m.numerator.device for per_mb in metrics for m in per_mb.values())
+    result = _reduce_max(metrics, max_names, device, group) if max_names else {}
+    if not names:
+        return result
     zero = torch.zeros((), dtype=torch.float64, device=device)
     nums = [zero.clone() for _ in names]
     dens = [zero.clone() for _ in names]
@@ -70,7 +76,22 @@ def reduce_metrics(metrics: Sequence[Mapping[str, Metric]], group: Any = None) -
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
     values = stacked.tolist()  # the one host sync of the step
     n = len(names)
-    return {
+    return result | {
         name: (values[i] / values[n + i] if values[n + i] != 0 else 0.0)
         for i, name in enumerate(names)
     }
+
+
+def _reduce_max(
+    metrics: Sequence[Mapping[str, Metric]], names: list[str], device: Any, group: Any
+) -> dict[str, float]:
+    """The ``max`` metrics: max over microbatches, then one MAX all-reduce over ``group``."""
+    values = torch.full((len(names),), float("-inf"), dtype=torch.float64, device=device)
+    for per_mb in metrics:
+        for i, name in enumerate(names):
+            m = per_mb.get(name)
+            if m is not None:
+                values[i] = torch.maximum(values[i], m.numerator.detach().to(device, torch.float64))
+    if group is not None:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return {name: (v if v != float("-inf") else 0.0) for name, v in zip(names, values.tolist())}

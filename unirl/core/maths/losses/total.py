@@ -17,7 +17,12 @@ import torch
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.errors import LossInputError
 from unirl.core.maths.kl import kl_estimate
-from unirl.core.maths.losses.aggregation import aggregate, aggregate_metric, token_mean_metric
+from unirl.core.maths.losses.aggregation import (
+    aggregate,
+    aggregate_metric,
+    token_max_metric,
+    token_mean_metric,
+)
 from unirl.core.maths.losses.inputs import LossInputs
 from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.registry import get_policy_loss
@@ -74,8 +79,14 @@ def compute_loss(
     metrics["pg_loss"] = aggregate_metric(pg_t, inp, counts, mode)
     metrics["ppo_kl"] = token_mean_metric(old - inp.logprobs.detach(), mask)
     if inp.rollout_logprobs is not None:
-        metrics["train_rollout_logprob_abs_diff"] = token_mean_metric(
-            (old - inp.rollout_logprobs).abs(), mask
+        # Train / rollout mismatch on the rollout's own tokens: a stale engine (a weight sync
+        # that did not happen) or a numerics gap shows here. The KL is KL(rollout || train) by
+        # the k3 estimator (unbiased and >= 0 for tokens drawn from the rollout's policy).
+        abs_diff_t = (old - inp.rollout_logprobs).abs()
+        metrics["train_rollout_logprob_abs_diff"] = token_mean_metric(abs_diff_t, mask)
+        metrics["train_rollout_logprob_abs_diff_max"] = token_max_metric(abs_diff_t, mask)
+        metrics["train_rollout_kl"] = token_mean_metric(
+            kl_estimate(inp.rollout_logprobs, old.detach(), "k3"), mask
         )
     total_t = pg_t
 

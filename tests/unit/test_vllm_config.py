@@ -1,0 +1,69 @@
+"""``rollout.source: vllm`` without an engine: its config section, what ``unirl check`` says about
+it, the per-sample seeds, and the max-reduced mismatch metric (vLLM itself is not needed)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from unirl.cli import main
+from unirl.core.errors import ConfigError
+from unirl.core.maths.losses.aggregation import token_max_metric
+from unirl.core.maths.losses.metrics import reduce_metrics
+from unirl.core.run.config import load_config
+from unirl.rollouts.vllm import sample_seed
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"
+
+
+def test_example_section_defaults():
+    cfg = load_config(EXAMPLE)
+    assert cfg.rollout.source == "vllm"
+    v = cfg.rollout.vllm
+    assert (v.dtype, v.enforce_eager, v.tensor_parallel_size, v.max_model_len) == (
+        "model", True, 1, None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb"),
+        ("rollout.vllm.kv_cache_gb=.nan", "rollout.vllm.kv_cache_gb"),
+        ("rollout.vllm.tensor_parallel_size=0", "rollout.vllm.tensor_parallel_size"),
+        ("rollout.vllm.dtype=fp16", "rollout.vllm.dtype"),
+        ("rollout.vllm.max_model_len=65", "model.max_seq_len=64"),
+        ("rollout.vllm.kv_cache=1", "did you mean 'kv_cache_gb'"),
+    ],
+)
+def test_bad_engine_options_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("'", "'")):
+        load_config(EXAMPLE, [override])
+
+
+def test_check_prints_the_engine_and_the_old_logprob_source(capsys):
+    assert main(["check", str(EXAMPLE), "--json", "--set", "rollout.temperature=0.7"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    r = report["rollout"]
+    assert r["source"] == "vllm" and r["dtype"] == "fp32" and r["max_model_len"] == 64
+    assert "temperature 0.7" in r["rollout_logprobs"]
+    assert "rank 0" in r["engine"]
+    assert report["old_logprobs"]["source"] == "reuse"
+
+
+def test_sample_seeds_are_fixed_and_distinct():
+    seeds = {sample_seed(1, r, i) for r in range(4) for i in range(128)}
+    assert len(seeds) == 4 * 128
+    assert sample_seed(1, 2, 3) == sample_seed(1, 2, 3) != sample_seed(2, 2, 3)
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_max_metric_reduces_by_max_over_microbatches():
+    # microbatch 1: |diff| 0.1, 0.7 (masked out), 0.3 -> 0.3; microbatch 2: 0.2 -> max 0.3
+    mb1 = token_max_metric(torch.tensor([0.1, 0.7, 0.3]), torch.tensor([1, 0, 1]))
+    mb2 = token_max_metric(torch.tensor([0.2]), torch.tensor([1]))
+    empty = token_max_metric(torch.tensor([0.9]), torch.tensor([0]))
+    got = reduce_metrics([{"m_max": mb1}, {"m_max": mb2}, {"m_max": empty}])
+    assert got == {"m_max": pytest.approx(0.3)}
+    assert reduce_metrics([{"m_max": empty}]) == {"m_max": 0.0}

