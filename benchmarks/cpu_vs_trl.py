@@ -128,9 +128,9 @@ def run_unirl(data: dict[str, Any]) -> dict[str, Any]:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._inner, name)
 
-        def next_rollout(self, rl_step: int) -> Any:
+        def next_rollout(self, rl_step: int, progress: Any = None) -> Any:
             starts.append(time.perf_counter())
-            batch = self._inner.next_rollout(rl_step)
+            batch = self._inner.next_rollout(rl_step, progress=progress)
             gen.append(time.perf_counter() - starts[-1])
             return batch
 
