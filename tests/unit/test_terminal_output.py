@@ -43,6 +43,10 @@ def restore_logging():
     names = ("unirl", *ENGINE_LOGGERS)
     saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).filters)) for n in names}
     env = os.environ.get("VLLM_LOGGING_LEVEL")
+    set_here = log_setup._vllm_env_set_here
+    # start as a fresh process would: an earlier in-process run may have set the variable
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    log_setup._vllm_env_set_here = None
     yield
     for name, (level, filters) in saved.items():
         logger = logging.getLogger(name)
@@ -52,7 +56,7 @@ def restore_logging():
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = env
-    log_setup._vllm_env_set_here = None
+    log_setup._vllm_env_set_here = set_here
     try:
         from transformers.utils import logging as hf_logging
 
