@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from unirl.core.run.config import UnirlConfig
+from unirl.core.source_plugin import SOURCES
 from unirl.rollouts.build import build_task, check_task_lengths
 from unirl.rollouts.postprocess import load_postprocess_hook
 from unirl.rollouts.rewards import NamedReward
@@ -24,6 +25,6 @@ def check_rollout_config(cfg: UnirlConfig) -> None:
         NamedReward(r.reward, r.reward_options)  # imports it and binds the signature
         if Path(r.prompts).is_file():  # a prompt file here is checked line by line too
             build_task(cfg)
-    elif r.source != "file":
+    elif SOURCES.get(r.source).generates:  # a source of finished rollouts draws no task
         check_task_lengths(cfg, make_task(r.task, r.task_options))
     load_postprocess_hook(cfg)

@@ -4,7 +4,9 @@ A `RolloutSample` is one prompt and one sampled response with its reward and gro
 answers; GRPO normalises rewards within a group). Optional per-response-token fields carry what
 the engine or a reference model already computed: the sampling log-probs (`rollout_logprobs`,
 for off-policy correction and for skipping the old-log-prob forward), reference log-probs
-(`ref_logprobs`, for the KL penalty) and critic values (`values`, for GAE).
+(`ref_logprobs`, for the KL penalty) and critic values (`values`, for GAE). `policy_version` is
+the optimizer-step count of the policy weights that generated the response (None: unknown, e.g. a
+file written elsewhere); a source that hands out rollouts of older weights says so with it.
 
 `RolloutBatch.validate` finds every broken sample *before* a forward runs, because a bad token id
 or a NaN log-prob deep inside a training step shows up as an opaque CUDA assert or a NaN loss
@@ -37,7 +39,14 @@ from unirl.core.errors import RolloutDataError
 LOGPROB_TOLERANCE = 1e-6
 
 REQUIRED_FIELDS = ("prompt_tokens", "response_tokens", "reward", "group_id")
-OPTIONAL_FIELDS = ("loss_mask", "rollout_logprobs", "ref_logprobs", "values", "metadata")
+OPTIONAL_FIELDS = (
+    "loss_mask",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "values",
+    "policy_version",
+    "metadata",
+)
 # Optional float fields with one entry per response token; each is given for all samples or none.
 PER_TOKEN_FLOAT_FIELDS = ("rollout_logprobs", "ref_logprobs", "values")
 LOGPROB_FIELDS = ("rollout_logprobs", "ref_logprobs")
@@ -216,6 +225,15 @@ def _convert_group_id(value: Any) -> int:
     return int(_scalar("group_id", value, _fits_int64, want))
 
 
+def _convert_policy_version(value: Any) -> int | None:
+    if value is None:
+        return None
+    want = (
+        "give the optimizer-step count (an int >= 0) of the weights that generated it, or omit it"
+    )
+    return int(_scalar("policy_version", value, lambda v: _fits_int64(v) and v >= 0, want))
+
+
 def _convert_metadata(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
@@ -264,6 +282,7 @@ class RolloutSample:
     values: torch.Tensor | None = attrs.field(
         default=None, converter=_float_converter("values"), eq=_tensor_eq
     )
+    policy_version: int | None = attrs.field(default=None, converter=_convert_policy_version)
     metadata: dict[str, Any] = attrs.field(factory=dict, converter=_convert_metadata)
 
     def __attrs_post_init__(self) -> None:
@@ -320,6 +339,8 @@ class RolloutSample:
             value = getattr(self, name)
             if value is not None:
                 record[name] = value.tolist()
+        if self.policy_version is not None:
+            record["policy_version"] = self.policy_version
         if self.metadata:
             record["metadata"] = self.metadata
         return record

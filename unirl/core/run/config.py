@@ -32,6 +32,7 @@ from unirl.core.run.validators import (
     positive,
     unit_interval,
 )
+from unirl.core.source_plugin import SOURCES
 from unirl.core.topology import data_parallel_size
 
 OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
@@ -193,36 +194,19 @@ class CriticConfig:
     warmup_steps: int = attrs.field(default=0, validator=non_negative)
 
 
-@attrs.frozen(kw_only=True)
-class VllmConfig:
-    """Engine options of ``rollout.source: vllm`` (`unirl.rollouts.vllm`); the defaults run the
-    tiny examples on a laptop CPU. Sampling settings (temperature, top_p, max_new_tokens) and the
-    seed come from ``rollout`` and ``train.seed``, so the sampler and the engine share them."""
-
-    # The engine's weights dtype; "model" = model.dtype (fp32 gives log-probs that match the
-    # trainer's to ~1e-6; bf16 engines differ from an fp32 trainer by ~1e-2).
-    dtype: Literal["model", "fp32", "bf16"] = "model"
-    # KV-cache size in GiB (vLLM's kv_cache_memory_bytes; on a GPU it replaces
-    # gpu_memory_utilization): the engine holds this many tokens' keys and values at once.
-    kv_cache_gb: float = attrs.field(default=0.25, validator=positive)
-    # No torch.compile / CUDA graphs: starts in seconds; set false on a GPU for speed.
-    enforce_eager: bool = True
-    # The longest prompt + response the engine accepts; null = model.max_seq_len.
-    max_model_len: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(positive)
-    )
-    tensor_parallel_size: int = attrs.field(default=1, validator=positive)
-    # Where weight syncs are written for the engine to reload (a tmpfs folder: memory, not
-    # disk); null = a fresh folder under /dev/shm when it exists, else the system temp folder.
-    sync_dir: str | None = None
+def _registered_source(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    SOURCES.get(value)
 
 
 @attrs.frozen(kw_only=True)
 class RolloutConfig:
     """How rollouts are produced or read. The temperature is also the one the trainer divides
-    logits by, so train and rollout log-probs describe the same distribution."""
+    logits by, so train and rollout log-probs describe the same distribution. ``source`` names a
+    registered `SourcePlugin`; that source's own section (the key inside ``rollout`` is its name,
+    e.g. ``vllm: {kv_cache_gb: 1}``) is ``source_options``, an instance of the plug-in's options
+    class (its defaults when the section is absent; None for a source without options)."""
 
-    source: Literal["sampler", "file", "vllm"] = "sampler"
+    source: str = attrs.field(default="sampler", validator=_registered_source)
     file: str | None = None
     task: str = "reverse_digits"
     # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
@@ -230,7 +214,6 @@ class RolloutConfig:
     temperature: float = attrs.field(default=1.0, validator=positive)
     top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, low_open=True))
     max_new_tokens: int = attrs.field(default=64, validator=positive)
-    vllm: VllmConfig = attrs.field(factory=VllmConfig)
     # A JSONL prompt file used instead of rollout.task, scored by rollout.reward (a registered
     # name or "package.module:function") with rollout.reward_options as keyword arguments
     # (unirl/rollouts/prompts.py, unirl/rollouts/rewards.py).
@@ -240,6 +223,24 @@ class RolloutConfig:
     # Drop prompts longer than model.max_seq_len - max_new_tokens (with a warning) instead of
     # refusing the file.
     skip_long_prompts: bool = False
+    source_options: Any = None
+
+    def __attrs_post_init__(self) -> None:
+        options_cls = SOURCES.get(self.source).options
+        if options_cls is None:
+            if self.source_options is not None:
+                raise ConfigError(
+                    f"rollout.source_options={self.source_options!r}: rollout source "
+                    f"{self.source} has no options; leave it out"
+                )
+        elif self.source_options is None:
+            object.__setattr__(self, "source_options", options_cls())
+        elif not isinstance(self.source_options, options_cls):
+            raise ConfigError(
+                f"rollout.source_options={self.source_options!r} is not the rollout.{self.source} "
+                f"section; pass a {options_cls.__name__} (or a 'rollout: {{{self.source}: ...}}' "
+                "mapping in the YAML)"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -334,11 +335,14 @@ class UnirlConfig:
         def plain(value: Any) -> dict[str, Any]:
             return attrs.asdict(
                 value,
-                filter=lambda a, _: a.name not in ("layout", "backend_options"),
+                filter=lambda a, _: a.name not in ("layout", "backend_options", "source_options"),
                 value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v,
             )
 
-        return plain(self) | {self.backend: plain(self.backend_options)}
+        data = plain(self) | {self.backend: plain(self.backend_options)}
+        if self.rollout.source_options is not None:
+            data["rollout"][self.rollout.source] = plain(self.rollout.source_options)
+        return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,15 +412,8 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             "nothing (the weight exp(old - rollout) is 1 when old log-probs are the rollout's); "
             "use old_logprobs: auto or recompute, or set rollout_correction.mode: none"
         )
-    if cfg.rollout.source == "file" and not cfg.rollout.file:
-        raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
-    vllm = cfg.rollout.vllm
-    if cfg.rollout.source == "vllm" and (vllm.max_model_len or 0) > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"rollout.vllm.max_model_len={vllm.max_model_len} exceeds model.max_seq_len="
-            f"{cfg.model.max_seq_len}: the trainer could not take the engine's longest samples; "
-            "lower it or leave it out (it defaults to model.max_seq_len)"
-        )
+    # The chosen rollout source's own rules (what it needs, what its options must fit).
+    SOURCES.get(cfg.rollout.source).check(cfg)
     _check_prompts(cfg)
     _check_critic(cfg)
 
@@ -438,10 +435,10 @@ def _check_prompts(cfg: UnirlConfig) -> None:
                     f"rollout.prompts or remove {key}"
                 )
         return
-    if r.source == "file":
+    if not SOURCES.get(r.source).generates:
         raise ConfigError(
-            "rollout.prompts is read by a generating source, but rollout.source: file trains on "
-            "finished rollouts; remove rollout.prompts or set rollout.source: sampler"
+            f"rollout.prompts is read by a generating source, but rollout.source: {r.source} "
+            "trains on finished rollouts; remove rollout.prompts or set rollout.source: sampler"
         )
     if r.reward is None:
         raise ConfigError(
@@ -685,6 +682,43 @@ def _backend_options(data: dict[str, Any]) -> Any:
     return _convert(sections.get(name) or {}, plugin.options, name)
 
 
+def _rollout_section(data: dict[str, Any]) -> RolloutConfig:
+    """Pop ``rollout`` from ``data`` and build it, with the chosen source's options built from
+    its section (a key of ``rollout`` named after a registered source); a section of another
+    source is an error (it would be silently ignored)."""
+    rollout = data.pop("rollout", {})
+    if not isinstance(rollout, Mapping):
+        raise ConfigError(f"rollout: expected a mapping of keys, got {rollout!r}")
+    rollout = dict(rollout)
+    name = rollout.get("source", attrs.fields(RolloutConfig).source.default)
+    if not isinstance(name, str):
+        raise ConfigError(f"rollout.source: expected a string, got {name!r}")
+    plugin = SOURCES.get(name)
+    keys = {f.name for f in attrs.fields(RolloutConfig)}
+    if plugin.options is not None and name in keys:
+        raise ConfigError(
+            f"rollout source {name!r} has an options section, but rollout.{name} is a key of "
+            "the rollout section itself; register the plug-in under another name"
+        )
+    sections = {
+        key: rollout.pop(key) for key in list(rollout) if key in SOURCES and key not in keys
+    }
+    for other in sections:
+        if other != name:
+            raise ConfigError(
+                f"section 'rollout.{other}:' configures rollout source {other}, but "
+                f"rollout.source: {name}; remove the section or set rollout.source: {other}"
+            )
+    options = None
+    if plugin.options is not None:
+        options = _convert(sections.get(name) or {}, plugin.options, f"rollout.{name}")
+    elif name in sections:
+        raise ConfigError(
+            f"section 'rollout.{name}:': rollout source {name} has no options; remove it"
+        )
+    return _structure(rollout, RolloutConfig, "rollout", converted={"source_options": options})
+
+
 def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) -> UnirlConfig:
     data = dict(data)
     if world_size is not None:
@@ -692,7 +726,10 @@ def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) 
         parallel["world_size"] = world_size
         data["parallel"] = parallel
     options = _backend_options(data)
-    return _structure(data, UnirlConfig, "", converted={"backend_options": options})
+    rollout = _rollout_section(data)
+    return _structure(
+        data, UnirlConfig, "", converted={"backend_options": options, "rollout": rollout}
+    )
 
 
 def load_config(
