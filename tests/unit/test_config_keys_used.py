@@ -166,6 +166,20 @@ def declared_in(cls: type) -> Path:
     return Path(inspect.getsourcefile(cls)).resolve()
 
 
+# The modules that make up the core config (the sections and the module assembling and checking
+# them): a read in any of them only validates, so none counts for a core section.
+CONFIG_FILES = {
+    Path(config_module.__file__).resolve(),
+    *(p.resolve() for p in (UNIRL / "core" / "run" / "sections").glob("*.py")),
+}
+
+
+def homes_of(cls: type) -> set[Path]:
+    """The files whose reads of ``cls``'s fields do not count."""
+    home = declared_in(cls)
+    return CONFIG_FILES if home in CONFIG_FILES else {home}
+
+
 def module_name(path: Path) -> str:
     return ".".join(path.relative_to(UNIRL.parent).with_suffix("").parts)
 
@@ -224,9 +238,8 @@ def unread_keys(root: Path = UNIRL) -> list[str]:
                     reads[read].add(path.resolve())
     unread = []
     for cls, names in found.items():
-        home = declared_in(cls)
         for field in section_fields(cls):
-            if not reads[(cls, field)] - {home}:
+            if not reads[(cls, field)] - homes_of(cls):
                 unread.append(f"{cls.__name__}.{field} ({sorted(names)[0]}.{field})")
     return sorted(unread)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from unirl.core.backend import LogprobSpec
 from unirl.core.errors import ConfigError
 from unirl.core.maths.advantages import AdvantageSettings
+from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.losses import LossSettings
 
 if TYPE_CHECKING:
