@@ -10,7 +10,10 @@ also in tuple assignments), or a parameter annotated with the section's class
 (``"algorithm.clip_low"``, how `unirl.core.run.algorithm` maps config keys to loss settings and
 reads them with getattr) counts too; a key path inside a message (an f-string or a longer text)
 does not. A field name alone, read on anything, does not count: ``.mode`` or ``.dir`` are
-everywhere.
+everywhere. A key declared on a loss or advantage settings field (``clip_low: float =
+LOSS.clip_low``, `unirl.core.run.sections.feeds`) reaches the code as that settings field: it
+counts as read where the settings field is read (``settings.clip_low`` on a parameter annotated
+``LossSettings``, or ``self.loss_settings.clip_low``) outside the settings and config modules.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import attrs
 from unirl.backends import BACKENDS
 from unirl.core.run import config as config_module
 from unirl.core.run.config import UnirlConfig
+from unirl.core.run.sections.feeds import FEEDS
 
 UNIRL = Path(config_module.__file__).parents[2]
 
@@ -174,6 +178,21 @@ CONFIG_FILES = {
 }
 
 
+# The attribute names that hold the settings objects built from the config (`RLStep`).
+SETTINGS_ACCESS = {"LossSettings": "loss_settings", "AdvantageSettings": "advantage_settings"}
+
+
+def fed_settings(found: dict[type, set[str]]) -> dict[tuple[type, str], tuple[type, str]]:
+    """(section class, field) -> (settings class, field) of each config key declared on a
+    settings field."""
+    return {
+        (cls, field.name): field.metadata[FEEDS]
+        for cls in found
+        for field in attrs.fields(cls)
+        if FEEDS in field.metadata
+    }
+
+
 def homes_of(cls: type) -> set[Path]:
     """The files whose reads of ``cls``'s fields do not count."""
     home = declared_in(cls)
@@ -220,7 +239,14 @@ def unread_keys(root: Path = UNIRL) -> list[str]:
     for cls, names in found.items():
         for name in names:
             by_access[name].add(cls)
-    by_class_name = {cls.__name__: cls for cls in found}
+    # A key declared on a settings field (`unirl.core.run.sections.feeds`) is read by the
+    # settings builder for every key alike; it counts as read where its settings field is.
+    fed = fed_settings(found)
+    for settings_cls in {settings_cls for settings_cls, _ in fed.values()}:
+        by_access[SETTINGS_ACCESS[settings_cls.__name__]].add(settings_cls)
+    by_class_name = {cls.__name__: cls for cls in found} | {
+        settings_cls.__name__: settings_cls for settings_cls, _ in fed.values()
+    }
     reads: dict[tuple[type, str], set[Path]] = defaultdict(set)
     files = sorted(root.rglob("*.py"))
     assert len(files) > 50, f"no source found under {root}"
@@ -239,6 +265,14 @@ def unread_keys(root: Path = UNIRL) -> list[str]:
     unread = []
     for cls, names in found.items():
         for field in section_fields(cls):
+            if (cls, field) in fed:
+                settings_cls, settings_field = fed[(cls, field)]
+                if (
+                    reads[(settings_cls, settings_field)]
+                    - {declared_in(settings_cls)}
+                    - CONFIG_FILES
+                ):
+                    continue
             if not reads[(cls, field)] - homes_of(cls):
                 unread.append(f"{cls.__name__}.{field} ({sorted(names)[0]}.{field})")
     return sorted(unread)

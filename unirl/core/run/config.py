@@ -26,6 +26,7 @@ from unirl.core.run.sections.algorithm import (
     AlgorithmConfig,
     CriticConfig,
     KLConfig,
+    KLInRewardConfig,
     RolloutCorrectionConfig,
 )
 from unirl.core.run.sections.model import Dtype, ModelConfig
@@ -47,6 +48,7 @@ __all__ = [
     "CriticConfig",
     "Dtype",
     "KLConfig",
+    "KLInRewardConfig",
     "Layout",
     "LoggingConfig",
     "ModelConfig",
@@ -189,11 +191,6 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             f"model.max_seq_len={cfg.model.max_seq_len}: a full-length sample would not fit; "
             "raise the budget or lower model.max_seq_len"
         )
-    # The loss and advantage settings check their own values (names, bounds), once.
-    from unirl.core.run.algorithm import advantage_settings, loss_settings
-
-    loss_settings(cfg)
-    advantage_settings(cfg)
     rc = a.rollout_correction
     if rc.mode != "none" and cfg.old_logprobs == "rollout":
         raise ConfigError(

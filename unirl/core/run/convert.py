@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from unirl.core.errors import ConfigError
+from unirl.core.errors import ConfigError, KeyedConfigError
 
 # Conversion from plain data, with key paths in every error.
 # cattrs could structure these classes, but its errors are exception groups without the dotted
@@ -114,6 +114,8 @@ def _structure(
         kwargs[key] = _convert(value, hints[key], full)
     try:
         return cls(**kwargs)
+    except KeyedConfigError as exc:
+        raise (exc.prefixed(path) if path else exc) from None
     except ConfigError as exc:
         msg = str(exc)
         # Field validators know only the field name: prefix the section path.

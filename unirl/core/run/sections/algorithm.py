@@ -7,58 +7,90 @@ from typing import Literal
 
 import attrs
 
+from unirl.core.maths.advantages.settings import AdvantageSettings
+from unirl.core.maths.losses.settings import Aggregation, LossSettings, RolloutCorrection
+from unirl.core.run.sections.feeds import Feeding, build_settings
 from unirl.core.run.sections.training import OptimizerConfig
 from unirl.core.run.validators import (
     non_negative,
     positive,
 )
 
-# The algorithm sections hold plain values: their names and bounds are checked once, by the
-# loss and advantage settings they are turned into (`unirl.core.run.algorithm`).
+# The algorithm sections declare keys only: each default and each rule is the settings field's
+# that the key sets (`unirl.core.run.sections.feeds`).
+LOSS = Feeding(LossSettings)
+ADVANTAGE = Feeding(AdvantageSettings)
 
 
 @attrs.frozen(kw_only=True)
 class KLConfig:
-    coef: float = 0.0
-    estimator: str = "low_var_kl"  # a name of `unirl.core.maths.kl.KL_ESTIMATORS`
+    """The KL penalty in the loss (``algorithm.kl_loss``): ``coef * KL(policy || reference)``."""
+
+    coef: float = LOSS.kl_loss_coef
+    estimator: str = LOSS.kl_loss_estimator  # a name of `unirl.core.maths.kl.KL_ESTIMATORS`
+
+
+@attrs.frozen(kw_only=True)
+class KLInRewardConfig:
+    """The KL penalty in the reward (``algorithm.kl_in_reward``), subtracted per token before the
+    advantages are computed."""
+
+    coef: float = ADVANTAGE.kl_in_reward_coef
+    estimator: str = ADVANTAGE.kl_in_reward_estimator
 
 
 @attrs.frozen(kw_only=True)
 class RolloutCorrectionConfig:
     """Correction for the rollout engine's log-probs differing from the trainer's (TIS, IcePop)."""
 
-    mode: str = "none"  # one of `unirl.core.maths.losses.ROLLOUT_CORRECTION_MODES`
-    low: float = 0.5
-    high: float = 2.0
+    mode: RolloutCorrection = LOSS.rollout_correction
+    low: float = LOSS.rollout_correction_low
+    high: float = LOSS.rollout_correction_high
 
 
 @attrs.frozen(kw_only=True)
 class AlgorithmConfig:
-    policy_loss: str = "ppo_clip"
-    advantage_estimator: str = "grpo"
-    loss_aggregation: str = "token-mean"  # one of `unirl.core.maths.losses.AGGREGATION_MODES`
+    """The loss and the advantages. Built, it builds its `LossSettings` and `AdvantageSettings`
+    once, so a bad value fails here with the key that set it."""
+
+    policy_loss: str = LOSS.policy_loss
+    advantage_estimator: str = ADVANTAGE.estimator
+    loss_aggregation: Aggregation = LOSS.loss_aggregation
     # Dr.GRPO's constant for seq-mean-token-sum-norm; defaults to rollout.max_new_tokens.
     norm_length: int | None = attrs.field(default=None, validator=positive)
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
+    clip_low: float = LOSS.clip_low
+    clip_high: float = LOSS.clip_high
+    dual_clip: float | None = LOSS.dual_clip
+    entropy_coef: float = LOSS.entropy_coef
     kl_loss: KLConfig = attrs.field(factory=KLConfig)
-    kl_in_reward: KLConfig = attrs.field(factory=lambda: KLConfig(estimator="k1"))
+    kl_in_reward: KLInRewardConfig = attrs.field(factory=KLInRewardConfig)
     rollout_correction: RolloutCorrectionConfig = attrs.field(factory=RolloutCorrectionConfig)
-    gamma: float = 1.0
-    lam: float = 1.0
-    std_normalize: bool = True
-    whiten_advantages: bool = False
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2
+    gamma: float = ADVANTAGE.gamma
+    lam: float = ADVANTAGE.lam
+    std_normalize: bool = ADVANTAGE.std_normalize
+    whiten_advantages: bool = ADVANTAGE.whiten
+    value_coef: float = LOSS.value_coef
+    value_clip: float | None = LOSS.value_clip
     # On-policy distillation shaping: A -= coef * (logp_student - logp_teacher).
-    distillation_coef: float = 0.0
+    distillation_coef: float = ADVANTAGE.distillation_coef
     # Features that read the policy's log-probs before the first optimizer step.
     mismatch_metrics: bool = False
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.loss_settings()
+        self.advantage_settings()
+
+    def loss_settings(self) -> LossSettings:
+        """The loss settings these keys set; a bad value raises `ConfigError` naming its key."""
+        return build_settings(self, LossSettings)
+
+    def advantage_settings(self) -> AdvantageSettings:
+        """The advantage settings these keys set; a bad value raises `ConfigError` naming its
+        key."""
+        return build_settings(self, AdvantageSettings)
 
 
 @attrs.frozen(kw_only=True)
