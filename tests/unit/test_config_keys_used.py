@@ -1,14 +1,14 @@
-"""No config key that changes nothing: every field of every config section (the core sections of
-`unirl.core.run.config` and each registered backend's own section) is read somewhere in ``unirl/``
-outside the module that declares it (reads inside it only validate).
+"""No config key that changes nothing: every field of every config section (the core sections,
+`unirl.core.run.sections`, assembled by `unirl.core.run.config`, and each registered backend's own
+section) is read somewhere in ``unirl/`` outside the modules that declare and check it (reads
+there only validate): for a core section, outside ``sections/`` and ``config.py``.
 
 A read is an attribute access ``<section>.<field>`` where ``<section>`` is recognised by how the
 code reaches it: ``cfg.algorithm.clip_low`` / ``self.cfg.algorithm.clip_low`` (an attribute named
 after the section), ``a = cfg.algorithm; a.clip_low`` (a name or ``self`` attribute bound to one,
 also in tuple assignments), or a parameter annotated with the section's class
 (``def f(parallel: ParallelConfig): parallel.tp``). A string that is exactly a full key path
-(``"algorithm.clip_low"``, how `unirl.core.run.algorithm` maps config keys to loss settings and
-reads them with getattr) counts too; a key path inside a message (an f-string or a longer text)
+(``"algorithm.clip_low"``, a key read with getattr) counts too; a key path inside a message (an f-string or a longer text)
 does not. A field name alone, read on anything, does not count: ``.mode`` or ``.dir`` are
 everywhere. A key declared on a loss or advantage settings field (``clip_low: float =
 LOSS.clip_low``, `unirl.core.run.sections.feeds`) reaches the code as that settings field: it

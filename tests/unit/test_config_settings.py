@@ -14,7 +14,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.losses import LossSettings
 from unirl.core.run.algorithm import advantage_settings, loss_settings
-from unirl.core.run.config import AlgorithmConfig, config_from_dict
+from unirl.core.run.config import AlgorithmConfig, KLInRewardConfig, config_from_dict
 from unirl.core.run.sections.feeds import FEEDS, fed_fields
 
 MINIMAL = {
@@ -127,7 +127,7 @@ def test_the_settings_built_directly_name_their_own_fields():
         AdvantageSettings(kl_in_reward_coef=-0.1)
     # A section built in Python names the key relative to the section, like every section.
     with pytest.raises(ConfigError, match=r"^kl_in_reward.coef must be >= 0"):
-        AlgorithmConfig(kl_in_reward=attrs.evolve(AlgorithmConfig().kl_in_reward, coef=-0.1))
+        AlgorithmConfig(kl_in_reward=KLInRewardConfig(coef=-0.1))
 
 
 def test_a_value_from_the_yaml_reaches_the_settings():

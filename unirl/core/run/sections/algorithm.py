@@ -11,10 +11,7 @@ from unirl.core.maths.advantages.settings import AdvantageSettings
 from unirl.core.maths.losses.settings import Aggregation, LossSettings, RolloutCorrection
 from unirl.core.run.sections.feeds import Feeding, build_settings
 from unirl.core.run.sections.training import OptimizerConfig
-from unirl.core.run.validators import (
-    non_negative,
-    positive,
-)
+from unirl.core.run.validators import non_negative, positive
 
 # The algorithm sections declare keys only: each default and each rule is the settings field's
 # that the key sets (`unirl.core.run.sections.feeds`).
