@@ -21,11 +21,25 @@ import attrs
 import torch
 
 from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.logprobs import logprobs_from_logits
 from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
 from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
+
+__all__ = [
+    "CriticModel",
+    "InstrumentedBackend",
+    "LogprobSpec",
+    "LossFn",
+    "ModelRole",
+    "OptimizerStepStats",
+    "TrainingBackend",
+    "ValueLossFn",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
+]
 
 # loss_fn(microbatch, logprobs [T] fp32 with grad, entropy [T] or None) -> (loss, metrics);
 # the loss is this microbatch's share of the step objective (core normalises globally).
@@ -36,18 +50,6 @@ LossFn = Callable[
 ModelRole = Literal["policy", "reference"]
 # value_loss_fn(microbatch, values [T] fp32 with grad) -> (loss, metrics): the critic's share.
 ValueLossFn = Callable[[TrainMicrobatch, torch.Tensor], tuple[torch.Tensor, Mapping[str, Metric]]]
-
-
-@attrs.frozen(kw_only=True)
-class LogprobSpec:
-    """How logits become log-probs: the sampling temperature (train and rollout log-probs must
-    describe the same distribution), the true vocabulary (Megatron pads it), and whether entropy
-    (and its gradient) is needed."""
-
-    temperature: float = 1.0
-    vocab_size: int | None = None
-    with_entropy: bool = False
-    entropy_grad: bool = False
 
 
 def token_logprobs(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +32,11 @@ if TYPE_CHECKING:
     from unirl.core.data.counts import GlobalCounts
     from unirl.core.maths.losses.inputs import LossInputs
     from unirl.core.maths.losses.metrics import Metric
-    from unirl.core.maths.losses.settings import LossSettings
 
+# The third argument is a `LossSettings`; it is not imported because the settings check their
+# ``policy_loss`` name against this registry (importing both ways would be a circle).
 PolicyLossFn = Callable[
-    ["LossInputs", "GlobalCounts", "LossSettings"], tuple[torch.Tensor, dict[str, "Metric"]]
+    ["LossInputs", "GlobalCounts", Any], tuple[torch.Tensor, dict[str, "Metric"]]
 ]
 
 # Modules whose import registers the built-in losses.
