@@ -188,7 +188,7 @@ def select_experts(device: torch.device, config: Any) -> ExpertsChoice:
             module=SequentialMLP,
             name="sequential",
             reason=f"the device is {device.type}: torch._grouped_mm has no grouped kernel there "
-            "(it would loop over experts too), so megatron's SequentialMLP",
+            "(it loops over experts too), so megatron's own SequentialMLP, the reference path",
         )
     if not grouped_mm_available():
         return ExpertsChoice(
