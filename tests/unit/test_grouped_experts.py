@@ -241,3 +241,86 @@ def test_grouped_on_cuda_equals_the_loop_and_sequential_mlp(dtype_name):
     tol = {"bfloat16": 2e-2, "float32": 1e-4}[dtype_name]  # fp32 matmuls may use TF32
     runs = [(GPU_CASES, False, dtype_name, tol), (GPU_CASES, True, dtype_name, tol)]
     assert run_distributed(_check, 1, runs, "cuda", backend="nccl") == [True]
+
+
+# -- inside megatron-core's MoELayer ----------------------------------------------------------
+
+
+def _layer_check(rank, world, device_name, dispatcher, dtype_name, tol):
+    """Two megatron-core MoELayers of the local spec, experts SequentialMLP and GroupedExperts,
+    same weights: the same output, input gradient and gradient of every parameter (router
+    included)."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import router as router_module
+    from megatron.core.transformer.spec_utils import build_module
+
+    from unirl.backends.megatron import cpu_compat, te_compat
+    from unirl.backends.megatron.grouped_experts import (
+        ExpertsChoice,
+        GroupedExperts,
+        experts_spec,
+    )
+
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    if device.type == "cpu":
+        # router.py:90 moves a CPU router weight to CUDA: a CPU-only line (not what is tested)
+        router_module.torch = cpu_compat._HostTorch()
+    ps.initialize_model_parallel(1, 1)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    te_compat.install()
+    num_experts = 6
+    config = _config(
+        num_experts,
+        dtype,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type="none",
+        use_cpu_initialization=True,
+    )
+    mlp_spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    mlp_spec = mlp_spec.submodules.mlp
+    layers = []
+    for module in (_sequential(), GroupedExperts):
+        choice = ExpertsChoice(module=module, name=module.__name__, reason="test")
+        spec = dataclasses.replace(
+            mlp_spec,
+            submodules=dataclasses.replace(mlp_spec.submodules, experts=experts_spec(choice)),
+        )
+        torch.manual_seed(0)
+        layers.append(build_module(spec, config=config).to(device))
+    assert isinstance(layers[1].experts, GroupedExperts)
+    layers[1].load_state_dict(layers[0].state_dict())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
+    grad_out = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
+    results = []
+    for layer in layers:
+        x_in = x.clone().requires_grad_()
+        out, _ = layer(x_in)
+        out.backward(grad_out)
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        results.append((out.detach(), x_in.grad, grads))
+    (out_s, dx_s, grads_s), (out_g, dx_g, grads_g) = results
+    _assert_close(out_g, out_s.double(), tol)
+    _assert_close(dx_g, dx_s.double(), tol)
+    assert grads_s.keys() == grads_g.keys()
+    for name, grad in grads_s.items():
+        _assert_close(grads_g[name], grad.double(), tol)
+    return True
+
+
+def test_in_a_megatron_moe_layer_the_same_as_sequential_mlp_cpu():
+    # the all-to-all dispatcher needs CUDA (a CUDA stream at construction); all-gather here
+    assert run_distributed(_layer_check, 1, "cpu", "allgather", "float32", 1e-5) == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_in_a_megatron_moe_layer_the_same_as_sequential_mlp_cuda():
+    assert run_distributed(
+        _layer_check, 1, "cuda", "alltoall", "bfloat16", 3e-2, backend="nccl"
+    ) == [True]
