@@ -9,7 +9,12 @@ import torch
 
 from unirl.core.errors import LossInputError
 from unirl.core.maths.losses.metrics import reduce_metrics
-from unirl.core.maths.losses.router import router_loss_term, router_losses
+from unirl.core.maths.losses.router import (
+    router_loss_shares,
+    router_loss_term,
+    router_losses,
+    router_statistics,
+)
 
 
 def _layer_logits(layers: int, rows: int, experts: int, seed: int) -> list[torch.Tensor]:
@@ -138,3 +143,51 @@ def test_loss_term_refuses_token_counts_that_do_not_fit():
         router_loss_term(zero, zero, aux_coef=1, z_coef=1, microbatch_tokens=5, global_tokens=4)
     empty = router_loss_term(zero, zero, aux_coef=1, z_coef=1, microbatch_tokens=0, global_tokens=0)
     assert empty.loss.item() == 0.0
+
+
+def test_a_forward_split_over_stages_and_cp_ranks_adds_up_to_the_pooled_value():
+    # 3 MoE layers of 10 rows: pipeline stage 0 holds layers 0-1, stage 1 layer 2, and two
+    # context-parallel ranks hold rows 0-3 and 4-9 of every layer: four parts.
+    hf = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    experts, top_k, tokens = 6, 2, 10
+    logits = _layer_logits(3, rows=tokens, experts=experts, seed=9)
+    ref_in = [t.detach().clone().requires_grad_() for t in logits]
+    parts = [
+        [t[rows] for t in layers]
+        for layers in (logits[:2], logits[2:])
+        for rows in (slice(0, 4), slice(4, 10))
+    ]
+    stats = [router_statistics(p, top_k=top_k, num_experts=experts) for p in parts]
+    # what the backend's all-reduce over the parts would sum (no gradient)
+    assignments = sum(s.assignments_e for s in stats)
+    rows = sum(s.rows for s in stats)
+    shares = [router_loss_shares(s, assignments_e=assignments, rows=rows) for s in stats]
+    aux = sum(a for a, _ in shares)
+    z = sum(z for _, z in shares)
+
+    ref = hf.load_balancing_loss_func(tuple(ref_in), experts, top_k)
+    torch.testing.assert_close(aux, ref, rtol=1e-6, atol=1e-7)
+    pooled_z = torch.cat([torch.logsumexp(t.detach(), -1) ** 2 for t in logits]).mean()
+    torch.testing.assert_close(z, pooled_z, rtol=1e-6, atol=1e-7)
+    aux.backward()
+    ref.backward()
+    for ours, theirs in zip(logits, ref_in):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-8)
+
+    # each part's term: the whole microbatch's tokens, its share of the rows for the metric
+    outs = [
+        router_loss_term(
+            a,
+            zz,
+            aux_coef=1.0,
+            z_coef=0.0,
+            microbatch_tokens=tokens,
+            global_tokens=tokens,
+            part=s.rows / rows,
+        )
+        for (a, zz), s in zip(shares, stats)
+    ]
+    assert sum(o.loss for o in outs).item() == pytest.approx(ref.item(), rel=1e-6)
+    logged = reduce_metrics([o.metrics for o in outs])
+    assert logged["router/aux_loss"] == pytest.approx(ref.item(), rel=1e-6)
+    assert logged["router/z_loss"] == pytest.approx(pooled_z.item(), rel=1e-6)
