@@ -295,7 +295,8 @@ class _LogprobsFromHidden(torch.autograd.Function):
         return (grad_h, grad_w, *nones)
 
 
-def _validate(
+def validate_hidden_inputs(
+    where: str,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -306,7 +307,8 @@ def _validate(
     tp_size: int,
     kernel: str,
 ) -> None:
-    where = "logprobs_from_hidden"
+    """The checks of `logprobs_from_hidden` and `unirl.core.maths.head_loss.head_loss` (``where``
+    names the caller in the messages): hidden, weight, targets and the options."""
     for name, t, shape in (
         ("hidden", hidden, "[tokens, hidden]"),
         ("weight", weight, "[vocab_local, hidden]"),
@@ -418,7 +420,8 @@ def logprobs_from_hidden(
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    _validate(
+    validate_hidden_inputs(
+        "logprobs_from_hidden",
         hidden,
         weight,
         targets,
