@@ -169,9 +169,11 @@ def _chunk_loss_grads(
         grads: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)
     else:
         grads = torch.autograd.grad(value, wrt, allow_unused=True)
-    zeros = torch.zeros(hi - lo, dtype=logp.dtype, device=logp.device)
-    out = [zeros if t is None else t[lo:hi] for t in grads]
-    return out[0].contiguous(), (out[1].contiguous() if len(out) > 1 else None)
+    out = [
+        torch.zeros(hi - lo, dtype=logp.dtype, device=logp.device) if t is None else t[lo:hi]
+        for t in grads
+    ]
+    return out[0], (out[1] if len(out) > 1 else None)
 
 
 class _Pass:
