@@ -258,3 +258,38 @@ def test_choose_head_path(settings, in_head, words) -> None:
     assert path.loss_in_head is in_head
     assert words in path.reason
     assert ("3 head matmuls" if in_head else "4 head matmuls") in path.reason
+
+
+def test_backend_entry_binds_the_microbatch() -> None:
+    """`token_loss_from_hidden`: the backend's loss_fn gets its microbatch at every call, and the
+    spec's temperature, vocabulary and entropy settings reach the head."""
+    from unirl.core.backend import LogprobSpec, token_loss_from_hidden
+    from unirl.core.data.microbatch import TrainMicrobatch
+
+    terms, settings = CASES["ppo_entropy"]
+    p = make(12, 8, 30, torch.float64, 4, 27)
+    ref = reference(p, terms, temperature=TEMPERATURE, vocab_size=27)
+    n = p["targets"].numel()
+    mb = TrainMicrobatch(
+        sample_indices=(0, 1, 2),
+        tokens=p["targets"],
+        position_ids=torch.arange(n) % SEQ_LEN,
+        cu_seqlens=torch.arange(0, n + 1, SEQ_LEN, dtype=torch.int32),
+        targets=p["targets"],
+        loss_mask=p["mask"],
+        seq_ids=p["seq_ids"],
+        seq_token_counts=p["seq_counts"],
+    )
+    seen = []
+
+    def loss_fn(got_mb, logp, entropy):
+        seen.append(got_mb)
+        return core_loss(p, settings)(logp, entropy)
+
+    h = p["hidden"].clone().requires_grad_(True)
+    spec = LogprobSpec(temperature=TEMPERATURE, vocab_size=27, with_entropy=True, entropy_grad=True)
+    out = token_loss_from_hidden(h, p["weight"], mb, spec, loss_fn)
+    out.loss.backward()
+    assert seen and all(s is mb for s in seen)
+    assert abs(out.loss.item() - ref["loss"].item()) < 1e-10
+    assert rel_err(h.grad, ref["dh"]) < 1e-10

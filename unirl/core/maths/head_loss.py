@@ -226,11 +226,14 @@ class _Pass:
                 hidden.shape, dtype=hidden.dtype if own_dtype else self.stat_dtype, device=dev
             )
         if want_w:
-            self.grad_w = torch.zeros_like(weight)
+            self.grad_w = torch.empty_like(weight)
+            self.grad_w[n_valid:] = 0  # padding rows; the first chunk writes the others
             # the kernels' path sums straight into the gradient (weight's dtype); the PyTorch path
             # into an accumulator of the compute dtype when that differs
             same = kernels is not None or weight.dtype == dt
-            self._acc_w = self.grad_w[:n_valid] if same else torch.zeros_like(self.w_valid)
+            self._acc_w = self.grad_w[:n_valid] if same else torch.empty_like(self.w_valid)
+            if n_rows == 0:
+                self._acc_w.zero_()
         self.buffer = None  # the kernels' chunk logits, then (in place) their gradient
         if kernels is not None and n_valid and n_rows:
             self.buffer = torch.empty(min(chunk, n_rows), n_valid, dtype=dt, device=dev)
@@ -334,7 +337,10 @@ class _Pass:
             else:
                 out.copy_(dz @ self.w_valid)
         if self._acc_w is not None:
-            self._acc_w.addmm_(dz.T, h)
+            if lo == 0:
+                torch.mm(dz.T, h, out=self._acc_w)
+            else:
+                self._acc_w.addmm_(dz.T, h)
 
     # -- the whole pass ----------------------------------------------------------------------
 
