@@ -33,6 +33,8 @@ tokens, so no part of ``dweight`` can be formed in the forward; the part of ``dh
 not depend on them (``(onehot - p) @ W`` and, for entropy, ``(p (E[z] - z)) @ W``) could be, but
 that only moves a matmul from backward to forward (two with entropy) and saves ``[T, H]`` fp32
 tensors. Forward-only passes (old-policy and reference log-probs) cost one matmul, as before.
+When the loss is separable over tokens its per-token gradient IS known in the forward, and
+`unirl.core.maths.head_loss` takes the loss into token chunks with three matmuls.
 
 Tensor parallel (Megatron's vocabulary-parallel output layer): ``weight`` is this rank's shard
 ``[V_local, H]`` holding ids ``[r * V_local, (r + 1) * V_local)``; rows at or beyond
