@@ -6,6 +6,9 @@ gradient."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 from tests.spawn import run_distributed
@@ -18,44 +21,58 @@ SHARDS = ((11, 19), (10, 9))
 DTYPES = (torch.float64, torch.float32)
 
 
-def worker(rank: int, world: int) -> list[dict[str, list]]:
+def worker(rank: int, world: int, kernels: bool = False) -> list[dict[str, list]]:
+    """Every case on this rank: the public entry (PyTorch path), or with ``kernels`` the inner
+    call with the Triton kernels (Triton's interpreter on the CPU), fp32 then."""
     from tests.unit.test_head_loss import CASES, core_loss, make
-    from unirl.core.maths.head_loss import head_loss
+    from unirl.core.maths import head_loss as hl
 
     out = []
     for vocab_local, vocab_size in SHARDS:
-        for dtype in DTYPES:
+        for dtype in (torch.float32,) if kernels else DTYPES:
             for case in sorted(CASES):
                 settings = CASES[case][1]
                 p = make(N_TOKENS, HIDDEN, 2 * vocab_local, dtype, 7, vocab_size)
                 h = p["hidden"].clone().requires_grad_(True)
                 shard = p["weight"][rank * vocab_local : (rank + 1) * vocab_local].clone()
                 shard.requires_grad_(True)
-                res = head_loss(
-                    h,
-                    shard,
-                    p["targets"],
-                    core_loss(p, settings),
-                    tp_group=torch.distributed.group.WORLD,
-                    temperature=TEMPERATURE,
-                    vocab_size=vocab_size,
-                    with_entropy=True,
-                    entropy_grad=settings.entropy_coef != 0,
-                    chunk_size=4,
-                )
+                group = torch.distributed.group.WORLD
+                entropy_grad = settings.entropy_coef != 0
+                if kernels:
+                    from unirl.core.maths.kernels import logprobs_triton
+
+                    res = hl._head_loss(
+                        h, shard, p["targets"], core_loss(p, settings), group=group,
+                        inv_temp=1 / TEMPERATURE, vocab_start=rank * vocab_local,
+                        n_valid=max(0, min(vocab_local, vocab_size - rank * vocab_local)),
+                        chunk=4, with_entropy=True, entropy_grad=entropy_grad,
+                        kernels=logprobs_triton,
+                    )  # fmt: skip
+                else:
+                    res = hl.head_loss(
+                        h,
+                        shard,
+                        p["targets"],
+                        core_loss(p, settings),
+                        tp_group=group,
+                        temperature=TEMPERATURE,
+                        vocab_size=vocab_size,
+                        with_entropy=True,
+                        entropy_grad=entropy_grad,
+                        chunk_size=4,
+                    )
                 res.loss.backward()
                 got = {"loss": res.loss, "logp": res.logprobs, "dh": h.grad, "dw": shard.grad}
                 out.append({k: v.detach().double().tolist() for k, v in got.items()})
     return out
 
 
-def test_tp2_matches_unsharded_fp64() -> None:
+def check(results: list, dtypes: tuple[torch.dtype, ...]) -> None:
     from tests.unit.test_head_loss import CASES, make, reference, rel_err
 
-    results = run_distributed(worker, 2)
     i = 0
     for vocab_local, vocab_size in SHARDS:
-        for dtype in DTYPES:
+        for dtype in dtypes:
             for case in sorted(CASES):
                 p = make(N_TOKENS, HIDDEN, 2 * vocab_local, dtype, 7, vocab_size)
                 ref = reference(p, CASES[case][0], temperature=TEMPERATURE, vocab_size=vocab_size)
@@ -75,3 +92,18 @@ def test_tp2_matches_unsharded_fp64() -> None:
                         assert rel_err(got["dw"][:real], ref["dw"][rows][:real]) < tol, where
                     assert torch.all(got["dw"][real:] == 0), (where, "padding rows")
                 i += 1
+
+
+def test_tp2_matches_unsharded_fp64() -> None:
+    check(run_distributed(worker, 2), DTYPES)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton for its interpreter"
+)
+def test_tp2_kernels_in_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' path under TP (per-chunk all-reduces, the fp32 sum of the hidden-state
+    gradient, an all-padding shard), in Triton's interpreter in the spawned ranks."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    check(run_distributed(worker, 2, True), (torch.float32,))

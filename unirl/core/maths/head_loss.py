@@ -42,7 +42,6 @@ log-probs, so the ranks agree on every gradient.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -58,8 +57,6 @@ from unirl.core.maths.logprobs_hidden import _fp32_out_mm_works, validate_hidden
 from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.separable import separability
 from unirl.core.maths.losses.settings import LossSettings
-
-logger = logging.getLogger(__name__)
 
 # loss(logprobs [T], entropy [T] or None) -> (this microbatch's loss, metrics): the backend's
 # `LossFn` with its microbatch bound. Must be separable over tokens (`choose_head_path`).
