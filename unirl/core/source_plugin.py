@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 
 from unirl.core.errors import ConfigError
 from unirl.core.registry import Registry
 
-if TYPE_CHECKING:
-    from unirl.core.run.config import UnirlConfig
+# The run config, a `unirl.core.run.config.UnirlConfig`. Not imported, not even for type
+# checking: the config reads this registry when it is built (the source's options class, its
+# rules), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
+RunConfig = Any
 
 
 class SourceBuilder(Protocol):
@@ -42,7 +44,7 @@ class SourceBuilder(Protocol):
     what an in-process generator may start from; a source that does not need them ignores them.
     Returns a `unirl.rollouts.source.RolloutSource` (core does not name that type)."""
 
-    def __call__(self, cfg: UnirlConfig, *, hf_model: Any = None, device: Any = None) -> Any: ...
+    def __call__(self, cfg: RunConfig, *, hf_model: Any = None, device: Any = None) -> Any: ...
 
 
 @attrs.frozen
@@ -52,17 +54,17 @@ class LazySourceBuilder:
 
     target: str
 
-    def __call__(self, cfg: UnirlConfig, *, hf_model: Any = None, device: Any = None) -> Any:
+    def __call__(self, cfg: RunConfig, *, hf_model: Any = None, device: Any = None) -> Any:
         module_name, _, name = self.target.partition(":")
         build = getattr(importlib.import_module(module_name), name)
         return build(cfg, hf_model=hf_model, device=device)
 
 
-def _no_rules(cfg: UnirlConfig) -> None:
+def _no_rules(cfg: RunConfig) -> None:
     """A source without rules of its own."""
 
 
-def _no_description(cfg: UnirlConfig) -> Mapping[str, Any]:
+def _no_description(cfg: RunConfig) -> Mapping[str, Any]:
     return {}
 
 
@@ -74,8 +76,8 @@ class SourcePlugin:
     name: str
     build: SourceBuilder
     options: type | None = None
-    check: Callable[[UnirlConfig], None] = _no_rules
-    describe: Callable[[UnirlConfig], Mapping[str, Any]] = _no_description
+    check: Callable[[RunConfig], None] = _no_rules
+    describe: Callable[[RunConfig], Mapping[str, Any]] = _no_description
     generates: bool = True
     requires: tuple[str, ...] = ()
     install_hint: str = ""
@@ -86,7 +88,7 @@ class SourcePlugin:
 SOURCES: Registry[SourcePlugin] = Registry("rollout source", key="rollout.source")
 
 
-def build_source(cfg: UnirlConfig, *, hf_model: Any = None, device: Any = None) -> Any:
+def build_source(cfg: RunConfig, *, hf_model: Any = None, device: Any = None) -> Any:
     """Build the source ``cfg.rollout.source`` names; a missing package it requires is a
     `ConfigError` that says how to install it."""
     plugin = SOURCES.get(cfg.rollout.source)

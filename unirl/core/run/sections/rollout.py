@@ -1,0 +1,64 @@
+"""The ``rollout`` section: how rollouts are produced or read, and the chosen source's own options
+(its plug-in's section, `unirl.core.source_plugin`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from unirl.core.errors import ConfigError
+from unirl.core.run.validators import (
+    in_range,
+    positive,
+)
+from unirl.core.source_plugin import SOURCES
+
+
+def _registered_source(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    SOURCES.get(value)
+
+
+@attrs.frozen(kw_only=True)
+class RolloutConfig:
+    """How rollouts are produced or read. The temperature is also the one the trainer divides
+    logits by, so train and rollout log-probs describe the same distribution. ``source`` names a
+    registered `SourcePlugin`; that source's own section (the key inside ``rollout`` is its name,
+    e.g. ``vllm: {kv_cache_gb: 1}``) is ``source_options``, an instance of the plug-in's options
+    class (its defaults when the section is absent; None for a source without options)."""
+
+    source: str = attrs.field(default="sampler", validator=_registered_source)
+    file: str | None = None
+    task: str = "reverse_digits"
+    # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
+    task_options: dict[str, Any] = attrs.field(factory=dict)
+    temperature: float = attrs.field(default=1.0, validator=positive)
+    top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, low_open=True))
+    max_new_tokens: int = attrs.field(default=64, validator=positive)
+    # A JSONL prompt file used instead of rollout.task, scored by rollout.reward (a registered
+    # name or "package.module:function") with rollout.reward_options as keyword arguments
+    # (unirl/rollouts/prompts.py, unirl/rollouts/rewards.py).
+    prompts: str | None = None
+    reward: str | None = None
+    reward_options: dict[str, Any] = attrs.field(factory=dict)
+    # Drop prompts longer than model.max_seq_len - max_new_tokens (with a warning) instead of
+    # refusing the file.
+    skip_long_prompts: bool = False
+    source_options: Any = None
+
+    def __attrs_post_init__(self) -> None:
+        options_cls = SOURCES.get(self.source).options
+        if options_cls is None:
+            if self.source_options is not None:
+                raise ConfigError(
+                    f"rollout.source_options={self.source_options!r}: rollout source "
+                    f"{self.source} has no options; leave it out"
+                )
+        elif self.source_options is None:
+            object.__setattr__(self, "source_options", options_cls())
+        elif not isinstance(self.source_options, options_cls):
+            raise ConfigError(
+                f"rollout.source_options={self.source_options!r} is not the rollout.{self.source} "
+                f"section; pass a {options_cls.__name__} (or a 'rollout: {{{self.source}: ...}}' "
+                "mapping in the YAML)"
+            )
