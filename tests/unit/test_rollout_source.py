@@ -295,3 +295,32 @@ def test_write_task_rollouts_round_trip(tmp_path):
 
 
 _ADD = {"rollout": {"task": "add_small", "max_new_tokens": 4}, "model": {"max_seq_len": 16}}
+
+
+def test_file_source_hands_out_the_records_policy_versions(tmp_path):
+    """A record's ``policy_version`` reaches its sample (None where the record has none); the
+    step's version metrics take the oldest: trainer at version 7, rollout versions {5, 6, None}
+    -> rollout/policy_version 5, rollout/staleness 7 - 5 = 2."""
+    from unirl.rollouts.source import policy_version_metrics
+
+    records = [
+        {"prompt_tokens": [1], "response_tokens": [2], "reward": 0.0, "group_id": 0}
+        | ({} if v is None else {"policy_version": v})
+        for v in (6, 5, None, 6)
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    batch = FileRolloutSource(path, rollout_size=4).next_rollout(0)
+    assert [s.policy_version for s in batch.samples] == [6, 5, None, 6]
+    assert [s.to_record().get("policy_version") for s in batch.samples] == [6, 5, None, 6]
+    assert policy_version_metrics(batch, 7) == {
+        "rollout/policy_version": 5.0,
+        "rollout/staleness": 2.0,
+    }
+    unknown = FileRolloutSource(path, rollout_size=1)
+    for _ in range(2):
+        unknown.next_rollout(0)
+    assert policy_version_metrics(unknown.next_rollout(2), 7) == {}  # the record has none
+    path.write_text(json.dumps(records[0] | {"policy_version": -1}) + "\n")
+    with pytest.raises(RolloutDataError, match=r"line 1: field 'policy_version' is int -1"):
+        FileRolloutSource(path, rollout_size=1).next_rollout(0)
