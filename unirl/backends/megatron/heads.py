@@ -18,22 +18,21 @@ from typing import Any, Protocol
 
 import attrs
 import torch
+from torch import Tensor
 
 from unirl.backends.megatron.fused_head import head_weight
 from unirl.backends.megatron.schedule import ScheduledMicrobatch
 from unirl.core.backend import LogprobSpec, token_logprobs, token_logprobs_from_hidden
 
+Chunks = Sequence[torch.nn.Module]  # this rank's unwrapped chunks of the model that ran
+Spec = LogprobSpec | None  # how logits become log-probs (None for a value head)
+
 
 class Head(Protocol):
     def __call__(
-        self,
-        chunks: Sequence[torch.nn.Module],
-        item: ScheduledMicrobatch,
-        output: torch.Tensor,
-        spec: LogprobSpec | None,
-    ) -> tuple[torch.Tensor | None, ...]:
-        """The microbatch's per-token results from the last stage's ``output`` (``chunks``: this
-        rank's unwrapped chunks of the model that ran)."""
+        self, chunks: Chunks, item: ScheduledMicrobatch, output: Tensor, spec: Spec
+    ) -> tuple[Tensor | None, ...]:
+        """The microbatch's per-token results from the last stage's ``output``."""
         ...
 
 
@@ -45,12 +44,8 @@ class LogprobHead:
     tp_group: Any  # the tensor-parallel group (None at tp = 1)
 
     def __call__(
-        self,
-        chunks: Sequence[torch.nn.Module],
-        item: ScheduledMicrobatch,
-        output: torch.Tensor,
-        spec: LogprobSpec | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, chunks: Chunks, item: ScheduledMicrobatch, output: Tensor, spec: Spec
+    ) -> tuple[Tensor, Tensor | None]:
         assert item.mb is not None and spec is not None
         rows = item.batch.real_logits(output)  # [T, V_local] logits or [T, H] hidden states
         if self.fused:
@@ -66,12 +61,8 @@ class ValueOutput:
     """A critic's values: ``(values [T] fp32,)`` from its `ValueHead`'s ``[.., 1]`` output."""
 
     def __call__(
-        self,
-        chunks: Sequence[torch.nn.Module],
-        item: ScheduledMicrobatch,
-        output: torch.Tensor,
-        spec: LogprobSpec | None,
-    ) -> tuple[torch.Tensor]:
+        self, chunks: Chunks, item: ScheduledMicrobatch, output: Tensor, spec: Spec
+    ) -> tuple[Tensor]:
         return (item.batch.real_logits(output)[:, 0].float(),)  # [T, 1] -> [T]
 
 
