@@ -223,11 +223,10 @@ class MegatronBackend(EngineBackend):
         if self._closed:
             return
         self._closed = True
-        held = [self.policy, self._reference, self.critic.model if self.critic else None]
-        for model in held:
-            if model is not None:
-                model.close()
+        self.policy.close()
         self._reference = None
+        if self.critic is not None:
+            self.critic.close()
         if dist.is_initialized():
             dist.barrier()
         ps.destroy_model_parallel()

@@ -95,3 +95,6 @@ class MegatronCritic:
 
     def export_hf(self, path: Path) -> None:
         self.model.export_hf(path)
+
+    def close(self) -> None:
+        self.model.close()
