@@ -240,6 +240,21 @@ class RolloutConfig:
     # Drop prompts longer than model.max_seq_len - max_new_tokens (with a warning) instead of
     # refusing the file.
     skip_long_prompts: bool = False
+    # The column mapping of rollout.prompts (JSONL, Parquet or a datasets folder;
+    # unirl/rollouts/prompt_datasets.py): the column holding the prompt (text, or a list of
+    # {role, content} chat messages), the one copied into metadata["answer"], and further
+    # columns copied into the metadata under their own names.
+    prompt_key: str = "prompt"
+    answer_key: str | None = None
+    metadata_keys: tuple[str, ...] = ()
+    # Text prompts go through the tokenizer's chat template as one user message (a messages
+    # prompt always does); system_prompt is put first in every chat prompt (unirl/rollouts/chat.py).
+    apply_chat_template: bool = False
+    system_prompt: str | None = None
+    # Generation also ends after a response whose text contains one of these strings, or at one
+    # of these token ids (besides the tokenizer's eos); the stop is the last response token.
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -270,12 +285,25 @@ class CheckpointConfig:
 
 
 @attrs.frozen(kw_only=True)
+class WandbConfig:
+    """``logging.wandb`` (`unirl.core.run.wandb_log`): the run is ``project``/``name`` (name
+    None: the run folder's name); ``mode: offline`` writes under RUN_DIR/wandb for ``wandb
+    sync`` later."""
+
+    project: str
+    name: str | None = None
+    mode: Literal["online", "offline"] = "online"
+
+
+@attrs.frozen(kw_only=True)
 class LoggingConfig:
     run_dir: str = "runs/unirl"
     # unirl's log level; the engines (DeepSpeed, torch.distributed, vLLM, transformers) log only
     # errors unless it is DEBUG (`unirl.log_setup`).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = True
+    # Weights & Biases: the metrics of metrics.jsonl, from the reporting rank; None = off.
+    wandb: WandbConfig | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -418,7 +446,23 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             "lower it or leave it out (it defaults to model.max_seq_len)"
         )
     _check_prompts(cfg)
+    _check_stops(cfg)
     _check_critic(cfg)
+
+
+def _check_stops(cfg: UnirlConfig) -> None:
+    r = cfg.rollout
+    if r.source == "file" and (r.stop or r.stop_token_ids):
+        raise ConfigError(
+            "rollout.stop / rollout.stop_token_ids end generation, but rollout.source: file "
+            "trains on finished rollouts; remove them or use a generating source"
+        )
+    for i, text in enumerate(r.stop):
+        if not text:
+            raise ConfigError(f"rollout.stop[{i}] is empty; give a non-empty stop string")
+    for i, token in enumerate(r.stop_token_ids):
+        if token < 0:
+            raise ConfigError(f"rollout.stop_token_ids[{i}]={token}; token ids are >= 0")
 
 
 def _check_prompts(cfg: UnirlConfig) -> None:
@@ -430,6 +474,11 @@ def _check_prompts(cfg: UnirlConfig) -> None:
             ("rollout.reward_options", r.reward_options or None),
             ("rollout.skip_long_prompts", r.skip_long_prompts or None),
             ("model.tokenizer", cfg.model.tokenizer),
+            ("rollout.prompt_key", None if r.prompt_key == "prompt" else r.prompt_key),
+            ("rollout.answer_key", r.answer_key),
+            ("rollout.metadata_keys", r.metadata_keys or None),
+            ("rollout.apply_chat_template", r.apply_chat_template or None),
+            ("rollout.system_prompt", r.system_prompt),
         ):
             if value is not None:
                 raise ConfigError(
@@ -609,6 +658,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
         return value
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{path}: expected a list of {_type_name(item)}, got {value!r}")
+        return tuple(_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
