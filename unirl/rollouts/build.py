@@ -72,6 +72,8 @@ def _sampler_source(
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=seed,
         device=device,
+        stop=cfg.rollout.stop,
+        stop_token_ids=cfg.rollout.stop_token_ids,
     )
 
 
