@@ -76,10 +76,16 @@ class SamplerRolloutSource:
                 self.tokenizer.eos_id, stop_token_ids, vocab_size=self._vocab_size
             ),
             stop_strings=stop,
-            decode=self.tokenizer.decode,
+            decode=self._stop_text,
         )
         self._prompt_rng = random.Random(seed)
         self._rollouts_drawn = 0
+
+    def _stop_text(self, ids: Sequence[int]) -> str:
+        """The text stop strings are looked for in: ids beyond the tokenizer (a model with
+        spare rows) read as nothing, as a serving engine's detokenizer reads them."""
+        vocab = self.tokenizer.vocab_size
+        return self.tokenizer.decode([t for t in ids if t < vocab])
 
     @property
     def num_rollouts(self) -> None:
