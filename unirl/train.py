@@ -34,6 +34,7 @@ from unirl.core.run.progress import (
     progress_enabled,
 )
 from unirl.core.run.resume import check_resume_fits
+from unirl.core.run.wandb_log import WandbLog
 from unirl.core.step import RLStep
 from unirl.log_setup import apply_log_level
 
@@ -150,7 +151,14 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         metrics_log = (
-            MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=start)
+            MetricsLog(
+                run_dir,
+                tensorboard=cfg.logging.tensorboard,
+                resume_from_step=start,
+                wandb=None
+                if cfg.logging.wandb is None
+                else WandbLog(cfg.logging.wandb, run_dir, run_id=run_id, config=cfg.to_dict()),
+            )
             if topo.is_reporting_rank
             else None
         )

@@ -10,6 +10,7 @@ computed once, in `Layout`.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import re
 import types
@@ -286,11 +287,11 @@ class CheckpointConfig:
 
 @attrs.frozen(kw_only=True)
 class WandbConfig:
-    """``logging.wandb`` (`unirl.core.run.wandb_log`): the run is ``project``/``name`` (name
-    None: the run folder's name); ``mode: offline`` writes under RUN_DIR/wandb for ``wandb
-    sync`` later."""
+    """``logging.wandb`` (`unirl.core.run.wandb_log`): the run is ``project``/``name`` (project
+    None: W&B's own default, WANDB_PROJECT or "uncategorized"; name None: the run folder's
+    name); ``mode: offline`` writes under RUN_DIR/wandb for ``wandb sync`` later."""
 
-    project: str
+    project: str | None = None
     name: str | None = None
     mode: Literal["online", "offline"] = "online"
 
@@ -447,7 +448,18 @@ def _check_combinations(cfg: UnirlConfig) -> None:
         )
     _check_prompts(cfg)
     _check_stops(cfg)
+    _check_wandb(cfg)
     _check_critic(cfg)
+
+
+def _check_wandb(cfg: UnirlConfig) -> None:
+    """A configured W&B that cannot run is refused before any work (unirl.core.run.wandb_log
+    says why: a warning would scroll away while the whole run goes unlogged)."""
+    if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb is set but Weights & Biases is not installed: pip install -e "
+            "'.[wandb]' (or pip install wandb), or remove logging.wandb"
+        )
 
 
 def _check_stops(cfg: UnirlConfig) -> None:
