@@ -27,6 +27,7 @@ from unirl.core.run.algorithm import needs_reference
 from unirl.core.run.config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
+from unirl.core.run.paths import check_local_paths
 from unirl.core.run.progress import (
     GenerationProgress,
     RunProgress,
@@ -94,12 +95,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     run_dirs.check_writable(
         ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
     )
-    for key, value in (("model.path", cfg.model.path), ("model.ref_path", cfg.model.ref_path)):
-        if value is not None and not Path(value).is_dir():
-            raise ConfigError(
-                f"{key}={value!r} is not a directory; give a local Hugging Face model folder "
-                "(config.json and weights)"
-            )
+    check_local_paths(cfg)
     resumed_id = run_dirs.claim(run_dir, ckpt_root, resume=resume, overwrite=overwrite)
     found = checkpointing.latest_complete(ckpt_root) if resume else None
     if found is not None:

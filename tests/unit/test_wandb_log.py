@@ -83,7 +83,7 @@ def test_offline_wandb_history_equals_metrics_jsonl(tmp_path):
     for row in rows:
         logged = history[row["step"]]
         numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
-        assert "reward/mean" in numbers
+        assert "reward/mean" in numbers and "train_rollout_logprob_abs_diff" in numbers
         for key, value in numbers.items():
             assert logged[key] == pytest.approx(value, rel=1e-12, abs=0), key
         # nothing but the metrics and W&B's own bookkeeping
