@@ -93,3 +93,21 @@ def test_the_committed_sample_is_what_the_script_writes(tmp_path):
         assert got == json.loads((sample / "tokenizer" / name).read_text()), name
     rows = pq.read_table(sample / "train.parquet").to_pylist()
     assert all(set(r) == {"question", "answer"} and "\n#### " in r["answer"] for r in rows)
+
+
+def test_the_readme_real_model_form_is_a_valid_config():
+    """The README's real-model changes applied to the recipe (model.hf_config and
+    model.tokenizer dropped, as it says) give a valid config for 8 GPUs."""
+    import yaml
+
+    from tests.unit.readme import readme_snippet
+    from unirl.core.run.config import config_from_dict
+
+    data = yaml.safe_load(RECIPE.read_text())
+    for section, values in yaml.safe_load(readme_snippet("gsm8k-real", "yaml")).items():
+        data[section] = {**data[section], **values} if isinstance(values, dict) else values
+    del data["model"]["hf_config"], data["model"]["tokenizer"]
+    pytest.importorskip("wandb", reason="the snippet logs to W&B")
+    cfg = config_from_dict(data, world_size=8)
+    assert cfg.rollout.reward == "gsm8k" and cfg.rollout.prompt_key == "question"
+    assert cfg.model.path == "/models/Qwen2.5-1.5B-Instruct" and cfg.layout.dp == 8
