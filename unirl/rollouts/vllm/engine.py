@@ -177,7 +177,7 @@ class VllmEngine:
                 # vLLM cuts the token ids after the one that completes a stop string; the text
                 # keeps the stop string, as the sampler's decoded response does.
                 stop=self.stop or None,
-                include_stop_str_in_output=True,
+                include_stop_str_in_output=bool(self.stop),
                 detokenize=bool(self.stop),
             )
             for r in requests
