@@ -108,7 +108,8 @@ def read_prompt_records(path: Path, columns: ColumnMap) -> list[PromptRecord]:
     """Every prompt of the dataset (JSONL, Parquet or a datasets folder:
     `unirl.rollouts.prompt_datasets`), each row checked (`RolloutDataError` names row and
     field)."""
-    records = [_parse_row(row, where, number, columns) for where, number, row in iter_rows(path)]
+    mapping = columns if columns.mapped else None
+    records = [_parse_row(row, where, number, mapping) for where, number, row in iter_rows(path)]
     if not records:
         raise RolloutDataError(
             f"{path}: the prompt file holds no prompts; write one JSON object per line"
@@ -122,14 +123,15 @@ def prompt_records(cfg: UnirlConfig) -> list[PromptRecord]:
     return read_prompt_records(Path(cfg.rollout.prompts), ColumnMap.of(cfg.rollout))
 
 
-def _parse_row(record: Any, where: str, number: int, columns: ColumnMap) -> PromptRecord:
+def _parse_row(record: Any, where: str, number: int, mapping: ColumnMap | None) -> PromptRecord:
+    """One row, as a unirl prompt line (``mapping`` None) or through the column mapping."""
     if not isinstance(record, dict):
         raise RolloutDataError(
             f'{where}: expected a JSON object such as {{"prompt": "...", "metadata": '
             f'{{"answer": 7}}}}, got {type(record).__name__}'
         )
-    if columns.mapped:
-        return _parse_mapped(record, where, number, columns)
+    if mapping is not None:
+        return _parse_mapped(record, where, number, mapping)
     unknown = sorted(set(record) - set(FIELDS))
     if unknown:
         raise RolloutDataError(
