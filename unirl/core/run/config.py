@@ -232,9 +232,9 @@ class RolloutConfig:
     top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, low_open=True))
     max_new_tokens: int = attrs.field(default=64, validator=positive)
     vllm: VllmConfig = attrs.field(factory=VllmConfig)
-    # A JSONL prompt file used instead of rollout.task, scored by rollout.reward (a registered
-    # name or "package.module:function") with rollout.reward_options as keyword arguments
-    # (unirl/rollouts/prompts.py, unirl/rollouts/rewards.py).
+    # A prompt dataset (JSONL, Parquet or a datasets folder) used instead of rollout.task,
+    # scored by rollout.reward (a registered name or "package.module:function") with
+    # rollout.reward_options as keyword arguments (unirl/rollouts/prompts.py, rewards.py).
     prompts: str | None = None
     reward: str | None = None
     reward_options: dict[str, Any] = attrs.field(factory=dict)
