@@ -155,7 +155,9 @@ class RLStep:
         for plan in [] if warming_up else plans:
             for step in plan.steps:
                 step_metrics.append(
-                    self._optimizer_step(batch, step, adv.advantages, old_bl, ref_bl)
+                    self._optimizer_step(
+                        batch, step, adv.advantages, old_bl, ref_bl, _compares_rollout(decision)
+                    )
                 )
         timings["time/train_s"] = time.perf_counter() - t0
         critic_metrics: list[dict[str, float]] = []
@@ -309,7 +311,10 @@ class RLStep:
         advantages_bl: torch.Tensor,
         old_bl: torch.Tensor | None,
         ref_bl: torch.Tensor | None,
+        compare_rollout: bool,
     ) -> dict[str, float]:
+        """``compare_rollout``: hand the loss the rollout's log-probs (for the train/rollout
+        mismatch metrics and rollout correction); off when the old log-probs are those."""
         topo, settings = self.topology, self.loss_settings
         counts: GlobalCounts = step.counts
         packs = [batch.pack(idx) for idx in step.microbatches(topo.dp_rank)]
@@ -327,7 +332,7 @@ class RLStep:
                 LossInputs(
                     logprobs=logprobs,
                     old_logprobs=dev(mb.old_logprobs),
-                    rollout_logprobs=dev(mb.rollout_logprobs),
+                    rollout_logprobs=dev(mb.rollout_logprobs) if compare_rollout else None,
                     ref_logprobs=dev(mb.ref_logprobs),
                     advantages=dev(mb.advantages),
                     loss_mask=dev(mb.loss_mask),
@@ -440,3 +445,11 @@ def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
         "response_length/max": float(lengths.max()),
         "samples": float(len(batch)),
     }
+
+
+def _compares_rollout(decision: OldLogprobDecision) -> bool:
+    """Whether the loss gets the rollout's log-probs beside the old ones. With old_logprobs:
+    rollout they are the old ones: the train/rollout mismatch would compare them with
+    themselves (0 by construction), so it is not computed and its metrics are absent (the
+    config refuses rollout correction there, which would weigh every token by exp(0))."""
+    return decision.source != "rollout"
