@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,12 @@ import torch
 from unirl.core.data.microbatch import build_microbatch
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.data.rollout_io import read_rollouts, write_rollouts
-from unirl.core.data.routed_experts import FREE, MoeShape, unpack_routed_experts
+from unirl.core.data.routed_experts import (
+    FREE,
+    MoeShape,
+    recorded_per_sample,
+    unpack_routed_experts,
+)
 from unirl.core.errors import RolloutDataError
 
 SHAPE = MoeShape(num_experts=6, top_k=2, moe_layers=(0, 2), norm_topk_prob=True)
@@ -230,3 +236,26 @@ def test_a_batch_without_experts_packs_none():
     packed = RolloutBatch([plain]).pack([0])
     assert packed.routed_experts is None
     assert build_microbatch(packed, cp_size=2, cp_rank=0).routed_experts is None
+
+
+def test_recorded_experts_go_back_to_their_samples():
+    """R2: a forward records [T, layers, top_k] per microbatch in packed order; the rows return
+    to their samples (the identity trick: row entries are the token ids) and attach to the
+    batch, which then packs them for training like a rollout's."""
+    batch = identity_batch()
+    plain = RolloutBatch(
+        [attrs.evolve(s, routed_experts=None) for s in batch.samples], origins=None
+    )
+    packs = [plain.pack([2, 0]), plain.pack([]), plain.pack([1, 3])]
+    recorded = []
+    for p in packs:  # what a recording forward would return: each token's "experts"
+        recorded.append(p.tokens[:, None, None].expand(-1, 2, 2).to(torch.int32))
+    got = recorded_per_sample(packs, recorded)
+    assert sorted(got) == [0, 1, 2, 3]
+    attached = plain.with_routed_experts(got)
+    for s, want in zip(attached.samples, batch.samples):
+        assert torch.equal(s.routed_experts, want.routed_experts)
+    with pytest.raises(RolloutDataError, match=r"no recorded experts for samples \[1, 3\]"):
+        plain.with_routed_experts({0: got[0], 2: got[2]})
+    with pytest.raises(RolloutDataError, match=r"recorded routing has 3 rows for a microbatch"):
+        recorded_per_sample(packs[:1], [recorded[0][:3]])

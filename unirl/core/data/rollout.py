@@ -241,6 +241,21 @@ class RolloutBatch:
             raise RolloutDataError(f"has(): {field!r} is not one of {ALL_OR_NONE_FIELDS}")
         return bool(self.samples) and all(getattr(s, field) is not None for s in self.samples)
 
+    def with_routed_experts(self, experts: Mapping[int, torch.Tensor]) -> RolloutBatch:
+        """This batch with ``routed_experts`` set on every sample (R2: the experts the
+        old-log-prob forward recorded, `unirl.core.data.routed_experts.recorded_per_sample`,
+        collected from every data-parallel rank); every sample index must be given."""
+        missing = [i for i in range(len(self.samples)) if i not in experts]
+        if missing:
+            raise RolloutDataError(
+                f"with_routed_experts: no recorded experts for samples {missing[:10]}; collect "
+                "the recording forward's experts from every data-parallel rank"
+            )
+        samples = tuple(
+            attrs.evolve(s, routed_experts=experts[i]) for i, s in enumerate(self.samples)
+        )
+        return attrs.evolve(self, samples=samples)
+
     def padded_responses(self) -> PaddedResponses:
         """Responses as ``[B, L]`` tensors with masks (see `PaddedResponses`)."""
 

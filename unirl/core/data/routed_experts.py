@@ -179,3 +179,24 @@ def unpack_routed_experts(packed_t: torch.Tensor, cu_seqlens: torch.Tensor) -> l
     return [
         packed_t[a : b - 1].to(device="cpu", dtype=DTYPE) for a, b in itertools.pairwise(bounds)
     ]
+
+
+def recorded_per_sample(
+    packs: Sequence[Any], recorded: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """R2: the experts a recording forward chose, per batch sample index: ``packs`` are the
+    `PackedMicrobatch` es it ran (this data-parallel rank's), ``recorded`` its
+    ``[T, moe_layers, top_k]`` per microbatch in the packed (global, CP-gathered) order. Attach
+    them with `RolloutBatch.with_routed_experts` once every rank's samples are collected."""
+    out: dict[int, torch.Tensor] = {}
+    for packed, experts_t in zip(packs, recorded, strict=True):
+        if packed.num_tokens == 0:
+            continue
+        if experts_t.shape[0] != packed.num_tokens:
+            raise RolloutDataError(
+                f"recorded routing has {experts_t.shape[0]} rows for a microbatch of "
+                f"{packed.num_tokens} tokens; record in the packed token order (CP pieces gathered)"
+            )
+        rows = unpack_routed_experts(experts_t, packed.cu_seqlens)
+        out.update(zip(packed.sample_indices, rows))
+    return out
