@@ -196,3 +196,27 @@ def test_wrong_shapes_are_refused_naming_the_layout():
         replay.replaying(random_experts(5, 2, 6, 2, seed=0)),
     ):
         model(input_ids=torch.arange(T)[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_on_cuda_matches_the_hand_forced_forward(dtype):
+    """The hook on the GPU (the fused experts' CUDA path, bf16 routing weights) against the fp32
+    hand-forced forward on the CPU."""
+    model = tiny_model(norm_topk_prob=True)
+    tokens = torch.randint(
+        0, MOE_HF["vocab_size"], (T,), generator=torch.Generator().manual_seed(1)
+    )
+    forced = random_experts(T, 2, MOE_HF["num_experts"], MOE_HF["num_experts_per_tok"], seed=2)
+    ref, _ = hand_forced(model, forced)
+    with torch.no_grad():
+        want = token_logprobs(ref, tokens)
+    gpu = copy.deepcopy(model).to("cuda", dtype)
+    replay = RouterReplay(gpu)
+    with replay.replaying(forced.cuda()):
+        got = token_logprobs(gpu, tokens.cuda())
+        got.sum().backward()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    assert all(b.gate.weight.grad.abs().sum() > 0 for b in sparse_blocks(gpu))
