@@ -18,6 +18,7 @@ from unirl.core.data.routed_experts import (
     FREE,
     MoeShape,
     recorded_per_sample,
+    select_moe_layers,
     unpack_routed_experts,
 )
 from unirl.core.errors import RolloutDataError
@@ -259,3 +260,16 @@ def test_recorded_experts_go_back_to_their_samples():
         plain.with_routed_experts({0: got[0], 2: got[2]})
     with pytest.raises(RolloutDataError, match=r"recorded routing has 3 rows for a microbatch"):
         recorded_per_sample(packs[:1], [recorded[0][:3]])
+
+
+def test_an_engines_all_layer_array_is_cut_to_the_moe_layers():
+    # vLLM's layout: one column per decoder layer (layer 1 dense, never written: zeros), uint8
+    n, k = 4, 2
+    all_layers = np.zeros((n, 3, k), dtype=np.uint8)
+    all_layers[:, 0] = [[0, 1], [2, 3], [4, 5], [1, 2]]
+    all_layers[:, 2] = [[5, 4], [3, 2], [1, 0], [0, 3]]
+    got = select_moe_layers(all_layers, SHAPE)  # SHAPE.moe_layers == (0, 2)
+    assert got.tolist() == [[list(all_layers[t, 0]), list(all_layers[t, 2])] for t in range(n)]
+    assert select_moe_layers(got, SHAPE).tolist() == got.tolist()  # already per MoE layer
+    with pytest.raises(RolloutDataError, match=r"has 1 layers, neither the model's 2 MoE layers"):
+        select_moe_layers(np.zeros((n, 1, k), dtype=np.int64), SHAPE)

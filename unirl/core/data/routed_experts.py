@@ -5,10 +5,12 @@ for routing replay (``algorithm.routing_replay``).
 ``j`` holds, for each MoE layer in layer order, the ``top_k`` experts token ``j`` of the sample
 (prompt tokens first, then response tokens) was routed to when the model read it. The last
 response token has no row: it is sampled, never read, and its routing reaches no log-prob (its
-logits predict nothing; under the causal mask no other token sees it). This is what vLLM returns
-(``enable_return_routed_experts``: one row per token it ran, ``num_tokens - 1``), so an engine's
-array goes into the sample as it is. Prompt rows are needed: a prompt token's experts shape the
-hidden states every response token attends to.
+logits predict nothing; under the causal mask no other token sees it). These are the rows vLLM
+returns (``enable_return_routed_experts``: one row per token it ran, ``num_tokens - 1``); its layer
+axis holds every decoder layer by layer id (dense layers unwritten), which `select_moe_layers`
+cuts to the MoE layers at the engine boundary (the same array when every layer is sparse, as in
+Qwen3-30B-A3B). Prompt rows are needed: a prompt token's experts shape the hidden states every
+response token attends to.
 
 **Packed (a microbatch).** `pack_routed_experts` lays the rows of the packed samples along the
 packed token stream: position ``t`` holds the experts of input token ``t`` (which is also logit
@@ -104,6 +106,23 @@ def _nested_to_tensor(value: Sequence[Any]) -> torch.Tensor:
         raise RolloutDataError(
             f"field '{FIELD}' is ragged (rows of different lengths) or too large; {_WANT}"
         ) from None
+
+
+def select_moe_layers(experts_nlk: Any, shape: MoeShape) -> torch.Tensor:
+    """An engine's ``[N, decoder layers, top_k]`` array (vLLM indexes by layer id, dense layers
+    included) as the contract's ``[N, moe_layers, top_k]``; an array that already has one column
+    per MoE layer is returned as it is."""
+    tensor = convert_routed_experts(experts_nlk)
+    assert tensor is not None
+    layers = tensor.shape[1]
+    if layers == shape.num_moe_layers:
+        return tensor
+    if layers <= shape.moe_layers[-1]:
+        raise RolloutDataError(
+            f"field '{FIELD}' has {layers} layers, neither the model's {shape.num_moe_layers} MoE "
+            f"layers nor its decoder layers up to {shape.moe_layers[-1]}; check the engine's model"
+        )
+    return tensor[:, list(shape.moe_layers)]
 
 
 def expected_rows(prompt_length: int, response_length: int) -> int:
