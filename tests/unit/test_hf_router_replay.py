@@ -185,6 +185,8 @@ def test_replay_holds_through_gradient_checkpointing():
 def test_wrong_shapes_are_refused_naming_the_layout():
     model = tiny_model(norm_topk_prob=True)
     replay = RouterReplay(model)
+    empty = replay.disagreement_metric()  # no replayed forward (an empty microbatch): 0 of 0
+    assert (float(empty.numerator), float(empty.denominator)) == (0.0, 0.0)
     with (
         pytest.raises(LossInputError, match=r"2 MoE layers and top_k=2; give \[tokens, 2, 2\]"),
         replay.replaying(torch.zeros(T, 3, 2, dtype=torch.int32)),

@@ -29,6 +29,18 @@ order of the tokens the model is given, for HF's packed ``[1, T]`` stream the mi
     with replay.recording():                      # R2: the old-log-prob forward
         logits = model(...)
     experts_t = replay.recorded()                 # [T, moe_layers, top_k] int32
+
+Wiring in a Hugging Face backend (what the backend passes, per microbatch): build one
+`RouterReplay` on the policy model when ``algorithm.routing_replay`` is not ``off`` (not on the
+reference or the critic: they route freely); in the training pass, when ``mb.routed_experts`` is
+not None, enter ``replaying(mb.routed_experts)`` (moved to the device) before the forward and leave
+it after the backward, and put `disagreement_metric` in the microbatch's metrics under
+`unirl.core.maths.losses.router_disagreement.ROUTER_DISAGREEMENT` (also for an empty microbatch);
+in the policy's forward-only pass replay the same way under ``rollout`` and, under ``record``,
+run inside `recording` and hand back `recorded` per microbatch (core maps the rows to samples with
+`unirl.core.data.routed_experts.recorded_per_sample`). Rows are in the order of the model's input
+rows: the packed ``[1, T]`` stream, under Ulysses the rank's CP-local tokens, which is exactly
+``mb.routed_experts`` (CP padding rows are `FREE`).
 """
 
 from __future__ import annotations
@@ -148,9 +160,12 @@ class RouterReplay:
         return torch.stack([self._recorded[i] for i in range(self.num_moe_layers)], dim=1)
 
     def disagreement_metric(self) -> Metric:
-        """``router/disagreement`` of the last replayed forward, summed over its layers."""
+        """``router/disagreement`` of the last replayed forward, summed over its layers; 0 of 0
+        decisions when none ran (an empty microbatch still reports it: every rank must reduce
+        the same metric names)."""
         if not self._counts:
-            raise RuntimeError("RouterReplay.disagreement_metric: no replayed forward ran")
+            zero = torch.zeros((), dtype=torch.int64, device=self.routers[0].weight.device)
+            return router_disagreement_metric(zero, zero)
         differing = torch.stack([c[0] for c in self._counts.values()]).sum()
         decisions = torch.stack([c[1] for c in self._counts.values()]).sum()
         return router_disagreement_metric(differing, decisions)
