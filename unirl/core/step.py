@@ -40,6 +40,7 @@ from unirl.core.run.algorithm import (
 )
 from unirl.core.run.config import UnirlConfig, norm_length
 from unirl.core.run.progress import MicrobatchProgress, logs_step, progress_enabled
+from unirl.core.run.routing_replay import replay_shape
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,12 @@ class RLStep:
         self.loss_settings = loss_settings(cfg)
         self.advantage_settings = advantage_settings(cfg)
         self.uses_reference = needs_reference(cfg)
+        # R3 (routing_replay: rollout): every forward replays the rollout's routed_experts, which
+        # each rollout must carry, in the model's shape. Otherwise experts in the data are not
+        # replayed (under R2 the old-log-prob forward records its own).
+        self.rollout_experts = (
+            replay_shape(cfg) if cfg.algorithm.routing_replay == "rollout" else None
+        )
         self.decisions = DecisionLog()
         self.show_bars = progress_enabled(cfg.progress.enabled)
         self.log_phases = True  # with bars off: this step's phase lines at INFO (log_every)
@@ -79,6 +86,7 @@ class RLStep:
             vocab_size=self.backend.vocab_size,
             max_seq_len=cfg.model.max_seq_len,
             samples_per_prompt=cfg.batch.samples_per_prompt,
+            moe=self.rollout_experts,
         )
         decision = decide_old_logprobs(cfg, len(batch))
         if topo.is_reporting_rank:
@@ -247,6 +255,8 @@ class RLStep:
         old_values_bl: torch.Tensor | None = None,
     ) -> TrainMicrobatch:
         topo = self.topology
+        if self.rollout_experts is None and packed.routed_experts is not None:
+            packed = attrs.evolve(packed, routed_experts=None)
 
         def place(values: torch.Tensor | None) -> torch.Tensor | None:
             if values is None or packed.num_tokens == 0:

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from unirl.core.data.routed_experts import convert_routed_experts
 from unirl.core.data.sample_fields import (
     OPTIONAL_FIELDS,
     PER_TOKEN_FLOAT_FIELDS,
@@ -53,6 +54,10 @@ class RolloutSample:
     )
     values: torch.Tensor | None = attrs.field(
         default=None, converter=_float_converter("values"), eq=_tensor_eq
+    )
+    # [prompt + response - 1, moe_layers, top_k] int32 (`unirl.core.data.routed_experts`).
+    routed_experts: torch.Tensor | None = attrs.field(
+        default=None, converter=convert_routed_experts, eq=_tensor_eq
     )
     metadata: dict[str, Any] = attrs.field(factory=dict, converter=_convert_metadata)
 
@@ -110,6 +115,8 @@ class RolloutSample:
             value = getattr(self, name)
             if value is not None:
                 record[name] = value.tolist()
+        if self.routed_experts is not None:
+            record["routed_experts"] = self.routed_experts.tolist()
         if self.metadata:
             record["metadata"] = self.metadata
         return record

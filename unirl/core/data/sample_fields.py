@@ -19,10 +19,20 @@ from unirl.core.errors import RolloutDataError
 LOGPROB_TOLERANCE = 1e-6
 
 REQUIRED_FIELDS = ("prompt_tokens", "response_tokens", "reward", "group_id")
-OPTIONAL_FIELDS = ("loss_mask", "rollout_logprobs", "ref_logprobs", "values", "metadata")
+OPTIONAL_FIELDS = (
+    "loss_mask",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "values",
+    "routed_experts",
+    "metadata",
+)
 # Optional float fields with one entry per response token; each is given for all samples or none.
 PER_TOKEN_FLOAT_FIELDS = ("rollout_logprobs", "ref_logprobs", "values")
 LOGPROB_FIELDS = ("rollout_logprobs", "ref_logprobs")
+# Optional fields given for all samples or none (`RolloutBatch.has`): the per-token floats and
+# the MoE experts of every read token (`unirl.core.data.routed_experts`).
+ALL_OR_NONE_FIELDS = (*PER_TOKEN_FLOAT_FIELDS, "routed_experts")
 
 # What a per-token field holds, for "give one ... per response token".
 _PER_TOKEN_WHAT = {

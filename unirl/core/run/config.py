@@ -23,6 +23,7 @@ from unirl.core.data.plan import split_per_rank
 from unirl.core.errors import ConfigError
 from unirl.core.run.convert import _convert, _structure
 from unirl.core.run.overrides import apply_overrides
+from unirl.core.run.routing_replay import check_routing_replay
 from unirl.core.run.sections.algorithm import (
     AlgorithmConfig,
     CriticConfig,
@@ -218,6 +219,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     _check_stops(cfg)
     _check_wandb(cfg)
     _check_critic(cfg)
+    check_routing_replay(cfg)
 
 
 def _check_wandb(cfg: UnirlConfig) -> None:
