@@ -7,7 +7,7 @@ holding chunks ``r`` and ``2*sp-1-r``; every rank the same number of tokens). Em
 norms and the LM head are per-token, so they run on the local tokens. Attention is not: before it
 an all-to-all turns ``[H, T_local, D]`` (all heads, my tokens) into ``[H/sp, T_padded, D]`` (my
 heads, every token), the tokens are put back in sequence order, the packed varlen attention of
-the DeepSpeed backend runs over the padded global ``cu_seqlens``, and the inverse permutation and
+the HF backends (`unirl.backends.hf.packed`) runs over the padded global ``cu_seqlens``, and the inverse permutation and
 all-to-all bring ``[T_local, H, D]`` back. Padding sits at the end of each sequence, so under the
 causal mask no real token attends to it. (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509.)
 
@@ -24,13 +24,12 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.backends.deepspeed.packed import packed_attention
+from unirl.backends.hf.packed import packed_attention, register_attention
 from unirl.core.data.context_parallel import cp_local_indices
 from unirl.core.errors import ConfigError
 
 ATTN_NAME = "unirl_ulysses_varlen"
 PLAN_KWARG = "unirl_ulysses"
-_REGISTERED = False
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -158,16 +157,5 @@ def ulysses_attention(
 
 
 def use_ulysses_attention(model: Any) -> None:
-    """Register the Ulysses attention with transformers (once) and switch `model` to it."""
-    global _REGISTERED
-    from transformers import AttentionInterface
-
-    if not _REGISTERED:
-        AttentionInterface.register(ATTN_NAME, ulysses_attention)
-        _REGISTERED = True
-    model.set_attn_implementation(ATTN_NAME)
-    if model.config._attn_implementation != ATTN_NAME:
-        raise ConfigError(
-            f"model {type(model).__name__} cannot switch its attention implementation (it does "
-            "not use transformers' AttentionInterface); fsdp2.sp > 1 needs that"
-        )
+    """Switch `model` to the Ulysses attention."""
+    register_attention(model, ATTN_NAME, ulysses_attention, needed_for="fsdp2.sp > 1")
