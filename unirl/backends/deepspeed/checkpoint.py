@@ -1,6 +1,6 @@
 """Training checkpoints: DeepSpeed's own files (model, ZeRO optimizer partitions, LR scheduler)
-plus each rank's RNG states and core's client state, staged and published by
-`unirl.backends.hf.checkpoint` so that a crash never leaves a checkpoint that looks complete.
+and core's client state; `unirl.backends.hf.checkpoint` adds each rank's RNG states and stages
+and publishes the folder, so that a crash never leaves a checkpoint that looks complete.
 
 Layout of ``<path>/`` (on a filesystem every rank sees)::
 
@@ -21,64 +21,31 @@ from pathlib import Path
 from typing import Any
 
 from unirl.backends.deepspeed.model import DeepSpeedModel
-from unirl.backends.hf.checkpoint import (
-    CLIENT_KEY,
-    begin_save,
-    check_saved,
-    finish_save,
-    open_checkpoint,
-    restore_rng,
-)
+from unirl.backends.hf.checkpoint import CLIENT_KEY, Marker, Models
 from unirl.core.errors import ConfigError
 
 TAG = "state"
 
 
-def save_checkpoint(
-    policy: DeepSpeedModel,
-    path: Path,
-    client_state: Mapping[str, Any],
-    *,
-    rank: int,
-    world_size: int,
-    extra: Mapping[str, DeepSpeedModel],
-) -> None:
-    """Collective: every rank calls it with the same `path`. ``extra``: more trained models of
-    the run (the critic) by tag, saved into the same folder before it is published."""
-    partial = begin_save(path, rank=rank)
+def write_files(partial: Path, models: Models, client: Mapping[str, Any], rank: int) -> Marker:
+    """Each `DeepSpeedModel`'s engine's own ``save_checkpoint``, the critic's under its name."""
+    policy: DeepSpeedModel = models.policy
     policy.engine.save_checkpoint(
-        str(partial), tag=TAG, client_state={CLIENT_KEY: dict(client_state)}, save_latest=False
+        str(partial), tag=TAG, client_state={CLIENT_KEY: dict(client)}, save_latest=False
     )
-    for tag, other in extra.items():
+    for tag, other in models.extra.items():
         other.engine.save_checkpoint(str(partial), tag=tag, save_latest=False)
-    marker = {
-        "world_size": world_size,
-        "zero_stage": policy.engine.zero_optimization_stage(),
-        "engines": sorted(extra),
-    }
-    finish_save(partial, path, rank=rank, marker=marker, client_state=client_state)
+    return {"zero_stage": policy.engine.zero_optimization_stage()}
 
 
-def load_checkpoint(
-    policy: DeepSpeedModel,
-    path: Path,
-    *,
-    rank: int,
-    world_size: int,
-    extra: Mapping[str, DeepSpeedModel],
-) -> dict[str, Any]:
-    """Restore the engines and this rank's RNG states; returns the client state saved with it."""
-    path = Path(path)
-    meta = open_checkpoint(path, world_size=world_size)
+def read_files(path: Path, models: Models) -> dict[str, Any]:
+    policy: DeepSpeedModel = models.policy
     load_path, client = policy.engine.load_checkpoint(
         str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if load_path is None:
         raise ConfigError(f"checkpoint {str(path)!r}: DeepSpeed found no state under tag {TAG!r}")
-    saved = set(meta.get("engines", []))
-    for tag, other in extra.items():
-        check_saved(path, tag, saved)
+    for tag, other in models.extra.items():
         if other.engine.load_checkpoint(str(path), tag=tag)[0] is None:
             raise ConfigError(f"checkpoint {str(path)!r}: DeepSpeed found no state under {tag!r}")
-    restore_rng(path, rank=rank)
     return dict(client[CLIENT_KEY])

@@ -1,6 +1,7 @@
 """Training checkpoints with `torch.distributed.checkpoint` (DCP): every rank writes its own shards
 of the model and optimizer state in parallel, plus its RNG states; rank 0 writes the LR schedule
-position and core's client state. Staged and published by `unirl.backends.hf.checkpoint`.
+position and core's client state; `unirl.backends.hf.checkpoint` adds the RNG states and stages
+and publishes the folder.
 
 Layout of ``<path>/``::
 
@@ -25,14 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unirl.backends.fsdp2.model import Fsdp2Model
-from unirl.backends.hf.checkpoint import (
-    CLIENT_KEY,
-    begin_save,
-    check_saved,
-    finish_save,
-    open_checkpoint,
-    restore_rng,
-)
+from unirl.backends.hf.checkpoint import CLIENT_KEY, Marker, Models
 
 
 def _forget_placeholder_state(optimizer: torch.optim.Optimizer) -> None:
@@ -64,57 +58,33 @@ def _load_model(folder: Path, m: Fsdp2Model, started: bool, scheduler_state: Any
     m.scheduler.load_state_dict(scheduler_state)
 
 
-def save_checkpoint(
-    policy: Fsdp2Model,
-    path: Path,
-    client_state: Mapping[str, Any],
-    *,
-    rank: int,
-    world_size: int,
-    extra: Mapping[str, Fsdp2Model],
-) -> None:
-    """Collective: every rank calls it with the same `path`; ``extra`` models (the critic) go
-    into ``<name>_dcp/`` of the same folder."""
-    partial = begin_save(path, rank=rank)
+def write_files(partial: Path, models: Models, client: Mapping[str, Any], rank: int) -> Marker:
+    """Every rank its DCP shards (the critic's into ``<name>_dcp/``); rank 0 ``meta.pt``."""
+    policy: Fsdp2Model = models.policy
     started = _save_model(partial / "dcp", policy)
     extra_meta = {
         name: {
             "optimizer_started": _save_model(partial / f"{name}_dcp", m),
             "scheduler": m.scheduler.state_dict(),
         }
-        for name, m in extra.items()
+        for name, m in models.extra.items()
     }
     if rank == 0:
         saved = {
             "scheduler": policy.scheduler.state_dict(),
             "optimizer_started": started,
             "extra": extra_meta,
-            CLIENT_KEY: dict(client_state),
+            CLIENT_KEY: dict(client),
         }
         torch.save(saved, partial / "meta.pt")
-    options = policy.options
-    marker = {"world_size": world_size, "sp": options.sp, "sharding": options.sharding}
-    finish_save(partial, path, rank=rank, marker=marker, client_state=client_state)
+    return {"sp": policy.options.sp, "sharding": policy.options.sharding}
 
 
-def load_checkpoint(
-    policy: Fsdp2Model,
-    path: Path,
-    *,
-    rank: int,
-    world_size: int,
-    extra: Mapping[str, Fsdp2Model],
-) -> dict[str, Any]:
-    """Restore model, optimizer, LR position, the ``extra`` models and this rank's RNG; returns
-    the client state."""
-    path = Path(path)
-    open_checkpoint(path, world_size=world_size)
+def read_files(path: Path, models: Models) -> dict[str, Any]:
+    policy: Fsdp2Model = models.policy
     meta = torch.load(path / "meta.pt", weights_only=False)
     _load_model(path / "dcp", policy, meta["optimizer_started"], meta["scheduler"])
-    saved_extra = meta.get("extra", {})
-    for name, m in extra.items():
-        check_saved(path, name, saved_extra)
-        info = saved_extra[name]
+    for name, m in models.extra.items():
+        info = meta["extra"][name]
         _load_model(path / f"{name}_dcp", m, info["optimizer_started"], info["scheduler"])
-    restore_rng(path, rank=rank)
     return dict(meta[CLIENT_KEY])

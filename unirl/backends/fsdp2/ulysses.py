@@ -87,26 +87,18 @@ def _tokens_to_heads(x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
     return _exchange(blocks, group, sp).reshape(sp * hs, t, d)
 
 
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
-        ctx.group, ctx.sp = group, sp
-        return _heads_to_tokens(x, group, sp)
+class _Exchange(torch.autograd.Function):
+    """`_heads_to_tokens` (``to_tokens``) or `_tokens_to_heads`; the backward is the other."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _tokens_to_heads(grad, ctx.group, ctx.sp), None, None
-
-
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
-        ctx.group, ctx.sp = group, sp
-        return _tokens_to_heads(x, group, sp)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, sp: int, to_tokens: bool) -> torch.Tensor:
+        ctx.group, ctx.sp, ctx.to_tokens = group, sp, to_tokens
+        return (_heads_to_tokens if to_tokens else _tokens_to_heads)(x, group, sp)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _heads_to_tokens(grad, ctx.group, ctx.sp), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        back = _tokens_to_heads if ctx.to_tokens else _heads_to_tokens
+        return back(grad, ctx.group, ctx.sp), None, None, None
 
 
 def ulysses_attention(
@@ -139,7 +131,7 @@ def ulysses_attention(
         value = value.repeat_interleave(heads // kv_heads, dim=1)
 
     def gather(x: torch.Tensor) -> torch.Tensor:
-        full = _HeadsToTokens.apply(x[0], group, sp)  # [H/sp, T_padded, D], rank-major
+        full = _Exchange.apply(x[0], group, sp, True)  # [H/sp, T_padded, D], rank-major
         return full.index_select(1, plan.to_sequence)[None]
 
     kwargs.update(
@@ -152,7 +144,7 @@ def ulysses_attention(
         module, gather(query), gather(key), gather(value), None, scaling, dropout, **kwargs
     )  # [1, T_padded, H/sp, D]
     out = out[0].transpose(0, 1).index_select(1, plan.to_ranks)  # [H/sp, T_padded, D]
-    local = _TokensToHeads.apply(out.contiguous(), group, sp)  # [H, T_local, D]
+    local = _Exchange.apply(out.contiguous(), group, sp, False)  # [H, T_local, D]
     return local.transpose(0, 1)[None], None
 
 

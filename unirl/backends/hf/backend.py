@@ -12,8 +12,8 @@ reference and the value head for the critic (`HFCritic`). One optimizer step, as
     stats = backend.optimizer_step()            # grad norm before clipping, lr used
 
 An engine subclasses `HFBackend` and says how to start its processes, switch a model to its
-attention, wrap a model for training (`_trained`) or for frozen forwards (`_frozen`), and how its
-checkpoints are written (``checkpoints``); the loss arithmetic is its trained model's
+attention, wrap a model for training (`_trained`) or for frozen forwards (`_frozen`), and how it
+writes its checkpoint files (``checkpoints``); the loss arithmetic is its trained model's
 ``loss_scale`` alone.
 """
 
@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
+from unirl.backends.hf import checkpoint
+from unirl.backends.hf.checkpoint import CheckpointFiles
 from unirl.backends.hf.critic import HFCritic
 from unirl.backends.hf.fused_head import FusedLMHead, install_fused_head
 from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
@@ -40,29 +42,10 @@ from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.topology import Topology
 
 
-class CheckpointFormat(Protocol):
-    """An engine's checkpoint module: the policy plus ``extra`` trained models by name."""
-
-    def save_checkpoint(
-        self,
-        policy: Any,
-        path: Path,
-        client_state: Mapping[str, Any],
-        *,
-        rank: int,
-        world_size: int,
-        extra: Mapping[str, Any],
-    ) -> None: ...
-
-    def load_checkpoint(
-        self, policy: Any, path: Path, *, rank: int, world_size: int, extra: Mapping[str, Any]
-    ) -> dict[str, Any]: ...
-
-
 class HFBackend(EngineBackend):
     """See the module docstring."""
 
-    checkpoints: ClassVar[CheckpointFormat]
+    checkpoints: ClassVar[CheckpointFiles]
 
     def __init__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
@@ -164,7 +147,8 @@ class HFBackend(EngineBackend):
         return {} if self.critic is None else {"critic": self.critic.model}
 
     def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
-        self.checkpoints.save_checkpoint(
+        checkpoint.save_checkpoint(
+            self.checkpoints,
             self.policy,
             Path(path),
             client_state,
@@ -174,7 +158,8 @@ class HFBackend(EngineBackend):
         )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return self.checkpoints.load_checkpoint(
+        return checkpoint.load_checkpoint(
+            self.checkpoints,
             self.policy,
             Path(path),
             rank=self._dist.rank,
