@@ -7,11 +7,20 @@ gradients of both under random per-token upstream gradients:
   Triton kernels), issue #19's (a);
 - ``matmul_naive``: the same matmul + ``log_softmax(logits.float()).gather`` (the naive form);
 - ``fused``: `logprobs_from_hidden` (vocabulary chunks, no ``[T, V]`` logits), issue #19's (b);
+- ``head_loss``: `unirl.core.maths.head_loss.head_loss`, the loss inside the head (token chunks,
+  three matmuls, the gradients made in the forward; issue #30), its default chunk; with
+  ``--head-loss-chunks 256,512`` also ``head_loss@256`` ... at those token chunks;
 - ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss`` (mean cross-entropy: no
   per-token upstream gradient, no entropy, no temperature), issue #19's (c); recorded as skipped
   when liger-kernel is not importable;
-- with ``--entropy``: ``matmul_kernel_entropy`` and ``fused_entropy``, log-probs and entropy with
-  both gradients (an entropy bonus).
+- with ``--entropy``: ``matmul_kernel_entropy``, ``fused_entropy`` and ``head_loss_entropy``,
+  log-probs and entropy with both gradients (an entropy bonus);
+- with ``--ppo``: ``matmul_kernel_ppo``, ``fused_ppo`` and ``head_loss_ppo``, the objective being
+  core's `compute_loss` (PPO-clip, token-mean, entropy bonus 0.01: what a training step runs;
+  ``head_loss_ppo`` calls it once per token chunk for the gradient, which this measures).
+
+Every method but ``liger`` and ``*_ppo`` has the same objective,
+``sum_t w_logp[t] logp_t (+ w_ent[t] H_t)`` with random per-token weights.
 
 Times are medians over ``--iters`` timed iterations after ``--warmup``: CUDA events on a GPU;
 on the CPU ``perf_counter`` with the methods interleaved round by round (an in-process A/B that
@@ -45,19 +54,55 @@ from typing import Any
 import torch
 
 from benchmarks.run_environment import run_environment
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.maths.head_loss import default_token_chunk, head_loss
 from unirl.core.maths.logprobs import logprobs_from_logits
 from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
+from unirl.core.maths.losses import LossInputs, LossSettings, compute_loss
 
 logger = logging.getLogger("fused_head")
 
 GIB = 1 << 30
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-METHODS = ("matmul_kernel", "matmul_naive", "fused", "liger")
-ENTROPY_METHODS = ("matmul_kernel_entropy", "fused_entropy")
+METHODS = ("matmul_kernel", "matmul_naive", "fused", "head_loss", "liger")
+ENTROPY_METHODS = ("matmul_kernel_entropy", "fused_entropy", "head_loss_entropy")
+PPO_METHODS = ("matmul_kernel_ppo", "fused_ppo", "head_loss_ppo")
 FORWARD_ONLY_METHODS = ("matmul_kernel", "fused")
+PPO_SETTINGS = LossSettings(policy_loss="ppo_clip", entropy_coef=0.01)
 
-# One iteration: (hidden, weight, targets, w_logp, w_ent) -> the scalar whose backward is timed.
+# One iteration: (hidden, weight, targets, w_logp, w_ent, ppo) -> the scalar whose backward is
+# timed; ``ppo`` holds the per-token data of core's loss.
 Step = Callable[..., torch.Tensor]
+
+
+def _weights_loss(w_logp: torch.Tensor, w_ent: torch.Tensor, entropy: bool) -> Callable:
+    """The per-token-weights objective as a loss callable (for head_loss)."""
+
+    def loss(logp: torch.Tensor, ent: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        value = (w_logp * logp).sum()
+        return (value + (w_ent * ent).sum() if entropy else value), {}
+
+    return loss
+
+
+def _ppo_loss(ppo: dict[str, Any]) -> Callable:
+    """Core's compute_loss on this microbatch, as a backend's loss_fn with its microbatch bound."""
+
+    def loss(logp: torch.Tensor, ent: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        inp = LossInputs(
+            logprobs=logp,
+            old_logprobs=ppo["old"],
+            advantages=ppo["adv"],
+            loss_mask=ppo["mask"],
+            seq_ids=ppo["seq_ids"],
+            num_seqs=ppo["num_seqs"],
+            seq_token_counts=ppo["seq_counts"],
+            entropy=ent,
+        )
+        out = compute_loss(inp, ppo["counts"], PPO_SETTINGS, validate=False)
+        return out.loss, out.metrics
+
+    return loss
 
 
 def _liger_loss() -> Any:
@@ -67,42 +112,63 @@ def _liger_loss() -> Any:
 
 
 def make_step(method: str, temperature: float) -> Step:
-    if method in ("matmul_kernel", "matmul_kernel_entropy"):
-        entropy = method.endswith("entropy")
+    base, _, chunk_text = method.partition("@")
+    chunk = int(chunk_text) if chunk_text else None
+    entropy = base.endswith("_entropy") or base.endswith("_ppo")
+    ppo = base.endswith("_ppo")
+    kind = base.removesuffix("_entropy").removesuffix("_ppo")
 
-        def matmul_kernel(h, w, t, w_logp, w_ent):
+    def objective(logp, ent, w_logp, w_ent, data):
+        if ppo:
+            return _ppo_loss(data)(logp, ent)[0]
+        return _weights_loss(w_logp, w_ent, entropy)(logp, ent)[0]
+
+    if kind == "matmul_kernel":
+
+        def matmul_kernel(h, w, t, w_logp, w_ent, data):
             logits = h @ w.T
             if entropy:
                 logp, ent = logprobs_from_logits(
                     logits, t, temperature=temperature, with_entropy=True
                 )
-                return (w_logp * logp).sum() + (w_ent * ent).sum()
-            return (w_logp * logprobs_from_logits(logits, t, temperature=temperature)).sum()
+                return objective(logp, ent, w_logp, w_ent, data)
+            logp = logprobs_from_logits(logits, t, temperature=temperature)
+            return objective(logp, None, w_logp, w_ent, data)
 
         return matmul_kernel
-    if method == "matmul_naive":
+    if kind == "matmul_naive":
 
-        def matmul_naive(h, w, t, w_logp, w_ent):
+        def matmul_naive(h, w, t, w_logp, w_ent, data):
             logp_all = torch.log_softmax((h @ w.T).float() / temperature, dim=-1)
             return (w_logp * logp_all.gather(1, t[:, None]).squeeze(1)).sum()
 
         return matmul_naive
-    if method in ("fused", "fused_entropy"):
-        entropy = method.endswith("entropy")
+    if kind == "fused":
 
-        def fused(h, w, t, w_logp, w_ent):
+        def fused(h, w, t, w_logp, w_ent, data):
             if entropy:
                 logp, ent = logprobs_from_hidden(
                     h, w, t, temperature=temperature, with_entropy=True
                 )
-                return (w_logp * logp).sum() + (w_ent * ent).sum()
-            return (w_logp * logprobs_from_hidden(h, w, t, temperature=temperature)).sum()
+                return objective(logp, ent, w_logp, w_ent, data)
+            logp = logprobs_from_hidden(h, w, t, temperature=temperature)
+            return objective(logp, None, w_logp, w_ent, data)
 
         return fused
-    if method == "liger":
+    if kind == "head_loss":
+
+        def in_head(h, w, t, w_logp, w_ent, data):
+            loss = _ppo_loss(data) if ppo else _weights_loss(w_logp, w_ent, entropy)
+            return head_loss(
+                h, w, t, loss, temperature=temperature, with_entropy=entropy, chunk_size=chunk
+            ).loss
+
+        return in_head
+    if kind == "liger":
         loss = _liger_loss()
-        return lambda h, w, t, w_logp, w_ent: loss(w, h, t)
-    raise ValueError(f"unknown method {method!r}; valid: {METHODS + ENTROPY_METHODS}")
+        return lambda h, w, t, w_logp, w_ent, data: loss(w, h, t)
+    valid = METHODS + ENTROPY_METHODS + PPO_METHODS
+    raise ValueError(f"unknown method {method!r}; valid: {valid} and head_loss@<chunk>")
 
 
 def make_inputs(
@@ -115,7 +181,21 @@ def make_inputs(
     t = torch.randint(0, vocab, (tokens,), generator=g, device=device)
     w_logp = torch.randn(tokens, generator=g, device=device) / tokens
     w_ent = torch.randn(tokens, generator=g, device=device) / tokens
-    return h, w, t, w_logp, w_ent
+    # core's loss: 512-token sequences, 90% of the tokens valid, old log-probs near a 152k-way
+    # uniform policy's, so that some ratios clip
+    seq_ids = torch.arange(tokens, device=device) // 512
+    num_seqs = int(seq_ids[-1]) + 1 if tokens else 0
+    mask = (torch.rand(tokens, generator=g, device=device) > 0.1).float()
+    ppo = {
+        "old": torch.randn(tokens, generator=g, device=device) - 12.0,
+        "adv": torch.randn(tokens, generator=g, device=device),
+        "mask": mask,
+        "seq_ids": seq_ids,
+        "num_seqs": num_seqs,
+        "seq_counts": torch.zeros(num_seqs, device=device).index_add(0, seq_ids, mask).long(),
+        "counts": GlobalCounts(tokens=int(mask.sum()), sequences=num_seqs),
+    }
+    return h, w, t, w_logp, w_ent, ppo
 
 
 def one_iteration(step: Step, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -195,6 +275,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--entropy", action="store_true", help="also " + ", ".join(ENTROPY_METHODS))
+    parser.add_argument("--ppo", action="store_true", help="also " + ", ".join(PPO_METHODS))
+    parser.add_argument(
+        "--head-loss-chunks",
+        default="",
+        help="token chunks (e.g. 256,512,1024,2048): also head_loss@<chunk> for each",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
@@ -205,6 +291,9 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
     if args.entropy:
         methods += list(ENTROPY_METHODS)
+    if args.ppo:
+        methods += list(PPO_METHODS)
+    methods += [f"head_loss@{c}" for c in args.head_loss_chunks.split(",") if c]
     skipped = {}
     if "liger" in methods and importlib.util.find_spec("liger_kernel") is None:
         skipped["liger"] = "liger-kernel is not installed (pip install liger-kernel)"
@@ -224,6 +313,7 @@ def main() -> None:
             "dtype": args.dtype,
             "logits_gib": round(tokens * vocab * dtype.itemsize / GIB, 3),
             "grads_gib": round((tokens + vocab) * hidden * dtype.itemsize / GIB, 3),
+            "head_loss_chunk": min(tokens, default_token_chunk(vocab, device, dtype)),
             "methods": {},
             "forward_only": {},
         }

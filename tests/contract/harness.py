@@ -158,10 +158,10 @@ def forward_only(
     """Per-sample response log-probs from `backend.forward_logprobs` over this rank's share
     (samples ``i`` with ``i % dp == dp_rank``, in microbatches of `FORWARD_MICROBATCH`), and the
     number of microbatches."""
-    from unirl.core.backend import LogprobSpec
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.data.microbatch import build_microbatch
     from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.run.progress import MicrobatchProgress
 
     topo = backend.topology

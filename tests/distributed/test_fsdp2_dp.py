@@ -64,8 +64,8 @@ def split_for_sp(mb, sp: int, rank: int):
 def _worker(rank: int, world_size: int, folder: str) -> dict:
     from unirl.backends import build_backend
     from unirl.backends.fsdp2.plugin import Fsdp2Options
-    from unirl.core.backend import LogprobSpec
     from unirl.core.data.context_parallel import gather_from_cp
+    from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.run.progress import MicrobatchProgress
 
     seqs = make_sequences(11)

@@ -270,7 +270,8 @@ def _hf_logprobs(model, mb):
 def _tp_worker(rank, world_size):
     from unirl.backends.megatron import build_backend
     from unirl.backends.megatron.padded import padded_shape, to_padded, valid_logits
-    from unirl.core.backend import LogprobSpec, token_logprobs
+    from unirl.core.backend import token_logprobs
+    from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.run.config import config_from_dict
     from unirl.core.run.progress import MicrobatchProgress
 

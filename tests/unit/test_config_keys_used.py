@@ -1,16 +1,19 @@
-"""No config key that changes nothing: every field of every config section (the core sections of
-`unirl.core.run.config` and each registered backend's own section) is read somewhere in ``unirl/``
-outside the module that declares it (reads inside it only validate).
+"""No config key that changes nothing: every field of every config section (the core sections,
+`unirl.core.run.sections`, assembled by `unirl.core.run.config`, and each registered backend's own
+section) is read somewhere in ``unirl/`` outside the modules that declare and check it (reads
+there only validate): for a core section, outside ``sections/`` and ``config.py``.
 
 A read is an attribute access ``<section>.<field>`` where ``<section>`` is recognised by how the
 code reaches it: ``cfg.algorithm.clip_low`` / ``self.cfg.algorithm.clip_low`` (an attribute named
 after the section), ``a = cfg.algorithm; a.clip_low`` (a name or ``self`` attribute bound to one,
 also in tuple assignments), or a parameter annotated with the section's class
 (``def f(parallel: ParallelConfig): parallel.tp``). A string that is exactly a full key path
-(``"algorithm.clip_low"``, how `unirl.core.run.algorithm` maps config keys to loss settings and
-reads them with getattr) counts too; a key path inside a message (an f-string or a longer text)
+(``"algorithm.clip_low"``, a key read with getattr) counts too; a key path inside a message (an f-string or a longer text)
 does not. A field name alone, read on anything, does not count: ``.mode`` or ``.dir`` are
-everywhere.
+everywhere. A key declared on a loss or advantage settings field (``clip_low: float =
+LOSS.clip_low``, `unirl.core.run.sections.feeds`) reaches the code as that settings field: it
+counts as read where the settings field is read (``settings.clip_low`` on a parameter annotated
+``LossSettings``, or ``self.loss_settings.clip_low``) outside the settings and config modules.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import attrs
 from unirl.backends import BACKENDS
 from unirl.core.run import config as config_module
 from unirl.core.run.config import UnirlConfig
+from unirl.core.run.sections.feeds import FEEDS
 
 UNIRL = Path(config_module.__file__).parents[2]
 
@@ -166,6 +170,35 @@ def declared_in(cls: type) -> Path:
     return Path(inspect.getsourcefile(cls)).resolve()
 
 
+# The modules that make up the core config (the sections and the module assembling and checking
+# them): a read in any of them only validates, so none counts for a core section.
+CONFIG_FILES = {
+    Path(config_module.__file__).resolve(),
+    *(p.resolve() for p in (UNIRL / "core" / "run" / "sections").glob("*.py")),
+}
+
+
+# The attribute names that hold the settings objects built from the config (`RLStep`).
+SETTINGS_ACCESS = {"LossSettings": "loss_settings", "AdvantageSettings": "advantage_settings"}
+
+
+def fed_settings(found: dict[type, set[str]]) -> dict[tuple[type, str], tuple[type, str]]:
+    """(section class, field) -> (settings class, field) of each config key declared on a
+    settings field."""
+    return {
+        (cls, field.name): field.metadata[FEEDS]
+        for cls in found
+        for field in attrs.fields(cls)
+        if FEEDS in field.metadata
+    }
+
+
+def homes_of(cls: type) -> set[Path]:
+    """The files whose reads of ``cls``'s fields do not count."""
+    home = declared_in(cls)
+    return CONFIG_FILES if home in CONFIG_FILES else {home}
+
+
 def module_name(path: Path) -> str:
     return ".".join(path.relative_to(UNIRL.parent).with_suffix("").parts)
 
@@ -206,7 +239,14 @@ def unread_keys(root: Path = UNIRL) -> list[str]:
     for cls, names in found.items():
         for name in names:
             by_access[name].add(cls)
-    by_class_name = {cls.__name__: cls for cls in found}
+    # A key declared on a settings field (`unirl.core.run.sections.feeds`) is read by the
+    # settings builder for every key alike; it counts as read where its settings field is.
+    fed = fed_settings(found)
+    for settings_cls in {settings_cls for settings_cls, _ in fed.values()}:
+        by_access[SETTINGS_ACCESS[settings_cls.__name__]].add(settings_cls)
+    by_class_name = {cls.__name__: cls for cls in found} | {
+        settings_cls.__name__: settings_cls for settings_cls, _ in fed.values()
+    }
     reads: dict[tuple[type, str], set[Path]] = defaultdict(set)
     files = sorted(root.rglob("*.py"))
     assert len(files) > 50, f"no source found under {root}"
@@ -224,9 +264,16 @@ def unread_keys(root: Path = UNIRL) -> list[str]:
                     reads[read].add(path.resolve())
     unread = []
     for cls, names in found.items():
-        home = declared_in(cls)
         for field in section_fields(cls):
-            if not reads[(cls, field)] - {home}:
+            if (cls, field) in fed:
+                settings_cls, settings_field = fed[(cls, field)]
+                if (
+                    reads[(settings_cls, settings_field)]
+                    - {declared_in(settings_cls)}
+                    - CONFIG_FILES
+                ):
+                    continue
+            if not reads[(cls, field)] - homes_of(cls):
                 unread.append(f"{cls.__name__}.{field} ({sorted(names)[0]}.{field})")
     return sorted(unread)
 

@@ -17,9 +17,10 @@ import torch
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
-from unirl.core.backend import LogprobSpec, TrainingBackend  # noqa: E402
+from unirl.core.backend import TrainingBackend  # noqa: E402
 from unirl.core.data.microbatch import TrainMicrobatch  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
+from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
 from unirl.core.maths.losses import Metric  # noqa: E402
 from unirl.core.run.config import (  # noqa: E402
     BatchConfig,

@@ -27,8 +27,9 @@ from tests.unit.test_deepspeed_backend import (  # noqa: E402
     save_tiny_model,
     train_step,
 )
-from unirl.core.backend import LogprobSpec, TrainingBackend  # noqa: E402
+from unirl.core.backend import TrainingBackend  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
+from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

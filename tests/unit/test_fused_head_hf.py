@@ -15,8 +15,8 @@ from unirl.backends.hf.fused_head import (  # noqa: E402
     install_fused_head,
     split_head_output,
 )
-from unirl.core.backend import LogprobSpec  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
+from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
 
 HF_CONFIG = dict(
     model_type="llama",

@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from unirl.core.backend import CriticModel, LogprobSpec, LossFn, ModelRole
+from unirl.core.backend import CriticModel, LossFn, ModelRole
 from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
 

@@ -21,11 +21,26 @@ import attrs
 import torch
 
 from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.head_loss import HeadLossOutput, head_loss
+from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.logprobs import logprobs_from_logits
 from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
 from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
+
+__all__ = [
+    "CriticModel",
+    "InstrumentedBackend",
+    "LogprobSpec",
+    "LossFn",
+    "ModelRole",
+    "OptimizerStepStats",
+    "TrainingBackend",
+    "ValueLossFn",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
+]
 
 # loss_fn(microbatch, logprobs [T] fp32 with grad, entropy [T] or None) -> (loss, metrics);
 # the loss is this microbatch's share of the step objective (core normalises globally).
@@ -36,18 +51,6 @@ LossFn = Callable[
 ModelRole = Literal["policy", "reference"]
 # value_loss_fn(microbatch, values [T] fp32 with grad) -> (loss, metrics): the critic's share.
 ValueLossFn = Callable[[TrainMicrobatch, torch.Tensor], tuple[torch.Tensor, Mapping[str, Metric]]]
-
-
-@attrs.frozen(kw_only=True)
-class LogprobSpec:
-    """How logits become log-probs: the sampling temperature (train and rollout log-probs must
-    describe the same distribution), the true vocabulary (Megatron pads it), and whether entropy
-    (and its gradient) is needed."""
-
-    temperature: float = 1.0
-    vocab_size: int | None = None
-    with_entropy: bool = False
-    entropy_grad: bool = False
 
 
 def token_logprobs(
@@ -110,6 +113,34 @@ def token_logprobs_from_hidden(
         vocab_size=spec.vocab_size,
     )
     return logp, None
+
+
+def token_loss_from_hidden(
+    hidden_th: torch.Tensor,
+    weight_vh: torch.Tensor,
+    mb: TrainMicrobatch,
+    spec: LogprobSpec,
+    loss_fn: LossFn,
+    *,
+    tp_group: Any = None,
+) -> HeadLossOutput:
+    """``loss_fn(mb, ...)`` of the log-probs of ``hidden_th @ weight_vh.T`` with the loss inside
+    the fused head (`head_loss`: three head matmuls, the gradients of both made in the forward).
+    Only for a separable loss (`unirl.core.maths.head_loss.choose_head_path`); the backend then
+    multiplies ``.loss`` by its `TrainingBackend.loss_scale` and runs backward as with
+    `token_logprobs_from_hidden` + ``loss_fn``; ``.metrics`` are ``loss_fn``'s, ``.logprobs``
+    the detached log-probs."""
+    return head_loss(
+        hidden_th,
+        weight_vh,
+        mb.targets,
+        lambda logp, entropy: loss_fn(mb, logp, entropy),
+        tp_group=tp_group,
+        temperature=spec.temperature,
+        vocab_size=spec.vocab_size,
+        with_entropy=spec.with_entropy,
+        entropy_grad=spec.entropy_grad,
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -30,14 +30,18 @@ from unirl.core.registry import Registry
 
 if TYPE_CHECKING:
     from unirl.core.backend import TrainingBackend
-    from unirl.core.run.config import UnirlConfig
+
+# The run config, a `unirl.core.run.config.UnirlConfig`. Not imported, not even for type
+# checking: the config reads this registry when it is built (the backend's options class, its
+# rules, whether it has a critic), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
+RunConfig = Any
 
 
 class BackendBuilder(Protocol):
     """A backend's constructor: every backend is built with exactly these arguments."""
 
     def __call__(
-        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+        self, cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> TrainingBackend: ...
 
 
@@ -49,7 +53,7 @@ class LazyBuilder:
     target: str
 
     def __call__(
-        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+        self, cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> TrainingBackend:
         module_name, _, name = self.target.partition(":")
         backend_class = getattr(importlib.import_module(module_name), name)
@@ -112,7 +116,7 @@ class ContractLayout:
         return self.world_size // (p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1))
 
 
-def _no_rules(cfg: UnirlConfig) -> None:
+def _no_rules(cfg: RunConfig) -> None:
     """A backend without rules of its own."""
 
 
@@ -123,7 +127,7 @@ class BackendPlugin:
     name: str
     options: type
     build: BackendBuilder
-    check: Callable[[UnirlConfig], None] = _no_rules
+    check: Callable[[RunConfig], None] = _no_rules
     requires: tuple[str, ...] = ()
     install_hint: str = ""
     layouts: tuple[ContractLayout, ...] = ()
@@ -138,7 +142,7 @@ BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")
 
 
 def build_backend(
-    cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
 ) -> TrainingBackend:
     """Build the backend ``cfg.backend`` names; a missing engine package is a `ConfigError` that
     says how to install it."""

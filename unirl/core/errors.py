@@ -1,6 +1,10 @@
 """Exception types for mistakes a user can fix. Each message names the key or field, the value
 seen, and what to set instead; `assert` stays for internal invariants."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
 
 class UnirlError(Exception):
     """Base of every user-facing unirl error."""
@@ -27,3 +31,25 @@ class RunError(UnirlError, RuntimeError):
 class CollectiveTimeoutError(RunError):
     """A collective waited ``parallel.timeout_s`` for a rank that stopped answering. The process
     group cannot be torn down cleanly after it, so the command exits at once."""
+
+
+class KeyedConfigError(ConfigError):
+    """A `ConfigError` whose message names its fields through a key function, so that whoever
+    knows what the user wrote can name those instead: a settings class says
+    ``LossSettings.clip_low``; the config section built on it re-keys the same error to
+    ``algorithm.clip_low`` (no string replacement: the message is rendered again).
+
+    ``render(key)`` builds the message, calling ``key(field)`` for each field it names."""
+
+    def __init__(self, render: Callable[[Callable[[str], str]], str], key: Callable[[str], str]):
+        self.render = render
+        self.key = key
+        super().__init__(render(key))
+
+    def rekeyed(self, key: Callable[[str], str]) -> KeyedConfigError:
+        """The same error with each field named ``key(field)``."""
+        return KeyedConfigError(self.render, key)
+
+    def prefixed(self, path: str) -> KeyedConfigError:
+        """The same error with ``path.`` before each key (the section the fields sit in)."""
+        return KeyedConfigError(self.render, lambda field: f"{path}.{self.key(field)}")

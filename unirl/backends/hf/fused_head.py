@@ -25,9 +25,10 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.core.backend import LogprobSpec, token_logprobs, token_logprobs_from_hidden
+from unirl.core.backend import token_logprobs, token_logprobs_from_hidden
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
+from unirl.core.maths.logprob_spec import LogprobSpec
 
 
 @attrs.frozen

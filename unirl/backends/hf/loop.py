@@ -20,8 +20,8 @@ import torch
 
 from unirl.backends.hf.fused_head import FusedLMHead, packed_logprobs
 from unirl.backends.microbatch import to_device, zero_through_graph
-from unirl.core.backend import LogprobSpec
 from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
 

@@ -8,7 +8,9 @@ context parallel), `convert` / `hf_io` (HF weights in and out), `packed` (microb
 model inputs, the default) and `padded` (as right-padded rows), `schedule` (one call of
 megatron's pipeline schedule, the loss factor), `optimizer`
 (DDP, optimizer, LR schedule), `checkpoint` (distributed checkpointing), `cpu_compat`
-(megatron-core's CUDA-only lines, patched on the CPU only), `backend` (`MegatronBackend`).
+(megatron-core's CUDA-only lines, patched on the CPU only), `te_compat` (names megatron-core
+reads but only TE binds, bound wherever TE is absent), `grouped_experts` (MoE experts on
+``torch._grouped_mm``, or megatron's `SequentialMLP`), `backend` (`MegatronBackend`).
 """
 
 from __future__ import annotations

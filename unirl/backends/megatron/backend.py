@@ -18,7 +18,8 @@ factor that cancels megatron's mean over microbatches and data-parallel ranks.
 
 On the CPU (gloo) the same megatron-core schedules, DDP and optimizer run, with the few
 CUDA-only lines of megatron-core patched by `cpu_compat` (installed only when the device is the
-CPU; on a GPU nothing is patched).
+CPU; on a GPU nothing is patched). Wherever Transformer Engine is absent, CPU or GPU, `te_compat`
+binds the names megatron-core reads but only its TE import binds (the MoE router's gating).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.forward_only import forward_only
-from unirl.backends.megatron import checkpoint, cpu_compat, schedule
+from unirl.backends.megatron import checkpoint, cpu_compat, schedule, te_compat
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
 from unirl.backends.megatron.critic import MegatronCritic
 from unirl.backends.megatron.fused_head import emit_hidden, head_weight
@@ -130,6 +131,7 @@ class MegatronBackend(EngineBackend):
         self.device = self._process_group.device
         if self.device.type == "cpu":
             cpu_compat.install()  # megatron-core's CUDA-only lines, on the CPU only
+        te_compat.install()  # names megatron-core reads but only TE binds: wherever TE is absent
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)

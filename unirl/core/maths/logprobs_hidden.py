@@ -33,6 +33,8 @@ tokens, so no part of ``dweight`` can be formed in the forward; the part of ``dh
 not depend on them (``(onehot - p) @ W`` and, for entropy, ``(p (E[z] - z)) @ W``) could be, but
 that only moves a matmul from backward to forward (two with entropy) and saves ``[T, H]`` fp32
 tensors. Forward-only passes (old-policy and reference log-probs) cost one matmul, as before.
+When the loss is separable over tokens its per-token gradient IS known in the forward, and
+`unirl.core.maths.head_loss` takes the loss into token chunks with three matmuls.
 
 Tensor parallel (Megatron's vocabulary-parallel output layer): ``weight`` is this rank's shard
 ``[V_local, H]`` holding ids ``[r * V_local, (r + 1) * V_local)``; rows at or beyond
@@ -295,7 +297,8 @@ class _LogprobsFromHidden(torch.autograd.Function):
         return (grad_h, grad_w, *nones)
 
 
-def _validate(
+def validate_hidden_inputs(
+    where: str,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -306,7 +309,8 @@ def _validate(
     tp_size: int,
     kernel: str,
 ) -> None:
-    where = "logprobs_from_hidden"
+    """The checks of `logprobs_from_hidden` and `unirl.core.maths.head_loss.head_loss` (``where``
+    names the caller in the messages): hidden, weight, targets and the options."""
     for name, t, shape in (
         ("hidden", hidden, "[tokens, hidden]"),
         ("weight", weight, "[vocab_local, hidden]"),
@@ -418,7 +422,8 @@ def logprobs_from_hidden(
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    _validate(
+    validate_hidden_inputs(
+        "logprobs_from_hidden",
         hidden,
         weight,
         targets,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -22,9 +22,10 @@ from unirl.core.registry import Registry, same_callable
 if TYPE_CHECKING:
     from unirl.core.maths.advantages.inputs import AdvantageInputs
     from unirl.core.maths.advantages.output import AdvantageOutput
-    from unirl.core.maths.advantages.settings import AdvantageSettings
 
-AdvantageEstimator = Callable[["AdvantageInputs", "AdvantageSettings"], "AdvantageOutput"]
+# The second argument is an `AdvantageSettings`; it is not imported because the settings check
+# their ``estimator`` name against this registry (importing both ways would be a circle).
+AdvantageEstimator = Callable[["AdvantageInputs", Any], "AdvantageOutput"]
 
 # Modules whose import registers the built-in estimators.
 _BUILTIN_MODULES = (
@@ -56,7 +57,7 @@ class EstimatorSpec:
     whitens_over_batch: bool = False
     declared: bool = True
 
-    def __call__(self, inp: AdvantageInputs, settings: AdvantageSettings) -> AdvantageOutput:
+    def __call__(self, inp: AdvantageInputs, settings: Any) -> AdvantageOutput:
         return self.fn(inp, settings)
 
 

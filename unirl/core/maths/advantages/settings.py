@@ -1,38 +1,54 @@
-"""Advantage settings: which estimator, its discounting, and the reward shaping around it."""
+"""Advantage settings: which estimator, its discounting, and the reward shaping around it.
+
+The one source of each default and each rule: the config's ``algorithm`` section declares its
+keys on these fields (`unirl.core.run.sections.algorithm`) and builds this class."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from unirl.core.errors import ConfigError
+from unirl.core.errors import KeyedConfigError
 from unirl.core.maths.advantages.registry import get_advantage_estimator
 from unirl.core.maths.kl import KL_ESTIMATORS
 
 
+def _key(field: str) -> str:
+    """How an error names a field when the settings are built directly (the config re-keys it to
+    the YAML key, `unirl.core.run.sections.algorithm`)."""
+    return f"AdvantageSettings.{field}"
+
+
+def _error(render: Callable[[Callable[[str], str]], str]) -> KeyedConfigError:
+    return KeyedConfigError(render, _key)
+
+
 def _unit_interval(instance: Any, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value <= 1.0:
-        raise ConfigError(f"AdvantageSettings.{attribute.name} must be in [0, 1], got {value}")
+        raise _error(lambda key: f"{key(attribute.name)} must be in [0, 1], got {value}")
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: float) -> None:
     if not value >= 0.0:  # also refuses NaN
-        raise ConfigError(
-            f"AdvantageSettings.{attribute.name} must be >= 0 (0 turns it off), got {value}"
+        raise _error(
+            lambda key: f"{key(attribute.name)} must be >= 0 (0 turns it off), got {value}"
         )
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
     if not value > 0.0:
-        raise ConfigError(f"AdvantageSettings.{attribute.name} must be > 0, got {value}")
+        raise _error(lambda key: f"{key(attribute.name)} must be > 0, got {value}")
 
 
 def _kl_estimator(instance: Any, attribute: attrs.Attribute, value: str) -> None:
     if value not in KL_ESTIMATORS:
-        raise ConfigError(
-            f"AdvantageSettings.{attribute.name}={value!r} is not a KL estimator; "
-            f"valid: {sorted(KL_ESTIMATORS)}"
+        raise _error(
+            lambda key: (
+                f"{key(attribute.name)}={value!r} is not a KL estimator; "
+                f"valid: {sorted(KL_ESTIMATORS)}"
+            )
         )
 
 

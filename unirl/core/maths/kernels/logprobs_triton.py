@@ -173,11 +173,17 @@ def logits_grad(
     g_entropy: torch.Tensor | None,
     config: tuple[int, int] | None = None,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. ``logits`` in ``out_dtype`` (default: the logits' dtype), one fresh
-    buffer; the entropy term only when ``g_entropy`` is given (then ``mean_z`` must be too)."""
+    buffer, or written into ``out`` (``out=logits`` overwrites the logits in place: each program
+    reads a block of its row before writing that block); the entropy term only when
+    ``g_entropy`` is given (then ``mean_z`` must be too)."""
     n_rows, n_cols = logits.shape
-    grad = torch.empty((n_rows, n_cols), dtype=out_dtype or logits.dtype, device=logits.device)
+    if out is None:
+        out = torch.empty((n_rows, n_cols), dtype=out_dtype or logits.dtype, device=logits.device)
+    assert out.shape == logits.shape and out.stride(1) == 1
+    grad = out
     if n_rows == 0:
         return grad
     with_entropy = g_entropy is not None

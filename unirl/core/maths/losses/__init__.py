@@ -30,12 +30,14 @@ from unirl.core.maths.losses.ppo_clip import ppo_clip_loss
 from unirl.core.maths.losses.registry import (
     PolicyLossFn,
     get_policy_loss,
+    policy_loss_is_separable,
     policy_loss_needs_old_logprobs,
     register_policy_loss,
     registered_policy_losses,
 )
 from unirl.core.maths.losses.reinforce import reinforce_loss
 from unirl.core.maths.losses.rollout_correction import rollout_correction_weight
+from unirl.core.maths.losses.separable import Separability, separability
 from unirl.core.maths.losses.sequence import sequence_mean, sequence_sum
 from unirl.core.maths.losses.settings import (
     AGGREGATION_MODES,
@@ -54,6 +56,7 @@ __all__ = [
     "LossSettings",
     "Metric",
     "PolicyLossFn",
+    "Separability",
     "aggregate",
     "aggregate_metric",
     "cispo_loss",
@@ -62,6 +65,7 @@ __all__ = [
     "get_policy_loss",
     "global_normaliser",
     "gspo_loss",
+    "policy_loss_is_separable",
     "policy_loss_needs_old_logprobs",
     "ppo_clip_loss",
     "reduce_metrics",
@@ -69,6 +73,7 @@ __all__ = [
     "registered_policy_losses",
     "reinforce_loss",
     "rollout_correction_weight",
+    "separability",
     "sequence_mean",
     "sequence_sum",
     "sft_loss",

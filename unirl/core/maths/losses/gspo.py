@@ -15,6 +15,9 @@ With ``A_t = A_i`` and ``seq-mean-token-mean`` aggregation (the paper's objectiv
 is exactly GSPO's: ``s_i A_i (1/|y_i|) sum_t grad logp_t``. The paper's clip ranges are tiny
 (clip_low 3e-4, clip_high 4e-4). ``|y_i|`` is the sequence's GLOBAL valid-token count and the
 sum runs over the CP group, so context parallel gives the same ratio as one rank.
+
+Not separable over tokens: each token's gradient carries ``s_i``, made of the other log-probs of
+its sequence, so the fused head keeps its four-matmul path for it (`unirl.core.maths.head_loss`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from unirl.core.maths.losses.sequence import sequence_mean
 from unirl.core.maths.losses.settings import LossSettings
 
 
-@register_policy_loss("gspo", needs_old_logprobs=False)
+@register_policy_loss("gspo", needs_old_logprobs=False, separable=False)
 def gspo_loss(
     inp: LossInputs, counts: GlobalCounts, settings: LossSettings
 ) -> tuple[torch.Tensor, dict[str, Metric]]:

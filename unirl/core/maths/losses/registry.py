@@ -15,13 +15,18 @@ forward's own detached log-probs cannot stand in for — decides whether a whole
 skipped, so it is declared, not guessed: a function without a ``needs_old_logprobs`` attribute is
 assumed to need them (the safe answer). The built-in losses read ``old_logprobs`` but are exact
 with the reused ones on a single on-policy step (the ratio is 1), so they declare False.
+
+Whether a loss is ``separable`` — each token's loss a function of that token's own log-prob (and
+of data fixed before the forward), so a token's gradient needs no other token's log-prob — decides
+whether the fused head can take the loss into each token chunk (`unirl.core.maths.head_loss`,
+three head matmuls instead of four). Also declared: undeclared losses are assumed not to be.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +37,11 @@ if TYPE_CHECKING:
     from unirl.core.data.counts import GlobalCounts
     from unirl.core.maths.losses.inputs import LossInputs
     from unirl.core.maths.losses.metrics import Metric
-    from unirl.core.maths.losses.settings import LossSettings
 
+# The third argument is a `LossSettings`; it is not imported because the settings check their
+# ``policy_loss`` name against this registry (importing both ways would be a circle).
 PolicyLossFn = Callable[
-    ["LossInputs", "GlobalCounts", "LossSettings"], tuple[torch.Tensor, dict[str, "Metric"]]
+    ["LossInputs", "GlobalCounts", Any], tuple[torch.Tensor, dict[str, "Metric"]]
 ]
 
 # Modules whose import registers the built-in losses.
@@ -59,13 +65,15 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
 
 
 def register_policy_loss(
-    name: str, *, needs_old_logprobs: bool = True
+    name: str, *, needs_old_logprobs: bool = True, separable: bool = False
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register ``fn`` under ``name`` and record whether it needs pre-step log-probs."""
+    """Decorator: register ``fn`` under ``name`` and record whether it needs pre-step log-probs
+    and whether it is separable over tokens (see the module docstring)."""
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES.register(name, fn)
         fn.needs_old_logprobs = needs_old_logprobs  # type: ignore[attr-defined]
+        fn.separable = separable  # type: ignore[attr-defined]
         return fn
 
     return register
@@ -85,3 +93,9 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 def policy_loss_needs_old_logprobs(name: str) -> bool:
     """Whether the loss needs pre-step log-probs; undeclared custom losses are assumed to."""
     return bool(getattr(get_policy_loss(name), "needs_old_logprobs", True))
+
+
+def policy_loss_is_separable(name: str) -> bool:
+    """Whether each token's loss depends on no other token's log-prob; undeclared custom losses
+    are assumed not to be (a custom function may set ``fn.separable = True``)."""
+    return bool(getattr(get_policy_loss(name), "separable", False))

@@ -18,7 +18,7 @@ from unirl.core.maths.losses.registry import register_policy_loss
 from unirl.core.maths.losses.settings import LossSettings
 
 
-@register_policy_loss("reinforce", needs_old_logprobs=False)
+@register_policy_loss("reinforce", needs_old_logprobs=False, separable=True)
 def reinforce_loss(
     inp: LossInputs, counts: GlobalCounts, settings: LossSettings
 ) -> tuple[torch.Tensor, dict[str, Metric]]:

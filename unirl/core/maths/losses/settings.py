@@ -1,18 +1,21 @@
 """What the loss computes: the policy loss, its clip bounds, the extra terms and their weights.
 
-Built by the config module from the user's YAML (``algorithm.*``); every impossible value is
-rejected here, at setup, with a `ConfigError` naming the field — not deep in the training loop.
+The one source of each default and each rule: the config's ``algorithm`` section declares its
+keys on these fields (`unirl.core.run.sections.algorithm`) and builds this class, so every
+impossible value is rejected here, at setup, with a `ConfigError` naming the field (the YAML key
+when built from a config) — not deep in the training loop.
 """
 
 from __future__ import annotations
 
 import math
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
 
-from unirl.core.errors import ConfigError
+from unirl.core.errors import KeyedConfigError
 from unirl.core.maths.kl import KL_ESTIMATORS
 from unirl.core.maths.losses.registry import get_policy_loss
 
@@ -25,22 +28,32 @@ AGGREGATION_MODES: tuple[str, ...] = typing.get_args(Aggregation)
 ROLLOUT_CORRECTION_MODES: tuple[str, ...] = typing.get_args(RolloutCorrection)
 
 
+def _key(field: str) -> str:
+    """How an error names a field when the settings are built directly (the config re-keys it to
+    the YAML key, `unirl.core.run.sections.algorithm`)."""
+    return f"LossSettings.{field}"
+
+
+def _error(render: Callable[[Callable[[str], str]], str]) -> KeyedConfigError:
+    return KeyedConfigError(render, _key)
+
+
 def _finite(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not math.isfinite(value):
-        raise ConfigError(f"LossSettings.{attribute.name} must be finite, got {value}")
+        raise _error(lambda key: f"{key(attribute.name)} must be finite, got {value}")
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     _finite(instance, attribute, value)
     if value is not None and value < 0:
-        raise ConfigError(f"LossSettings.{attribute.name} must be >= 0, got {value}")
+        raise _error(lambda key: f"{key(attribute.name)} must be >= 0, got {value}")
 
 
 def _one_of(choices: tuple[str, ...]):
     def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
         if value not in choices:
-            raise ConfigError(
-                f"LossSettings.{attribute.name}={value!r} is not one of {list(choices)}"
+            raise _error(
+                lambda key: f"{key(attribute.name)}={value!r} is not one of {list(choices)}"
             )
 
     return check
@@ -79,24 +92,33 @@ class LossSettings:
 
     def __attrs_post_init__(self) -> None:
         if self.clip_low > 1.0:
-            raise ConfigError(
-                f"LossSettings.clip_low={self.clip_low} makes the lower ratio bound "
-                f"1 - clip_low negative; use a value in [0, 1] (1.0 = no lower bound)"
+            raise _error(
+                lambda key: (
+                    f"{key('clip_low')}={self.clip_low} makes the lower ratio bound "
+                    f"1 - clip_low negative; use a value in [0, 1] (1.0 = no lower bound)"
+                )
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(
-                f"LossSettings.dual_clip={self.dual_clip} must be > 1 (typical: 3.0), or None "
-                "to turn dual clipping off"
+            raise _error(
+                lambda key: (
+                    f"{key('dual_clip')}={self.dual_clip} must be > 1 (typical: 3.0), "
+                    "or None to turn dual clipping off"
+                )
             )
         lo, hi = self.rollout_correction_low, self.rollout_correction_high
         if not lo <= 1.0 <= hi or lo == hi:
-            raise ConfigError(
-                f"LossSettings.rollout_correction_low={lo} / "
-                f"LossSettings.rollout_correction_high={hi} must satisfy low <= 1 <= high with low < high (an on-policy token, ratio 1, must "
-                "keep weight 1); typical: 0.5 and 2.0"
+            raise _error(
+                lambda key: (
+                    f"{key('rollout_correction_low')}={lo} / "
+                    f"{key('rollout_correction_high')}={hi} must satisfy low <= 1 <= high with "
+                    "low < high (an on-policy token, ratio 1, must keep weight 1); typical: 0.5 "
+                    "and 2.0"
+                )
             )
         if self.value_clip == 0:
-            raise ConfigError(
-                "LossSettings.value_clip=0 freezes the value function; use a positive range "
-                "(typical 0.2) or None for no value clipping"
+            raise _error(
+                lambda key: (
+                    f"{key('value_clip')}=0 freezes the value function; use a positive "
+                    "range (typical 0.2) or None for no value clipping"
+                )
             )

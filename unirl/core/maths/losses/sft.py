@@ -17,7 +17,7 @@ from unirl.core.maths.losses.registry import register_policy_loss
 from unirl.core.maths.losses.settings import LossSettings
 
 
-@register_policy_loss("sft", needs_old_logprobs=False)
+@register_policy_loss("sft", needs_old_logprobs=False, separable=True)
 def sft_loss(
     inp: LossInputs, counts: GlobalCounts, settings: LossSettings
 ) -> tuple[torch.Tensor, dict[str, Metric]]:

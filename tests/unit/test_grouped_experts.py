@@ -1,0 +1,326 @@
+"""`unirl.backends.megatron.grouped_experts`: `GroupedExperts` against a per-expert Python loop
+written here (fp64) and against megatron's `SequentialMLP` with the same weights, forward and
+gradients of the input, the router probabilities and every expert weight, with experts that get
+no token; the selector's choices and reasons. The CUDA bf16 path: the `gpu` test at the end."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.spawn import run_distributed
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core (pip install unirl[megatron])",
+)
+
+HIDDEN, FFN = 16, 8  # row lengths multiples of 16 bytes in fp32 and bf16 (torch._grouped_mm)
+
+
+def _config(num_experts: int, dtype: torch.dtype = torch.float32, **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        ffn_hidden_size=4 * HIDDEN,
+        moe_ffn_hidden_size=FFN,
+        num_moe_experts=num_experts,
+        moe_router_topk=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+    )
+    return TransformerConfig(**(kwargs | overrides))
+
+
+def loop_reference(x, tokens_per_expert, probs, fc1, fc2):
+    """Qwen3-MoE's expert MLP, one expert at a time in fp64:
+    ``(silu(x W_gate^T) * (x W_up^T) * p) W_down^T`` on the rows of each expert."""
+    out, start = [], 0
+    for e, n in enumerate(tokens_per_expert):
+        rows = x[start : start + n].double()
+        h = rows @ fc1[e].double().t()
+        gate, up = h[:, :FFN], h[:, FFN:]
+        a = F.silu(gate) * up * probs[start : start + n].double()[:, None]
+        out.append(a @ fc2[e].double().t())
+        start += n
+    return torch.cat(out)
+
+
+def _build_pair(num_experts: int, dtype: torch.dtype, device: torch.device, **overrides):
+    """SequentialMLP and GroupedExperts with the same weights (loaded by state-dict key)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from unirl.backends.megatron.grouped_experts import (
+        ExpertsChoice,
+        GroupedExperts,
+        experts_spec,
+    )
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    config = _config(num_experts, dtype, **overrides)
+    pg = get_default_pg_collection()
+    sequential = build_module(
+        experts_spec(ExpertsChoice(module=_sequential(), name="sequential", reason="test")),
+        num_experts,
+        config,
+        pg_collection=pg,
+    )
+    grouped = build_module(
+        experts_spec(ExpertsChoice(module=GroupedExperts, name="grouped", reason="test")),
+        num_experts,
+        config,
+        pg_collection=pg,
+    )
+    # same parameter names and shapes as SequentialMLP: its state dict loads as is
+    assert sequential.state_dict().keys() == grouped.state_dict().keys()
+    grouped.load_state_dict(sequential.state_dict())
+    return sequential.to(device), grouped.to(device)
+
+
+def _sequential():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    return SequentialMLP
+
+
+def _weights(module):
+    fc1 = [e.linear_fc1.weight for e in module.local_experts]
+    fc2 = [e.linear_fc2.weight for e in module.local_experts]
+    return fc1, fc2
+
+
+def _run(module, x, tokens_per_expert, probs, grad_out):
+    x = x.clone().requires_grad_()
+    probs = probs.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out, bias = module(x, torch.tensor(tokens_per_expert), probs)
+    assert bias is None
+    out.backward(grad_out)
+    fc1, fc2 = _weights(module)
+    return out.detach(), x.grad, probs.grad, [w.grad for w in fc1], [w.grad for w in fc2]
+
+
+def _inputs(tokens_per_expert, dtype, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(tokens_per_expert)
+    x = torch.randn(total, HIDDEN, generator=g).to(device, dtype)
+    probs = torch.rand(total, generator=g).to(device)  # megatron's permuted probs are fp32
+    grad_out = torch.randn(total, HIDDEN, generator=g).to(device, dtype)
+    return x, probs, grad_out
+
+
+def _reference_grads(x, tokens_per_expert, probs, grad_out, fc1, fc2):
+    x64 = x.detach().double().requires_grad_()
+    p64 = probs.detach().double().requires_grad_()
+    w1 = [w.detach().double().requires_grad_() for w in fc1]
+    w2 = [w.detach().double().requires_grad_() for w in fc2]
+    ref = loop_reference(x64, tokens_per_expert, p64, w1, w2)
+    ref.backward(grad_out.double())
+    return ref.detach(), x64.grad, p64.grad, [w.grad for w in w1], [w.grad for w in w2]
+
+
+def _assert_close(got, ref, tol):
+    """Element-wise within ``tol`` of the reference's largest magnitude."""
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    if ref.numel() == 0:
+        return
+    scale = ref.abs().max().clamp_min(1e-30)
+    err = (got.double() - ref.double()).abs().max() / scale
+    assert err <= tol, f"max error {err:.3g} of the reference's scale > {tol}"
+
+
+def _check(rank, world, runs, device_name):
+    """Each run: (tokens per expert of each case, fused swiglu, dtype name, tolerance)."""
+    for cases, fused, dtype_name, tol in runs:
+        _check_run(cases, fused, getattr(torch, dtype_name), torch.device(device_name), tol)
+    return True
+
+
+def _check_run(cases, fused, dtype, device, tol):
+    for tokens_per_expert in cases:
+        num_experts = len(tokens_per_expert)
+        sequential, grouped = _build_pair(num_experts, dtype, device, bias_activation_fusion=fused)
+        x, probs, grad_out = _inputs(tokens_per_expert, dtype, device)
+        got = _run(grouped, x, tokens_per_expert, probs, grad_out)
+        fc1, fc2 = _weights(grouped)
+        ref = _reference_grads(x, tokens_per_expert, probs, grad_out, fc1, fc2)
+        seq = _run(sequential, x, tokens_per_expert, probs, grad_out)
+        for name, g_t, r_t, s_t in zip(("out", "dx", "dprobs"), got[:3], ref[:3], seq[:3]):
+            assert g_t.shape == r_t.shape, (name, g_t.shape, r_t.shape)
+            _assert_close(g_t, r_t, tol)
+            _assert_close(g_t, s_t.double(), tol)
+        for e, n in enumerate(tokens_per_expert):
+            for g_w, r_w, s_w in (
+                (got[3][e], ref[3][e], seq[3][e]),
+                (got[4][e], ref[4][e], seq[4][e]),
+            ):
+                if n == 0:  # an expert with no token: its weights get a zero gradient
+                    assert g_w is not None and not g_w.any(), f"expert {e}"
+                    continue
+                _assert_close(g_w, r_w, tol)
+                _assert_close(g_w, s_w.double(), tol)
+
+
+# tokens per local expert: uneven, with experts that get no token, one expert, no token at all
+CPU_CASES = ([3, 0, 5, 1, 0, 7], [4], [0, 0, 0], [2, 9, 0, 6])
+
+
+def test_grouped_equals_the_loop_and_sequential_mlp_on_the_cpu():
+    # fp32 with megatron's unfused and fused (weighted_bias_swiglu_impl) activation; bf16
+    # (torch._grouped_mm's CPU fallback takes it) within bf16 rounding (2**-8, twice)
+    runs = [
+        (CPU_CASES, False, "float32", 1e-5),
+        (CPU_CASES, True, "float32", 1e-5),
+        (CPU_CASES[:1], False, "bfloat16", 2e-2),
+    ]
+    assert run_distributed(_check, 1, runs, "cpu") == [True]
+
+
+def test_unsupported_configs_are_refused_and_left_to_sequential():
+    from unirl.backends.megatron.grouped_experts import (
+        GroupedExperts,
+        select_experts,
+        unsupported_reason,
+    )
+    from unirl.core.errors import ConfigError
+
+    assert unsupported_reason(_config(4)) is None
+    assert "biases" in unsupported_reason(_config(4, add_bias_linear=True))
+    assert "not SwiGLU" in unsupported_reason(_config(4, activation_func=F.gelu))
+    assert "not a multiple of 8" in unsupported_reason(
+        _config(4, torch.bfloat16, moe_ffn_hidden_size=12)
+    )
+    with pytest.raises(ConfigError, match="the experts have biases"):
+        GroupedExperts(4, _config(4, add_bias_linear=True), None)
+    cuda = torch.device("cuda", 0)  # a device value only: nothing runs on it
+    choice = select_experts(cuda, _config(4, add_bias_linear=True))
+    assert choice.name == "sequential" and "biases" in choice.reason
+
+
+def test_selector_picks_sequential_on_the_cpu_and_without_grouped_mm(monkeypatch):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from unirl.backends.megatron.grouped_experts import select_experts
+
+    on_cpu = select_experts(torch.device("cpu"), _config(4))
+    assert on_cpu.module is SequentialMLP and "the device is cpu" in on_cpu.reason
+    monkeypatch.delattr(torch, "_grouped_mm")
+    old_torch = select_experts(torch.device("cuda", 0), _config(4))
+    assert old_torch.module is SequentialMLP and "has no torch._grouped_mm" in old_torch.reason
+
+
+# -- the CUDA path --------------------------------------------------------------------------
+
+# larger and uneven, odd counts and empty experts; bf16 matmuls accumulate in fp32 and round
+# their output to bf16 (relative step 2**-8), twice per expert MLP
+GPU_CASES = ([1, 0, 17, 64, 3, 0, 100, 5], [0, 256, 0, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_grouped_on_cuda_equals_the_loop_and_sequential_mlp(dtype_name):
+    from unirl.backends.megatron.grouped_experts import select_experts
+
+    choice = select_experts(torch.device("cuda", 0), _config(4, getattr(torch, dtype_name)))
+    assert choice.name == "grouped", choice.reason
+    tol = {"bfloat16": 2e-2, "float32": 1e-4}[dtype_name]  # fp32 matmuls may use TF32
+    runs = [(GPU_CASES, False, dtype_name, tol), (GPU_CASES, True, dtype_name, tol)]
+    assert run_distributed(_check, 1, runs, "cuda", backend="nccl") == [True]
+
+
+# -- inside megatron-core's MoELayer ----------------------------------------------------------
+
+
+def _layer_check(rank, world, device_name, dispatcher, dtype_name, tol):
+    """Two megatron-core MoELayers of the local spec, experts SequentialMLP and GroupedExperts,
+    same weights: the same output, input gradient and gradient of every parameter (router
+    included)."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import router as router_module
+    from megatron.core.transformer.spec_utils import build_module
+
+    from unirl.backends.megatron import cpu_compat, te_compat
+    from unirl.backends.megatron.grouped_experts import (
+        ExpertsChoice,
+        GroupedExperts,
+        experts_spec,
+    )
+
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    if device.type == "cpu":
+        # router.py:90 moves a CPU router weight to CUDA: a CPU-only line (not what is tested)
+        router_module.torch = cpu_compat._HostTorch()
+    ps.initialize_model_parallel(1, 1)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    te_compat.install()
+    num_experts = 6
+    config = _config(
+        num_experts,
+        dtype,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type="none",
+        use_cpu_initialization=True,
+    )
+    mlp_spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    mlp_spec = mlp_spec.submodules.mlp
+    layers = []
+    for module in (_sequential(), GroupedExperts):
+        choice = ExpertsChoice(module=module, name=module.__name__, reason="test")
+        spec = dataclasses.replace(
+            mlp_spec,
+            submodules=dataclasses.replace(mlp_spec.submodules, experts=experts_spec(choice)),
+        )
+        torch.manual_seed(0)
+        layers.append(build_module(spec, config=config).to(device))
+    assert isinstance(layers[1].experts, GroupedExperts)
+    layers[1].load_state_dict(layers[0].state_dict())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
+    grad_out = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
+    results = []
+    for layer in layers:
+        x_in = x.clone().requires_grad_()
+        out, _ = layer(x_in)
+        out.backward(grad_out)
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        results.append((out.detach(), x_in.grad, grads))
+    (out_s, dx_s, grads_s), (out_g, dx_g, grads_g) = results
+    _assert_close(out_g, out_s.double(), tol)
+    _assert_close(dx_g, dx_s.double(), tol)
+    assert grads_s.keys() == grads_g.keys()
+    for name, grad in grads_s.items():
+        _assert_close(grads_g[name], grad.double(), tol)
+    return True
+
+
+def test_in_a_megatron_moe_layer_the_same_as_sequential_mlp_cpu():
+    # the all-to-all dispatcher needs CUDA (a CUDA stream at construction); all-gather here
+    assert run_distributed(_layer_check, 1, "cpu", "allgather", "float32", 1e-5) == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_in_a_megatron_moe_layer_the_same_as_sequential_mlp_cuda():
+    assert run_distributed(
+        _layer_check, 1, "cuda", "alltoall", "bfloat16", 3e-2, backend="nccl"
+    ) == [True]

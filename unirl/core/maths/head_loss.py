@@ -1,0 +1,478 @@
+"""The loss inside the fused head: from the final hidden states and the (vocabulary-sharded) LM
+head weight to the loss, its metrics and the exact gradients of both, in THREE head-sized matmuls
+and without the ``[T, V]`` logits — for losses that are a sum over tokens of a function of each
+token's own log-prob and entropy (`unirl.core.maths.losses.separable`).
+
+`unirl.core.maths.logprobs_hidden` needs four matmuls because the upstream gradient of each
+token's log-prob is only known after the loss. For a separable loss it is known as soon as the
+token's log-prob is: ``dL/dlogp_t = f_t'(logp_t, H_t)``. So the chunks run over TOKENS, each with
+the whole vocabulary (Liger's FusedLinearCrossEntropy / GRPO design), and per chunk ``c``::
+
+    logits_c = hidden[c] @ weight.T            matmul 1 (one [C, V_local] buffer, reused)
+    logp_c, H_c from the softmax statistics     (over the tensor-parallel group: MAX + SUM)
+    g_logp_c, g_H_c = the loss's gradient       (below)
+    dz_c = g_logp (onehot - p) + g_H p (E[z] - z), / temperature, written over logits_c
+    dhidden[c] = dz_c @ weight                  matmul 2 (each row written once)
+    dweight   += dz_c.T @ hidden[c]             matmul 3 (accumulated over token chunks)
+
+and backward only multiplies the stored gradients by the scalar upstream gradient (the backend's
+loss scale). The per-token gradient comes from the caller's loss itself, with no per-loss code:
+the loss is called on the ``[T]`` log-probs with this chunk's values filled in (tokens of later
+chunks hold 0, earlier ones their values) as a leaf, and autograd's gradient at the chunk's tokens
+is exactly ``f_t'`` there because no token's term depends on another's log-prob. The metrics and
+the loss value come from one last call on the complete detached log-probs.
+
+Precision: on CUDA the chunk logits are the head's bf16 (cuBLAS, fp32 accumulation, one rounding
+as the head's own matmul rounds them), the softmax statistics and ``dz`` come from the Triton
+kernels of `unirl.core.maths.kernels.logprobs_triton` (``dz`` overwrites the chunk's logits),
+``dhidden`` is one rounding of an fp32-accumulated product, and ``dweight`` is summed over the
+token chunks in the weight's dtype (each cuBLAS ``addmm`` accumulates in fp32 and rounds once: one
+rounding per chunk, as in Liger; an fp32 accumulator would cost twice the weight's bytes). On the
+CPU a plain chunked PyTorch path computes in fp32 (fp64 for fp64 inputs) with fp32 accumulators.
+
+Memory beyond the inputs: the two gradients (which every method returns) plus one chunk of logits,
+``chunk_size x V_local`` in the inputs' dtype (`default_token_chunk`).
+
+Tensor parallel (Megatron's vocabulary-parallel output layer): as `logprobs_from_hidden`, rank r
+holds ids ``[r V_local, (r + 1) V_local)``, rows at or beyond ``vocab_size`` are padding (gradient
+0), ``hidden`` is replicated and its gradient is the sum over the shards (one all-reduce at the
+end); each chunk all-reduces its ``[C]`` statistics. Every rank calls the loss on the same
+log-probs, so the ranks agree on every gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from unirl.core.errors import LossInputError
+from unirl.core.maths.logprobs import Kernel, _combine, _triton_kernels
+from unirl.core.maths.logprobs_hidden import _fp32_out_mm_works, validate_hidden_inputs
+from unirl.core.maths.losses.metrics import Metric
+from unirl.core.maths.losses.separable import separability
+from unirl.core.maths.losses.settings import LossSettings
+
+# loss(logprobs [T], entropy [T] or None) -> (this microbatch's loss, metrics): the backend's
+# `LossFn` with its microbatch bound. Must be separable over tokens (`choose_head_path`).
+TokenLoss = Callable[
+    [torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Metric]]
+]
+
+# The CUDA chunk holds ``rows x V_local`` logits in the inputs' dtype; this bounds its bytes. At
+# vocabulary 151,936 in bf16: 1,024 rows, 0.29 GiB. Fewer rows make more, smaller matmuls and more
+# loss calls; below ~512 rows the weight-gradient addmm reads and writes the whole [V, H] gradient
+# per chunk for too few FLOPs (benchmarks/fused_head.py --head-loss-chunks measures the trade-off).
+_CUDA_CHUNK_BYTES = 1 << 29
+_CUDA_MIN_ROWS = 128
+# The CPU path makes a few temporaries of the chunk's size: 2**24 elements, as logprobs_from_hidden.
+_CPU_CHUNK_ELEMENTS = 1 << 24
+
+
+def default_token_chunk(n_local: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Token rows per chunk for ``n_local`` vocabulary rows of ``dtype`` on ``device``; it
+    depends only on the shard's shape, so every tensor-parallel rank runs the same chunks."""
+    cols = max(n_local, 1)
+    if device.type == "cuda":
+        rows = max(_CUDA_MIN_ROWS, _CUDA_CHUNK_BYTES // (cols * dtype.itemsize))
+        return 1 << (rows.bit_length() - 1)  # a power of two: whole tensor-core tiles
+    return max(1, _CPU_CHUNK_ELEMENTS // cols)
+
+
+@attrs.frozen
+class HeadPath:
+    """Which fused-head path a loss configuration takes, and why (printed by `unirl check`)."""
+
+    loss_in_head: bool  # True: `head_loss` (3 matmuls); False: `logprobs_from_hidden` + the loss
+    reason: str
+
+
+def choose_head_path(settings: LossSettings) -> HeadPath:
+    """The fused head's path for ``settings``: the loss inside the head when it is separable over
+    tokens, else log-probs from the head (logits recomputed in backward) and the loss after."""
+    sep = separability(settings)
+    if sep.separable:
+        return HeadPath(True, f"loss inside the fused head (3 head matmuls): {sep.reason}")
+    return HeadPath(False, f"fused head log-probs, then the loss (4 head matmuls): {sep.reason}")
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class HeadLossOutput:
+    """``loss``: the scalar loss, autograd-connected to ``hidden`` and ``weight`` (and to whatever
+    else the loss reads); ``metrics``: the loss's metrics on the complete log-probs;
+    ``logprobs`` / ``entropy``: detached fp32 ``[T]`` (entropy None unless asked for)."""
+
+    loss: torch.Tensor
+    metrics: Mapping[str, Metric]
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+class _Grads:
+    """The gradients made in the forward, handed once to backward (not autograd inputs)."""
+
+    def __init__(self, hidden: torch.Tensor | None, weight: torch.Tensor | None) -> None:
+        self.hidden, self.weight = hidden, weight
+
+
+class _AttachGrads(torch.autograd.Function):
+    """Returns 0, with the stored gradients of ``hidden`` and ``weight`` as its backward (scaled
+    by the upstream gradient); added to the loss value to connect it to both."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, grads: _Grads
+    ) -> torch.Tensor:
+        ctx.grads = grads
+        ctx.hidden_dtype = hidden.dtype
+        return torch.zeros((), dtype=torch.float32, device=hidden.device)
+
+    @staticmethod
+    def backward(
+        ctx: Any, g: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "head_loss: backward ran twice through the same loss; its gradients are made in "
+                "the forward and handed over once (call head_loss again, or do not retain_graph)"
+            )
+        gh = None if grads.hidden is None else grads.hidden.mul_(g).to(ctx.hidden_dtype)
+        gw = None if grads.weight is None else grads.weight.mul_(g)
+        return gh, gw, None
+
+
+def _chunk_loss_grads(
+    loss: TokenLoss,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    lo: int,
+    hi: int,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dL/dlogp, dL/dH)`` at tokens ``[lo, hi)`` from one call of the loss on leaves holding
+    the log-probs computed so far (exact there for a separable loss)."""
+    x = logp.detach().requires_grad_(True)
+    e = None if entropy is None else entropy.detach().requires_grad_(entropy_grad)
+    wrt = [x] + ([e] if e is not None and entropy_grad else [])
+    with torch.enable_grad():
+        value, _ = loss(x, e)
+    if not value.requires_grad:  # e.g. a loss whose every token is masked
+        grads: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)
+    else:
+        grads = torch.autograd.grad(value, wrt, allow_unused=True)
+    out = [
+        torch.zeros(hi - lo, dtype=logp.dtype, device=logp.device) if t is None else t[lo:hi]
+        for t in grads
+    ]
+    return out[0], (out[1] if len(out) > 1 else None)
+
+
+class _Pass:
+    """One call's constants and buffers: the token chunks, the outputs, the gradients."""
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        group: Any,
+        inv_temp: float,
+        vocab_start: int,
+        n_valid: int,
+        chunk: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+        want_h: bool,
+        want_w: bool,
+        kernels: ModuleType | None,
+    ) -> None:
+        self.targets, self.group, self.inv_temp = targets, group, inv_temp
+        self.vocab_start, self.n_valid, self.kernels = vocab_start, n_valid, kernels
+        self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
+        n_rows = hidden.shape[0]
+        self.bounds = [(lo, min(lo + chunk, n_rows)) for lo in range(0, n_rows, chunk)]
+        # the PyTorch path computes in fp32 (fp64 for fp64 inputs); the kernels' path keeps the
+        # matmuls in the inputs' dtype
+        dt = (
+            hidden.dtype
+            if kernels is not None
+            else torch.promote_types(hidden.dtype, torch.float32)
+        )
+        self.stat_dtype = torch.promote_types(dt, torch.float32)
+        self.hidden = hidden.to(dt)
+        self.w_valid = weight[:n_valid].to(dt)
+        dev = hidden.device
+        self.logp = torch.zeros(n_rows, dtype=self.stat_dtype, device=dev)
+        self.entropy = torch.zeros_like(self.logp) if with_entropy else None
+        self.grad_h: torch.Tensor | None = None
+        self.grad_w: torch.Tensor | None = None
+        self._acc_w: torch.Tensor | None = None
+        if want_h:
+            # every row is written once (by the matmul, in the inputs' dtype on the kernels'
+            # path); a tensor-parallel sum over the shards is taken in fp32
+            own_dtype = kernels is not None and group is None
+            new = torch.empty if n_valid else torch.zeros
+            self.grad_h = new(
+                hidden.shape, dtype=hidden.dtype if own_dtype else self.stat_dtype, device=dev
+            )
+        if want_w:
+            self.grad_w = torch.empty_like(weight)
+            self.grad_w[n_valid:] = 0  # padding rows; the first chunk writes the others
+            # the kernels' path sums straight into the gradient (weight's dtype); the PyTorch path
+            # into an accumulator of the compute dtype when that differs
+            same = kernels is not None or weight.dtype == dt
+            self._acc_w = self.grad_w[:n_valid] if same else torch.empty_like(self.w_valid)
+            if n_rows == 0:
+                self._acc_w.zero_()
+        self.buffer = None  # the kernels' chunk logits, then (in place) their gradient
+        if kernels is not None and n_valid and n_rows:
+            self.buffer = torch.empty(min(chunk, n_rows), n_valid, dtype=dt, device=dev)
+
+    # -- per chunk ---------------------------------------------------------------------------
+
+    def logits(self, lo: int, hi: int) -> torch.Tensor:
+        """``hidden[lo:hi] @ weight.T`` over the valid rows, unscaled: the kernels' buffer, or a
+        fresh tensor on the PyTorch path."""
+        h = self.hidden[lo:hi]
+        if self.buffer is None:
+            return h @ self.w_valid.T
+        out = self.buffer[: hi - lo]
+        torch.mm(h, self.w_valid.T, out=out)
+        return out
+
+    def stats(
+        self, logits: torch.Tensor, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(logp, lse, E[z] or None, combined over the group) and the PyTorch path's ``exp(z -
+        max)`` and scaled z, kept for the gradient."""
+        t = self.targets[lo:hi]
+        rows, dev, sd = hi - lo, self.logp.device, self.stat_dtype
+        if self.n_valid == 0:  # this shard is all padding
+            part = (
+                torch.full((rows,), -math.inf, dtype=sd, device=dev),
+                torch.zeros(rows, dtype=sd, device=dev),
+                torch.zeros(rows, dtype=sd, device=dev) if self.with_entropy else None,
+                torch.zeros(rows, dtype=sd, device=dev),
+            )
+            cache = None
+        elif self.kernels is not None:
+            part = self.kernels.local_stats(
+                logits, t, self.vocab_start, self.n_valid, self.inv_temp, self.with_entropy
+            )
+            cache = None
+        else:
+            z = logits.mul_(self.inv_temp)
+            m = z.amax(dim=1)
+            e = (z - m[:, None]).exp_()
+            local = t - self.vocab_start
+            own = (local >= 0) & (local < self.n_valid)
+            picked = z.gather(1, local.clamp(0, self.n_valid - 1)[:, None]).squeeze(1)
+            part = (
+                m,
+                e.sum(dim=1),
+                (e * z).sum(dim=1) if self.with_entropy else None,
+                torch.where(own, picked, 0.0),
+            )
+            cache = (z, e, m)
+        logp, lse, mean_z = _combine(*part, self.group)
+        return logp, lse, mean_z, t, cache  # type: ignore[return-value]
+
+    def logits_grad(
+        self,
+        logits: torch.Tensor,
+        t: torch.Tensor,
+        lse: torch.Tensor,
+        mean_z: torch.Tensor | None,
+        g_logp: torch.Tensor,
+        g_ent: torch.Tensor | None,
+        cache: Any,
+    ) -> torch.Tensor:
+        """``dL/dlogits`` of the chunk (unscaled logits), over the logits' storage."""
+        if self.kernels is not None:
+            g_ent32 = None if g_ent is None else g_ent.float()
+            return self.kernels.logits_grad(
+                logits,
+                t,
+                self.vocab_start,
+                self.n_valid,
+                self.inv_temp,
+                lse,
+                g_logp.float(),
+                mean_z if g_ent is not None else None,
+                g_ent32,
+                out=logits,
+            )
+        z, e, m = cache
+        p = e.mul_(torch.exp(m - lse)[:, None])  # exp(z - lse)
+        if g_ent is not None:  # dH/dz_v = p_v (E[z] - z_v)
+            d = z.neg_().add_(mean_z[:, None]).mul_(g_ent[:, None]).sub_(g_logp[:, None]).mul_(p)
+        else:
+            d = p.mul_(-g_logp[:, None])  # d logp / dz_v = onehot_v - p_v
+        local = t - self.vocab_start
+        own = (local >= 0) & (local < self.n_valid)
+        d.scatter_add_(
+            1, local.clamp(0, self.n_valid - 1)[:, None], torch.where(own, g_logp, 0.0)[:, None]
+        )
+        return d.mul_(self.inv_temp)
+
+    def weight_grads(self, dz: torch.Tensor, lo: int, hi: int) -> None:
+        """``dhidden[lo:hi] = dz @ W``, ``dweight += dz.T @ hidden[lo:hi]``."""
+        h = self.hidden[lo:hi]
+        if self.grad_h is not None:
+            out = self.grad_h[lo:hi]
+            if out.dtype == dz.dtype:
+                torch.mm(dz, self.w_valid, out=out)
+            elif dz.is_cuda and _fp32_out_mm_works(dz.device.type):
+                out.copy_(torch.mm(dz, self.w_valid, out_dtype=out.dtype))
+            else:
+                out.copy_(dz @ self.w_valid)
+        if self._acc_w is not None:
+            if lo == 0:
+                torch.mm(dz.T, h, out=self._acc_w)
+            else:
+                self._acc_w.addmm_(dz.T, h)
+
+    # -- the whole pass ----------------------------------------------------------------------
+
+    def run(self, loss: TokenLoss) -> None:
+        need_grads = self.grad_h is not None or self.grad_w is not None
+        for lo, hi in self.bounds:
+            logits = self.logits(lo, hi) if self.n_valid else None
+            logp, lse, mean_z, t, cache = self.stats(logits, lo, hi)
+            self.logp[lo:hi] = logp
+            if self.entropy is not None:
+                self.entropy[lo:hi] = lse - mean_z
+            if not (need_grads and self.n_valid):  # forward only, or an all-padding shard
+                continue
+            g_logp, g_ent = _chunk_loss_grads(
+                loss, self.logp, self.entropy, lo, hi, self.entropy_grad
+            )
+            dz = self.logits_grad(logits, t, lse, mean_z, g_logp, g_ent, cache)
+            del logits, cache
+            self.weight_grads(dz, lo, hi)
+            del dz
+
+    def gradients(self) -> _Grads:
+        grad_h = self.grad_h
+        if grad_h is not None and self.group is not None:
+            dist.all_reduce(grad_h, group=self.group)  # hidden is replicated: sum the shards
+        grad_w = self.grad_w
+        if grad_w is not None and self._acc_w is not None and self._acc_w.dtype != grad_w.dtype:
+            grad_w[: self.n_valid] = self._acc_w
+        return _Grads(grad_h, grad_w)
+
+
+def head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    loss: TokenLoss,
+    *,
+    tp_group: Any = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_size: int | None = None,
+    kernel: Kernel = "auto",
+) -> HeadLossOutput:
+    """The loss of ``softmax(hidden @ weight.T / temperature)``'s per-token log-probs (and
+    entropy) of ``targets``, with the gradients of ``hidden`` and ``weight`` made in the forward
+    (see the module docstring). ``loss`` MUST be separable over tokens (`choose_head_path` says
+    whether a configuration is); a loss that is not gets wrong gradients, not an error.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states (after the last norm) in the head's dtype; the
+            same on every rank of ``tp_group``.
+        weight: ``[V_local, H]`` this rank's vocabulary shard of the LM head.
+        targets: ``[T]`` global token ids in ``[0, vocab_size)``.
+        loss: ``loss(logprobs [T], entropy [T] or None) -> (loss, metrics)``, called once per
+            token chunk (for its gradient) and once on the complete detached log-probs (for the
+            value and metrics): the backend's `unirl.core.backend.LossFn` with its microbatch.
+        tp_group: the tensor-parallel group, or None when the vocabulary is whole.
+        temperature: divides the logits for log-probs and entropy alike.
+        vocab_size: the true vocabulary; weight rows at or beyond it (padding) are left out.
+        with_entropy: hand the entropy to the loss (else None).
+        entropy_grad: when False the entropy reaches the loss detached (reported only).
+        chunk_size: token rows per chunk (default `default_token_chunk`).
+        kernel: "auto" (Triton for CUDA tensors when importable, else PyTorch), "torch" or
+            "triton".
+    """
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    validate_hidden_inputs(
+        "head_loss",
+        hidden,
+        weight,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_size=vocab_size,
+        tp_size=tp_size,
+        kernel=kernel,
+    )
+    n_local = weight.shape[0]
+    vocab_start = tp_rank * n_local
+    true_vocab = vocab_size if vocab_size is not None else n_local * tp_size
+    n_valid = max(0, min(n_local, true_vocab - vocab_start))
+    kernels = None
+    if kernel == "triton" or (kernel == "auto" and hidden.is_cuda):
+        kernels = _triton_kernels()
+        if kernel == "triton" and (kernels is None or not hidden.is_cuda):
+            raise LossInputError(
+                f"head_loss: kernel='triton' needs CUDA tensors and triton installed (hidden on "
+                f"{hidden.device}, triton available: {kernels is not None}); use kernel='auto'"
+            )
+    if kernels is not None:
+        hidden, targets = hidden.contiguous(), targets.contiguous()
+    if chunk_size is None:
+        chunk_size = default_token_chunk(n_local, hidden.device, hidden.dtype)
+    return _head_loss(
+        hidden,
+        weight,
+        targets,
+        loss,
+        group=tp_group if tp_size > 1 else None,
+        inv_temp=1.0 / temperature,
+        vocab_start=vocab_start,
+        n_valid=n_valid,
+        chunk=chunk_size,
+        with_entropy=with_entropy,
+        entropy_grad=with_entropy and entropy_grad,
+        kernels=kernels,
+    )
+
+
+def _head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    loss: TokenLoss,
+    **options: Any,
+) -> HeadLossOutput:
+    """`head_loss` after its checks (``options``: `_Pass`'s; the tests call this with the
+    kernels on the CPU, in Triton's interpreter)."""
+    grad_on = torch.is_grad_enabled()
+    state = _Pass(
+        hidden.detach(),
+        weight.detach(),
+        targets,
+        want_h=grad_on and hidden.requires_grad,
+        want_w=grad_on and weight.requires_grad,
+        **options,
+    )
+    with torch.no_grad():
+        state.run(loss)
+        grads = state.gradients()
+    logp, entropy = state.logp, state.entropy
+    value, metrics = loss(logp, entropy)
+    if grads.hidden is not None or grads.weight is not None:
+        value = value + _AttachGrads.apply(hidden, weight, grads)
+    return HeadLossOutput(loss=value, metrics=metrics, logprobs=logp, entropy=entropy)

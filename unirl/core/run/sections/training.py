@@ -1,0 +1,76 @@
+"""The sections that shape training: ``optimizer``, ``batch``, ``parallel`` and ``train``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from unirl.core.run.validators import (
+    adam_betas,
+    in_range,
+    non_negative,
+    positive,
+    unit_interval,
+)
+
+Schedule = Literal["constant", "linear", "cosine"]
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerConfig:
+    """AdamW on every backend (torch's; Megatron's wraps it in its distributed optimizer)."""
+
+    # Above 1e30 AdamW's first step size, lr / (1 - betas[0]), nears fp32's limit and torch fails.
+    lr: float = attrs.field(
+        default=1e-6,
+        validator=in_range(0, 1e30, low_open=True, why="typical RL values: 1e-7 to 1e-5"),
+    )
+    # AdamW's decoupled decay, on matrices only: norms and biases (1-D parameters) are not
+    # decayed, as in Megatron-core and the Hugging Face Trainer (every backend does the same).
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.999), validator=adam_betas)
+    eps: float = attrs.field(default=1e-8, validator=positive)
+    # The max global grad norm; null = no clipping (0 or less is refused: it is not "off").
+    grad_clip: float | None = attrs.field(default=1.0, validator=positive)
+    lr_schedule: Schedule = "constant"
+    warmup_steps: int = attrs.field(default=0, validator=non_negative)
+    min_lr_ratio: float = attrs.field(default=0.0, validator=unit_interval)
+
+
+@attrs.frozen(kw_only=True)
+class BatchConfig:
+    """Sizes of one RL step. A rollout is ``prompts_per_rollout x samples_per_prompt`` samples,
+    cut into optimizer steps of ``samples_per_optimizer_step``, each into microbatches by count
+    (``micro_batch_size`` samples per rank) or by a token budget (``max_tokens_per_microbatch``)."""
+
+    prompts_per_rollout: int = attrs.field(default=8, validator=positive)
+    samples_per_prompt: int = attrs.field(default=4, validator=positive)
+    samples_per_optimizer_step: int = attrs.field(default=32, validator=positive)
+    micro_batch_size: int | None = attrs.field(default=None, validator=positive)
+    max_tokens_per_microbatch: int | None = attrs.field(default=None, validator=positive)
+    epochs_per_rollout: int = attrs.field(default=1, validator=positive)
+
+
+@attrs.frozen(kw_only=True)
+class ParallelConfig:
+    tp: int = attrs.field(default=1, validator=positive)
+    pp: int = attrs.field(default=1, validator=positive)
+    vpp: int | None = attrs.field(default=None, validator=positive)
+    cp: int = attrs.field(default=1, validator=positive)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    # None: read WORLD_SIZE from the environment (1 without a launcher).
+    world_size: int | None = attrs.field(default=None, validator=positive)
+    # How long a collective (and so every rank) waits for a rank that stopped answering before
+    # the run fails on every rank; None: 300 s on the CPU (gloo), 1800 s on GPUs (NCCL, whose
+    # first collectives and large checkpoint saves can take minutes).
+    timeout_s: float | None = attrs.field(default=None, validator=positive)
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    rl_steps: int = attrs.field(default=10, validator=positive)
+    seed: int = 0
+    # Stop the run (non-zero exit) after this many optimizer steps in a row were skipped for a
+    # non-finite loss or gradient; 0 = never stop for that (non-finite weights always stop it).
+    max_consecutive_skipped_steps: int = attrs.field(default=3, validator=non_negative)
