@@ -1,4 +1,4 @@
-"""The Hugging Face router hook (`unirl.backends.hf_router_replay`) against a forward written here:
+"""The Hugging Face router hook (`unirl.backends.hf.router_replay`) against a forward written here:
 Qwen3-MoE's sparse blocks computed by hand from forced experts (softmax of the router logits
 gathered at the forced indices, renormalised as ``norm_topk_prob`` says, each expert's SwiGLU
 from the fused weights), fp32."""
@@ -16,7 +16,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
 from tests.unit.replay_fixtures import MOE_HF  # noqa: E402
-from unirl.backends.hf_router_replay import RouterReplay  # noqa: E402
+from unirl.backends.hf.router_replay import RouterReplay  # noqa: E402
 from unirl.core.data.routed_experts import FREE  # noqa: E402
 from unirl.core.errors import LossInputError  # noqa: E402
 

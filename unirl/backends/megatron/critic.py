@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from unirl.backends.base import check_microbatches
 from unirl.backends.megatron.heads import ValueOutput
 from unirl.backends.megatron.passes import MicrobatchLoop
 from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
@@ -81,6 +82,7 @@ class MegatronCritic:
         loss_fn: ValueLossFn,
         progress: MicrobatchProgress,
     ) -> list[Mapping[str, Metric]]:
+        check_microbatches(microbatches, "critic forward_backward")
         return self._loop.train(
             self.model,
             microbatches,
