@@ -270,11 +270,12 @@ def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Name
     (opt_step,) = plan.steps
     packs = [batch.pack(idx) for idx in opt_step.microbatches(topo.dp_rank)]
     mbs = [step._microbatch(p, None, None, None) for p in packs]
-    items, rows, seq_len = schedule_items(mbs, topo, backend.device, packed=backend.packed)
+    items, rows, seq_len = schedule_items(mbs, topo, backend.device, packed=backend.loop.packed)
     labels = [None if it.is_pad else _labels(it) for it in items]  # VPP pads: no labels
     total_valid = sum(float(it.mb.loss_mask.sum()) for it in items if not it.is_pad)
     n = len(items)
-    vpp = len(backend.ddp) > 1
+    ddp, optimizer = backend.policy.ddp, backend.policy.optimizer
+    vpp = len(ddp) > 1
 
     def forward_step(data_iterator: Any, model: Any) -> Any:
         i = next(data_iterator)
@@ -292,20 +293,20 @@ def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Name
         return per_token, loss_func
 
     def one() -> None:
-        iterators = [iter(range(n)) for _ in backend.ddp]
+        iterators = [iter(range(n)) for _ in ddp]
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if vpp else iterators[0],
-            model=list(backend.ddp) if vpp else backend.ddp[0],
+            model=list(ddp) if vpp else ddp[0],
             num_microbatches=n,
             seq_length=seq_len,
             micro_batch_size=rows,
             forward_only=False,
         )
-        backend.optimizer.step()
-        for ddp in backend.ddp:
-            ddp.zero_grad_buffer()
-        backend.optimizer.zero_grad()
+        optimizer.step()
+        for chunk in ddp:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
 
     times, _ = timed(one, args.warmup, args.steps)
     if PROFILE["dir"]:

@@ -70,6 +70,7 @@ def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
+    from unirl.core.mismatch import mismatch_note
     from unirl.core.old_logprobs import decide_old_logprobs
 
     decision = decide_old_logprobs(cfg)
@@ -88,7 +89,8 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         },
         "plan": _plan_summary(cfg),
         "rollout": _rollout_summary(cfg),
-        "old_logprobs": decision.to_dict() | {"explanation": decision.explain()},
+        "old_logprobs": decision.to_dict()
+        | {"explanation": decision.explain(), "mismatch": mismatch_note(cfg, decision.source)},
         "critic": critic_summary(cfg),
     }
 
@@ -111,15 +113,18 @@ def _print_report(report: dict[str, Any]) -> None:
         out.write(f"{key}: {value}\n")
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
+    out.write(report["old_logprobs"]["mismatch"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from unirl.core.run.config import load_config
+    from unirl.core.run.paths import check_local_paths
     from unirl.rollouts.check import check_rollout_config
 
     cfg = load_config(args.config, args.set, world_size=args.world_size)
     apply_log_level(cfg.logging.level)
+    check_local_paths(cfg)
     check_rollout_config(cfg)
     report = check_report(cfg)
     if args.json:

@@ -27,6 +27,7 @@ from unirl.core.run.algorithm import needs_reference
 from unirl.core.run.config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
+from unirl.core.run.paths import check_local_paths
 from unirl.core.run.progress import (
     GenerationProgress,
     RunProgress,
@@ -34,6 +35,7 @@ from unirl.core.run.progress import (
     progress_enabled,
 )
 from unirl.core.run.resume import check_resume_fits
+from unirl.core.run.wandb_log import WandbLog
 from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
 from unirl.log_setup import apply_log_level
@@ -110,12 +112,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     run_dirs.check_writable(
         ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
     )
-    for key, value in (("model.path", cfg.model.path), ("model.ref_path", cfg.model.ref_path)):
-        if value is not None and not Path(value).is_dir():
-            raise ConfigError(
-                f"{key}={value!r} is not a directory; give a local Hugging Face model folder "
-                "(config.json and weights)"
-            )
+    check_local_paths(cfg)
     resumed_id = run_dirs.claim(run_dir, ckpt_root, resume=resume, overwrite=overwrite)
     found = checkpointing.latest_complete(ckpt_root) if resume else None
     if found is not None:
@@ -167,7 +164,14 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         metrics_log = (
-            MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=start)
+            MetricsLog(
+                run_dir,
+                tensorboard=cfg.logging.tensorboard,
+                resume_from_step=start,
+                wandb=None
+                if cfg.logging.wandb is None
+                else WandbLog(cfg.logging.wandb, run_dir, run_id=run_id, config=cfg.to_dict()),
+            )
             if topo.is_reporting_rank
             else None
         )

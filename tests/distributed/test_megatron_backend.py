@@ -285,7 +285,7 @@ def _tp_worker(rank, world_size):
     rows, length = padded_shape(mbs)
     spec = LogprobSpec(temperature=TEMPERATURE, vocab_size=backend.vocab_size)
     logps = []
-    for chunks in (backend.model, backend._reference_chunks()):
+    for chunks in (backend.model, backend.reference().chunks):
         per_mb = []
         for mb in mbs:
             batch = to_padded(mb, rows, length)

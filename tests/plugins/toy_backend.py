@@ -18,12 +18,9 @@ import attrs
 import torch
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.forward_only import forward_only
-from unirl.backends.microbatch import to_device, zero_through_graph
-from unirl.core.backend import (
-    OptimizerStepStats,
-    token_logprobs,
-)
+from unirl.backends.hf.loop import LogprobHead, forward_only_pass, training_pass
+from unirl.backends.hf.model import PackedModule
+from unirl.core.backend import OptimizerStepStats
 from unirl.core.backend_plugin import BackendPlugin
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
@@ -49,6 +46,26 @@ class ToyLM(torch.nn.Module):
         return self.head(torch.tanh(self.embed(tokens)))
 
 
+class ToyModel(PackedModule):
+    """A `ToyLM` as the shared microbatch loop drives it (`unirl.backends.hf.loop`): the loop
+    is written zero times here. One process, gradients summed over microbatches by autograd."""
+
+    def __init__(self, module: ToyLM) -> None:
+        super().__init__(module, device=torch.device("cpu"), run=lambda m, mb: m(mb.tokens))
+
+    def train(self) -> None:
+        self.module.train()
+
+    def loss_scale(self, num_microbatches: int) -> float:
+        return 1.0  # nothing to cancel
+
+    def begin_microbatch(self, *, last: bool) -> None:
+        """No accumulation boundary to mark."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+
 def check(cfg: UnirlConfig) -> None:
     p = cfg.parallel
     if (p.tp, p.pp, p.cp) != (1, 1, 1):
@@ -61,8 +78,8 @@ def check(cfg: UnirlConfig) -> None:
 
 
 class ToyBackend(EngineBackend):
-    """The shared `EngineBackend` base checks the calls and counts forwards; this class holds
-    only the model, the two passes and the state."""
+    """The shared `EngineBackend` base checks the calls and counts forwards, the shared loop runs
+    the microbatches; this class holds only the models and the state."""
 
     def __init__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
@@ -78,43 +95,33 @@ class ToyBackend(EngineBackend):
         self.reference = ToyLM(self.vocab_size, cfg.backend_options.hidden_size)
         self.reference.load_state_dict(self.model.state_dict())
         self.reference.requires_grad_(False)
+        self._models = {"policy": ToyModel(self.model), "reference": ToyModel(self.reference)}
         o = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=0.0
         )
 
     def loss_scale(self, num_microbatches: int) -> float:
-        return 1.0  # one process, gradients summed over microbatches: nothing to cancel
+        return self._models["policy"].loss_scale(num_microbatches)
 
     def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
-        module = self.model if run.role == "policy" else self.reference
-        out = []
-        with forward_only([module], device=self.device):
-            for mb in run.microbatches:
-                mb = to_device(mb, self.device)
-                logp, _ = token_logprobs(module(mb.tokens), mb.targets, run.spec)
-                self._count_forward(run.role)
-                out.append(logp.float())
-                run.progress.tick()
-        return out
+        return forward_only_pass(
+            self._models[run.role],
+            LogprobHead(None, run.spec),
+            run.microbatches,
+            progress=run.progress,
+            count=lambda: self._count_forward(run.role),
+        )
 
     def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
-        self.model.train()
-        metrics = []
-        scale = self.loss_scale(len(run.microbatches))
-        for mb in run.microbatches:
-            mb = to_device(mb, self.device)
-            logits = self.model(mb.tokens)
-            self._count_forward("policy")
-            logp, entropy = token_logprobs(logits, mb.targets, run.spec)
-            loss, mb_metrics = run.loss_fn(mb, logp, entropy)
-            if mb.num_tokens == 0:
-                loss = loss + zero_through_graph(logits)
-            (loss * scale).backward()
-            metrics.append(mb_metrics)
-            run.progress.report(loss=loss.detach(), tokens=mb.num_tokens)
-            run.progress.tick()
-        return metrics
+        return training_pass(
+            self._models["policy"],
+            LogprobHead(None, run.spec),
+            run.microbatches,
+            loss=lambda mb, out: run.loss_fn(mb, out.values, out.entropy),
+            progress=run.progress,
+            count=lambda: self._count_forward("policy"),
+        )
 
     def optimizer_step(self) -> OptimizerStepStats:
         clip = self.cfg.optimizer.grad_clip or math.inf

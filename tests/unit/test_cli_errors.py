@@ -94,6 +94,29 @@ def test_train_errors_before_any_work_are_one_line(capsys, tmp_path):
     assert "--resume continues the run" in line
 
 
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_missing_local_paths_are_refused_by_check_as_by_train(capsys, tmp_path, command):
+    run = ["--set", f"logging.run_dir={tmp_path / 'run'}"]
+    math = str(Path(TINY).parent / "tiny_math.yaml")
+    for config, override, words in [
+        (TINY, "model.path=/no/such/model", "model.path='/no/such/model' is not a directory"),
+        (math, "model.tokenizer=/no/such/tok", "model.tokenizer='/no/such/tok' is not a directory"),
+        (math, "rollout.prompts=/no/such.parquet", "rollout.prompts='/no/such.parquet' does not "
+         "exist"),
+    ]:  # fmt: skip
+        line = _error(capsys, [command, config, "--set", override, *run])
+        assert words in line, line
+
+
+def test_check_says_when_the_mismatch_metrics_are_not_logged(capsys):
+    assert main(["check", TINY, "--set", "old_logprobs=rollout"]) == 0
+    out = capsys.readouterr().out
+    assert "train/rollout mismatch metrics: not logged: with old_logprobs: rollout" in out
+    assert main(["check", TINY, "--set", "rollout.top_p=0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "with rollout.top_p=0.9 the sampler reports untruncated log-probs" in out
+
+
 def test_debug_shows_the_traceback(capsys, tmp_path):
     argv = ["--debug", "check", TINY, "--set", f"{HOOK}=nonexistent_mod:fn"]
     assert main(argv) == 2

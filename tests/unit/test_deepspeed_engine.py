@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from unirl.backends.deepspeed.distributed import clear_stale_baton, op_build_lock
-from unirl.backends.deepspeed.engine import ScheduledLR, adamw_param_groups, deepspeed_config
+from unirl.backends.deepspeed.engine import deepspeed_config
 from unirl.backends.deepspeed.plugin import DeepSpeedOptions
+from unirl.backends.hf.optim import ScheduledLR, adamw_param_groups
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import (
     BatchConfig,

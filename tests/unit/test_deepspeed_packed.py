@@ -1,4 +1,4 @@
-"""The packed forward of the DeepSpeed backend (`unirl.backends.deepspeed.packed`): logits and
+"""The packed forward of the DeepSpeed backend (`unirl.backends.hf.packed`): logits and
 parameter gradients of one packed stream equal those of each sequence run alone through an
 unmodified transformers model (its own SDPA attention) — on the CPU (SDPA per bucket of similar
 lengths, right-padded; one bucket or several) and,
@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from unirl.backends.deepspeed.packed import (  # noqa: E402
+from unirl.backends.hf.packed import (  # noqa: E402
     _varlen_attn,
     bucket_plan,
     forward_packed,

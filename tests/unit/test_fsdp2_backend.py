@@ -188,7 +188,7 @@ def test_reference_is_the_initial_policy_and_frozen(tiny_folder, tmp_path):
         with torch.no_grad():
             assert_logprobs_match(ref, reference_logprobs(initial, seqs), seqs, 1e-5)
         assert (pol - ref).abs().max() > 1e-3  # the policy did move
-        assert not any(p.requires_grad for p in backend._reference.parameters())
+        assert not any(p.requires_grad for p in backend._reference.module.parameters())
         (tmp_path / "half_written").mkdir()
         with pytest.raises(ConfigError, match="has no 'complete' marker"):
             backend.load_checkpoint(tmp_path / "half_written")

@@ -1,4 +1,4 @@
-"""The Hugging Face fused head (`unirl.backends.fused_head`, the DeepSpeed and FSDP2 backends'
+"""The Hugging Face fused head (`unirl.backends.hf.fused_head`, the DeepSpeed and FSDP2 backends'
 ``model.fused_head``): inside a request the model returns per-token log-probs and entropy that
 equal fp64 ``log_softmax`` of its own logits, with the gradients autograd gives through those
 logits; outside one it is the plain head; heads it cannot fuse are refused by name."""
@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from unirl.backends.fused_head import (  # noqa: E402
+from unirl.backends.hf.fused_head import (  # noqa: E402
     FusedLMHead,
     install_fused_head,
     split_head_output,

@@ -4,7 +4,13 @@ from fractions import Fraction
 
 import pytest
 
-from unirl.rollouts.math_reward import exact_match, extract_answer, math_answer, reference_answer
+from unirl.rollouts.math_reward import (
+    exact_match,
+    extract_answer,
+    gsm8k,
+    math_answer,
+    reference_answer,
+)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +36,36 @@ from unirl.rollouts.math_reward import exact_match, extract_answer, math_answer,
         ("", None),
         ("5/0", None),  # no value
         ("007", Fraction(7)),
+        # nested braces in a box: the whole box, not its first closing brace
+        ("\\boxed{\\frac{3}{4}} then 9", Fraction(3, 4)),
+        ("\\boxed{2^{10}}", Fraction(10)),  # no power evaluation: its last number
+        ("\\boxed{\\text{\\textbf{12}} apples}", Fraction(12)),
+        ("\\boxed{5", Fraction(5)),  # an unclosed box is no box: the last number
+        # fractions
+        ("\\frac{3}{4}", Fraction(3, 4)),
+        ("\\dfrac{12}{8}", Fraction(3, 2)),
+        ("\\tfrac{1}{3}", Fraction(1, 3)),
+        ("\\frac34", Fraction(3, 4)),
+        ("\\frac{1.5}{2}", Fraction(3, 4)),
+        ("-\\frac{3}{4}", Fraction(-3, 4)),
+        ("\\frac{-3}{4}", Fraction(-3, 4)),
+        ("\\frac{ 3 }{ 4 }", Fraction(3, 4)),
+        ("\\frac{3}{0}", None),
+        # negatives and signs
+        ("\u2212 7", Fraction(7)),  # a unicode minus, then a space: no sign (as "- 7")
+        ("\u22127", Fraction(-7)),
+        ("$-12$", Fraction(-12)),
+        # thousands separators, plain and LaTeX
+        ("$1,000,000$", Fraction(1000000)),
+        ("1{,}234", Fraction(1234)),
+        ("1\\,234", Fraction(1234)),
+        ("$\\$18.50$", Fraction(37, 2)),
+        # simple LaTeX
+        ("$\\left( -\\frac{1}{2} \\right)$", Fraction(-1, 2)),
+        ("x = \\!-\\!5", Fraction(-5)),
+        ("50\\%", Fraction(50)),
+        ("\\boxed{\\dfrac{7}{2}}", Fraction(7, 2)),
+        ("#### \\$1,250", Fraction(1250)),
     ],
 )
 def test_extract_answer(response, expected):
@@ -63,3 +99,29 @@ def test_exact_match_strips_whitespace_only():
     assert exact_match([""], ["Paris"], [{"city": "Paris"}], answer_key="city") == [1.0]
     with pytest.raises(ValueError, match=r"metadata has no 'answer'"):
         exact_match([""], ["x"], [{}])
+
+
+def test_gsm8k_reads_the_number_after_hashes_in_the_reference():
+    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n48+24 = <<48+24=72>>72\n#### 72"
+    responses = [
+        "48 + 24 = 72 clips\n#### 72",  # GSM8K style
+        "so she sold \\boxed{72} clips",  # a box
+        "The answer is 72.",  # the last number
+        "#### 71",
+        "72 #### 70",  # after ####: 70
+        "no idea",
+    ]
+    got = gsm8k([""] * 6, responses, [{"answer": solution}] * 6)
+    assert got == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    big = [{"answer": "... #### 1,600"}]
+    assert gsm8k([""], ["1600"], big) == [1.0]
+    with pytest.raises(ValueError, match=r"has no '####'"):
+        gsm8k([""], ["72"], [{"answer": "72"}])
+    with pytest.raises(ValueError, match=r"metadata has no 'answer'.*rollout.answer_key"):
+        gsm8k([""], ["72"], [{"question": "q"}])
+
+
+def test_reference_answers_in_latex():
+    assert reference_answer({"answer": "\\frac{3}{4}"}, "answer") == Fraction(3, 4)
+    assert reference_answer({"answer": "$-\\dfrac{1}{2}$"}, "answer") == Fraction(-1, 2)
+    assert math_answer([""], ["\\boxed{0.75}"], [{"answer": "\\frac{3}{4}"}]) == [1.0]

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
 from unirl.core.errors import ConfigError
 from unirl.core.old_logprobs import DecisionLog, decide_old_logprobs, registered_needs
 from unirl.core.run.config import config_from_dict
@@ -27,6 +28,12 @@ def make(mode="auto", **overrides):
     data = {k: dict(v) for k, v in BASE.items()}
     data["old_logprobs"] = mode
     for dotted, value in overrides.items():
+        if "__" not in dotted:  # a top-level key (backend)
+            data[dotted] = value
+            continue
+        if dotted == "model__hf_config":
+            data["model"] = {"hf_config": value}
+            continue
         section, key = dotted.split("__", 1)
         node = data.setdefault(section, {})
         if "__" in key:
@@ -54,6 +61,18 @@ CUSTOM_EST_OK = {
 KL_LOSS = {"algorithm__kl_loss__coef": 0.01}  # KL *loss* uses ref log-probs, not old ones
 TIS = {"algorithm__rollout_correction__mode": "tis"}
 ENTROPY = {"algorithm__entropy_coef": 0.01}
+# Routing replay on a tiny Qwen3-MoE: R2 records in the old-log-prob forward (a need); R3 replays
+# the engine's experts from the data (no need: reuse stays valid).
+_MOE = {"backend": REPLAY_BACKEND, "model__hf_config": MOE_HF}
+RECORD = {**_MOE, "algorithm__routing_replay": "record"}
+R3 = {**_MOE, "algorithm__routing_replay": "rollout"}
+
+
+@pytest.fixture(autouse=True)
+def _replay_backend():
+    with replay_backend():
+        yield
+
 
 TABLE = [
     # (mode, overrides, expected source, expected active needs)
@@ -81,6 +100,14 @@ TABLE = [
         "recompute",
         {"multiple_optimizer_steps", "kl_in_reward", "mismatch_metrics"},
     ),
+    ("auto", RECORD, "recompute", {"routing_replay"}),
+    ("auto", R3, "reuse", set()),
+    ("auto", {**R3, **TWO_STEPS}, "recompute", {"multiple_optimizer_steps"}),
+    ("auto", {**RECORD, **TWO_STEPS}, "recompute", {"routing_replay", "multiple_optimizer_steps"}),
+    ("auto", _MOE, "reuse", set()),
+    ("recompute", RECORD, "recompute", {"routing_replay"}),
+    ("rollout", R3, "rollout", set()),
+    ("reuse", R3, "reuse", set()),
     ("recompute", {}, "recompute", set()),
     ("recompute", TWO_STEPS, "recompute", {"multiple_optimizer_steps"}),
     ("reuse", {}, "reuse", set()),
@@ -109,6 +136,7 @@ def test_decision_table(mode, overrides, source, needs):
         (KL_REWARD, "kl_in_reward"),
         (GAE, "value_estimator"),
         (CUSTOM_LOSS, "policy_loss"),
+        (RECORD, "routing_replay"),
     ],
 )
 def test_forced_reuse_with_a_need_is_a_config_error(overrides, feature):
@@ -149,6 +177,8 @@ FEATURES = {
     "kl_loss": KL_LOSS,
     "tis": TIS,
     "entropy": ENTROPY,
+    "record": RECORD,
+    "r3": R3,
 }
 # Which features, by their definition, read the policy's log-probs before the first step.
 NEEDY = {
@@ -160,6 +190,7 @@ NEEDY = {
     "gae",
     "custom_loss",
     "custom_est",
+    "record",
 }
 
 
@@ -171,6 +202,10 @@ NEEDY = {
 def test_reuse_never_chosen_while_a_need_is_active(chosen, mode):
     if mode == "rollout":
         chosen = chosen - {"tis"}  # a config error of its own (corrects nothing)
+    if {"record", "r3"} <= chosen:
+        chosen = chosen - {"r3"}  # one routing_replay value
+    if mode == "rollout":
+        chosen = chosen - {"record"}  # a config error of its own (nothing would record)
     if {"gae", "custom_est"} <= chosen:
         chosen = chosen - {"custom_est"}
     overrides = {}

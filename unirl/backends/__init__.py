@@ -1,8 +1,14 @@
 """Training engines, as plug-ins. Each subpackage implements `unirl.core.backend.TrainingBackend`
 and registers a `unirl.core.backend_plugin.BackendPlugin` from its light ``plugin`` module (no
 engine import), so `import unirl` needs no engine installed and the engine is imported only when
-a config's ``backend:`` names it. Plumbing the backends share (process group, device moves,
-forward-only passes, the empty-microbatch loss) lives once beside them: `distributed`, `plumbing`.
+a config's ``backend:`` names it. ``README.md`` here says what a backend folder holds.
+
+Shared by every backend, beside them: `base` (argument checks and forward counters of the passes),
+`microbatch` (device moves, the empty-microbatch zero), `forward_only` (eval mode, no autograd,
+an offloaded model moved in), `process_group`, `watchdog`, `hf_model` (Hugging Face model
+build). Shared by the Hugging Face engines (DeepSpeed, FSDP2): `hf` (the microbatch loop, the
+backend that holds policy, reference and critic, packed attention, fused head, optimizer, export,
+checkpoint staging).
 """
 
 from __future__ import annotations

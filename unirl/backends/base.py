@@ -38,6 +38,15 @@ class TrainingPass:
     progress: MicrobatchProgress
 
 
+def check_microbatches(microbatches: Sequence[TrainMicrobatch], call: str) -> None:
+    """A training pass needs at least one microbatch on every rank."""
+    if not microbatches:
+        raise ValueError(
+            f"{call} got no microbatches; the plan gives every rank at least one "
+            "(an empty one where a rank has no tokens) so the collectives stay in step"
+        )
+
+
 class EngineBackend:
     """`forward_calls` counts model forwards per role and microbatch (training and forward-only
     alike; under virtual pipeline stages once per microbatch, not once per chunk), so a test can
@@ -78,11 +87,7 @@ class EngineBackend:
     ) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of every microbatch of one optimizer step; per-microbatch
         metrics where the loss lives."""
-        if not microbatches:
-            raise ValueError(
-                "forward_backward got no microbatches; the plan gives every rank at least one "
-                "(an empty one where a rank has no tokens) so the collectives stay in step"
-            )
+        check_microbatches(microbatches, "forward_backward")
         return self._forward_backward(
             TrainingPass(microbatches=microbatches, loss_fn=loss_fn, spec=spec, progress=progress)
         )

@@ -11,7 +11,9 @@ it, so adding a backend edits no file under ``unirl/core``:
   it imports the engine lazily (`LazyBuilder`), so registering needs no engine installed;
 - ``requires`` / ``install_hint``: the engine packages it imports, and how to install them;
 - ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on;
-- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy.
+- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy;
+- ``supports_routing_replay``: whether its forwards record and replay MoE routing
+  (``algorithm.routing_replay``, `unirl.core.run.routing_replay`).
 
 Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
 outside the package registers itself with ``BACKENDS.register(plugin.name, plugin)``.
@@ -136,6 +138,10 @@ class BackendPlugin:
     # Whether its backends build a critic (`TrainingBackend.critic`) when the config enables one;
     # a config that enables a critic on a backend without is refused at load.
     supports_critic: bool = False
+    # Whether its forwards replay the experts of `TrainMicrobatch.routed_experts` and, in the
+    # old-log-prob forward under ``routing_replay: record``, return the experts they chose; a
+    # config that enables routing replay on a backend without is refused at load.
+    supports_routing_replay: bool = False
 
 
 BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")

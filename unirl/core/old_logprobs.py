@@ -117,6 +117,18 @@ def _mismatch(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
     return None
 
 
+@register_need("routing_replay")
+def _routing_replay(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    # R2 records in the forward-only pass; R3 replays the engine's experts from the data, so its
+    # old log-probs may come from the training forward like any other run's.
+    if cfg.algorithm.routing_replay == "record":
+        return (
+            "algorithm.routing_replay=record: the old-log-prob forward records each MoE layer's "
+            "experts per token, which the training forwards then replay"
+        )
+    return None
+
+
 @register_need("value_estimator")
 def _values(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
     from unirl.core.maths.advantages import estimator_needs_values

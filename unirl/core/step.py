@@ -40,6 +40,7 @@ from unirl.core.run.algorithm import (
 )
 from unirl.core.run.config import UnirlConfig, norm_length
 from unirl.core.run.progress import MicrobatchProgress, logs_step, progress_enabled
+from unirl.core.run.routing_replay import replay_shape
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,12 @@ class RLStep:
         self.loss_settings = loss_settings(cfg)
         self.advantage_settings = advantage_settings(cfg)
         self.uses_reference = needs_reference(cfg)
+        # R3 (routing_replay: rollout): every forward replays the rollout's routed_experts, which
+        # each rollout must carry, in the model's shape. Otherwise experts in the data are not
+        # replayed (under R2 the old-log-prob forward records its own).
+        self.rollout_experts = (
+            replay_shape(cfg) if cfg.algorithm.routing_replay == "rollout" else None
+        )
         self.decisions = DecisionLog()
         self.show_bars = progress_enabled(cfg.progress.enabled)
         self.log_phases = True  # with bars off: this step's phase lines at INFO (log_every)
@@ -79,6 +86,7 @@ class RLStep:
             vocab_size=self.backend.vocab_size,
             max_seq_len=cfg.model.max_seq_len,
             samples_per_prompt=cfg.batch.samples_per_prompt,
+            moe=self.rollout_experts,
         )
         decision = decide_old_logprobs(cfg, len(batch))
         if topo.is_reporting_rank:
@@ -155,7 +163,9 @@ class RLStep:
         for plan in [] if warming_up else plans:
             for step in plan.steps:
                 step_metrics.append(
-                    self._optimizer_step(batch, step, adv.advantages, old_bl, ref_bl)
+                    self._optimizer_step(
+                        batch, step, adv.advantages, old_bl, ref_bl, _compares_rollout(decision)
+                    )
                 )
         timings["time/train_s"] = time.perf_counter() - t0
         critic_metrics: list[dict[str, float]] = []
@@ -245,6 +255,8 @@ class RLStep:
         old_values_bl: torch.Tensor | None = None,
     ) -> TrainMicrobatch:
         topo = self.topology
+        if self.rollout_experts is None and packed.routed_experts is not None:
+            packed = attrs.evolve(packed, routed_experts=None)
 
         def place(values: torch.Tensor | None) -> torch.Tensor | None:
             if values is None or packed.num_tokens == 0:
@@ -309,7 +321,10 @@ class RLStep:
         advantages_bl: torch.Tensor,
         old_bl: torch.Tensor | None,
         ref_bl: torch.Tensor | None,
+        compare_rollout: bool,
     ) -> dict[str, float]:
+        """``compare_rollout``: hand the loss the rollout's log-probs (for the train/rollout
+        mismatch metrics and rollout correction); off when the old log-probs are those."""
         topo, settings = self.topology, self.loss_settings
         counts: GlobalCounts = step.counts
         packs = [batch.pack(idx) for idx in step.microbatches(topo.dp_rank)]
@@ -327,7 +342,7 @@ class RLStep:
                 LossInputs(
                     logprobs=logprobs,
                     old_logprobs=dev(mb.old_logprobs),
-                    rollout_logprobs=dev(mb.rollout_logprobs),
+                    rollout_logprobs=dev(mb.rollout_logprobs) if compare_rollout else None,
                     ref_logprobs=dev(mb.ref_logprobs),
                     advantages=dev(mb.advantages),
                     loss_mask=dev(mb.loss_mask),
@@ -440,3 +455,11 @@ def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
         "response_length/max": float(lengths.max()),
         "samples": float(len(batch)),
     }
+
+
+def _compares_rollout(decision: OldLogprobDecision) -> bool:
+    """Whether the loss gets the rollout's log-probs beside the old ones. With old_logprobs:
+    rollout they are the old ones: the train/rollout mismatch would compare them with
+    themselves (0 by construction), so it is not computed and its metrics are absent (the
+    config refuses rollout correction there, which would weigh every token by exp(0))."""
+    return decision.source != "rollout"

@@ -73,6 +73,8 @@ def _sampler_source(
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=seed,
         device=device,
+        stop=cfg.rollout.stop,
+        stop_token_ids=cfg.rollout.stop_token_ids,
     )
 
 
@@ -141,10 +143,10 @@ def run_tokenizer(cfg: UnirlConfig) -> Any | None:
     from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf
 
     if cfg.rollout.prompts is not None:
-        from unirl.rollouts.prompts import prompt_tokenizer, read_prompt_records
+        from unirl.rollouts.prompts import prompt_records, prompt_tokenizer
 
         needs_file = cfg.model.tokenizer is None and cfg.model.path is None
-        records = read_prompt_records(Path(cfg.rollout.prompts)) if needs_file else []
+        records = prompt_records(cfg) if needs_file else []
         return prompt_tokenizer(cfg, records).hf
     task = make_task(cfg.rollout.task, cfg.rollout.task_options)
     if not isinstance(task.tokenizer, CharTokenizer):

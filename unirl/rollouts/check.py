@@ -1,14 +1,13 @@
 """What `unirl check` validates about rollouts beyond the config's own types: the task and its
 options build a task whose answers fit the generation budget, and the post-processing hook
 imports with the right signature; with ``rollout.prompts``, the reward function imports and
-binds its signature and options, and the prompt file, when it is on this machine, is read and
-checked line by line (lengths included). `unirl train` meets the same checks when it builds the rollout
-source, but a job should fail at ``check``, before it is queued. A rollout file is not opened
-here: ``check`` plans a job, often on another machine than the one holding the data."""
+binds its signature and options, and the prompt dataset is read and checked row by row
+(lengths included; that it exists, `unirl.core.run.paths` checks first). `unirl train` meets
+the same checks when it builds the rollout source, but a job should fail at ``check``, before
+it is queued. A rollout file is not opened here: ``check`` plans a job, often on another
+machine than the one holding finished rollouts."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from unirl.core.run.config import UnirlConfig
 from unirl.core.source_plugin import SOURCES
@@ -23,8 +22,7 @@ def check_rollout_config(cfg: UnirlConfig) -> None:
     if r.prompts is not None:
         assert r.reward is not None  # the config checks it
         NamedReward(r.reward, r.reward_options)  # imports it and binds the signature
-        if Path(r.prompts).is_file():  # a prompt file here is checked line by line too
-            build_task(cfg)
+        build_task(cfg)  # the dataset read and checked row by row
     elif SOURCES.get(r.source).generates:  # a source of finished rollouts draws no task
         check_task_lengths(cfg, make_task(r.task, r.task_options))
     load_postprocess_hook(cfg)

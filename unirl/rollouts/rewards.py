@@ -1,6 +1,6 @@
 """Reward functions chosen by name (``rollout.reward``) for prompts read from a file.
 
-``rollout.reward`` names a registered reward (``math_answer``, ``exact_match``) or a user
+``rollout.reward`` names a registered reward (``math_answer``, ``gsm8k``, ``exact_match``) or a user
 function as ``"package.module:function"``; ``rollout.reward_options`` are extra keyword
 arguments. A reward function is batched: it scores every sample of a rollout in one call::
 
@@ -49,6 +49,7 @@ def _load_builtins() -> None:
 
     register_reward("math_answer", math_reward.math_answer)
     register_reward("exact_match", math_reward.exact_match)
+    register_reward("gsm8k", math_reward.gsm8k)
 
 
 REWARDS: Registry[RewardFn] = Registry(

@@ -14,8 +14,10 @@ drawn from; keep top_p at 1.0, the default, for exact on-policy log-probs).
 
 Prompts of equal length are generated together, so no padding or attention mask is needed and
 every row computes what a forward of that sequence alone would (up to float rounding; the tests
-compare with such a forward to 1e-5 in fp32). Generation ends at ``<eos>``
-(kept as the last response token) or after ``max_new_tokens``.
+compare with such a forward to 1e-5 in fp32). Generation ends at ``<eos>`` or another of
+``stop_token_ids`` (kept as the last response token), after the first token with which the
+decoded response contains one of ``stop_strings`` (that token is the last one), or after
+``max_new_tokens``.
 
     sampler = Sampler(hf_model, temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, seed=0)
     gens = sampler.generate([[1, 5, 6, 3], [1, 7, 3]])
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -39,8 +41,9 @@ from unirl.core.run.progress import GenerationProgress
 
 @attrs.frozen(kw_only=True)
 class Generation:
-    """One response: its tokens (ending with ``<eos>`` when ``finished``), the rollout log-prob
-    of each token, and whether it ended by ``<eos>`` rather than by the token budget."""
+    """One response: its tokens (ending with ``<eos>`` or another stop when ``finished``), the
+    rollout log-prob of each token, and whether it ended by a stop rather than by the token
+    budget."""
 
     response_tokens: torch.Tensor  # [N] int64, CPU
     logprobs: torch.Tensor  # [N] float32, CPU
@@ -116,7 +119,12 @@ class Sampler:
         eos_id: int,
         seed: int,
         device: torch.device | str | None = None,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
+        """``stop_token_ids`` end a response besides ``eos_id``; ``stop_strings`` are looked
+        for in ``decode(response tokens so far)`` after every token (the task's tokenizer)."""
         if not temperature > 0:
             raise ConfigError(f"rollout.temperature={temperature} must be > 0")
         if not 0 < top_p <= 1:
@@ -127,6 +135,11 @@ class Sampler:
         self.top_p = float(top_p)
         self.max_new_tokens = int(max_new_tokens)
         self.eos_id = int(eos_id)
+        if stop_strings and decode is None:
+            raise ConfigError("Sampler: stop_strings need decode (the tokenizer's decode)")
+        self.stop_ids = sorted({self.eos_id, *map(int, stop_token_ids)})
+        self.stop_strings = tuple(stop_strings)
+        self.decode = decode
         if device is None:
             device = next(model.parameters()).device
         self.device = torch.device(device)
@@ -206,6 +219,20 @@ class Sampler:
             )
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
+    def _stop_string_rows(
+        self, token_b: torch.Tensor, done: torch.Tensor, row_tokens: list[list[int]]
+    ) -> torch.Tensor:
+        """The open rows whose response, with this step's token, first contains a stop string."""
+        assert self.decode is not None
+        hits = torch.zeros_like(done)
+        for r, (token, closed) in enumerate(zip(token_b.tolist(), done.tolist())):
+            if closed:
+                continue
+            row_tokens[r].append(int(token))
+            text = self.decode(row_tokens[r])
+            hits[r] = any(stop in text for stop in self.stop_strings)
+        return hits
+
     def _generate_equal_length(
         self, ids_bp: torch.Tensor, progress: GenerationProgress | None
     ) -> list[Generation]:
@@ -219,13 +246,20 @@ class Sampler:
         tokens, logprobs = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         lengths = torch.full((rows,), self.max_new_tokens, dtype=torch.long, device=self.device)
+        stop_ids = torch.tensor(self.stop_ids, device=self.device)
+        row_tokens: list[list[int]] = [[] for _ in range(rows)]  # kept only for stop strings
         for step in range(self.max_new_tokens):
             # The trainer's distribution: fp32 logits divided by the temperature, unfiltered.
             logp_bv = torch.log_softmax(logits_bv.float() / self.temperature, dim=-1)
             token_b = self._draw(logp_bv)
             tokens.append(token_b)
             logprobs.append(logp_bv.gather(1, token_b[:, None])[:, 0])
-            ended = ~done & (token_b == self.eos_id)
+            if len(self.stop_ids) == 1:
+                ended = ~done & (token_b == self.stop_ids[0])
+            else:
+                ended = ~done & torch.isin(token_b, stop_ids)
+            if self.stop_strings:
+                ended |= self._stop_string_rows(token_b, done, row_tokens)
             lengths[ended] = step + 1
             done |= ended
             now_finished = int(done.sum())  # the one host sync of this step

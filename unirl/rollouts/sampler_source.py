@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.run.progress import GenerationProgress
 from unirl.rollouts.sampler import Sampler
+from unirl.rollouts.stops import stop_ids
 from unirl.rollouts.tasks import Task, TaskTokenizer, load_task_state, task_rewards, task_state
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class SamplerRolloutSource:
         max_new_tokens: int,
         seed: int,
         device: torch.device | str | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         self.task = task
         self.tokenizer: TaskTokenizer = task.tokenizer
@@ -71,11 +74,22 @@ class SamplerRolloutSource:
             eos_id=self.tokenizer.eos_id,
             seed=seed,
             device=device,
+            stop_token_ids=stop_ids(
+                self.tokenizer.eos_id, stop_token_ids, vocab_size=self._vocab_size
+            ),
+            stop_strings=stop,
+            decode=self._stop_text,
         )
         self._prompt_rng = random.Random(seed)
         self._rollouts_drawn = 0
         # The model starts as the policy's init (build_rollout_source's contract): version 0.
         self._policy_version = 0
+
+    def _stop_text(self, ids: Sequence[int]) -> str:
+        """The text stop strings are looked for in: ids beyond the tokenizer (a model with
+        spare rows) read as nothing, as a serving engine's detokenizer reads them."""
+        vocab = self.tokenizer.vocab_size
+        return self.tokenizer.decode([t for t in ids if t < vocab])
 
     @property
     def num_rollouts(self) -> None:

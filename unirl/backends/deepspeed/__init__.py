@@ -2,9 +2,10 @@
 is chosen, so `import unirl` needs neither DeepSpeed nor transformers.
 
 Files: `plugin` (config section, rules, constructor; imports no engine), `distributed` (DeepSpeed's
-communication and op-build lock), `packed`
-(packed microbatches through varlen attention), `engine` (DeepSpeed config, optimizer, LR
-schedule, reference engine), `topology`, `backend` (`DeepSpeedBackend`), `checkpoint`, `export`.
+communication and op-build lock), `topology`, `engine` (DeepSpeed config, engine initialisation,
+optimizer step, reference engine), `model` (`DeepSpeedModel`, the policy and the critic;
+`DeepSpeedReference`), `backend` (`DeepSpeedBackend` on `unirl.backends.hf.backend.HFBackend`),
+`checkpoint` (the engines' own files), `export` (ZeRO-3 gathering).
 """
 
 from __future__ import annotations

@@ -1,218 +1,63 @@
-"""`DeepSpeedBackend`: unirl's `TrainingBackend` on DeepSpeed ZeRO 0-3 with a Hugging Face model.
+"""`DeepSpeedBackend`: unirl's `TrainingBackend` on DeepSpeed ZeRO 0-3 with Hugging Face models.
 
-One optimizer step, as core's RL step drives it::
-
-    backend = DeepSpeedBackend(cfg, total_optimizer_steps=n, needs_reference=kl_on)
-    old = backend.forward_logprobs(mbs, role="policy", spec=spec, progress=bar)   # if recompute
-    metrics = backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
-    stats = backend.optimizer_step()            # grad norm before clipping, lr used
-
-The only loss arithmetic here is `loss_scale`. Core losses are normalised by the global counts of
-the optimizer step, so the objective is the SUM of the microbatch losses over microbatches and
-data-parallel ranks. Gradients accumulate over microbatches by plain summation
-(``scale_wrt_gas=False``), and DeepSpeed then AVERAGES them over the dp ranks; multiplying each
-loss by ``dp`` turns that average back into the sum.
+The passes, the reference and the critic are `unirl.backends.hf.backend.HFBackend`'s; this class
+says how DeepSpeed starts (its communication, a data-parallel world), wraps a model for training
+(`DeepSpeedModel`: one engine per trained model, ZeRO stage ``parallel.zero_stage``, the critic's
+``critic.zero_stage``) or for frozen forwards (`DeepSpeedReference`), and checkpoints
+(`unirl.backends.deepspeed.checkpoint`). Its loss scale is ``dp`` (`DeepSpeedModel.loss_scale`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.deepspeed import checkpoint, export
-from unirl.backends.deepspeed.critic import DeepSpeedCritic
+from unirl.backends.deepspeed import checkpoint
 from unirl.backends.deepspeed.distributed import close_distributed, init_distributed
-from unirl.backends.deepspeed.engine import (
-    initialize_policy,
-    initialize_reference,
-    step_engine,
-)
-from unirl.backends.deepspeed.packed import forward_packed, use_packed_attention
+from unirl.backends.deepspeed.engine import initialize_reference
+from unirl.backends.deepspeed.model import DeepSpeedModel, DeepSpeedReference
 from unirl.backends.deepspeed.topology import deepspeed_topology
-from unirl.backends.forward_only import forward_only
-from unirl.backends.fused_head import FusedLMHead, install_fused_head, packed_logprobs
-from unirl.backends.hf_model import load_policy, load_reference
-from unirl.backends.microbatch import to_device, zero_through_graph
-from unirl.core.backend import ModelRole, OptimizerStepStats
-from unirl.core.critic import critic_optimizer_steps
-from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig, critic_enabled
-
-logger = logging.getLogger(__name__)
+from unirl.backends.hf.backend import HFBackend
+from unirl.backends.hf.model import Training
+from unirl.backends.hf.packed import use_packed_attention
+from unirl.backends.process_group import ProcessGroupSetup
+from unirl.core.topology import Topology
 
 
-class DeepSpeedBackend(EngineBackend):
+class DeepSpeedBackend(HFBackend):
     """See the module docstring."""
 
-    def __init__(
-        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
-    ) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self._dist = init_distributed(cfg.parallel)
-        self.topology = deepspeed_topology(self._dist.rank, self._dist.world_size)
-        model = load_policy(cfg.model)
-        use_packed_attention(model)
-        # model.fused_head: the LM head computes the log-probs (no [T, V] logits)
-        self._heads: dict[ModelRole, FusedLMHead | None] = {
-            "policy": install_fused_head(model) if cfg.model.fused_head else None
-        }
-        self.vocab_size = int(model.config.vocab_size)
-        self.engine, self._scheduler = initialize_policy(
-            model, cfg, total_steps=total_optimizer_steps, dp_size=self.topology.dp_size
-        )
-        if self.topology.dp_size == 1 and cfg.parallel.zero_stage == 0:
-            # One data-parallel rank: DeepSpeed would still flatten every gradient, all-reduce
-            # it over a group of one and copy it back after each backward on the boundary.
-            self.engine.enable_backward_allreduce = False
-        self.device = torch.device(self.engine.device)
-        self._reference: Any = None
-        self._closed = False
-        if needs_reference:
-            self._reference_module()
-        self.critic: DeepSpeedCritic | None = None
-        if critic_enabled(cfg):
-            self.critic = DeepSpeedCritic(
-                cfg,
-                total_optimizer_steps=critic_optimizer_steps(cfg, total_optimizer_steps),
-                topology=self.topology,
-                rank=self._dist.rank,
-            )
+    checkpoints = checkpoint
 
-    # -- properties --------------------------------------------------------------------------
+    def _start(self) -> tuple[ProcessGroupSetup, Topology]:
+        setup = init_distributed(self.cfg.parallel)
+        return setup, deepspeed_topology(setup.rank, setup.world_size)
+
+    def _use_attention(self, model: Any) -> None:
+        use_packed_attention(model)
+
+    def _trained(self, model: Any, training: Training) -> DeepSpeedModel:
+        stage = self.cfg.critic.zero_stage if training.role == "critic" else None
+        return DeepSpeedModel(
+            model,
+            self.cfg,
+            training,
+            zero_stage=self.cfg.parallel.zero_stage if stage is None else stage,
+            dp_size=self.topology.dp_size,
+            rank=self._dist.rank,
+        )
+
+    def _frozen(self, model: Any) -> DeepSpeedReference:
+        cfg = self.cfg
+        return DeepSpeedReference(
+            initialize_reference(model, cfg, self.device),
+            device=self.device,
+            offloaded=cfg.model.ref_offload and cfg.parallel.zero_stage != 3,
+        )
 
     @property
-    def model(self) -> torch.nn.Module:
-        """The Hugging Face module being trained (parameters partitioned under ZeRO-3)."""
-        return self.engine.module
+    def engine(self) -> Any:
+        """The policy's DeepSpeed engine."""
+        return self.policy.engine
 
-    def loss_scale(self, num_microbatches: int) -> float:
-        """Cancels DeepSpeed's mean over data-parallel ranks (see the module docstring); the
-        microbatches are summed (``scale_wrt_gas=False``), so their number does not enter."""
-        return float(self.topology.dp_size)
-
-    # -- forward passes ----------------------------------------------------------------------
-
-    def _reference_module(self) -> Any:
-        if self._reference is None:
-            ref = load_reference(self.cfg.model)
-            use_packed_attention(ref)
-            self._heads["reference"] = (
-                install_fused_head(ref) if self.cfg.model.fused_head else None
-            )
-            self._reference = initialize_reference(ref, self.cfg, self.device)
-        return self._reference
-
-    @contextlib.contextmanager
-    def _forward_only(self, role: ModelRole) -> Iterator[Any]:
-        """The module of `role` in eval mode, on the device (an offloaded reference is moved in
-        for the pass and back out after it)."""
-        module = self.engine if role == "policy" else self._reference_module()
-        offloaded = (
-            role == "reference" and self.cfg.model.ref_offload and self.cfg.parallel.zero_stage != 3
-        )
-        with forward_only([module], device=self.device, offloaded=offloaded):
-            yield module
-
-    def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
-        microbatches, role, spec, progress = run.microbatches, run.role, run.spec, run.progress
-        out = []
-        with self._forward_only(role) as module:
-            for mb in microbatches:
-                mb = to_device(mb, self.device)
-                logp, _, _ = packed_logprobs(
-                    lambda m: forward_packed(module, m, self.device), self._heads[role], mb, spec
-                )
-                self._count_forward(role)
-                out.append(logp.float())
-                progress.report(tokens=mb.num_tokens)
-                progress.tick()
-        return out
-
-    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
-        microbatches, loss_fn, spec, progress = (
-            run.microbatches,
-            run.loss_fn,
-            run.spec,
-            run.progress,
-        )
-        self.engine.train()
-        metrics = []
-        last = len(microbatches) - 1
-        scale = self.loss_scale(len(microbatches))
-        for i, mb in enumerate(microbatches):
-            mb = to_device(mb, self.device)
-            # Reduce (ZeRO 0/1) / finish the partitioned reduction (ZeRO 2/3) on the last one.
-            self.engine.set_gradient_accumulation_boundary(i == last)
-            logp, entropy, out = packed_logprobs(
-                lambda m: forward_packed(self.engine, m, self.device),
-                self._heads["policy"],
-                mb,
-                spec,
-            )
-            self._count_forward("policy")
-            loss, mb_metrics = loss_fn(mb, logp, entropy)
-            if mb.num_tokens == 0:
-                loss = loss + zero_through_graph(out)  # ZeRO's gradient hooks still fire
-            self.engine.backward(loss * scale, scale_wrt_gas=False)
-            metrics.append(mb_metrics)
-            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
-            progress.tick()
-        return metrics
-
-    # -- optimizer ---------------------------------------------------------------------------
-
-    def optimizer_step(self) -> OptimizerStepStats:
-        """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
-        return step_engine(self.engine)
-
-    # -- state -------------------------------------------------------------------------------
-
-    def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
-        checkpoint.save_checkpoint(
-            self.engine,
-            Path(path),
-            client_state,
-            rank=self._dist.rank,
-            world_size=self._dist.world_size,
-            extra_engines=self._extra_engines(),
-        )
-
-    def _extra_engines(self) -> dict[str, Any]:
-        return {} if self.critic is None else {"critic": self.critic.engine}
-
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return checkpoint.load_checkpoint(
-            self.engine,
-            Path(path),
-            rank=self._dist.rank,
-            world_size=self._dist.world_size,
-            extra_engines=self._extra_engines(),
-        )
-
-    def export_hf(self, path: Path) -> None:
-        export.export_hf(self.engine, self.cfg.model, Path(path), rank=self._dist.rank)
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full policy weights in Hugging Face names, on the CPU, on every rank
-        (collective under ZeRO-3)."""
-        return export.hf_state_dict(self.engine)
-
-    def close(self) -> None:
-        """Free the engines; destroy the process group only if this backend created it."""
-        if self._closed:
-            return
-        self._closed = True
-        self.engine.destroy()
-        if self.critic is not None:
-            self.critic.close()
-        if self._reference is not None and hasattr(self._reference, "destroy"):
-            self._reference.destroy()
-        self._reference = None
+    def _stop(self) -> None:
         close_distributed(self._dist)

@@ -3,17 +3,15 @@ the frozen reference.
 
 Choices, and why:
 
-- The optimizer is a client ``torch.optim.AdamW``: DeepSpeed's own "AdamW" type JIT-compiles a
-  fused op on the CPU (slow, fragile), while torch's AdamW works under ZeRO 0-3. Weight decay
-  skips 1-D parameters (biases, norm weights), as Megatron and the HF Trainer do.
+- The optimizer is a client ``torch.optim.AdamW`` (`unirl.backends.hf.optim`, why there).
 - Gradient accumulation is unirl's, not DeepSpeed's: the number of microbatches per optimizer
   step can change from step to step (token-budget plans), so the engine runs with
   ``gradient_accumulation_steps: 1``, the backend calls ``engine.backward(loss,
   scale_wrt_gas=False)`` and marks the last microbatch with
   ``engine.set_gradient_accumulation_boundary(True)``. DeepSpeed then only averages gradients
   over data-parallel ranks, which the backend's ``loss_scale = dp`` cancels.
-- The LR schedule is `unirl.core.run.lr_schedule` (shared with Megatron), applied by a small
-  scheduler that DeepSpeed steps after each applied optimizer step and saves in checkpoints.
+- The LR schedule is `unirl.core.run.lr_schedule` (shared with Megatron), applied by
+  `ScheduledLR`, which DeepSpeed steps after each applied optimizer step and saves in checkpoints.
 - ``deepspeed.extra`` (`DeepSpeedOptions.extra`) is merged recursively over the generated config, except for the keys
   unirl owns (batch sizes, accumulation, optimizer, scheduler, precision, ZeRO stage, clipping):
   overriding those would silently break the numbers above, so it is a `ConfigError`.
@@ -22,18 +20,17 @@ Choices, and why:
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from unirl.backends.hf.optim import ScheduledLR, adamw
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import OptimizerConfig, UnirlConfig
-from unirl.core.run.lr_schedule import check_schedule, learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -117,55 +114,6 @@ def deepspeed_config(
     return deep_merge(generated, cfg.backend_options.extra)
 
 
-class ScheduledLR:
-    """Sets ``lr = schedule(optimizer steps taken)`` on every param group; DeepSpeed calls
-    `step` after each applied optimizer step and saves `state_dict` in its checkpoints."""
-
-    def __init__(self, optimizer: Any, schedule: Callable[[int], float]) -> None:
-        self.optimizer = optimizer
-        self.schedule = schedule
-        self.steps_done = 0
-        self._apply()
-
-    def _apply(self) -> None:
-        lr = self.schedule(self.steps_done)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        self.steps_done += 1
-        self._apply()
-
-    def get_last_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"steps_done": self.steps_done}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.steps_done = int(state["steps_done"])
-        self._apply()
-
-
-def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings; not biases and norm weights (1-D)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
-
-
-def initialize_policy(model: torch.nn.Module, cfg: UnirlConfig, *, total_steps: int, dp_size: int):
-    """``deepspeed.initialize`` of the policy; returns ``(engine, scheduler)``."""
-    return initialize_trainable(
-        model, cfg, cfg.optimizer, cfg.parallel.zero_stage, total_steps=total_steps, dp_size=dp_size
-    )
-
-
 def initialize_trainable(
     model: torch.nn.Module,
     cfg: UnirlConfig,
@@ -174,21 +122,13 @@ def initialize_trainable(
     *,
     total_steps: int,
     dp_size: int,
-    key: str = "optimizer",
+    key: str,
 ):
     """``deepspeed.initialize`` of a trained model (the policy, the critic) with its own
     optimizer section and ZeRO stage; returns ``(engine, scheduler)``."""
     import deepspeed
 
-    check_schedule(opt, total_steps, key=key)
-    optimizer = torch.optim.AdamW(
-        adamw_param_groups(model, opt.weight_decay),
-        lr=opt.lr,
-        betas=tuple(opt.betas),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-    )
-    schedule = functools.partial(learning_rate, optimizer=opt, total_steps=total_steps)
+    optimizer, schedule = adamw(model, opt, total_steps=total_steps, key=key)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

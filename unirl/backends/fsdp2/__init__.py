@@ -3,9 +3,10 @@ mixed precision, optional CPU offload, Ulysses sequence parallel, DCP checkpoint
 when `backend: fsdp2` is chosen.
 
 Files: `plugin` (the ``fsdp2:`` section, rules, constructor; imports no engine), `topology` (device
-mesh), `engine` (sharding, mixed precision, optimizer), `packed` (packed microbatches through
-varlen attention), `ulysses` (sequence-parallel attention), `backend` (`Fsdp2Backend`),
-`checkpoint`, `export`.
+mesh), `engine` (sharding, mixed precision), `model` (`Fsdp2Model`, the policy and the critic;
+the frozen reference), `packed` (the packed or Ulysses forward), `ulysses` (sequence-parallel
+attention), `backend` (`Fsdp2Backend` on `unirl.backends.hf.backend.HFBackend`), `checkpoint`
+(DCP files), `export` (gathering the shards).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The policy and the reference under FSDP2: `fully_shard` per decoder layer and at the root,
-mixed precision, CPU offload, the AdamW optimizer and unirl's LR schedule.
+"""The models under FSDP2: `fully_shard` per decoder layer and at the root, mixed precision, CPU
+offload.
 
 Choices, and why:
 
@@ -11,26 +11,20 @@ Choices, and why:
   (``param_dtype``) and reduce-scatters gradients in fp32 (``reduce_dtype``). The fp32 masters
   start as the bf16 model upcast, so one seed names the same weights as on the other backends
   (whose bf16 init is the fp32 init rounded to bf16).
-- **The optimizer** is torch's AdamW on the sharded (DTensor) parameters; weight decay skips
-  1-D parameters, as on the other backends. The LR follows `unirl.core.run.lr_schedule`, set by
-  `ScheduledLR` after each applied step (the DeepSpeed backend's scheduler: same values, same
-  checkpointed state).
+- **The optimizer** is torch's AdamW on the sharded (DTensor) parameters with unirl's LR schedule,
+  as on the DeepSpeed backend (`unirl.backends.hf.optim`: same values, same checkpointed state).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from unirl.backends.deepspeed.engine import ScheduledLR, adamw_param_groups
 from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import OptimizerConfig, UnirlConfig
-from unirl.core.run.lr_schedule import check_schedule, learning_rate
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
@@ -82,25 +76,3 @@ def shard_model(
     # the root's parameters (embeddings, head) are needed first by the backward: keep them
     fully_shard(model, reshard_after_forward=False if train else reshard, **kwargs)
     return model
-
-
-def build_optimizer(
-    model: torch.nn.Module,
-    cfg: UnirlConfig,
-    *,
-    total_steps: int,
-    section: OptimizerConfig | None = None,
-    key: str = "optimizer",
-) -> tuple[torch.optim.Optimizer, ScheduledLR]:
-    """AdamW and its LR schedule from ``optimizer:`` or another section (the critic's)."""
-    opt = cfg.optimizer if section is None else section
-    check_schedule(opt, total_steps, key=key)
-    optimizer = torch.optim.AdamW(
-        adamw_param_groups(model, opt.weight_decay),
-        lr=opt.lr,
-        betas=tuple(opt.betas),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-    )
-    schedule = functools.partial(learning_rate, optimizer=opt, total_steps=total_steps)
-    return optimizer, ScheduledLR(optimizer, schedule)

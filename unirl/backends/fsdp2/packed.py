@@ -1,6 +1,7 @@
-"""A packed microbatch through the sharded Hugging Face model: the DeepSpeed backend's varlen
-path (one ``[1, T]`` stream, attention kept inside each sequence), and under Ulysses SP the same
-call on this rank's tokens with the exchange plan for the attention layers."""
+"""A packed microbatch through the sharded Hugging Face model: the shared varlen path
+(`unirl.backends.hf.packed`: one ``[1, T]`` stream, attention kept inside each sequence), and
+under Ulysses SP the same call on this rank's tokens with the exchange plan for the attention
+layers."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import torch
 
-from unirl.backends.deepspeed.packed import forward_packed, use_packed_attention
 from unirl.backends.fsdp2.ulysses import PLAN_KWARG, UlyssesPlan, use_ulysses_attention
+from unirl.backends.hf.packed import forward_packed, use_packed_attention
 from unirl.core.data.microbatch import TrainMicrobatch
 
 

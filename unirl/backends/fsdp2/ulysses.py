@@ -7,7 +7,7 @@ holding chunks ``r`` and ``2*sp-1-r``; every rank the same number of tokens). Em
 norms and the LM head are per-token, so they run on the local tokens. Attention is not: before it
 an all-to-all turns ``[H, T_local, D]`` (all heads, my tokens) into ``[H/sp, T_padded, D]`` (my
 heads, every token), the tokens are put back in sequence order, the packed varlen attention of
-the DeepSpeed backend runs over the padded global ``cu_seqlens``, and the inverse permutation and
+the HF backends (`unirl.backends.hf.packed`) runs over the padded global ``cu_seqlens``, and the inverse permutation and
 all-to-all bring ``[T_local, H, D]`` back. Padding sits at the end of each sequence, so under the
 causal mask no real token attends to it. (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509.)
 
@@ -24,13 +24,12 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.backends.deepspeed.packed import packed_attention
+from unirl.backends.hf.packed import packed_attention, register_attention
 from unirl.core.data.context_parallel import cp_local_indices
 from unirl.core.errors import ConfigError
 
 ATTN_NAME = "unirl_ulysses_varlen"
 PLAN_KWARG = "unirl_ulysses"
-_REGISTERED = False
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -88,26 +87,18 @@ def _tokens_to_heads(x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
     return _exchange(blocks, group, sp).reshape(sp * hs, t, d)
 
 
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
-        ctx.group, ctx.sp = group, sp
-        return _heads_to_tokens(x, group, sp)
+class _Exchange(torch.autograd.Function):
+    """`_heads_to_tokens` (``to_tokens``) or `_tokens_to_heads`; the backward is the other."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _tokens_to_heads(grad, ctx.group, ctx.sp), None, None
-
-
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
-        ctx.group, ctx.sp = group, sp
-        return _tokens_to_heads(x, group, sp)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, sp: int, to_tokens: bool) -> torch.Tensor:
+        ctx.group, ctx.sp, ctx.to_tokens = group, sp, to_tokens
+        return (_heads_to_tokens if to_tokens else _tokens_to_heads)(x, group, sp)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _heads_to_tokens(grad, ctx.group, ctx.sp), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        back = _tokens_to_heads if ctx.to_tokens else _heads_to_tokens
+        return back(grad, ctx.group, ctx.sp), None, None, None
 
 
 def ulysses_attention(
@@ -140,7 +131,7 @@ def ulysses_attention(
         value = value.repeat_interleave(heads // kv_heads, dim=1)
 
     def gather(x: torch.Tensor) -> torch.Tensor:
-        full = _HeadsToTokens.apply(x[0], group, sp)  # [H/sp, T_padded, D], rank-major
+        full = _Exchange.apply(x[0], group, sp, True)  # [H/sp, T_padded, D], rank-major
         return full.index_select(1, plan.to_sequence)[None]
 
     kwargs.update(
@@ -153,21 +144,10 @@ def ulysses_attention(
         module, gather(query), gather(key), gather(value), None, scaling, dropout, **kwargs
     )  # [1, T_padded, H/sp, D]
     out = out[0].transpose(0, 1).index_select(1, plan.to_ranks)  # [H/sp, T_padded, D]
-    local = _TokensToHeads.apply(out.contiguous(), group, sp)  # [H, T_local, D]
+    local = _Exchange.apply(out.contiguous(), group, sp, False)  # [H, T_local, D]
     return local.transpose(0, 1)[None], None
 
 
 def use_ulysses_attention(model: Any) -> None:
-    """Register the Ulysses attention with transformers (once) and switch `model` to it."""
-    global _REGISTERED
-    from transformers import AttentionInterface
-
-    if not _REGISTERED:
-        AttentionInterface.register(ATTN_NAME, ulysses_attention)
-        _REGISTERED = True
-    model.set_attn_implementation(ATTN_NAME)
-    if model.config._attn_implementation != ATTN_NAME:
-        raise ConfigError(
-            f"model {type(model).__name__} cannot switch its attention implementation (it does "
-            "not use transformers' AttentionInterface); fsdp2.sp > 1 needs that"
-        )
+    """Switch `model` to the Ulysses attention."""
+    register_attention(model, ATTN_NAME, ulysses_attention, needed_for="fsdp2.sp > 1")

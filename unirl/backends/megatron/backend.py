@@ -8,13 +8,17 @@ One optimizer step, as core's RL step drives it::
     metrics = backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
     stats = backend.optimizer_step()            # grad norm before clipping, lr used
 
-Each microbatch runs through megatron's schedule for the layout (`schedule`) as one packed token
-stream (`packed`: THD with varlen flash attention, context parallel included) or, with
-``megatron.attention: padded | unfused``, as right-padded rows (`padded`); on the last pipeline stage the vocabulary-parallel logits of the real tokens
-go to core's `token_logprobs` (TP all-reduces of per-token statistics only, never the full
-vocabulary) and then to core's loss; with ``model.fused_head`` the last stage's hidden states and
-the output layer's weight shard go to `token_logprobs_from_hidden` instead (`fused_head`). The only loss arithmetic here is `schedule.loss_scale`, the
-factor that cancels megatron's mean over microbatches and data-parallel ranks.
+The backend holds its models, each a `role_model.MegatronModel` (the trained policy, the frozen
+reference, the critic of `critic`), and runs every pass of every model through one loop
+(`passes.MicrobatchLoop`): one call of megatron's schedule for the layout (`schedule`), each
+microbatch one packed token stream (`packed`: THD with varlen flash attention, context parallel
+included) or, with ``megatron.attention: padded | unfused``, right-padded rows (`padded`). On the
+last pipeline stage the model's head (`heads`) hands the vocabulary-parallel logits of the real
+tokens to core's `token_logprobs` (TP all-reduces of per-token statistics only, never the full
+vocabulary; with ``model.fused_head`` the hidden states and the output layer's weight shard to
+`token_logprobs_from_hidden`, `fused_head`), and those go to core's loss. The only loss
+arithmetic here is `schedule.loss_scale`, the factor that cancels megatron's mean over
+microbatches and data-parallel ranks.
 
 On the CPU (gloo) the same megatron-core schedules, DDP and optimizer run, with the few
 CUDA-only lines of megatron-core patched by `cpu_compat` (installed only when the device is the
@@ -25,83 +29,32 @@ binds the names megatron-core reads but only its TE import binds (the MoE router
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.forward_only import forward_only
-from unirl.backends.megatron import checkpoint, cpu_compat, schedule, te_compat
-from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
-from unirl.backends.megatron.critic import MegatronCritic
-from unirl.backends.megatron.fused_head import emit_hidden, head_weight
-from unirl.backends.megatron.model import build_model_chunks
-from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
-from unirl.backends.megatron.schedule import (
-    ScheduledMicrobatch,
-    run_schedule,
-    schedule_config,
-    schedule_items,
-)
+from unirl.backends.megatron import checkpoint, cpu_compat, te_compat
+from unirl.backends.megatron.critic import MegatronCritic, critic_plan
+from unirl.backends.megatron.heads import LogprobHead
+from unirl.backends.megatron.optimizer import use_distributed_optimizer
+from unirl.backends.megatron.passes import MicrobatchLoop
+from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
+from unirl.backends.megatron.sources import ModelSource, policy_source, reference_source
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
-from unirl.backends.microbatch import zero_through_graph
 from unirl.backends.process_group import destroy_process_group, init_process_group
-from unirl.core.backend import (
-    LogprobSpec,
-    OptimizerStepStats,
-    token_logprobs,
-    token_logprobs_from_hidden,
-)
-from unirl.core.critic import critic_optimizer_steps
+from unirl.core.backend import OptimizerStepStats
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig, critic_enabled
-from unirl.core.run.lr_schedule import check_schedule
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@attrs.frozen(kw_only=True)
-class ModelSource:
-    """Where a model's initial weights come from: an HF config and a local folder or state dict."""
-
-    hf_config: Any
-    weights: Any  # str (local safetensors folder) or Mapping[str, Tensor]
-
-
-def policy_source(cfg: UnirlConfig) -> ModelSource:
-    """``model.path``, or ``model.hf_config`` + ``init_seed`` built exactly as the DeepSpeed
-    backend builds it (same seed -> same weights in both backends)."""
-    from unirl.backends.megatron.hf_io import read_hf_config
-
-    if cfg.model.path is not None:
-        return ModelSource(hf_config=read_hf_config(cfg.model.path), weights=cfg.model.path)
-    from unirl.backends.hf_model import build_from_config
-
-    assert cfg.model.hf_config is not None  # the config checks one of the two is set
-    model = build_from_config(cfg.model.hf_config, cfg.model.init_seed, torch.float32)
-    return ModelSource(hf_config=model.config, weights=model.state_dict())
-
-
-def reference_source(cfg: UnirlConfig) -> ModelSource:
-    """``model.ref_path`` if set, else the policy's initial weights (reloaded from
-    ``model.path`` or rebuilt from the same seed, so it never sees training)."""
-    from unirl.backends.megatron.hf_io import read_hf_config
-
-    if cfg.model.ref_path is not None:
-        return ModelSource(
-            hf_config=read_hf_config(cfg.model.ref_path, key="model.ref_path"),
-            weights=cfg.model.ref_path,
-        )
-    return policy_source(cfg)
 
 
 def _seed_model_parallel_rng(seed: int, device: torch.device) -> None:
@@ -116,17 +69,24 @@ def _seed_model_parallel_rng(seed: int, device: torch.device) -> None:
 
 
 class MegatronBackend(EngineBackend):
-    """See the module docstring."""
+    """See the module docstring. Holds the models (``policy``; the ``reference``, built when
+    first asked for; the ``critic``'s) and the one `MicrobatchLoop` that runs them."""
 
     def __init__(
         self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> None:
         super().__init__()
-        check_schedule(cfg.optimizer, total_optimizer_steps)
+        # the schedules are checked before anything is built
+        plan = OptimizerPlan(
+            name="policy",
+            key="optimizer",
+            section=cfg.optimizer,
+            total_steps=total_optimizer_steps,
+            distributed=use_distributed_optimizer(cfg),
+        )
+        value_plan = critic_plan(cfg, total_optimizer_steps) if critic_enabled(cfg) else None
         self.cfg = cfg
-        self.total_optimizer_steps = total_optimizer_steps
         self.dtype = _DTYPES[cfg.model.dtype]
-        self.packed = cfg.backend_options.attention == "packed"
         self._process_group = init_process_group(cfg.parallel)
         self.device = self._process_group.device
         if self.device.type == "cpu":
@@ -135,71 +95,44 @@ class MegatronBackend(EngineBackend):
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)
-        source = policy_source(cfg)
-        self.hf_config = source.hf_config
-        self.vocab_size = int(self.hf_config.vocab_size)
-        self.chunks = self._build_chunks(source, recompute=cfg.model.gradient_checkpointing)
-        self._reference: list[torch.nn.Module] | None = None
-        self._steps_done = 0
-        self._grads_pending = False
-        self._closed = False
-        self.ddp: list[Any] = wrap_ddp(self.chunks, cfg)
-        self.optimizer: Any = build_optimizer(self.ddp, cfg)
-        self._zero_grads()
-        if needs_reference:
-            self._reference_chunks()
-        self.critic: MegatronCritic | None = None
-        if critic_enabled(cfg):
-            self.critic = MegatronCritic(
-                self, total_optimizer_steps=critic_optimizer_steps(cfg, total_optimizer_steps)
-            )
-
-    # -- building ----------------------------------------------------------------------------
-
-    def _build_chunks(
-        self, source: ModelSource, *, recompute: bool = False
-    ) -> list[torch.nn.Module]:
-        overrides = schedule_config(self.cfg.parallel)
-        if recompute:
-            # model.gradient_checkpointing: megatron's full activation recompute, one layer at a
-            # time (keeps only each layer's input; recomputes the layer in backward)
-            overrides |= {
-                "recompute_granularity": "full",
-                "recompute_method": "uniform",
-                "recompute_num_layers": 1,
-            }
-        chunks = build_model_chunks(
-            source.hf_config,
-            self.cfg.parallel,
-            dtype=self.dtype,
-            config_overrides=overrides,
-            unfused_attention=self.cfg.backend_options.attention == "unfused",
+        self.loop = MicrobatchLoop(
+            self.topology, self.device, packed=cfg.backend_options.attention == "packed"
         )
-        load_hf_weights(chunks, source.weights, source.hf_config, self.topology)
-        if self.cfg.model.fused_head:
-            emit_hidden(chunks)
-        return chunks
+        self._head = LogprobHead(
+            fused=cfg.model.fused_head,
+            tp_group=self.topology.groups.tp if self.topology.tp_size > 1 else None,
+        )
+        source = policy_source(cfg)
+        self.vocab_size = int(source.hf_config.vocab_size)
+        self.policy = self._lm_model(source, plan, recompute=cfg.model.gradient_checkpointing)
+        self._reference: MegatronModel | None = None
+        self._closed = False
+        if needs_reference:
+            self.reference()
+        self.critic: MegatronCritic | None = None
+        if value_plan is not None:
+            self.critic = MegatronCritic.build(cfg, value_plan, self.loop, dtype=self.dtype)
 
-    def _logprobs(
-        self,
-        chunks: list[torch.nn.Module],
-        item: ScheduledMicrobatch,
-        output: torch.Tensor,
-        spec: LogprobSpec,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Core's log-probs of a microbatch from the last stage's output (``chunks``: this rank's
-        unwrapped chunks of the model that ran): logits, or hidden states with the fused head."""
-        assert item.mb is not None
-        tp_group = self.topology.groups.tp if self.topology.tp_size > 1 else None
-        rows = item.batch.real_logits(output)  # [T, V_local] logits or [T, H] hidden states
-        if self.cfg.model.fused_head:
-            weight = head_weight(chunks[-1])
-            return token_logprobs_from_hidden(
-                rows, weight, item.mb.targets, spec, tp_group=tp_group
-            )
-        return token_logprobs(rows, item.mb.targets, spec, tp_group=tp_group)
+    # -- models ------------------------------------------------------------------------------
 
-    def _reference_chunks(self) -> list[torch.nn.Module]:
+    def _lm_model(
+        self, source: ModelSource, plan: OptimizerPlan | None, *, recompute: bool = False
+    ) -> MegatronModel:
+        chunks = build_chunks(
+            source, self.cfg, self.topology, dtype=self.dtype, recompute=recompute
+        )
+        return MegatronModel(
+            chunks,
+            hf_config=source.hf_config,
+            head=self._head,
+            cfg=self.cfg,
+            topology=self.topology,
+            plan=plan,
+            offload=self.cfg.model.ref_offload,
+        )
+
+    def reference(self) -> MegatronModel:
+        """The frozen reference model (built when first asked for)."""
         if self._reference is None:
             source = reference_source(self.cfg)
             if source.hf_config.vocab_size != self.vocab_size:
@@ -207,193 +140,95 @@ class MegatronBackend(EngineBackend):
                     f"model.ref_path has vocab_size={source.hf_config.vocab_size}, the policy "
                     f"{self.vocab_size}; the reference must share the policy's tokenizer"
                 )
-            chunks = self._build_chunks(source)
-            for chunk in chunks:
-                chunk.requires_grad_(False)
-                chunk.eval()
-                if self.cfg.model.ref_offload:
-                    chunk.to("cpu")
-            self._reference = chunks
+            self._reference = self._lm_model(source, None)
         return self._reference
-
-    # -- properties --------------------------------------------------------------------------
 
     @property
     def model(self) -> list[torch.nn.Module]:
         """This rank's policy model chunks (megatron GPTModels, one per virtual stage)."""
-        return self.chunks
+        return self.policy.chunks
+
+    @property
+    def hf_config(self) -> Any:
+        return self.policy.hf_config
 
     def loss_scale(self, num_microbatches: int) -> float:
         """The factor that cancels megatron's mean over microbatches and data-parallel ranks
         (`schedule.loss_scale`); ``num_microbatches`` counts the schedule's padding ones too."""
-        return schedule.loss_scale(num_microbatches, self.topology)
+        return self.loop.loss_scale(num_microbatches)
 
-    # -- forward passes ----------------------------------------------------------------------
+    # -- passes ------------------------------------------------------------------------------
 
     def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
-        microbatches, role, spec, progress = run.microbatches, run.role, run.spec, run.progress
-        if not microbatches:
-            return []
-        if role == "policy":
-            model: list[torch.nn.Module] = list(self.ddp)
-            chunks = self.chunks
-        else:
-            model = chunks = self._reference_chunks()
-        offloaded = role == "reference" and self.cfg.model.ref_offload
-        items, rows, seq_len = schedule_items(
-            microbatches, self.topology, self.device, packed=self.packed
+        model = self.policy if run.role == "policy" else self.reference()
+        return self.loop.forward_only(
+            model,
+            run.microbatches,
+            spec=run.spec,
+            on_forward=lambda: self._count_forward(run.role),
+            progress=run.progress,
         )
-        results: dict[int, torch.Tensor] = {}
-
-        def loss_func(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            zero = torch.zeros((), device=self.device)
-            if item.mb is None:
-                return zero, {}
-            logp, _ = self._logprobs(chunks, item, output, spec)
-            results[item.index] = logp.detach().float()
-            progress.report(tokens=item.mb.num_tokens)
-            return zero, {}
-
-        with forward_only(model, device=self.device, offloaded=offloaded):
-            run_schedule(
-                model,
-                items,
-                rows=rows,
-                seq_len=seq_len,
-                loss_func=loss_func,
-                forward_only=True,
-                topology=self.topology,
-                on_forward=lambda: self._count_forward(role),
-                on_microbatch=progress.tick,
-            )
-        if not self.topology.is_last_pipeline_stage():
-            return []
-        return [results[i] for i in range(len(microbatches))]
 
     def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
-        """One schedule call: megatron reduces the gradients at its end, so all microbatches of
-        one optimizer step come in one call."""
-        microbatches, loss_fn, spec, progress = (
+        return self.loop.train(
+            self.policy,
             run.microbatches,
-            run.loss_fn,
-            run.spec,
-            run.progress,
-        )
-        if self._grads_pending:
-            raise RuntimeError(
-                "forward_backward called twice without optimizer_step: megatron's schedule "
-                "reduces the gradients at the end of each call; pass all microbatches of one "
-                "optimizer step in one call"
-            )
-        items, rows, seq_len = schedule_items(
-            microbatches, self.topology, self.device, packed=self.packed
-        )
-        scale = self.loss_scale(len(items))
-        metrics: dict[int, Mapping[str, Metric]] = {}
-
-        def loss_func(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            # output: the last stage's logits, or its hidden states with the fused head
-            if item.mb is None:  # VPP padding: a zero that still reaches every parameter
-                return zero_through_graph(output), {}
-            mb = item.mb
-            logp, entropy = self._logprobs(self.chunks, item, output, spec)
-            loss, mb_metrics = loss_fn(mb, logp, entropy)
-            if mb.num_tokens == 0:
-                # the backward (and the pipeline's gradient sends) run as for any microbatch
-                loss = loss + zero_through_graph(output)
-            metrics[item.index] = mb_metrics
-            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
-            return loss * scale, {}
-
-        for ddp in self.ddp:
-            ddp.train()
-        self._grads_pending = True
-        run_schedule(
-            self.ddp,
-            items,
-            rows=rows,
-            seq_len=seq_len,
-            loss_func=loss_func,
-            forward_only=False,
-            topology=self.topology,
+            loss_fn=run.loss_fn,
+            spec=run.spec,
             on_forward=lambda: self._count_forward("policy"),
-            on_microbatch=progress.tick,
+            progress=run.progress,
         )
-        if not self.topology.is_last_pipeline_stage():
-            return []
-        return [metrics[i] for i in range(len(microbatches))]
-
-    # -- optimizer ---------------------------------------------------------------------------
-
-    def _zero_grads(self) -> None:
-        for ddp in self.ddp:
-            ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self._grads_pending = False
 
     def optimizer_step(self) -> OptimizerStepStats:
-        """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
-        lr = apply_schedule(self.optimizer, self.cfg, self._steps_done, self.total_optimizer_steps)
-        applied, grad_norm, _ = self.optimizer.step()
-        norm = float(grad_norm) if grad_norm is not None else float("nan")
-        if applied:
-            self._steps_done += 1
-        else:
-            logger.warning("optimizer step skipped (gradient norm %s)", norm)
-        if not math.isfinite(norm):
-            logger.warning("non-finite gradient norm %s", norm)
-        self._zero_grads()
-        return OptimizerStepStats(grad_norm=norm, lr=lr, skipped=not applied)
+        return self.policy.optimizer_step()
 
     # -- state -------------------------------------------------------------------------------
+
+    def _extra_models(self) -> dict[str, checkpoint.ExtraModel]:
+        return {} if self.critic is None else {"critic": self.critic.model.saved()}
 
     def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
         checkpoint.save_checkpoint(
             Path(path),
-            self.ddp,
-            self.optimizer,
+            self.policy.ddp,
+            self.policy.optimizer,
             self.topology,
             client_state=client_state,
-            steps_done=self._steps_done,
+            steps_done=self.policy.steps_done,
             extra=self._extra_models(),
         )
 
-    def _extra_models(self) -> dict[str, checkpoint.ExtraModel]:
-        if self.critic is None:
-            return {}
-        c = self.critic
-        return {"critic": checkpoint.ExtraModel(c.ddp, c.optimizer, c.steps_done)}
-
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        client, self._steps_done, extra_steps = checkpoint.load_checkpoint(
-            Path(path), self.ddp, self.optimizer, self.topology, extra=self._extra_models()
+        client, steps_done, extra_steps = checkpoint.load_checkpoint(
+            Path(path),
+            self.policy.ddp,
+            self.policy.optimizer,
+            self.topology,
+            extra=self._extra_models(),
         )
         if self.critic is not None:
-            self.critic.after_load(extra_steps["critic"])
-        self._zero_grads()
-        apply_schedule(self.optimizer, self.cfg, self._steps_done, self.total_optimizer_steps)
+            self.critic.model.after_load(extra_steps["critic"])
+        self.policy.after_load(steps_done)
         return client
 
     def export_hf(self, path: Path) -> None:
-        save_hf(Path(path), self.chunks, self.hf_config, self.topology)
+        self.policy.export_hf(path)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy weights in Hugging Face names, on the CPU, on every rank
         (collective: TP all-gathers and PP broadcasts)."""
-        return export_hf_state_dict(self.chunks, self.hf_config, self.topology)
+        return self.policy.hf_state_dict()
 
     def close(self) -> None:
-        """Free the model and optimizer and megatron's parallel state; destroy the process group
-        only if this backend created it."""
+        """Free the models and optimizers and megatron's parallel state; destroy the process
+        group only if this backend created it."""
         if self._closed:
             return
         self._closed = True
+        self.policy.close()
+        self._reference = None
         if self.critic is not None:
             self.critic.close()
-        self.optimizer = None
-        self.ddp = []
-        self.chunks = []
-        self._reference = None
         if dist.is_initialized():
             dist.barrier()
         ps.destroy_model_parallel()

@@ -18,6 +18,7 @@ import torch
 
 from unirl.core.data.context_parallel import CPLayout, sequence_token_counts, shift_to_next_token
 from unirl.core.data.rollout import PackedMicrobatch
+from unirl.core.data.routed_experts import FREE
 
 
 @attrs.frozen(kw_only=True)
@@ -36,6 +37,10 @@ class TrainMicrobatch:
     rollout_logprobs: torch.Tensor | None = None
     returns: torch.Tensor | None = None  # [T] float32: the critic's regression targets (GAE)
     old_values: torch.Tensor | None = None  # [T] float32: the critic's pre-step values
+    # [T, moe_layers, top_k] int32: the experts to replay for input token t (-1: the router's
+    # own choice: each sequence's last token, CP padding). Input-token aligned, which is also
+    # logit-position alignment (the routing of token t shapes the logits at t): never shifted.
+    routed_experts: torch.Tensor | None = None
     cp_group: Any = attrs.field(default=None, eq=False)
     # Unsplit (pre-CP) stream boundaries; needed to map results back to samples.
     global_cu_seqlens: torch.Tensor | None = None
@@ -106,10 +111,13 @@ def build_microbatch(
             seq_ids=packed.seq_ids,
             seq_token_counts=seq_counts,
             global_cu_seqlens=packed.cu_seqlens,
+            routed_experts=packed.routed_experts,
             **fields,  # type: ignore[arg-type]
         )
     layout = CPLayout.build(cu, cp_size, cp_rank)
     split = {k: None if v is None else layout.split(v) for k, v in fields.items()}
+    if packed.routed_experts is not None:
+        split["routed_experts"] = layout.split(packed.routed_experts, pad_value=FREE)
     return TrainMicrobatch(
         sample_indices=packed.sample_indices,
         tokens=layout.split(packed.tokens),

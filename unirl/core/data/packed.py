@@ -46,6 +46,9 @@ class PackedMicrobatch:
     rollout_logprobs: torch.Tensor | None  # [T] float32
     ref_logprobs: torch.Tensor | None
     values: torch.Tensor | None
+    # [T, moe_layers, top_k] int32: the experts of input token t (-1 at each sequence's last
+    # position: the router chooses there), `unirl.core.data.routed_experts`.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

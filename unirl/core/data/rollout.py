@@ -4,8 +4,10 @@ A `RolloutSample` is one prompt and one sampled response with its reward and gro
 answers; GRPO normalises rewards within a group). Optional per-response-token fields carry what
 the engine or a reference model already computed: the sampling log-probs (`rollout_logprobs`,
 for off-policy correction and for skipping the old-log-prob forward), reference log-probs
-(`ref_logprobs`, for the KL penalty) and critic values (`values`, for GAE). `policy_version` is
-the optimizer-step count of the policy weights that generated the response (None: unknown, e.g. a
+(`ref_logprobs`, for the KL penalty) and critic values (`values`, for GAE). A mixture-of-experts
+engine can add the experts it routed every token to (`routed_experts`, for routing replay; one row
+per token the model read, `unirl.core.data.routed_experts`). `policy_version` is the
+optimizer-step count of the policy weights that generated the response (None: unknown, e.g. a
 file written elsewhere); a source that hands out rollouts of older weights says so with it.
 
 `RolloutBatch.validate` finds every broken sample *before* a forward runs, because a bad token id
@@ -30,10 +32,12 @@ import attrs
 import torch
 
 from unirl.core.data.packed import PackedMicrobatch, PaddedResponses
+from unirl.core.data.routed_experts import MoeShape, pack_routed_experts, routed_experts_problems
 from unirl.core.data.sample import RolloutSample
 from unirl.core.data.sample_checks import _batch_may_have_problems, _sample_problems
 from unirl.core.data.sample_fields import (
     _MAX_LISTED_PROBLEMS,
+    ALL_OR_NONE_FIELDS,
     LOGPROB_FIELDS,
     LOGPROB_TOLERANCE,
     OPTIONAL_FIELDS,
@@ -107,8 +111,19 @@ class RolloutBatch:
 
     # -- validation ------------------------------------------------------------------------
 
-    def validate(self, *, vocab_size: int, max_seq_len: int, samples_per_prompt: int) -> None:
-        """Raise one `RolloutDataError` listing every problem, each naming sample and field."""
+    def validate(
+        self,
+        *,
+        vocab_size: int,
+        max_seq_len: int,
+        samples_per_prompt: int,
+        moe: MoeShape | None = None,
+    ) -> None:
+        """Raise one `RolloutDataError` listing every problem, each naming sample and field.
+
+        ``moe``: the model's routing shape when routing replay is on; every sample must then
+        carry ``routed_experts`` of that shape (without it, given experts are checked against
+        the sample's length only)."""
         for name, value in (
             ("vocab_size", vocab_size),
             ("max_seq_len", max_seq_len),
@@ -132,6 +147,7 @@ class RolloutBatch:
                     for p in _sample_problems(sample, vocab_size, max_seq_len)
                 )
         problems.extend(self._presence_problems())
+        problems.extend(self._routed_experts_problems(moe))
         problems.extend(self._group_problems(samples_per_prompt))
         if not problems and not any(bool(s.loss_mask.any()) for s in self.samples):
             problems.append(
@@ -145,9 +161,28 @@ class RolloutBatch:
             noun = "problem" if len(problems) == 1 else "problems"
             raise RolloutDataError(f"rollout batch has {len(problems)} {noun}:\n  {lines}")
 
+    def _routed_experts_problems(self, moe: MoeShape | None) -> list[str]:
+        problems = []
+        if moe is not None and all(s.routed_experts is None for s in self.samples):
+            problems.append(
+                f"{self._label(0)}: field 'routed_experts' is missing but routing replay replays "
+                f"it ({moe.num_moe_layers} MoE layers x top-{moe.top_k}); give the experts the "
+                "engine routed every token to, for every sample"
+            )
+        for i, s in enumerate(self.samples):
+            if s.routed_experts is None:
+                continue
+            problems.extend(
+                f"{self._label(i)}: {p}"
+                for p in routed_experts_problems(
+                    s.routed_experts, s.prompt_length, s.response_length, moe
+                )
+            )
+        return problems
+
     def _presence_problems(self) -> list[str]:
         problems = []
-        for name in PER_TOKEN_FLOAT_FIELDS:
+        for name in ALL_OR_NONE_FIELDS:
             have = [getattr(s, name) is not None for s in self.samples]
             if any(have) and not all(have):
                 first_missing = have.index(False)
@@ -204,9 +239,24 @@ class RolloutBatch:
     def has(self, field: str) -> bool:
         """Whether every sample carries the optional per-token ``field`` (after `validate`,
         a field is on all samples or none)."""
-        if field not in PER_TOKEN_FLOAT_FIELDS:
-            raise RolloutDataError(f"has(): {field!r} is not one of {PER_TOKEN_FLOAT_FIELDS}")
+        if field not in ALL_OR_NONE_FIELDS:
+            raise RolloutDataError(f"has(): {field!r} is not one of {ALL_OR_NONE_FIELDS}")
         return bool(self.samples) and all(getattr(s, field) is not None for s in self.samples)
+
+    def with_routed_experts(self, experts: Mapping[int, torch.Tensor]) -> RolloutBatch:
+        """This batch with ``routed_experts`` set on every sample (R2: the experts the
+        old-log-prob forward recorded, `unirl.core.data.routed_experts.recorded_per_sample`,
+        collected from every data-parallel rank); every sample index must be given."""
+        missing = [i for i in range(len(self.samples)) if i not in experts]
+        if missing:
+            raise RolloutDataError(
+                f"with_routed_experts: no recorded experts for samples {missing[:10]}; collect "
+                "the recording forward's experts from every data-parallel rank"
+            )
+        samples = tuple(
+            attrs.evolve(s, routed_experts=experts[i]) for i, s in enumerate(self.samples)
+        )
+        return attrs.evolve(self, samples=samples)
 
     def padded_responses(self) -> PaddedResponses:
         """Responses as ``[B, L]`` tensors with masks (see `PaddedResponses`)."""
@@ -262,6 +312,11 @@ class RolloutBatch:
             else None
             for name in PER_TOKEN_FLOAT_FIELDS
         }
+        routed = (
+            pack_routed_experts([s.routed_experts for s in samples], lengths, cu_seqlens)  # type: ignore[misc]
+            if samples and all(s.routed_experts is not None for s in samples)
+            else None
+        )
         return PackedMicrobatch(
             sample_indices=indices,
             tokens=cat([t for s in samples for t in (s.prompt_tokens, s.response_tokens)]),
@@ -273,5 +328,6 @@ class RolloutBatch:
             prompt_lengths=prompt_lengths,
             response_lengths=response_lengths,
             response_index=response_index,
+            routed_experts=routed,
             **optional,
         )

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from unirl.core.data.routed_experts import convert_routed_experts
 from unirl.core.data.sample_fields import (
     OPTIONAL_FIELDS,
     PER_TOKEN_FLOAT_FIELDS,
@@ -54,6 +55,10 @@ class RolloutSample:
     )
     values: torch.Tensor | None = attrs.field(
         default=None, converter=_float_converter("values"), eq=_tensor_eq
+    )
+    # [prompt + response - 1, moe_layers, top_k] int32 (`unirl.core.data.routed_experts`).
+    routed_experts: torch.Tensor | None = attrs.field(
+        default=None, converter=convert_routed_experts, eq=_tensor_eq
     )
     # The optimizer-step count of the weights that generated the response; None: unknown.
     policy_version: int | None = attrs.field(default=None, converter=_convert_policy_version)
@@ -113,6 +118,8 @@ class RolloutSample:
             value = getattr(self, name)
             if value is not None:
                 record[name] = value.tolist()
+        if self.routed_experts is not None:
+            record["routed_experts"] = self.routed_experts.tolist()
         if self.policy_version is not None:
             record["policy_version"] = self.policy_version
         if self.metadata:

@@ -24,12 +24,16 @@ OPTIONAL_FIELDS = (
     "rollout_logprobs",
     "ref_logprobs",
     "values",
+    "routed_experts",
     "policy_version",
     "metadata",
 )
 # Optional float fields with one entry per response token; each is given for all samples or none.
 PER_TOKEN_FLOAT_FIELDS = ("rollout_logprobs", "ref_logprobs", "values")
 LOGPROB_FIELDS = ("rollout_logprobs", "ref_logprobs")
+# Optional fields given for all samples or none (`RolloutBatch.has`): the per-token floats and
+# the MoE experts of every read token (`unirl.core.data.routed_experts`).
+ALL_OR_NONE_FIELDS = (*PER_TOKEN_FLOAT_FIELDS, "routed_experts")
 
 # What a per-token field holds, for "give one ... per response token".
 _PER_TOKEN_WHAT = {

@@ -9,6 +9,7 @@ computed once, in `Layout`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from unirl.core.data.plan import split_per_rank
 from unirl.core.errors import ConfigError
 from unirl.core.run.convert import _convert, _structure
 from unirl.core.run.overrides import apply_overrides
+from unirl.core.run.routing_replay import check_routing_replay
 from unirl.core.run.sections.algorithm import (
     AlgorithmConfig,
     CriticConfig,
@@ -30,7 +32,12 @@ from unirl.core.run.sections.algorithm import (
     RolloutCorrectionConfig,
 )
 from unirl.core.run.sections.model import Dtype, ModelConfig
-from unirl.core.run.sections.output import CheckpointConfig, LoggingConfig, ProgressConfig
+from unirl.core.run.sections.output import (
+    CheckpointConfig,
+    LoggingConfig,
+    ProgressConfig,
+    WandbConfig,
+)
 from unirl.core.run.sections.rollout import RolloutConfig
 from unirl.core.run.sections.training import (
     BatchConfig,
@@ -62,6 +69,7 @@ __all__ = [
     "Schedule",
     "TrainConfig",
     "UnirlConfig",
+    "WandbConfig",
     "apply_overrides",
     "config_from_dict",
     "critic_enabled",
@@ -204,7 +212,35 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     # The chosen rollout source's own rules (what it needs, what its options must fit).
     SOURCES.get(cfg.rollout.source).check(cfg)
     _check_prompts(cfg)
+    _check_stops(cfg)
+    _check_wandb(cfg)
     _check_critic(cfg)
+    check_routing_replay(cfg)
+
+
+def _check_wandb(cfg: UnirlConfig) -> None:
+    """A configured W&B that cannot run is refused before any work (unirl.core.run.wandb_log
+    says why: a warning would scroll away while the whole run goes unlogged)."""
+    if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb is set but Weights & Biases is not installed: pip install -e "
+            "'.[wandb]' (or pip install wandb), or remove logging.wandb"
+        )
+
+
+def _check_stops(cfg: UnirlConfig) -> None:
+    r = cfg.rollout
+    if r.source == "file" and (r.stop or r.stop_token_ids):
+        raise ConfigError(
+            "rollout.stop / rollout.stop_token_ids end generation, but rollout.source: file "
+            "trains on finished rollouts; remove them or use a generating source"
+        )
+    for i, text in enumerate(r.stop):
+        if not text:
+            raise ConfigError(f"rollout.stop[{i}] is empty; give a non-empty stop string")
+    for i, token in enumerate(r.stop_token_ids):
+        if token < 0:
+            raise ConfigError(f"rollout.stop_token_ids[{i}]={token}; token ids are >= 0")
 
 
 def _check_prompts(cfg: UnirlConfig) -> None:
@@ -216,6 +252,11 @@ def _check_prompts(cfg: UnirlConfig) -> None:
             ("rollout.reward_options", r.reward_options or None),
             ("rollout.skip_long_prompts", r.skip_long_prompts or None),
             ("model.tokenizer", cfg.model.tokenizer),
+            ("rollout.prompt_key", None if r.prompt_key == "prompt" else r.prompt_key),
+            ("rollout.answer_key", r.answer_key),
+            ("rollout.metadata_keys", r.metadata_keys or None),
+            ("rollout.apply_chat_template", r.apply_chat_template or None),
+            ("rollout.system_prompt", r.system_prompt),
         ):
             if value is not None:
                 raise ConfigError(

@@ -85,6 +85,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
         return value
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{path}: expected a list of {_type_name(item)}, got {value!r}")
+        return tuple(_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):

@@ -1,6 +1,7 @@
 """Per-step metrics of a run: one JSON object per line in ``metrics.jsonl`` (plot it with
-`unirl plot RUN_DIR` or any JSONL reader), and TensorBoard events when tensorboard is installed
-and enabled. Written by the reporting rank only.
+`unirl plot RUN_DIR` or any JSONL reader), TensorBoard events when tensorboard is installed
+and enabled, and the same records to Weights & Biases with ``logging.wandb``. Written by the
+reporting rank only.
 
 A killed process or a full disk can leave the last line cut off. Opening the log drops such a
 line (with a warning) before appending, and readers skip it, so a resumed run never glues its
@@ -14,7 +15,10 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unirl.core.run.wandb_log import WandbLog
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +31,21 @@ def _plain(value: Any) -> Any:
 
 class MetricsLog:
     def __init__(
-        self, run_dir: Path, *, tensorboard: bool, resume_from_step: int | None = None
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool,
+        resume_from_step: int | None = None,
+        wandb: WandbLog | None = None,
     ) -> None:
+        """``wandb``: a W&B run that gets every record too (`unirl.core.run.wandb_log`)."""
         self.path = run_dir / "metrics.jsonl"
         run_dir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             self._keep_whole_lines(resume_from_step)
         self._file = self.path.open("a")
         self._tb = None
+        self._wandb = wandb
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -73,9 +84,13 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.write(step, metrics)
 
     def close(self) -> None:
         self._file.close()
+        if self._wandb is not None:
+            self._wandb.close()
         if self._tb is not None:
             self._tb.close()
 

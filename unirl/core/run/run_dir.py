@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 # What a run writes into its directory (checkpoints are looked for under the checkpoint root).
-RUN_ARTIFACTS = ("run.json", "config.yaml", "metrics.jsonl", "tensorboard", "hf")
+RUN_ARTIFACTS = ("run.json", "config.yaml", "metrics.jsonl", "tensorboard", "wandb", "hf")
 
 
 def new_run_id() -> str:

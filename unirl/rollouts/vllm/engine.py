@@ -62,7 +62,7 @@ class EngineRequest:
 class EngineSample:
     response_tokens: tuple[int, ...]  # ends with the stop token when ``finished``
     logprobs: tuple[float, ...]  # of each response token, as sampled (temperature applied)
-    finished: bool  # ended by the stop token, not by max_new_tokens
+    finished: bool  # ended by a stop token or stop string, not by max_new_tokens
 
 
 def _engine_env() -> None:
@@ -79,11 +79,13 @@ class VllmEngine:
     settings and returning the sampled tokens' log-probs."""
 
     def __init__(self, llm: Any, *, temperature: float, top_p: float, max_new_tokens: int,
-                 stop_token_ids: Sequence[int], max_model_len: int) -> None:  # fmt: skip
+                 stop_token_ids: Sequence[int], max_model_len: int,
+                 stop: Sequence[str] = ()) -> None:  # fmt: skip
         self.llm = llm
         self.temperature, self.top_p = temperature, top_p
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = list(stop_token_ids)
+        self.stop = list(stop)
         self.max_model_len = max_model_len
         self._pids: set[int] = set()  # the engine's processes, set by `start`
 
@@ -100,8 +102,11 @@ class VllmEngine:
         top_p: float,
         max_new_tokens: int,
         stop_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
     ) -> VllmEngine:
         """Start an engine on the Hugging Face folder ``model_dir`` (config.json + safetensors).
+        Stop strings (``stop``) are matched by vLLM on the text it decodes, so with them the
+        engine loads the tokenizer saved in ``model_dir``; without them it runs on ids alone.
         Any failure (vLLM refusing the model shape, too little memory for the KV cache) raises
         `RunError` naming the ``rollout.vllm`` settings, after every started process is gone."""
         require_vllm()
@@ -112,7 +117,8 @@ class VllmEngine:
         try:
             llm = vllm.LLM(
                 model=model_dir,
-                skip_tokenizer_init=True,  # token ids in and out: the tasks tokenize
+                # token ids in and out: the tasks tokenize (stop strings need vLLM's detokenizer)
+                skip_tokenizer_init=not stop,
                 dtype=_DTYPES[dtype],
                 enforce_eager=options.enforce_eager,
                 max_model_len=max_model_len,
@@ -144,6 +150,7 @@ class VllmEngine:
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,
             max_model_len=max_model_len,
+            stop=stop,
         )
         engine._pids = set(_child_pids()) - before
         return engine
@@ -161,7 +168,11 @@ class VllmEngine:
                 stop_token_ids=self.stop_token_ids,
                 logprobs=0,  # the sampled token's own log-prob only
                 seed=r.seed,
-                detokenize=False,
+                # vLLM cuts the token ids after the one that completes a stop string; the text
+                # keeps the stop string, as the sampler's decoded response does.
+                stop=self.stop or None,
+                include_stop_str_in_output=bool(self.stop),
+                detokenize=bool(self.stop),
             )
             for r in requests
         ]

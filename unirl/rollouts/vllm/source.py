@@ -44,6 +44,7 @@ from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
 from unirl.rollouts.build import build_task
+from unirl.rollouts.stops import save_task_tokenizer, stop_ids
 from unirl.rollouts.tasks import Problem, Task, load_task_state, task_state
 from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine, require_vllm
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
@@ -139,6 +140,8 @@ class VllmRolloutSource:
         self._folder.write(state_dict)
         if self._engine is None:
             r = self.cfg.rollout
+            if r.stop:  # vLLM matches stop strings on text: it needs the task's tokenizer
+                save_task_tokenizer(self.task.tokenizer, self._folder.path)
             self._engine = VllmEngine.start(
                 str(self._folder.path),
                 self.options,
@@ -148,7 +151,10 @@ class VllmRolloutSource:
                 temperature=r.temperature,
                 top_p=r.top_p,
                 max_new_tokens=r.max_new_tokens,
-                stop_token_ids=[self.task.tokenizer.eos_id],
+                stop_token_ids=stop_ids(
+                    self.task.tokenizer.eos_id, r.stop_token_ids, vocab_size=self._vocab_size
+                ),
+                stop=r.stop,
             )
         else:
             self._engine.reload_weights(str(self._folder.path))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from unirl.core.errors import LossInputError
 
-MetricKind = Literal["tokens", "sequences", "max"]
+MetricKind = Literal["tokens", "sequences", "decisions", "max"]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -27,6 +27,8 @@ class Metric:
 
     ``kind`` names what the denominator counts: valid tokens, or sequences (a sequence counted
     as the sum of ``1 / n_s`` over its valid tokens, so it adds up to one across CP ranks).
+    Kind ``decisions`` counts MoE routing decisions (one token at one MoE layer,
+    `unirl.core.maths.losses.router_disagreement`).
     Kind ``max`` is a maximum instead: ``numerator`` is this microbatch's largest value (-inf
     with no valid token), reduced by max; the denominator is unused.
     """

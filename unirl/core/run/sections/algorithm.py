@@ -13,6 +13,11 @@ from unirl.core.run.sections.feeds import Feeding, build_settings
 from unirl.core.run.sections.training import OptimizerConfig
 from unirl.core.run.validators import non_negative, positive
 
+# Mixture-of-experts routing replay (`unirl.core.routing_replay`): off; record (the old-log-prob
+# forward records each MoE layer's top-k experts per token, the training forwards replay them);
+# rollout (every trainer forward replays the experts the rollout engine used, from the data).
+RoutingReplay = Literal["off", "record", "rollout"]
+
 # The algorithm sections declare keys only: each default and each rule is the settings field's
 # that the key sets (`unirl.core.run.sections.feeds`).
 LOSS = Feeding(LossSettings)
@@ -72,6 +77,8 @@ class AlgorithmConfig:
     distillation_coef: float = ADVANTAGE.distillation_coef
     # Features that read the policy's log-probs before the first optimizer step.
     mismatch_metrics: bool = False
+    # MoE models only: whose experts the trainer's forwards route each token to (RoutingReplay).
+    routing_replay: RoutingReplay = "off"
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None

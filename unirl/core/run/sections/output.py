@@ -31,9 +31,22 @@ class CheckpointConfig:
 
 
 @attrs.frozen(kw_only=True)
+class WandbConfig:
+    """``logging.wandb`` (`unirl.core.run.wandb_log`): the run is ``project``/``name`` (project
+    None: W&B's own default, WANDB_PROJECT or "uncategorized"; name None: the run folder's
+    name); ``mode: offline`` writes under RUN_DIR/wandb for ``wandb sync`` later."""
+
+    project: str | None = None
+    name: str | None = None
+    mode: Literal["online", "offline"] = "online"
+
+
+@attrs.frozen(kw_only=True)
 class LoggingConfig:
     run_dir: str = "runs/unirl"
     # unirl's log level; the engines (DeepSpeed, torch.distributed, vLLM, transformers) log only
     # errors unless it is DEBUG (`unirl.log_setup`).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = True
+    # Weights & Biases: the metrics of metrics.jsonl, from the reporting rank; None = off.
+    wandb: WandbConfig | None = None

@@ -44,6 +44,21 @@ class RolloutConfig:
     # Drop prompts longer than model.max_seq_len - max_new_tokens (with a warning) instead of
     # refusing the file.
     skip_long_prompts: bool = False
+    # The column mapping of rollout.prompts (JSONL, Parquet or a datasets folder;
+    # unirl/rollouts/prompt_datasets.py): the column holding the prompt (text, or a list of
+    # {role, content} chat messages), the one copied into metadata["answer"], and further
+    # columns copied into the metadata under their own names.
+    prompt_key: str = "prompt"
+    answer_key: str | None = None
+    metadata_keys: tuple[str, ...] = ()
+    # Text prompts go through the tokenizer's chat template as one user message (a messages
+    # prompt always does); system_prompt is put first in every chat prompt (unirl/rollouts/chat.py).
+    apply_chat_template: bool = False
+    system_prompt: str | None = None
+    # Generation also ends after a response whose text contains one of these strings, or at one
+    # of these token ids (besides the tokenizer's eos); the stop is the last response token.
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     source_options: Any = None
 
     def __attrs_post_init__(self) -> None:

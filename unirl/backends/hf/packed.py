@@ -1,5 +1,6 @@
-"""Running a packed microbatch through a Hugging Face model: one ``[1, T]`` stream, attention
-kept inside each sequence by a registered *varlen* attention function.
+"""Running a packed microbatch through a Hugging Face model (on every HF engine: DeepSpeed, FSDP2):
+one ``[1, T]`` stream, attention kept inside each sequence by a registered *varlen* attention
+function.
 
 A `TrainMicrobatch` arrives packed: tokens flat, ``cu_seqlens`` marking sequence bounds,
 ``position_ids`` restarting at each sequence. The model runs on exactly that stream (no padding,
@@ -73,7 +74,7 @@ from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
 
 ATTN_NAME = "unirl_packed_varlen"
-_REGISTERED = False
+_REGISTERED: set[str] = set()  # attention functions registered with transformers
 
 
 @functools.cache
@@ -95,16 +96,17 @@ def _check_supported(module: Any, kwargs: dict[str, Any], max_len: int) -> None:
     if window is not None and max_len > window:
         raise ConfigError(
             f"model attention layer {type(module).__name__} uses a sliding window of {window} "
-            f"tokens and a sequence here has {max_len}; the DeepSpeed backend's packed varlen "
-            "attention does not implement sliding windows. Keep sequences within the window "
-            "(model.max_seq_len), turn the window off in the model config, or use backend: megatron"
+            f"tokens and a sequence here has {max_len}; the packed varlen attention of "
+            "the Hugging Face backends (deepspeed, fsdp2) does not implement sliding windows. Keep "
+            "sequences within the window (model.max_seq_len), turn the window off in the model "
+            "config, or use backend: megatron"
         )
     for key in ("softcap", "s_aux"):
         if kwargs.get(key) is not None:
             raise ConfigError(
                 f"model attention layer {type(module).__name__} passes {key}= (logit soft-capping "
-                "or attention sinks); the DeepSpeed backend's packed varlen attention does not "
-                "implement it; use a model without it"
+                "or attention sinks); the packed varlen attention of the Hugging Face backends "
+                "does not implement it; use a model without it"
             )
 
 
@@ -124,7 +126,7 @@ def packed_attention(
     if cu is None:
         raise RuntimeError(
             f"attention {ATTN_NAME!r} needs cu_seq_lens_q: call the model through "
-            "unirl.backends.deepspeed.packed.forward_packed"
+            "unirl.backends.hf.packed.forward_packed"
         )
     max_len = int(kwargs["max_length_q"])
     _check_supported(module, kwargs, max_len)
@@ -236,27 +238,30 @@ def _bucketed_sdpa(
     return flat.index_select(0, plan.scatter)[None]
 
 
-def use_packed_attention(model: Any) -> None:
-    """Register the packed attention with transformers (once) and switch `model` to it."""
-    global _REGISTERED
+def register_attention(model: Any, name: str, function: Any, *, needed_for: str) -> None:
+    """Register ``function`` with transformers under ``name`` (once) and switch `model` to it."""
     from transformers import AttentionInterface
 
-    if not _REGISTERED:
-        AttentionInterface.register(ATTN_NAME, packed_attention)
-        _REGISTERED = True
-    model.set_attn_implementation(ATTN_NAME)
-    if model.config._attn_implementation != ATTN_NAME:
+    if name not in _REGISTERED:
+        AttentionInterface.register(name, function)
+        _REGISTERED.add(name)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
         raise ConfigError(
             f"model {type(model).__name__} cannot switch its attention implementation (it does "
-            "not use transformers' AttentionInterface); the DeepSpeed backend needs that to run "
-            "packed sequences"
+            f"not use transformers' AttentionInterface); {needed_for} needs that"
         )
+
+
+def use_packed_attention(model: Any) -> None:
+    """Switch `model` to the packed varlen attention."""
+    register_attention(model, ATTN_NAME, packed_attention, needed_for="running packed sequences")
 
 
 def forward_packed(module: Any, mb: TrainMicrobatch, device: torch.device) -> torch.Tensor:
     """Logits ``[T, V]`` of the packed microbatch (row ``t`` predicts ``mb.targets[t]``).
 
-    `module` is the DeepSpeed engine or the HF model, switched by `use_packed_attention`. An empty
+    `module` is the engine (DeepSpeed's) or the HF model, switched by `use_packed_attention`. An empty
     microbatch (``T = 0``) runs one pad token and returns its logits ``[1, V]``: under ZeRO every
     rank must run the same forward/backward collectives, also a rank with no tokens.
     """

@@ -1,0 +1,100 @@
+"""The RL step under ``routing_replay: rollout`` on the test suite's toy backend (declared as
+replaying): each rollout is checked for ``routed_experts`` before any forward, and every forward's
+microbatches carry the experts of their own tokens; with replay off, experts in the data do not
+reach the backend."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from tests.plugins import toy_backend
+from unirl.core.backend_plugin import BACKENDS, build_backend
+from unirl.core.data.rollout import RolloutBatch
+from unirl.core.data.routed_experts import FREE
+from unirl.core.errors import RolloutDataError
+from unirl.core.run.config import config_from_dict
+from unirl.core.step import RLStep
+
+VOCAB = 8
+HF = {
+    "model_type": "qwen3_moe",
+    "vocab_size": VOCAB,
+    "num_hidden_layers": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+SAMPLES = [([1, 2], [3, 4, 5], 1.0, 0), ([1, 2], [6, 7], 0.0, 0)]
+
+
+def row(token: int) -> list[list[int]]:
+    """The experts written for a token (both layers): a function of the token, so that a
+    microbatch position can be checked against the token it holds."""
+    return [[token, (token + 1) % 8]] * 2
+
+
+@pytest.fixture
+def toy_replaying():
+    with BACKENDS.scoped():
+        BACKENDS.register("toy", attrs.evolve(toy_backend.PLUGIN, supports_routing_replay=True))
+        yield
+
+
+def setup(mode: str, with_experts: bool):
+    cfg = config_from_dict(
+        {
+            "backend": "toy",
+            "model": {"hf_config": HF, "init_seed": 3, "max_seq_len": 16},
+            "batch": {
+                "prompts_per_rollout": 1,
+                "samples_per_prompt": 2,
+                "samples_per_optimizer_step": 2,
+                "micro_batch_size": 1,
+            },
+            "parallel": {"world_size": 1},
+            "algorithm": {"routing_replay": mode, "std_normalize": False},
+            "rollout": {"max_new_tokens": 8},
+            "progress": {"enabled": False},
+        }
+    )
+    records = []
+    for p, r, w, g in SAMPLES:
+        rec = {"prompt_tokens": p, "response_tokens": r, "reward": w, "group_id": g}
+        if with_experts:
+            rec["routed_experts"] = [row(t) for t in (p + r)[:-1]]
+        records.append(rec)
+    backend = build_backend(cfg, total_optimizer_steps=1)
+    seen = []
+    train = backend.forward_backward
+
+    def capture(mbs, **kw):
+        seen.extend(mbs)
+        return train(mbs, **kw)
+
+    backend.forward_backward = capture  # type: ignore[method-assign]
+    return cfg, backend, RolloutBatch.from_records(records), seen
+
+
+def test_rollout_mode_hands_each_forward_the_experts_of_its_tokens(toy_replaying):
+    cfg, backend, batch, seen = setup("rollout", with_experts=True)
+    RLStep(cfg, backend).run(batch)
+    assert len(seen) == 2
+    for mb in seen:
+        assert mb.routed_experts.shape == (mb.num_tokens, 2, 2)
+        last = mb.cu_seqlens[1:].long() - 1
+        for pos, token in enumerate(mb.tokens.tolist()):
+            want = [[FREE, FREE]] * 2 if pos in last.tolist() else row(token)
+            assert mb.routed_experts[pos].tolist() == want
+
+
+def test_rollout_mode_refuses_a_rollout_without_experts_before_any_forward(toy_replaying):
+    cfg, backend, batch, seen = setup("rollout", with_experts=False)
+    with pytest.raises(RolloutDataError, match=r"sample 0: field 'routed_experts' is missing"):
+        RLStep(cfg, backend).run(batch)
+    assert seen == [] and backend.forward_calls == {"policy": 0, "reference": 0}
+
+
+def test_with_replay_off_experts_in_the_data_do_not_reach_the_backend(toy_replaying):
+    cfg, backend, batch, seen = setup("off", with_experts=True)
+    RLStep(cfg, backend).run(batch)
+    assert seen and all(mb.routed_experts is None for mb in seen)

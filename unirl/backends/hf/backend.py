@@ -1,0 +1,187 @@
+"""`HFBackend`: unirl's `TrainingBackend` for an engine that trains Hugging Face models, written
+once for DeepSpeed, FSDP2 and the next such engine.
+
+The backend holds models, not copies of itself: the policy and (with a critic) the critic are
+trained models of the engine's one class, the reference is a frozen `PackedModule`; every pass
+is `unirl.backends.hf.loop`'s, with the log-prob head (`LogprobHead`) for the policy and the
+reference and the value head for the critic (`HFCritic`). One optimizer step, as core drives it::
+
+    backend = build_backend(cfg, total_optimizer_steps=n, needs_reference=kl_on)
+    old = backend.forward_logprobs(mbs, role="policy", spec=spec, progress=bar)   # if recompute
+    metrics = backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
+    stats = backend.optimizer_step()            # grad norm before clipping, lr used
+
+An engine subclasses `HFBackend` and says how to start its processes, switch a model to its
+attention, wrap a model for training (`_trained`) or for frozen forwards (`_frozen`), and how it
+writes its checkpoint files (``checkpoints``); the loss arithmetic is its trained model's
+``loss_scale`` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
+from unirl.backends.hf import checkpoint
+from unirl.backends.hf.checkpoint import CheckpointFiles
+from unirl.backends.hf.critic import HFCritic
+from unirl.backends.hf.fused_head import FusedLMHead, install_fused_head
+from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
+from unirl.backends.hf.model import PackedModule, TrainedModel, Training
+from unirl.backends.hf_model import load_critic, load_policy, load_reference
+from unirl.backends.process_group import ProcessGroupSetup
+from unirl.core.backend import ModelRole, OptimizerStepStats
+from unirl.core.critic import critic_optimizer_steps
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.losses import Metric
+from unirl.core.run.config import UnirlConfig, critic_enabled
+from unirl.core.topology import Topology
+
+
+class HFBackend(EngineBackend):
+    """See the module docstring."""
+
+    checkpoints: ClassVar[CheckpointFiles]
+
+    def __init__(
+        self, cfg: UnirlConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self._dist, self.topology = self._start()
+        model = load_policy(cfg.model)
+        # model.fused_head: the LM head computes the log-probs (no [T, V] logits)
+        self._heads: dict[ModelRole, FusedLMHead | None] = {"policy": self._prepare(model)}
+        self.vocab_size = int(model.config.vocab_size)
+        self.policy = self._trained(
+            model, Training("policy", cfg.optimizer, "optimizer", total_optimizer_steps)
+        )
+        self.device = self.policy.device
+        self._reference: PackedModule | None = None
+        self._closed = False
+        if needs_reference:
+            self._reference_model()
+        self.critic: HFCritic | None = None
+        if critic_enabled(cfg):
+            critic = load_critic(cfg.model, cfg.critic)
+            self._use_attention(critic)
+            steps = critic_optimizer_steps(cfg, total_optimizer_steps)
+            training = Training("critic", cfg.critic.optimizer, "critic.optimizer", steps)
+            self.critic = HFCritic(self._trained(critic, training))
+
+    # -- what an engine supplies -------------------------------------------------------------
+
+    def _start(self) -> tuple[ProcessGroupSetup, Topology]:
+        """Join or create the process group; this rank's topology."""
+        raise NotImplementedError
+
+    def _use_attention(self, model: Any) -> None:
+        """Switch a freshly loaded HF model to the engine's packed attention."""
+        raise NotImplementedError
+
+    def _trained(self, model: Any, training: Training) -> TrainedModel:
+        """``model`` wrapped for training as ``training`` says."""
+        raise NotImplementedError
+
+    def _frozen(self, model: Any) -> PackedModule:
+        """The reference wrapped for forward-only passes."""
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        """Leave the process group (destroy it only if `_start` created it)."""
+        raise NotImplementedError
+
+    # -- the TrainingBackend -----------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The Hugging Face module being trained (the one whose forward the contract hooks)."""
+        return self.policy.hf_module
+
+    def loss_scale(self, num_microbatches: int) -> float:
+        return self.policy.loss_scale(num_microbatches)
+
+    def _prepare(self, model: Any) -> FusedLMHead | None:
+        self._use_attention(model)
+        return install_fused_head(model) if self.cfg.model.fused_head else None
+
+    def _reference_model(self) -> PackedModule:
+        if self._reference is None:
+            ref = load_reference(self.cfg.model)
+            self._heads["reference"] = self._prepare(ref)
+            self._reference = self._frozen(ref)
+        return self._reference
+
+    def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
+        role = run.role
+        model = self.policy if role == "policy" else self._reference_model()
+        return forward_only_pass(
+            model,
+            LogprobHead(self._heads[role], run.spec),
+            run.microbatches,
+            progress=run.progress,
+            count=lambda: self._count_forward(role),
+        )
+
+    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
+        def loss(mb: TrainMicrobatch, out: HeadOutput):
+            return run.loss_fn(mb, out.values, out.entropy)
+
+        return training_pass(
+            self.policy,
+            LogprobHead(self._heads["policy"], run.spec),
+            run.microbatches,
+            loss=loss,
+            progress=run.progress,
+            count=lambda: self._count_forward("policy"),
+        )
+
+    def optimizer_step(self) -> OptimizerStepStats:
+        return self.policy.optimizer_step()
+
+    def _extra_models(self) -> dict[str, TrainedModel]:
+        return {} if self.critic is None else {"critic": self.critic.model}
+
+    def save_checkpoint(self, path: Path, client_state: Mapping[str, Any]) -> None:
+        checkpoint.save_checkpoint(
+            self.checkpoints,
+            self.policy,
+            Path(path),
+            client_state,
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            extra=self._extra_models(),
+        )
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return checkpoint.load_checkpoint(
+            self.checkpoints,
+            self.policy,
+            Path(path),
+            rank=self._dist.rank,
+            world_size=self._dist.world_size,
+            extra=self._extra_models(),
+        )
+
+    def export_hf(self, path: Path) -> None:
+        self.policy.export_hf(Path(path))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.policy.hf_state_dict()
+
+    def close(self) -> None:
+        """Free the models; leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        self.policy.close()
+        if self.critic is not None:
+            self.critic.close()
+        if self._reference is not None:
+            self._reference.close()
+        self._reference = None
+        self._stop()

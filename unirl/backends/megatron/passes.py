@@ -1,0 +1,157 @@
+"""The Megatron microbatch loop, written once: training and forward-only passes of any model the
+backend holds (policy, reference, critic), each one call of megatron-core's schedule
+(`schedule.run_schedule`).
+
+Per microbatch, on the last pipeline stage: the model's `Head` turns the stage's output into
+per-token results (log-probs and entropy, or values); a forward-only pass keeps the first of them,
+detached; a training pass hands them all to core's loss function, multiplies the loss by
+`loss_scale` (the one factor that cancels megatron's averaging), and connects an empty
+microbatch's zero loss to the graph so that its backward (and the pipeline's gradient sends) runs
+as for any other. Every rank counts one forward per real microbatch (``on_forward``) and the
+reporting rank ticks the progress bar once per microbatch (`Topology.counts_microbatch`), under
+virtual pipeline stages too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from unirl.backends.forward_only import forward_only
+from unirl.backends.megatron import schedule
+from unirl.backends.megatron.role_model import MegatronModel
+from unirl.backends.megatron.schedule import ScheduledMicrobatch, run_schedule, schedule_items
+from unirl.backends.microbatch import zero_through_graph
+from unirl.core.backend import LogprobSpec
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.losses import Metric
+from unirl.core.run.progress import MicrobatchProgress
+from unirl.core.topology import Topology
+
+# loss_fn(microbatch, *head results) -> (loss, metrics): core's `LossFn` (log-probs, entropy) or
+# `ValueLossFn` (values), matching the model's head.
+HeadLossFn = Callable[..., tuple[torch.Tensor, Mapping[str, Metric]]]
+# (item, the last stage's output) -> (the loss megatron backpropagates, data for megatron)
+_StageLoss = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, Any]]
+
+
+class MicrobatchLoop:
+    """See the module docstring. One per backend: its topology, device and input form."""
+
+    def __init__(self, topology: Topology, device: torch.device, *, packed: bool) -> None:
+        self.topology = topology
+        self.device = device
+        self.packed = packed  # megatron.attention: packed (THD streams) or right-padded rows
+
+    def loss_scale(self, num_microbatches: int) -> float:
+        """`schedule.loss_scale`; ``num_microbatches`` counts the schedule's padding ones too."""
+        return schedule.loss_scale(num_microbatches, self.topology)
+
+    def forward_only(
+        self,
+        model: MegatronModel,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        spec: LogprobSpec | None,
+        on_forward: Callable[[], None],
+        progress: MicrobatchProgress,
+    ) -> list[torch.Tensor]:
+        """The head's first result per microbatch, detached fp32 ([] off the last stage)."""
+        if not microbatches:
+            return []
+        items, rows, seq_len = self._items(microbatches)
+        results: dict[int, torch.Tensor] = {}
+
+        def stage_loss(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            zero = torch.zeros((), device=self.device)
+            if item.mb is None:
+                return zero, {}
+            first = model.head(model.chunks, item, output, spec)[0]
+            assert first is not None
+            results[item.index] = first.detach().float()
+            progress.report(tokens=item.mb.num_tokens)
+            return zero, {}
+
+        with forward_only(model.modules, device=self.device, offloaded=model.offloaded):
+            self._run(model, items, rows, seq_len, stage_loss, on_forward, progress, train=False)
+        return self._in_order(results, len(microbatches))
+
+    def train(
+        self,
+        model: MegatronModel,
+        microbatches: Sequence[TrainMicrobatch],
+        *,
+        loss_fn: HeadLossFn,
+        spec: LogprobSpec | None,
+        on_forward: Callable[[], None],
+        progress: MicrobatchProgress,
+    ) -> list[Mapping[str, Metric]]:
+        """Accumulate the gradients of one optimizer step; its metrics per microbatch ([] off the
+        last stage). One schedule call: megatron reduces the gradients at its end, so all
+        microbatches of one optimizer step come in one call."""
+        # the caller's interface refused an empty list (`unirl.backends.base`, core's plan)
+        assert microbatches, "a training pass needs at least one microbatch"
+        if model.grads_pending:
+            raise RuntimeError(
+                "forward_backward called twice without optimizer_step: megatron's schedule "
+                "reduces the gradients at the end of each call; pass all microbatches of one "
+                "optimizer step in one call"
+            )
+        items, rows, seq_len = self._items(microbatches)
+        scale = self.loss_scale(len(items))
+        metrics: dict[int, Mapping[str, Metric]] = {}
+
+        def stage_loss(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            # output: the last stage's logits, hidden states (fused head) or values
+            if item.mb is None:  # VPP padding: a zero that still reaches every parameter
+                return zero_through_graph(output), {}
+            mb = item.mb
+            loss, mb_metrics = loss_fn(mb, *model.head(model.chunks, item, output, spec))
+            if mb.num_tokens == 0:
+                # the backward (and the pipeline's gradient sends) run as for any microbatch
+                loss = loss + zero_through_graph(output)
+            metrics[item.index] = mb_metrics
+            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
+            return loss * scale, {}
+
+        for ddp in model.ddp:
+            ddp.train()
+        model.grads_pending = True
+        self._run(model, items, rows, seq_len, stage_loss, on_forward, progress, train=True)
+        return self._in_order(metrics, len(microbatches))
+
+    def _items(
+        self, microbatches: Sequence[TrainMicrobatch]
+    ) -> tuple[list[ScheduledMicrobatch], int, int]:
+        return schedule_items(microbatches, self.topology, self.device, packed=self.packed)
+
+    def _run(
+        self,
+        model: MegatronModel,
+        items: Sequence[ScheduledMicrobatch],
+        rows: int,
+        seq_len: int,
+        stage_loss: _StageLoss,
+        on_forward: Callable[[], None],
+        progress: MicrobatchProgress,
+        *,
+        train: bool,
+    ) -> None:
+        run_schedule(
+            model.modules,
+            items,
+            rows=rows,
+            seq_len=seq_len,
+            loss_func=stage_loss,
+            forward_only=not train,
+            topology=self.topology,
+            on_forward=on_forward,
+            on_microbatch=progress.tick,
+        )
+
+    def _in_order(self, results: Mapping[int, Any], n: int) -> list[Any]:
+        if not self.topology.is_last_pipeline_stage():
+            return []
+        return [results[i] for i in range(n)]

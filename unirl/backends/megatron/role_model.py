@@ -1,0 +1,181 @@
+"""One model the Megatron backend holds: the policy, the reference or the critic.
+
+Each is this rank's chunks of a megatron `GPTModel` (one per virtual pipeline stage, the same
+layers and TP / PP / VPP / CP layout for every role) and a `Head` saying what its last stage
+computes. A trained model (policy, critic) also has its own DDP, megatron optimizer and LR-schedule
+position, from an `OptimizerPlan` (the policy's ``optimizer`` section, the critic's
+``critic.optimizer``); a frozen one (the reference) has no gradients and may live on the CPU
+between passes (``model.ref_offload``). The microbatch loop that runs any of them is `passes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from unirl.backends.megatron.checkpoint import ExtraModel
+from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
+from unirl.backends.megatron.fused_head import emit_hidden
+from unirl.backends.megatron.heads import Head, install_value_head
+from unirl.backends.megatron.model import build_model_chunks
+from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
+from unirl.backends.megatron.schedule import schedule_config
+from unirl.backends.megatron.sources import ModelSource
+from unirl.core.backend import OptimizerStepStats
+from unirl.core.run.config import OptimizerConfig, UnirlConfig
+from unirl.core.run.lr_schedule import check_schedule
+from unirl.core.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+def build_chunks(
+    source: ModelSource,
+    cfg: UnirlConfig,
+    topology: Topology,
+    *,
+    dtype: torch.dtype,
+    recompute: bool = False,
+    value_head: bool = False,
+) -> list[torch.nn.Module]:
+    """This rank's chunks with ``source``'s weights. ``recompute``: megatron's full activation
+    recompute (``model.gradient_checkpointing``); ``value_head``: a critic's `ValueHead` in place
+    of the output layer; otherwise ``model.fused_head`` makes the last stage emit hidden states."""
+    overrides = schedule_config(cfg.parallel)
+    if recompute:
+        # one layer at a time: keeps only each layer's input, recomputes the layer in backward
+        overrides |= {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    chunks = build_model_chunks(
+        source.hf_config,
+        cfg.parallel,
+        dtype=dtype,
+        config_overrides=overrides,
+        unfused_attention=cfg.backend_options.attention == "unfused",
+    )
+    if value_head:
+        install_value_head(chunks, source.hf_config.hidden_size, dtype)
+    load_hf_weights(chunks, source.weights, source.hf_config, topology)
+    if cfg.model.fused_head and not value_head:
+        emit_hidden(chunks)
+    return chunks
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerPlan:
+    """How one trained model is optimised; checked when made, before anything is built."""
+
+    name: str  # "policy" / "critic": log messages and checkpoint entries
+    key: str  # the config section, for error messages: "optimizer" / "critic.optimizer"
+    section: OptimizerConfig
+    total_steps: int  # optimizer steps of the run (the LR schedule's length)
+    distributed: bool  # megatron's distributed optimizer (zero_stage 1)
+
+    def __attrs_post_init__(self) -> None:
+        check_schedule(self.section, self.total_steps, key=self.key)
+
+
+class MegatronModel:
+    """See the module docstring. ``plan`` None: frozen (``offload``: kept on the CPU)."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        *,
+        hf_config: Any,
+        head: Head,
+        cfg: UnirlConfig,
+        topology: Topology,
+        plan: OptimizerPlan | None,
+        offload: bool = False,
+    ) -> None:
+        self.chunks = chunks
+        self.hf_config = hf_config
+        self.head = head
+        self.cfg = cfg
+        self.topology = topology
+        self.plan = plan
+        self.offloaded = plan is None and offload
+        self.ddp: list[Any] = []
+        self.optimizer: Any = None
+        self.steps_done = 0
+        self.grads_pending = False  # a training pass ran since the last optimizer step
+        if plan is None:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+                if self.offloaded:
+                    chunk.to("cpu")
+            return
+        self.ddp = wrap_ddp(chunks, cfg, distributed=plan.distributed)
+        self.optimizer = build_optimizer(
+            self.ddp, cfg, optimizer=plan.section, distributed=plan.distributed
+        )
+        self.zero_grads()
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """What the schedule runs: the DDP-wrapped chunks of a trained model, else the chunks."""
+        return self.ddp if self.plan is not None else self.chunks
+
+    def zero_grads(self) -> None:
+        for ddp in self.ddp:
+            ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.grads_pending = False
+
+    def apply_schedule(self) -> float:
+        """The LR (and weight decay) of the next step written into the optimizer; returns it."""
+        assert self.plan is not None
+        return apply_schedule(
+            self.optimizer,
+            self.cfg,
+            self.steps_done,
+            self.plan.total_steps,
+            section=self.plan.section,
+        )
+
+    def optimizer_step(self) -> OptimizerStepStats:
+        """Clip, step, advance the LR schedule; the norm is the global one before clipping."""
+        assert self.plan is not None
+        lr = self.apply_schedule()
+        applied, grad_norm, _ = self.optimizer.step()
+        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if applied:
+            self.steps_done += 1
+        else:
+            logger.warning("%s optimizer step skipped (gradient norm %s)", self.plan.name, norm)
+        if not math.isfinite(norm):
+            logger.warning("%s: non-finite gradient norm %s", self.plan.name, norm)
+        self.zero_grads()
+        return OptimizerStepStats(grad_norm=norm, lr=lr, skipped=not applied)
+
+    def saved(self) -> ExtraModel:
+        """What `checkpoint` saves and loads of this model."""
+        return ExtraModel(self.ddp, self.optimizer, self.steps_done)
+
+    def after_load(self, steps_done: int) -> None:
+        """A checkpoint was loaded into the chunks and optimizer (`checkpoint`)."""
+        self.steps_done = steps_done
+        self.zero_grads()
+        self.apply_schedule()
+
+    def export_hf(self, path: Path) -> None:
+        save_hf(Path(path), self.chunks, self.hf_config, self.topology)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights in Hugging Face names, on the CPU, on every rank (collective)."""
+        return export_hf_state_dict(self.chunks, self.hf_config, self.topology)
+
+    def close(self) -> None:
+        self.optimizer = None
+        self.ddp = []
+        self.chunks = []
