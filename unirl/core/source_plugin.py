@@ -15,7 +15,9 @@ picks, as backends do (`unirl.core.backend_plugin`), so adding a source edits no
   file);
 - ``requires`` / ``install_hint``: the packages it imports, and how to install them;
 - ``loggers`` / ``log_level_env``: its engine's logger names and the environment variable the
-  engine's own processes read their log level from; `unirl.log_setup` quiets both below DEBUG.
+  engine's own processes read their log level from; `unirl.log_setup` quiets both below DEBUG;
+- ``top_p_logprobs``: which distribution its rollout log-probs describe under ``rollout.top_p < 1``
+  (what ``unirl check`` says the mismatch metrics measure, `unirl.core.mismatch`).
 
 The built-in sources (``sampler``, ``file``, ``vllm``) are registered by `unirl.rollouts`
 (imported by ``import unirl``); a plug-in outside the package registers itself with
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 
@@ -83,6 +85,9 @@ class SourcePlugin:
     install_hint: str = ""
     loggers: tuple[str, ...] = ()
     log_level_env: str | None = None
+    # Under rollout.top_p < 1: "truncated", the renormalised distribution it sampled from (a
+    # serving engine); "untruncated", the full softmax (the built-in sampler); None: not known.
+    top_p_logprobs: Literal["truncated", "untruncated"] | None = None
 
 
 SOURCES: Registry[SourcePlugin] = Registry("rollout source", key="rollout.source")

@@ -38,6 +38,7 @@ SAMPLER = SourcePlugin(
     describe=_describe_sampler,
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
+    top_p_logprobs="untruncated",
 )
 
 FILE = SourcePlugin(

@@ -230,10 +230,10 @@ def _check_wandb(cfg: UnirlConfig) -> None:
 
 def _check_stops(cfg: UnirlConfig) -> None:
     r = cfg.rollout
-    if r.source == "file" and (r.stop or r.stop_token_ids):
+    if not SOURCES.get(r.source).generates and (r.stop or r.stop_token_ids):
         raise ConfigError(
-            "rollout.stop / rollout.stop_token_ids end generation, but rollout.source: file "
-            "trains on finished rollouts; remove them or use a generating source"
+            f"rollout.stop / rollout.stop_token_ids end generation, but rollout.source: "
+            f"{r.source} trains on finished rollouts; remove them or use a generating source"
         )
     for i, text in enumerate(r.stop):
         if not text:

@@ -101,4 +101,6 @@ PLUGIN = SourcePlugin(
     # vLLM configures its loggers from the environment in every engine process it spawns.
     loggers=("vllm",),
     log_level_env="VLLM_LOGGING_LEVEL",
+    # processed_logprobs: after top-p, the distribution each token was drawn from
+    top_p_logprobs="truncated",
 )

@@ -196,7 +196,7 @@ class VllmRolloutSource:
         if self._engine is None:
             raise RunError(
                 "VllmRolloutSource.next_rollout before sync_weights: the engine starts from the "
-                "policy's weights; call sync_weights(backend.hf_state_dict()) first"
+                "policy's weights; call sync_weights(backend.hf_state_dict(), policy_version=...) first"
             )
         group, rollout = self.samples_per_prompt, self._rollouts_drawn
         for p_index, problem in enumerate(problems):
