@@ -87,13 +87,40 @@ def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+class _HostEvent:
+    """A CUDA event's stand-in: work on the CPU is done when it is issued."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """The one CUDA stream's stand-in: CPU work runs in issue order, so waiting on a stream and
+    recording an event on it have nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        _record(1)
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        _record(1)
+        return _HostEvent()
+
+
+_HOST_STREAM = _HostStream()
+
+
 class _HostCuda(types.SimpleNamespace):
-    """What the patched modules see as ``torch.cuda``: the two calls the listed lines make."""
+    """What the patched modules see as ``torch.cuda``: the calls the listed lines make."""
 
     def __init__(self) -> None:
         super().__init__(
             current_device=_recorded(lambda: _CPU),  # buffers go to the CPU
             synchronize=_recorded(lambda device=None: None),  # gloo's waits already block
+            # one stream: the MoE dispatcher's side stream for its device-to-host copies is the
+            # current stream (its copies are host-to-host no-ops on the CPU)
+            Stream=_recorded(lambda *args, **kwargs: _HOST_STREAM),
+            current_stream=_recorded(lambda device=None: _HOST_STREAM),
+            stream=_recorded(lambda stream=None: contextlib.nullcontext()),
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -282,6 +309,44 @@ PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
         ),
     ),
     ModulePatch(
+        module="megatron.core.transformer.moe.router",
+        lines=(
+            # Router.gating: if self.weight.device.type == 'cpu': self.weight.data =
+            # self.weight.data.to(device=torch.cuda.current_device()), the router weight moved
+            # to the GPU on every forward (it stays on the CPU)
+            "transformer/moe/router.py:90",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.transformer.moe.token_dispatcher",
+        lines=(
+            # MoEAlltoAllTokenDispatcher.__init__: cuda_dtoh_stream = torch.cuda.Stream()
+            "transformer/moe/token_dispatcher.py:445",
+            # _maybe_dtoh_and_synchronize: on_side_stream = torch.cuda.current_stream() !=
+            # self.cuda_dtoh_stream; with torch.cuda.stream(self.cuda_dtoh_stream): the
+            # token counts' device-to-host copies on a side stream; then
+            # self.d2h_event = self.cuda_dtoh_stream.record_event(), synchronized on later
+            "transformer/moe/token_dispatcher.py:871",
+            "transformer/moe/token_dispatcher.py:874",
+            "transformer/moe/token_dispatcher.py:895",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.tensor_parallel.mappings",
+        lines=(
+            # _AllToAll.forward: input.new_empty(..., device=torch.cuda.current_device()), the
+            # all-to-all-v output of the expert-parallel token dispatch
+            "tensor_parallel/mappings.py:442",
+            # _gather_along_first_dim: torch.empty(dim_size, ..., device=
+            # torch.cuda.current_device()), the dispatcher's gather of token counts over the
+            # tensor x expert parallel ranks (equal and uneven splits)
+            "tensor_parallel/mappings.py:141",
+            "tensor_parallel/mappings.py:148",
+            # _reduce_scatter_along_first_dim (combine under tp > 1): the same allocation
+            "tensor_parallel/mappings.py:181",
+        ),
+    ),
+    ModulePatch(
         module="megatron.core.dist_checkpointing.strategies.filesystem_async",
         lines=(
             # preload_tensors: torch.cuda.synchronize() before copying tensors to the host
@@ -328,6 +393,18 @@ def check_version() -> str:
             "unirl/backends/megatron/cpu_compat.py against the new version"
         )
     return version
+
+
+def fix_moe_router_without_te() -> None:
+    """megatron-core 0.16.1's ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only
+    inside its Transformer Engine import and reads it at line 1192 (the router's gating matmul),
+    a ``NameError`` without TE, on GPUs and CPUs alike. Bound to None it takes the line's own
+    ``torch.mm`` branch. Idempotent; nothing changes where TE is installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        check_version()
+        moe_utils.te_general_gemm = None
 
 
 def install() -> None:
