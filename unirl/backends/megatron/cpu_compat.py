@@ -15,6 +15,9 @@ megatron-core module attribute (torch itself is never changed outside a patched 
   ``device="cuda"`` and are unchanged otherwise.
 - `FunctionPatch`: one function of a module too widely used to patch whole
   (``megatron.core.utils``) runs, code unchanged, with ``torch`` bound to `_HostTorch`.
+- `ReplacePatch`: one function, as one module looks it up, replaced by a CPU version that
+  differs from it only in the listed line (for a test on ``tensor.is_cuda``, which no stand-in
+  for ``torch`` can answer).
 - `TypeNamePatch`: during one function, ``Tensor.type()`` of a CPU tensor answers the CUDA name
   (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), because it dispatches on the name string
   and raises on anything else.
@@ -215,6 +218,29 @@ class FunctionPatch:
 
 
 @attrs.frozen(kw_only=True)
+class ReplacePatch:
+    """``module.name`` (where callers look it up) replaced by ``replacement``."""
+
+    module: str
+    name: str
+    replacement: Callable[..., Any]
+    lines: tuple[str, ...]
+
+
+def _host_maybe_move_tensor_to_cpu(
+    tensor: Any, as_numpy: bool = False, record_stream: bool = False
+) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU: its test
+    ``tensor.is_cuda`` (line 1093) is what lets the all-to-all dispatcher's split sizes become
+    the numpy arrays ``all_to_all_single`` takes; on the CPU every tensor is the "device" one."""
+    if torch.is_tensor(tensor):
+        _REACHED.add("transformer/moe/moe_utils.py:1093")
+        tensor = tensor.clone()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
+@attrs.frozen(kw_only=True)
 class TypeNamePatch:
     """A function (``Class.method``) run with `_cpu_tensor_type_names`, and its lines."""
 
@@ -226,7 +252,7 @@ class TypeNamePatch:
 # Every line below is "file:line" under megatron/core in megatron-core 0.16.1, the line's code in
 # the comment beside it. The tests run every contract layout on the CPU and check that each
 # patched line that ran is listed here, and that each listed line still reads ``cuda``.
-PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
+PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] = (
     ModulePatch(
         module="megatron.core.pipeline_parallel.schedules",
         lines=(
@@ -331,6 +357,16 @@ PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
             "transformer/moe/token_dispatcher.py:895",
         ),
     ),
+    ReplacePatch(
+        module="megatron.core.transformer.moe.token_dispatcher",
+        name="maybe_move_tensor_to_cpu",
+        replacement=_host_maybe_move_tensor_to_cpu,
+        lines=(
+            # if torch.is_tensor(tensor) and tensor.is_cuda: the token counts and all-to-all split
+            # sizes copied to the host (as numpy arrays when asked)
+            "transformer/moe/moe_utils.py:1093",
+        ),
+    ),
     ModulePatch(
         module="megatron.core.tensor_parallel.mappings",
         lines=(
@@ -424,6 +460,8 @@ def install() -> None:
         if isinstance(patch, ModulePatch):
             assert module.torch is torch, (patch.module, module.torch)
             module.torch = host_torch
+        elif isinstance(patch, ReplacePatch):
+            setattr(module, patch.name, patch.replacement)
         elif isinstance(patch, FunctionPatch):
             fn = getattr(module, patch.name)
             rebound = types.FunctionType(
