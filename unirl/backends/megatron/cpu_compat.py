@@ -16,8 +16,10 @@ megatron-core module attribute (torch itself is never changed outside a patched 
 - `FunctionPatch`: one function of a module too widely used to patch whole
   (``megatron.core.utils``) runs, code unchanged, with ``torch`` bound to `_HostTorch`.
 - `ReplacePatch`: one function, as one module looks it up, replaced by a CPU version that
-  differs from it only in the listed line (for a test on ``tensor.is_cuda``, which no stand-in
-  for ``torch`` can answer).
+  differs from it only in the listed lines: a test on ``tensor.is_cuda``, which no stand-in for
+  ``torch`` can answer, and the MoE dispatcher's uneven all-gather / reduce-scatter, which NCCL
+  runs and gloo refuses (its all-gather needs equal sizes); each such line reads the name given
+  in ``reads`` instead of ``cuda``.
 - `TypeNamePatch`: during one function, ``Tensor.type()`` of a CPU tensor answers the CUDA name
   (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), because it dispatches on the name string
   and raises on anything else.
@@ -225,6 +227,7 @@ class ReplacePatch:
     name: str
     replacement: Callable[..., Any]
     lines: tuple[str, ...]
+    reads: str = "cuda"  # what each listed line reads (the tests check it)
 
 
 def _host_maybe_move_tensor_to_cpu(
@@ -238,6 +241,44 @@ def _host_maybe_move_tensor_to_cpu(
         tensor = tensor.clone()
         return tensor.numpy() if as_numpy else tensor
     return tensor
+
+
+def _host_gather_along_first_dim(
+    input_: torch.Tensor,
+    group: Any,
+    output_split_sizes: Any = None,
+    use_global_buffer: bool = False,
+) -> torch.Tensor:
+    """``mappings._gather_along_first_dim`` with uneven sizes on gloo: line 150's
+    ``all_gather`` into views of different lengths becomes an all-gather of copies padded to the
+    longest, trimmed after; even sizes go to the original."""
+    if output_split_sizes is None or group.size() == 1:
+        return _ORIGINALS["_gather_along_first_dim"](input_, group, None, use_global_buffer)
+    _REACHED.add("tensor_parallel/mappings.py:150")
+    sizes = [int(n) for n in output_split_sizes]
+    padded = input_.new_zeros(max(sizes), *input_.shape[1:])
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def _host_reduce_scatter_along_first_dim(
+    input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False
+) -> torch.Tensor:
+    """``mappings._reduce_scatter_along_first_dim`` with uneven sizes on gloo (line 193's
+    ``reduce_scatter`` of a list): the sum by all-reduce, then this rank's rows."""
+    if input_split_sizes is None or group.size() == 1:
+        return _ORIGINALS["_reduce_scatter_along_first_dim"](input_, group, None, use_global_buffer)
+    _REACHED.add("tensor_parallel/mappings.py:193")
+    sizes = [int(n) for n in input_split_sizes]
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    return total.split(sizes)[group.rank()].clone()
+
+
+# the functions a `ReplacePatch` replaced, by name (its replacement calls them for what it keeps)
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
 @attrs.frozen(kw_only=True)
@@ -367,6 +408,24 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             "transformer/moe/moe_utils.py:1093",
         ),
     ),
+    ReplacePatch(
+        module="megatron.core.tensor_parallel.mappings",
+        name="_gather_along_first_dim",
+        replacement=_host_gather_along_first_dim,
+        # torch.distributed.all_gather(output_tensor_list, input_, group=group): the tokens
+        # of the expert tensor-parallel ranks, gathered in their own (uneven) counts
+        lines=("tensor_parallel/mappings.py:150",),
+        reads="all_gather",
+    ),
+    ReplacePatch(
+        module="megatron.core.tensor_parallel.mappings",
+        name="_reduce_scatter_along_first_dim",
+        replacement=_host_reduce_scatter_along_first_dim,
+        # torch.distributed.reduce_scatter(output, input_tensor_list, group=group): the experts'
+        # partial outputs summed back to the ranks their tokens came from (uneven counts)
+        lines=("tensor_parallel/mappings.py:193",),
+        reads="reduce_scatter",
+    ),
     ModulePatch(
         module="megatron.core.tensor_parallel.mappings",
         lines=(
@@ -408,6 +467,11 @@ def is_installed() -> bool:
 def listed_lines() -> set[str]:
     """Every ``"file.py:line"`` of `PATCHES`."""
     return {line for patch in PATCHES for line in patch.lines}
+
+
+def line_reads() -> dict[str, str]:
+    """What each listed line reads: ``cuda``, or the collective gloo runs differently."""
+    return {line: getattr(patch, "reads", "cuda") for patch in PATCHES for line in patch.lines}
 
 
 # -- installing --------------------------------------------------------------------------------
@@ -461,6 +525,7 @@ def install() -> None:
             assert module.torch is torch, (patch.module, module.torch)
             module.torch = host_torch
         elif isinstance(patch, ReplacePatch):
+            _ORIGINALS[patch.name] = getattr(module, patch.name)
             setattr(module, patch.name, patch.replacement)
         elif isinstance(patch, FunctionPatch):
             fn = getattr(module, patch.name)
