@@ -499,11 +499,11 @@ def fix_moe_router_without_te() -> None:
     """megatron-core 0.16.1's ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only
     inside its Transformer Engine import and reads it at line 1192 (the router's gating matmul),
     a ``NameError`` without TE, on GPUs and CPUs alike. Bound to None it takes the line's own
-    ``torch.mm`` branch. Idempotent; nothing changes where TE is installed."""
+    ``torch.mm`` branch (``if te_general_gemm is not None``). Idempotent; nothing changes where
+    TE is installed (the name is bound)."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
-        check_version()
         moe_utils.te_general_gemm = None
 
 
