@@ -230,6 +230,7 @@ def _one_rank(rank, world, cases, folders):
         chunk(ids[0], torch.arange(SEQ)[None].expand(BATCH, SEQ), None)  # autograd on: recorded
         results[name]["router_logits"] = [t.detach() for t in collect_router_logits([chunk])]
         results[name]["router_logits_after"] = collect_router_logits([chunk])
+    results["grads"] = _gradients(cases["renormalised"], topo)
     config, state, _, _, _ = cases["renormalised"]
     refusals = {}
     (chunk,) = build_model_chunks(config, ParallelConfig(), dtype=torch.float32)
@@ -245,6 +246,49 @@ def _one_rank(rank, world, cases, folders):
     results["refusals"] = refusals
     ps.destroy_model_parallel()
     return results
+
+
+def _weights(n):
+    return torch.linspace(-1.0, 1.0, n)
+
+
+def _gradients(case, topo):
+    """d/dθ sum_t w_t logp_t in train mode, the gradients written into the parameters and read
+    out in HF names by the (exact, tested) export."""
+    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
+    from unirl.backends.megatron.model import build_model_chunks
+    from unirl.core.maths.logprobs import logprobs_from_logits
+    from unirl.core.run.config import ParallelConfig
+
+    config, state, ids, _, _ = case
+    (chunk,) = build_model_chunks(config, ParallelConfig(), dtype=torch.float32)
+    load_hf_weights([chunk], state, config, topo)
+    out = chunk(ids[0], torch.arange(SEQ)[None].expand(BATCH, SEQ), None)
+    logp = logprobs_from_logits(
+        out[:, :-1].reshape(-1, out.shape[-1]), ids[0][:, 1:].reshape(-1), vocab_size=VOCAB
+    )
+    (_weights(logp.numel()) * logp).sum().backward()
+    with torch.no_grad():
+        for param in chunk.parameters():
+            param.copy_(param.grad)
+    return export_hf_state_dict([chunk], config, topo)
+
+
+def _reference_gradients(case):
+    """The same objective through the HF model in fp64 (its own router and experts)."""
+    config, state, ids, _, _ = case
+    model = transformers.AutoModelForCausalLM.from_config(
+        # the experts' per-expert loop (torch's grouped matmul has no fp64)
+        config,
+        dtype=torch.float64,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
+    model.load_state_dict({k: v.double() for k, v in state.items()})
+    logits = model(ids[0]).logits[:, :-1].reshape(-1, VOCAB)
+    logp = torch.log_softmax(logits, -1).gather(1, ids[0][:, 1:].reshape(-1, 1)).squeeze(1)
+    (_weights(logp.numel()).double() * logp).sum().backward()
+    return _per_expert({n: p.grad for n, p in model.named_parameters()})
 
 
 # --- checks -----------------------------------------------------------------------------------
@@ -331,6 +375,11 @@ def test_moe_one_rank_folder_router_logits_and_refusals(tmp_path):
             seq_major = hf.reshape(BATCH, SEQ, EXPERTS).transpose(0, 1).reshape(-1, EXPERTS)
             torch.testing.assert_close(mine, seq_major, atol=1e-5, rtol=1e-5)
         assert res["router_logits_after"] == []  # collecting empties the routers' lists
+    # gradients of every weight, router and experts included, against HF's fp64 autograd
+    reference_grads = _reference_gradients(cases["renormalised"])
+    assert set(result["grads"]) == set(reference_grads)
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(result["grads"][name].double(), grad, atol=1e-5, rtol=1e-4)
     extra, missing = result["refusals"]["extra"], result["refusals"]["missing"]
     assert extra is not None and "mlp.shared_expert.up_proj.weight" in extra, extra
     assert missing is not None and "experts.7.down_proj.weight" in missing, missing
