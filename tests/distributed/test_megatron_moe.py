@@ -185,6 +185,13 @@ def _run_layout(sizes, cases, world):
             "export": export_hf_state_dict(chunks, config, topo),
             "logprobs": _pipeline_logprobs(chunks, topo, ids[topo.dp_rank]),
         }
+    if sizes.get("tp", 1) == 1 and sizes.get("pp", 1) == 1:
+        # backward through the all-to-all: each rank's own batch, its own (un-reduced) gradients
+        results["tp_ep_members"] = torch.distributed.get_process_group_ranks(
+            ps.get_expert_tensor_and_model_parallel_group()
+        )
+        config, state, ids, _, _ = cases["renormalised"]
+        results["grads"] = _gradients((config, state, [ids[topo.dp_rank]], None, None), topo)
     ps.destroy_model_parallel()
     results["cpu_compat_lines"] = sorted(cpu_compat.reached_lines())
     return results
@@ -261,7 +268,10 @@ def _gradients(case, topo):
     from unirl.core.run.config import ParallelConfig
 
     config, state, ids, _, _ = case
-    (chunk,) = build_model_chunks(config, ParallelConfig(), dtype=torch.float32)
+    parallel = ParallelConfig(
+        world_size=topo.world_size, ep=topo.ep_size, etp=topo.etp_size if topo.ep_size > 1 else None
+    )
+    (chunk,) = build_model_chunks(config, parallel, dtype=torch.float32)
     load_hf_weights([chunk], state, config, topo)
     out = chunk(ids[0], torch.arange(SEQ)[None].expand(BATCH, SEQ), None)
     logp = logprobs_from_logits(
@@ -274,9 +284,11 @@ def _gradients(case, topo):
     return export_hf_state_dict([chunk], config, topo)
 
 
-def _reference_gradients(case):
-    """The same objective through the HF model in fp64 (its own router and experts)."""
+def _reference_gradients(case, index=0):
+    """The same objective through the HF model in fp64 (its own router and experts), on the
+    batch ``ids[index]``."""
     config, state, ids, _, _ = case
+    ids = ids[index:]
     model = transformers.AutoModelForCausalLM.from_config(
         # the experts' per-expert loop (torch's grouped matmul has no fp64)
         config,
@@ -340,6 +352,20 @@ def test_moe_layouts_logprobs_and_round_trip():
     # the all-to-all ran on gloo through cpu_compat, every line it patched listed
     from unirl.backends.megatron import cpu_compat
 
+    # gradients under expert parallel: a rank's dense weights see its own batch; an expert sees
+    # the tokens routed to it from every rank of its expert tensor x expert parallel group
+    renormalised = cases["renormalised"]
+    reference = [_reference_gradients(renormalised, i) for i in range(4)]
+    for layout in ("ep2", "ep2_etp2"):
+        for rank in range(4):
+            res = per_rank[rank][layout]
+            senders = [per_rank[m][layout]["renormalised"]["dp_rank"] for m in res["tp_ep_members"]]
+            own = res["renormalised"]["dp_rank"]
+            assert set(res["grads"]) == set(reference[0])
+            for name, grad in res["grads"].items():
+                ranks = senders if ".mlp.experts." in name else [own]
+                expected = sum(reference[i][name] for i in ranks)
+                torch.testing.assert_close(grad.double(), expected, atol=1e-5, rtol=1e-4)
     reached = set().union(
         *(per_rank[r][layout]["cpu_compat_lines"] for r in range(4) for layout in LAYOUTS)
     )
