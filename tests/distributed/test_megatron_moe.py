@@ -1,6 +1,8 @@
 """Qwen3-MoE on the Megatron backend: per-token log-probs equal an independent fp64 `log_softmax`
 of the Hugging Face fp32 model's logits on EP1, EP2, EP2 x TP2, EP2 x ETP2 and PP2 x EP2, and
-HF -> Megatron -> HF is exact in each (experts gathered over the expert-parallel ranks).
+HF -> Megatron -> HF is exact in each (experts gathered over the expert-parallel ranks); the
+gradients of every weight equal HF's fp64 autograd on EP1, EP2 and EP2 x ETP2 (each data rank
+with its own batch, so the ranks exchange uneven token counts).
 
 Tiny models (hidden 64, 2 layers, 8 experts, top-2, expert FFN 48) with every parameter drawn at
 random (norms and the router included). Two routings: ``norm_topk_prob`` on (both layers
