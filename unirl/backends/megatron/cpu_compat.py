@@ -495,18 +495,6 @@ def check_version() -> str:
     return version
 
 
-def fix_moe_router_without_te() -> None:
-    """megatron-core 0.16.1's ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only
-    inside its Transformer Engine import and reads it at line 1192 (the router's gating matmul),
-    a ``NameError`` without TE, on GPUs and CPUs alike. Bound to None it takes the line's own
-    ``torch.mm`` branch (``if te_general_gemm is not None``). Idempotent; nothing changes where
-    TE is installed (the name is bound)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def install() -> None:
     """Apply every patch of `PATCHES` (idempotent). Only for a backend on the CPU."""
     global _installed

@@ -47,7 +47,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from unirl.backends.megatron import cpu_compat
+from unirl.backends.megatron import te_compat
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
 from unirl.backends.megatron.moe import (
     RecordingTopKRouter,
@@ -455,7 +455,7 @@ def build_gpt_model(
     config = transformer_config(hf_config, parallel, dtype=dtype, **(config_overrides or {}))
     rope = rope_settings(hf_config)
     if is_moe(hf_config):
-        cpu_compat.fix_moe_router_without_te()
+        te_compat.install()  # the router's gating reads a name only TE binds
         spec: ModuleSpec | TransformerBlockSubmodules = moe_block_spec(
             config, vp_stage=vp_stage, use_te=use_te, unfused_attention=unfused_attention
         )
