@@ -226,7 +226,11 @@ def bench_layer(args: argparse.Namespace, shape: dict[str, int], dtype, device) 
         torch.manual_seed(0)
         layer = build_module(spec, config=config).to(device)
         if reference is None:
-            reference = {k: v.clone() for k, v in layer.state_dict().items()}
+            # megatron modules put None extra states in their state dicts
+            reference = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in layer.state_dict().items()
+            }
         else:
             layer.load_state_dict(reference)
 

@@ -4,7 +4,8 @@ equal an independent `log_softmax` of the Hugging Face model's logits.
 
 Tiny models (hidden 64, 4 layers, 4 heads, 2 key/value heads, vocabulary 100 so that Megatron
 pads it); every HF parameter is drawn at random, norms and biases included, so a misplaced norm,
-bias or head would show.
+bias or head would show. Qwen3 has per-head q/k RMSNorm and a head_dim (24) that is not
+hidden / heads (16).
 """
 
 import importlib.util
@@ -43,6 +44,9 @@ def _configs():
         ),
         "llama_untied": transformers.LlamaConfig(
             **COMMON, tie_word_embeddings=False, rope_parameters={"rope_theta": 5000.0}
+        ),
+        "qwen3_tied_head_dim24": transformers.Qwen3Config(
+            **COMMON, head_dim=24, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}
         ),
     }
 

@@ -83,3 +83,26 @@ def test_invalid_layouts_name_the_problem():
         Topology(world_size=2, tp_size=2, tp_rank=2)
     with pytest.raises(ValueError, match="needs vp_stage"):
         Topology.from_rank(1, 2, pp=2, vpp=2).counts_microbatch()
+
+
+def test_expert_view():
+    """Without expert parallel the expert view is the dense one (a DeepSpeed-style topology
+    gives only dense sizes); with it, megatron's expert order etp-ep-edp-pp, written out for
+    world 8, tp 2, pp 2, ep 2, etp 1: within a stage of 4 ranks, ep = r % 2, edp = r // 2."""
+    dense = Topology(world_size=4, rank=3, dp_size=4, dp_rank=3)
+    assert (dense.ep_size, dense.etp_size, dense.edp_size) == (1, 1, 4)
+    assert (dense.ep_rank, dense.etp_rank, dense.edp_rank) == (0, 0, 3)
+    views = [Topology.from_rank(r, 8, tp=2, pp=2, ep=2, etp=1) for r in range(8)]
+    assert [(t.ep_rank, t.edp_rank, t.pp_rank) for t in views] == [
+        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0),
+        (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1),
+    ]  # fmt: skip
+    assert {(t.edp_size, t.etp_size, t.tp_rank == r % 2) for r, t in enumerate(views)} == {
+        (2, 1, True)
+    }
+    # the reporting rank and the microbatch ticks ignore the expert view
+    assert [t.is_reporting_rank for t in views] == [r == 4 for r in range(8)]
+    with pytest.raises(ConfigError, match=r"parallel\.etp x parallel\.ep x parallel\.pp"):
+        Topology.from_rank(0, 4, ep=3)
+    with pytest.raises(ConfigError, match="expert layout"):
+        Topology(world_size=2, dp_size=2, ep_size=2, edp_size=2)

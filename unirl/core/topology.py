@@ -6,6 +6,13 @@ microbatch?") and never imports a backend. Process groups are named by what they
 
 Rank order follows Megatron-core's default ``tp-cp-ep-dp-pp`` (tensor fastest, pipeline
 slowest), so `Topology.from_rank` gives, without any engine, the ranks Megatron would give.
+
+Expert parallel (mixture-of-experts layers) is a second view of the same ranks, as in
+megatron-core: outside the experts a rank is (tp, cp, dp, pp); inside them it is (etp, ep, edp,
+pp), expert tensor parallel fastest, with ``etp * ep * edp * pp = world``. Experts are split over
+the ``ep`` group, each expert's weights over ``etp``, and expert gradients are averaged over
+``edp`` (the expert data-parallel group) instead of ``dp``. The reporting rank and the microbatch
+ticks are those of the dense view: one rank, one tick per microbatch, with or without experts.
 """
 
 from __future__ import annotations
@@ -30,6 +37,19 @@ def data_parallel_size(world_size: int, *, tp: int, pp: int, cp: int) -> int:
     return world_size // model_parallel
 
 
+def expert_data_parallel_size(world_size: int, *, ep: int, etp: int, pp: int) -> int:
+    """``world / (etp * ep * pp)``: the expert data-parallel size, checked like
+    `data_parallel_size` (megatron-core builds the expert groups from the same ranks)."""
+    expert_parallel = etp * ep * pp
+    if world_size % expert_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.etp x parallel.ep x "
+            f"parallel.pp = {etp} x {ep} x {pp} = {expert_parallel}; launch a multiple of "
+            f"{expert_parallel} processes or change the expert-parallel sizes"
+        )
+    return world_size // expert_parallel
+
+
 def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if value < 1:
         raise ConfigError(f"topology.{attribute.name} must be >= 1, got {value}")
@@ -44,6 +64,9 @@ class ProcessGroups:
     tp: Any = None  # vocabulary-parallel log-softmax
     pp: Any = None
     cp: Any = None  # per-sequence sums across the chunks of one sequence
+    ep: Any = None  # expert parallel: the all-to-all token dispatch, expert weight export
+    etp: Any = None  # expert tensor parallel: one expert's weight shards
+    edp: Any = None  # expert data parallel: expert gradient averaging
 
 
 @attrs.frozen(kw_only=True)
@@ -61,7 +84,32 @@ class Topology:
     pp_rank: int = 0
     cp_rank: int = 0
     dp_rank: int = 0
+    # The expert view (see the module docstring). Left out, it is the dense view with no expert
+    # parallelism: etp = tp, ep = 1, edp = dp x cp; a backend with ep > 1 gives all six.
+    ep_size: int = attrs.field(default=1, validator=_positive)
+    etp_size: int = attrs.field(validator=_positive)
+    edp_size: int = attrs.field(validator=_positive)
+    ep_rank: int = 0
+    etp_rank: int = attrs.field()
+    edp_rank: int = attrs.field()
     groups: ProcessGroups = attrs.field(factory=ProcessGroups, eq=False, repr=False)
+
+    @etp_size.default
+    def _etp_size(self) -> int:
+        return self.tp_size
+
+    @edp_size.default
+    def _edp_size(self) -> int:
+        return max(1, self.world_size // (self.etp_size * self.ep_size * self.pp_size))
+
+    @etp_rank.default
+    def _etp_rank(self) -> int:
+        return self.tp_rank
+
+    @edp_rank.default
+    def _edp_rank(self) -> int:
+        no_expert_parallel = self.ep_size == 1 and self.etp_size == self.tp_size
+        return self.dp_rank * self.cp_size + self.cp_rank if no_expert_parallel else 0
 
     def __attrs_post_init__(self) -> None:
         product = self.tp_size * self.pp_size * self.cp_size * self.dp_size
@@ -70,7 +118,14 @@ class Topology:
                 f"parallel layout tp={self.tp_size} x pp={self.pp_size} x cp={self.cp_size} x "
                 f"dp={self.dp_size} = {product} does not equal the world size {self.world_size}"
             )
-        for name in ("tp", "pp", "cp", "dp"):
+        expert_product = self.etp_size * self.ep_size * self.edp_size * self.pp_size
+        if expert_product != self.world_size:
+            raise ConfigError(
+                f"expert layout etp={self.etp_size} x ep={self.ep_size} x edp={self.edp_size} x "
+                f"pp={self.pp_size} = {expert_product} does not equal the world size "
+                f"{self.world_size}"
+            )
+        for name in ("tp", "pp", "cp", "dp", "ep", "etp", "edp"):
             r, s = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
             if not 0 <= r < s:
                 raise ConfigError(f"topology.{name}_rank={r} outside [0, {s})")
@@ -99,15 +154,23 @@ class Topology:
         pp: int = 1,
         cp: int = 1,
         vpp: int | None = None,
+        ep: int = 1,
+        etp: int | None = None,
         groups: ProcessGroups | None = None,
     ) -> Topology:
-        """Ranks in Megatron-core's default order ``tp-cp-ep-dp-pp`` (tp fastest)."""
+        """Ranks in Megatron-core's default order ``tp-cp-ep-dp-pp`` (tp fastest); inside the
+        experts ``etp-ep-edp-pp`` (``etp`` None: ``tp``, megatron-core's default)."""
         dp = data_parallel_size(world_size, tp=tp, pp=pp, cp=cp)
+        etp = tp if etp is None else etp
+        edp = expert_data_parallel_size(world_size, ep=ep, etp=etp, pp=pp)
         r = rank
         tp_rank, r = r % tp, r // tp
         cp_rank, r = r % cp, r // cp
         dp_rank, r = r % dp, r // dp
         pp_rank = r
+        r = rank % (world_size // pp)  # the expert view shares the pipeline stage
+        etp_rank, r = r % etp, r // etp
+        ep_rank, edp_rank = r % ep, r // ep
         return cls(
             world_size=world_size,
             rank=rank,
@@ -116,10 +179,16 @@ class Topology:
             cp_size=cp,
             dp_size=dp,
             vpp_size=vpp,
+            ep_size=ep,
+            etp_size=etp,
+            edp_size=edp,
             tp_rank=tp_rank,
             pp_rank=pp_rank,
             cp_rank=cp_rank,
             dp_rank=dp_rank,
+            ep_rank=ep_rank,
+            etp_rank=etp_rank,
+            edp_rank=edp_rank,
             groups=groups or ProcessGroups(),
         )
 

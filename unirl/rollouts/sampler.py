@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -155,7 +156,9 @@ class Sampler:
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy the policy's weights (Hugging Face names) into the sampling model. A key left
         out is accepted only when its tensor is tied to one given (e.g. ``lm_head.weight`` to
-        the embedding)."""
+        the embedding). Per-expert checkpoint names (``mlp.experts.E.gate_proj.weight``, what
+        the Megatron backend and vLLM use) are fused into transformers 5's in-memory layout."""
+        state_dict = _fuse_experts(state_dict, self.model.state_dict())
         try:
             missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
         except RuntimeError as err:  # a shape mismatch
@@ -285,3 +288,33 @@ class Sampler:
             )
             for r in range(rows)
         ]
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fuse_experts(
+    state_dict: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor]:
+    """Per-expert tensors stacked into the model's fused ``experts.gate_up_proj`` ``[E, 2F, H]``
+    (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, F]`` where the model has them;
+    ``state_dict`` unchanged otherwise."""
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state_dict.items():
+        m = _EXPERT.match(name)
+        if m is None or f"{m.group(1)}.down_proj" not in own:
+            out[name] = t
+            continue
+        experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+    for prefix, parts in experts.items():
+        n = len(parts.get("down_proj", {}))
+        if any(sorted(parts.get(p, {})) != list(range(n)) for p in ("gate_proj", "up_proj")):
+            raise ConfigError(
+                f"sync_weights: the experts of {prefix} are incomplete (gate, up and down "
+                "projections of every expert are needed)"
+            )
+        gate, up, down = (parts[p] for p in ("gate_proj", "up_proj", "down_proj"))
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]]) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([down[e] for e in range(n)])
+    return out

@@ -26,7 +26,7 @@ class DeepSpeedOptions:
 def check(cfg: UnirlConfig) -> None:
     """DeepSpeed shards with ZeRO only: no tensor, pipeline or context parallel."""
     p = cfg.parallel
-    for key in ("tp", "pp", "cp"):
+    for key in ("tp", "pp", "cp", "ep"):
         if getattr(p, key) > 1:
             raise ConfigError(
                 f"parallel.{key}={getattr(p, key)} is not supported with backend: deepspeed "
@@ -34,6 +34,10 @@ def check(cfg: UnirlConfig) -> None:
             )
     if p.vpp is not None:
         raise ConfigError("parallel.vpp is set but backend: deepspeed has no pipeline; remove it")
+    if p.etp is not None:
+        raise ConfigError(
+            "parallel.etp is set but backend: deepspeed has no expert parallel; remove it"
+        )
 
 
 PLUGIN = BackendPlugin(

@@ -64,7 +64,7 @@ def check(cfg: UnirlConfig) -> None:
     """FSDP2 shards data-parallel only (sequence parallel is its own ``fsdp2.sp``); ZeRO stages
     are DeepSpeed's words for what ``fsdp2.sharding`` chooses."""
     p, options = cfg.parallel, cfg.backend_options
-    for key in ("tp", "pp", "cp"):
+    for key in ("tp", "pp", "cp", "ep"):
         if getattr(p, key) > 1:
             hint = "fsdp2.sp (Ulysses sequence parallel)" if key == "cp" else "backend: megatron"
             raise ConfigError(
@@ -73,6 +73,10 @@ def check(cfg: UnirlConfig) -> None:
             )
     if p.vpp is not None:
         raise ConfigError("parallel.vpp is set but backend: fsdp2 has no pipeline; remove it")
+    if p.etp is not None:
+        raise ConfigError(
+            "parallel.etp is set but backend: fsdp2 has no expert parallel; remove it"
+        )
     if p.zero_stage != 0:
         raise ConfigError(
             f"parallel.zero_stage={p.zero_stage} with backend: fsdp2; FSDP2 always shards "

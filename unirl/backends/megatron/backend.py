@@ -22,8 +22,9 @@ microbatches and data-parallel ranks.
 
 On the CPU (gloo) the same megatron-core schedules, DDP and optimizer run, with the few
 CUDA-only lines of megatron-core patched by `cpu_compat` (installed only when the device is the
-CPU; on a GPU nothing is patched). Wherever Transformer Engine is absent, CPU or GPU, `te_compat`
-binds the names megatron-core reads but only its TE import binds (the MoE router's gating).
+CPU; on a GPU nothing is patched). Wherever Transformer Engine is absent, CPU or GPU, an MoE
+model's build runs `te_compat` (names megatron-core reads but only its TE import binds: the
+router's gating).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.megatron import checkpoint, cpu_compat, te_compat
+from unirl.backends.megatron import checkpoint, cpu_compat
 from unirl.backends.megatron.critic import MegatronCritic, critic_plan
 from unirl.backends.megatron.heads import LogprobHead
 from unirl.backends.megatron.optimizer import use_distributed_optimizer
@@ -91,7 +92,6 @@ class MegatronBackend(EngineBackend):
         self.device = self._process_group.device
         if self.device.type == "cpu":
             cpu_compat.install()  # megatron-core's CUDA-only lines, on the CPU only
-        te_compat.install()  # names megatron-core reads but only TE binds: wherever TE is absent
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)

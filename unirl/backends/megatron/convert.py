@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Qwen2 weights <-> megatron-core GPTModel chunks, in any TP / PP / VPP layout.
+"""Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE weights <-> megatron-core GPTModel chunks, in any
+TP / PP / VPP / EP layout.
 
 Written here rather than taken from a library: megatron-bridge (0.3.1, the newest release pip
 resolves for megatron-core 0.16 / Python 3.11) requires transformer-engine, transformers < 5,
@@ -14,14 +15,24 @@ Megatron's layouts, per decoder layer (HF names on the right):
 - ``linear_fc1`` [2 * F / tp, H] on rank r: ``[gate_r; up_r]`` (``gate_proj``, ``up_proj``
   each split into tp row blocks).
 - ``linear_proj`` / ``linear_fc2``: row parallel, split along the input dimension.
+- Qwen3's ``q_layernorm`` / ``k_layernorm`` (``q_norm`` / ``k_norm``, over one head): whole on
+  every rank.
+- Qwen3-MoE: ``mlp.router`` (``mlp.gate``) whole on every rank; expert ``e`` lives on
+  expert-parallel rank ``e // (E / ep)`` as ``mlp.experts.local_experts.{e % (E / ep)}``, its
+  ``linear_fc1`` / ``linear_fc2`` split over the expert tensor-parallel ranks (``etp``) exactly as
+  a dense MLP over ``tp`` (HF: ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, the
+  checkpoint names; transformers 5's in-memory fused ``mlp.experts.gate_up_proj [E, 2F, H]`` /
+  ``down_proj [E, H, F]`` are read too, see `PerExpertView`).
 - ``word_embeddings`` / ``output_layer``: the vocabulary padded with zero rows to a multiple of
   ``divisible_by * tp``, split into tp row blocks.
 - layer ``layer_number`` (1-based, set by megatron per stage / virtual stage) is HF layer
   ``layer_number - 1``.
 
-Export gathers TP shards with all-gather and pipeline stages with broadcasts, so every rank ends
-with the full HF state dict (the weight sync to a rollout engine needs it on every rank);
-`save_hf` writes it from rank 0.
+Export gathers TP shards with all-gather, experts over the expert-parallel group with all-gather
+and pipeline stages with broadcasts, so every rank ends with the full HF state dict (the weight
+sync to a rollout engine needs it on every rank); `save_hf` writes it from rank 0. Loading
+refuses a source with a tensor no parameter takes (a weight the conversion would drop), and
+export refuses to return a state dict missing or adding a name.
 """
 
 from __future__ import annotations
@@ -127,12 +138,15 @@ class Entry:
     """One Megatron parameter of a chunk and the HF tensors it is made of.
 
     ``kind``: ``replicated`` (norms), ``vocab`` (padded, rows split), ``row`` (split along dim 1),
-    ``qkv`` (fused by query group), ``fc1`` (gate and up fused per TP block).
+    ``qkv`` (fused by query group), ``fc1`` (gate and up fused per TP block). ``expert``: for a
+    routed expert's weight, (HF layer, global expert index, experts per expert-parallel rank);
+    its ``row`` / ``fc1`` split is over the expert tensor-parallel ranks.
     """
 
     megatron_name: str
     hf_names: tuple[str, ...]
     kind: str
+    expert: tuple[int, int, int] | None = None
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -153,7 +167,19 @@ _LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
     "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "replicated"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "replicated"),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "replicated"),
+    "mlp.router.weight": (("mlp.gate.weight",), "replicated"),
 }
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+def expert_hf_names(layer: int, expert: int, which: str) -> tuple[str, ...]:
+    """HF checkpoint names of one expert's ``linear_fc1`` (gate, up) or ``linear_fc2`` (down)."""
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    if which == "linear_fc1":
+        return (prefix + "gate_proj.weight", prefix + "up_proj.weight")
+    return (prefix + "down_proj.weight",)
 
 
 # A critic's value head (its ``is_value_head``) replaces the output layer: ``Linear(hidden, 1)``
@@ -185,6 +211,13 @@ def chunk_entries(chunk: torch.nn.Module, hf_config: Any) -> list[Entry]:
             hf_suffixes, kind = _LAYER_PARAMS[m.group(2)]
             prefix = f"model.layers.{layer_index[int(m.group(1))]}."
             entries.append(Entry(name, tuple(prefix + s for s in hf_suffixes), kind))
+        elif (m := _LAYER.match(name)) and (e := _EXPERT.match(m.group(2))):
+            moe = chunk.decoder.layers[int(m.group(1))].mlp
+            layer, local, which = layer_index[int(m.group(1))], int(e.group(1)), e.group(2)
+            expert = moe.local_expert_indices[local]
+            kind = "fc1" if which == "linear_fc1" else "row"
+            names = expert_hf_names(layer, expert, which)
+            entries.append(Entry(name, names, kind, (layer, expert, moe.num_local_experts)))
         else:
             raise NotImplementedError(
                 f"no Hugging Face equivalent known for Megatron parameter {name!r}"
@@ -207,15 +240,103 @@ def expected_hf_names(hf_config: Any) -> list[str]:
         names.append("lm_head.weight")
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     if hf_config.model_type == "qwen2":
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if hf_config.model_type in ("qwen3", "qwen3_moe"):
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    sparse = _moe_layers(hf_config)
     for i in range(hf_config.num_hidden_layers):
         names += [f"model.layers.{i}.{s}" for s in per_layer]
+        if i in sparse:
+            names.append(f"model.layers.{i}.mlp.gate.weight")
+            for e in range(hf_config.num_experts):
+                names += [
+                    *expert_hf_names(i, e, "linear_fc1"),
+                    *expert_hf_names(i, e, "linear_fc2"),
+                ]
+        else:
+            names += [f"model.layers.{i}.{s}" for s in dense]
     return names
 
 
+def _moe_layers(hf_config: Any) -> set[int]:
+    if hf_config.model_type != "qwen3_moe":
+        return set()
+    from unirl.backends.megatron.moe import moe_layer_pattern
+
+    return {i for i, sparse in enumerate(moe_layer_pattern(hf_config)) if sparse}
+
+
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class PerExpertView(Mapping[str, torch.Tensor]):
+    """``weights`` with transformers 5's fused expert tensors (``mlp.experts.gate_up_proj``
+    ``[E, 2F, H]``: gate rows then up rows; ``mlp.experts.down_proj`` ``[E, H, F]``, what an
+    in-memory ``Qwen3MoeForCausalLM.state_dict()`` holds) answered under the per-expert
+    checkpoint names; every other tensor as it is."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._weights = weights
+        self._split: dict[str, tuple[str, int, int | None]] = {}  # name -> (fused, expert, half)
+        for name in weights:
+            if m := _FUSED_EXPERTS.match(name):
+                prefix, which = m.groups()
+                experts = weights[name].shape[0]
+                for e in range(experts):
+                    if which == "gate_up_proj":
+                        self._split[f"{prefix}.{e}.gate_proj.weight"] = (name, e, 0)
+                        self._split[f"{prefix}.{e}.up_proj.weight"] = (name, e, 1)
+                    else:
+                        self._split[f"{prefix}.{e}.down_proj.weight"] = (name, e, None)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._split:
+            fused, e, half = self._split[name]
+            t = self._weights[fused][e]
+            return t if half is None else t.chunk(2)[half]
+        if _FUSED_EXPERTS.match(name):
+            raise KeyError(name)
+        return self._weights[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (n for n in self._weights if not _FUSED_EXPERTS.match(n))
+        yield from self._split
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._split or (
+            isinstance(name, str) and not _FUSED_EXPERTS.match(name) and name in self._weights
+        )
+
+
+def check_nothing_dropped(weights: Mapping[str, torch.Tensor], hf_config: Any, where: str) -> None:
+    """Refuse a source with a tensor the model has no parameter for (the conversion would drop
+    it silently: a shared expert, an expert beyond num_experts, a bias the config says is off)."""
+    expected = set(expected_hf_names(hf_config))
+    if hf_config.tie_word_embeddings:
+        expected.add("lm_head.weight")  # HF's in-memory state dict repeats the tied embedding
+    unused = sorted(n for n in weights if n not in expected)
+    if unused:
+        raise ConfigError(
+            f"weights in {where} have {len(unused)} tensor(s) the Megatron model of "
+            f"model.hf_config (model_type={hf_config.model_type!r}) has no parameter for, "
+            f"first {unused[0]!r}; converting would drop them: check that model.hf_config "
+            "matches the weights"
+        )
+
+
 # --- HF -> Megatron ------------------------------------------------------------------------
+
+
+def _split_ranks(entry: Entry, topology: Topology) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel split of ``entry``: expert TP for a routed expert."""
+    if entry.expert is not None:
+        return topology.etp_size, topology.etp_rank
+    return topology.tp_size, topology.tp_rank
 
 
 def _local_tensor(
@@ -249,8 +370,9 @@ def load_hf_weights(
     """
     from unirl.backends.megatron.hf_io import HFSafetensors
 
-    weights = HFSafetensors(source) if isinstance(source, (str, Path)) else source
+    weights = PerExpertView(HFSafetensors(source) if isinstance(source, (str, Path)) else source)
     where = f"{source}" if isinstance(source, (str, Path)) else "the HF state dict"
+    check_nothing_dropped(weights, hf_config, where)
     for chunk in chunks:
         params = dict(chunk.named_parameters())
         padded = chunk.vocab_size  # the padded vocabulary the chunk was built with
@@ -263,13 +385,14 @@ def load_hf_weights(
                     f"(model_type={hf_config.model_type!r})"
                 )
             hf = [weights[n] for n in entry.hf_names]
-            local = _local_tensor(entry, hf, hf_config, topology.tp_size, topology.tp_rank, padded)
+            split, rank = _split_ranks(entry, topology)
+            local = _local_tensor(entry, hf, hf_config, split, rank, padded)
             param = params[entry.megatron_name]
             if local.shape != param.shape:
                 raise ConfigError(
                     f"weights in {where}: {entry.hf_names} with shapes "
                     f"{[tuple(t.shape) for t in hf]} give {tuple(local.shape)} for Megatron's "
-                    f"{entry.megatron_name}, which is {tuple(param.shape)} at tp={topology.tp_size}; "
+                    f"{entry.megatron_name}, which is {tuple(param.shape)} at tp={split}; "
                     "the weights do not match model.hf_config"
                 )
             param.copy_(local)
@@ -278,12 +401,32 @@ def load_hf_weights(
 # --- Megatron -> HF ------------------------------------------------------------------------
 
 
-def _tp_gather(t: torch.Tensor, topology: Topology) -> list[torch.Tensor]:
-    if topology.tp_size == 1:
+def _all_gather(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+    if size == 1:
         return [t]
-    shards = [torch.empty_like(t) for _ in range(topology.tp_size)]
-    dist.all_gather(shards, t.contiguous(), group=topology.groups.tp)
+    shards = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(shards, t.contiguous(), group=group)
     return shards
+
+
+def _tp_gather(t: torch.Tensor, topology: Topology, *, expert: bool = False) -> list[torch.Tensor]:
+    if expert:
+        return _all_gather(t, topology.etp_size, topology.groups.etp)
+    return _all_gather(t, topology.tp_size, topology.groups.tp)
+
+
+def _expert_parallel_entries(entry: Entry, topology: Topology) -> list[Entry]:
+    """The same parameter on each expert-parallel rank, in rank order: the expert it holds there
+    (rank r holds experts [r * n, (r + 1) * n))."""
+    assert entry.expert is not None
+    layer, expert, per_rank = entry.expert
+    local = expert - topology.ep_rank * per_rank
+    which = "linear_fc1" if entry.kind == "fc1" else "linear_fc2"
+    out = []
+    for r in range(topology.ep_size):
+        e = r * per_rank + local
+        out.append(attrs.evolve(entry, hf_names=expert_hf_names(layer, e, which), expert=None))
+    return out
 
 
 def _hf_tensors(
@@ -322,9 +465,20 @@ def _stage_hf_state_dict(
         for entry in chunk_entries(chunk, hf_config):
             if entry.megatron_name == "output_layer.weight" and hf_config.tie_word_embeddings:
                 continue  # the first stage's embedding is the one copy HF keeps
-            shards = _tp_gather(params[entry.megatron_name].detach(), topology)
-            for name, tensor in _hf_tensors(entry, shards, hf_config):
-                out[name] = _host_copy(tensor)
+            param = params[entry.megatron_name].detach()
+            if entry.expert is None:
+                for name, tensor in _hf_tensors(entry, _tp_gather(param, topology), hf_config):
+                    out[name] = _host_copy(tensor)
+                continue
+            # a routed expert: each expert-parallel rank holds another expert in this slot
+            whole = torch.cat(
+                _tp_gather(param, topology, expert=True), dim=int(entry.kind == "row")
+            )
+            per_ep_rank = _all_gather(whole, topology.ep_size, topology.groups.ep)
+            for ep_entry, tensor in zip(_expert_parallel_entries(entry, topology), per_ep_rank):
+                shards = list(tensor.chunk(topology.etp_size, dim=int(entry.kind == "row")))
+                for name, t in _hf_tensors(ep_entry, shards, hf_config):
+                    out[name] = _host_copy(t)
     return out
 
 
@@ -357,7 +511,13 @@ def export_hf_state_dict(
                 if stage != topology.pp_rank:
                     full[name] = _host_copy(buf)
     expected = expected_hf_names(hf_config)
-    assert set(full) == set(expected), sorted(set(full) ^ set(expected))
+    missing, extra = sorted(set(expected) - set(full)), sorted(set(full) - set(expected))
+    if missing or extra:
+        raise RuntimeError(
+            f"Megatron -> HF export of model_type={hf_config.model_type!r}: "
+            f"{len(missing)} HF tensor(s) left unset (first {missing[:1]}), {len(extra)} not in "
+            f"the HF model (first {extra[:1]}); the conversion's name map is incomplete"
+        )
     return {name: full[name] for name in expected}
 
 

@@ -15,6 +15,11 @@ megatron-core module attribute (torch itself is never changed outside a patched 
   ``device="cuda"`` and are unchanged otherwise.
 - `FunctionPatch`: one function of a module too widely used to patch whole
   (``megatron.core.utils``) runs, code unchanged, with ``torch`` bound to `_HostTorch`.
+- `ReplacePatch`: one function, as one module looks it up, replaced by a CPU version that
+  differs from it only in the listed lines: a test on ``tensor.is_cuda``, which no stand-in for
+  ``torch`` can answer, and the MoE dispatcher's uneven all-gather / reduce-scatter, which NCCL
+  runs and gloo refuses (its all-gather needs equal sizes); each such line reads the name given
+  in ``reads`` instead of ``cuda``.
 - `TypeNamePatch`: during one function, ``Tensor.type()`` of a CPU tensor answers the CUDA name
   (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), because it dispatches on the name string
   and raises on anything else.
@@ -87,13 +92,40 @@ def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+class _HostEvent:
+    """A CUDA event's stand-in: work on the CPU is done when it is issued."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """The one CUDA stream's stand-in: CPU work runs in issue order, so waiting on a stream and
+    recording an event on it have nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        _record(1)
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        _record(1)
+        return _HostEvent()
+
+
+_HOST_STREAM = _HostStream()
+
+
 class _HostCuda(types.SimpleNamespace):
-    """What the patched modules see as ``torch.cuda``: the two calls the listed lines make."""
+    """What the patched modules see as ``torch.cuda``: the calls the listed lines make."""
 
     def __init__(self) -> None:
         super().__init__(
             current_device=_recorded(lambda: _CPU),  # buffers go to the CPU
             synchronize=_recorded(lambda device=None: None),  # gloo's waits already block
+            # one stream: the MoE dispatcher's side stream for its device-to-host copies is the
+            # current stream (its copies are host-to-host no-ops on the CPU)
+            Stream=_recorded(lambda *args, **kwargs: _HOST_STREAM),
+            current_stream=_recorded(lambda device=None: _HOST_STREAM),
+            stream=_recorded(lambda stream=None: contextlib.nullcontext()),
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -188,6 +220,68 @@ class FunctionPatch:
 
 
 @attrs.frozen(kw_only=True)
+class ReplacePatch:
+    """``module.name`` (where callers look it up) replaced by ``replacement``."""
+
+    module: str
+    name: str
+    replacement: Callable[..., Any]
+    lines: tuple[str, ...]
+    reads: str = "cuda"  # what each listed line reads (the tests check it)
+
+
+def _host_maybe_move_tensor_to_cpu(
+    tensor: Any, as_numpy: bool = False, record_stream: bool = False
+) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU: its test
+    ``tensor.is_cuda`` (line 1093) is what lets the all-to-all dispatcher's split sizes become
+    the numpy arrays ``all_to_all_single`` takes; on the CPU every tensor is the "device" one."""
+    if torch.is_tensor(tensor):
+        _REACHED.add("transformer/moe/moe_utils.py:1093")
+        tensor = tensor.clone()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
+def _host_gather_along_first_dim(
+    input_: torch.Tensor,
+    group: Any,
+    output_split_sizes: Any = None,
+    use_global_buffer: bool = False,
+) -> torch.Tensor:
+    """``mappings._gather_along_first_dim`` with uneven sizes on gloo: line 150's
+    ``all_gather`` into views of different lengths becomes an all-gather of copies padded to the
+    longest, trimmed after; even sizes go to the original."""
+    if output_split_sizes is None or group.size() == 1:
+        return _ORIGINALS["_gather_along_first_dim"](input_, group, None, use_global_buffer)
+    _REACHED.add("tensor_parallel/mappings.py:150")
+    sizes = [int(n) for n in output_split_sizes]
+    padded = input_.new_zeros(max(sizes), *input_.shape[1:])
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def _host_reduce_scatter_along_first_dim(
+    input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False
+) -> torch.Tensor:
+    """``mappings._reduce_scatter_along_first_dim`` with uneven sizes on gloo (line 193's
+    ``reduce_scatter`` of a list): the sum by all-reduce, then this rank's rows."""
+    if input_split_sizes is None or group.size() == 1:
+        return _ORIGINALS["_reduce_scatter_along_first_dim"](input_, group, None, use_global_buffer)
+    _REACHED.add("tensor_parallel/mappings.py:193")
+    sizes = [int(n) for n in input_split_sizes]
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    return total.split(sizes)[group.rank()].clone()
+
+
+# the functions a `ReplacePatch` replaced, by name (its replacement calls them for what it keeps)
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
+
+
+@attrs.frozen(kw_only=True)
 class TypeNamePatch:
     """A function (``Class.method``) run with `_cpu_tensor_type_names`, and its lines."""
 
@@ -199,7 +293,7 @@ class TypeNamePatch:
 # Every line below is "file:line" under megatron/core in megatron-core 0.16.1, the line's code in
 # the comment beside it. The tests run every contract layout on the CPU and check that each
 # patched line that ran is listed here, and that each listed line still reads ``cuda``.
-PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
+PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] = (
     ModulePatch(
         module="megatron.core.pipeline_parallel.schedules",
         lines=(
@@ -282,6 +376,72 @@ PATCHES: tuple[ModulePatch | FunctionPatch | TypeNamePatch, ...] = (
         ),
     ),
     ModulePatch(
+        module="megatron.core.transformer.moe.router",
+        lines=(
+            # Router.gating: if self.weight.device.type == 'cpu': self.weight.data =
+            # self.weight.data.to(device=torch.cuda.current_device()), the router weight moved
+            # to the GPU on every forward (it stays on the CPU)
+            "transformer/moe/router.py:90",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.transformer.moe.token_dispatcher",
+        lines=(
+            # MoEAlltoAllTokenDispatcher.__init__: cuda_dtoh_stream = torch.cuda.Stream()
+            "transformer/moe/token_dispatcher.py:445",
+            # _maybe_dtoh_and_synchronize: on_side_stream = torch.cuda.current_stream() !=
+            # self.cuda_dtoh_stream; with torch.cuda.stream(self.cuda_dtoh_stream): the
+            # token counts' device-to-host copies on a side stream; then
+            # self.d2h_event = self.cuda_dtoh_stream.record_event(), synchronized on later
+            "transformer/moe/token_dispatcher.py:871",
+            "transformer/moe/token_dispatcher.py:874",
+            "transformer/moe/token_dispatcher.py:895",
+        ),
+    ),
+    ReplacePatch(
+        module="megatron.core.transformer.moe.token_dispatcher",
+        name="maybe_move_tensor_to_cpu",
+        replacement=_host_maybe_move_tensor_to_cpu,
+        lines=(
+            # if torch.is_tensor(tensor) and tensor.is_cuda: the token counts and all-to-all split
+            # sizes copied to the host (as numpy arrays when asked)
+            "transformer/moe/moe_utils.py:1093",
+        ),
+    ),
+    ReplacePatch(
+        module="megatron.core.tensor_parallel.mappings",
+        name="_gather_along_first_dim",
+        replacement=_host_gather_along_first_dim,
+        # torch.distributed.all_gather(output_tensor_list, input_, group=group): the tokens
+        # of the expert tensor-parallel ranks, gathered in their own (uneven) counts
+        lines=("tensor_parallel/mappings.py:150",),
+        reads="all_gather",
+    ),
+    ReplacePatch(
+        module="megatron.core.tensor_parallel.mappings",
+        name="_reduce_scatter_along_first_dim",
+        replacement=_host_reduce_scatter_along_first_dim,
+        # torch.distributed.reduce_scatter(output, input_tensor_list, group=group): the experts'
+        # partial outputs summed back to the ranks their tokens came from (uneven counts)
+        lines=("tensor_parallel/mappings.py:193",),
+        reads="reduce_scatter",
+    ),
+    ModulePatch(
+        module="megatron.core.tensor_parallel.mappings",
+        lines=(
+            # _AllToAll.forward: input.new_empty(..., device=torch.cuda.current_device()), the
+            # all-to-all-v output of the expert-parallel token dispatch
+            "tensor_parallel/mappings.py:442",
+            # _gather_along_first_dim: torch.empty(dim_size, ..., device=
+            # torch.cuda.current_device()), the dispatcher's gather of token counts over the
+            # tensor x expert parallel ranks (equal and uneven splits)
+            "tensor_parallel/mappings.py:141",
+            "tensor_parallel/mappings.py:148",
+            # _reduce_scatter_along_first_dim (combine under tp > 1): the same allocation
+            "tensor_parallel/mappings.py:181",
+        ),
+    ),
+    ModulePatch(
         module="megatron.core.dist_checkpointing.strategies.filesystem_async",
         lines=(
             # preload_tensors: torch.cuda.synchronize() before copying tensors to the host
@@ -307,6 +467,11 @@ def is_installed() -> bool:
 def listed_lines() -> set[str]:
     """Every ``"file.py:line"`` of `PATCHES`."""
     return {line for patch in PATCHES for line in patch.lines}
+
+
+def line_reads() -> dict[str, str]:
+    """What each listed line reads: ``cuda``, or the collective gloo runs differently."""
+    return {line: getattr(patch, "reads", "cuda") for patch in PATCHES for line in patch.lines}
 
 
 # -- installing --------------------------------------------------------------------------------
@@ -347,6 +512,9 @@ def install() -> None:
         if isinstance(patch, ModulePatch):
             assert module.torch is torch, (patch.module, module.torch)
             module.torch = host_torch
+        elif isinstance(patch, ReplacePatch):
+            _ORIGINALS[patch.name] = getattr(module, patch.name)
+            setattr(module, patch.name, patch.replacement)
         elif isinstance(patch, FunctionPatch):
             fn = getattr(module, patch.name)
             rebound = types.FunctionType(

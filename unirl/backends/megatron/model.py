@@ -1,7 +1,8 @@
-"""Megatron-core `GPTModel` built from a Hugging Face Llama / Qwen2 config.
+"""Megatron-core `GPTModel` built from a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE config.
 
 The architecture is read from the HF config (RMSNorm, SwiGLU, RoPE with its base and Llama-3
-scaling, GQA, tied or untied embeddings, Qwen2's qkv bias); the weights come afterwards from
+scaling, GQA, tied or untied embeddings, Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm,
+Qwen3-MoE's routed experts: `unirl.backends.megatron.moe`); the weights come afterwards from
 `unirl.backends.megatron.convert.load_hf_weights` (the init is skipped: every parameter is
 overwritten). Build after `initialize_parallel_state`; one model chunk per virtual pipeline stage::
 
@@ -35,13 +36,25 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from unirl.backends.megatron import te_compat
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
+from unirl.backends.megatron.moe import (
+    RecordingTopKRouter,
+    check_moe_config,
+    is_moe,
+    moe_transformer_fields,
+)
 from unirl.backends.megatron.varlen_attention import (
     cp_packed_causal_attention,
     packed_causal_attention,
@@ -49,7 +62,9 @@ from unirl.backends.megatron.varlen_attention import (
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import ParallelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# RMSNorm on each query / key head (over head_dim) before RoPE: megatron's qk_layernorm
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # Megatron-LM's default for --make-vocab-size-divisible-by.
 VOCAB_DIVISIBLE_BY = 128
 # megatron-core implements Llama-3 RoPE scaling with these constants fixed.
@@ -135,6 +150,14 @@ def check_hf_config(hf_config: Any, parallel: ParallelConfig) -> None:
             f"{groups}: each tensor-parallel rank must hold whole key/value heads; choose a tp "
             "that divides the number of key/value heads"
         )
+    if is_moe(hf_config):
+        check_moe_config(hf_config, parallel)
+    elif parallel.ep > 1 or parallel.etp is not None:
+        raise ConfigError(
+            f"parallel.ep={parallel.ep}, parallel.etp={parallel.etp} need a mixture-of-experts "
+            f"model; model.hf_config.model_type={model_type!r} is dense: set parallel.ep: 1 and "
+            "leave parallel.etp unset"
+        )
     if hf_config.intermediate_size % parallel.tp:
         raise ConfigError(
             f"parallel.tp={parallel.tp} does not divide model.hf_config.intermediate_size="
@@ -172,6 +195,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=hf_config.model_type == "qwen2",
+        qk_layernorm=hf_config.model_type in QK_NORM_MODEL_TYPES,
         # HF's rotate_half convention: the two halves of each head, not interleaved pairs
         rotary_interleaved=False,
         hidden_dropout=0.0,
@@ -191,6 +215,8 @@ def transformer_config(
         perform_initialization=False,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
+    if is_moe(hf_config):
+        fields.update(moe_transformer_fields(hf_config, parallel))
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -364,21 +390,46 @@ class UnirlGPTModel(GPTModel):
             dist.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
 
 
-def layer_spec(*, use_te: bool | None = None, unfused_attention: bool = False) -> ModuleSpec:
+def layer_spec(
+    *, use_te: bool | None = None, unfused_attention: bool = False, qk_layernorm: bool = False
+) -> ModuleSpec:
     """Transformer Engine's layer spec when TE is importable, else the local spec with SDPA
     (``unfused_attention``: the local spec as megatron-core ships it, for comparison; padded
     input on CUDA only)."""
     if unfused_attention:
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     if use_te if use_te is not None else te_available():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
+
+
+def moe_block_spec(
+    config: TransformerConfig,
+    *,
+    vp_stage: int | None,
+    use_te: bool | None = None,
+    unfused_attention: bool = False,
+) -> TransformerBlockSubmodules:
+    """The layers of this (virtual) stage of a mixture-of-experts model, dense or MoE as
+    ``config.moe_layer_freq`` says: megatron's block spec, with `SDPACoreAttention` (unless
+    ``unfused_attention`` or TE) and routers that record their logits (`RecordingTopKRouter`)."""
+    te = use_te if use_te is not None else te_available()
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    for spec in block.layer_specs:
+        if not (te or unfused_attention):
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        mlp = spec.submodules.mlp
+        if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+            mlp.submodules.router = RecordingTopKRouter
+    return block
 
 
 # --- building -------------------------------------------------------------------------------
@@ -403,9 +454,18 @@ def build_gpt_model(
     """
     config = transformer_config(hf_config, parallel, dtype=dtype, **(config_overrides or {}))
     rope = rope_settings(hf_config)
+    if is_moe(hf_config):
+        te_compat.install()  # the router's gating reads a name only TE binds
+        spec: ModuleSpec | TransformerBlockSubmodules = moe_block_spec(
+            config, vp_stage=vp_stage, use_te=use_te, unfused_attention=unfused_attention
+        )
+    else:
+        spec = layer_spec(
+            use_te=use_te, unfused_attention=unfused_attention, qk_layernorm=config.qk_layernorm
+        )
     model = UnirlGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te=use_te, unfused_attention=unfused_attention),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, parallel.tp, VOCAB_DIVISIBLE_BY),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
@@ -440,13 +500,16 @@ def build_model_chunks(
     pp=2, vpp=2 and 8 layers, stage 0 holds layers [0, 1] and [4, 5], stage 1 [2, 3] and [6, 7].
     Each layer's ``layer_number`` (1-based, global) says it; the conversion reads it from there.
     """
-    if (parallel.tp, parallel.pp, parallel.cp) != (
+    if (parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.etp or parallel.tp) != (
         ps.get_tensor_model_parallel_world_size(),
         ps.get_pipeline_model_parallel_world_size(),
         ps.get_context_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
     ):
         raise ConfigError(
-            f"parallel (tp={parallel.tp}, pp={parallel.pp}, cp={parallel.cp}) differs from the "
+            f"parallel (tp={parallel.tp}, pp={parallel.pp}, cp={parallel.cp}, ep={parallel.ep}, "
+            f"etp={parallel.etp}) differs from the "
             "initialised megatron parallel state; call initialize_parallel_state(parallel) first"
         )
     chunks = []

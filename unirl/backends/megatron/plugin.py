@@ -3,7 +3,9 @@ layouts. Importing this module imports neither megatron-core nor transformers.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -45,11 +47,51 @@ def check(cfg: UnirlConfig) -> None:
             f"critic.zero_stage={cfg.critic.zero_stage} with backend: megatron; the critic's "
             "optimizer is sharded by megatron's distributed optimizer: use 0 (off) or 1"
         )
+    _check_experts(cfg)
     layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
         raise ConfigError(
             f"model.hf_config.num_hidden_layers={layers} is not divisible by parallel.pp x "
             f"parallel.vpp = {p.pp} x {p.vpp or 1}; choose sizes that divide the layer count"
+        )
+
+
+def _hf_config_fields(cfg: UnirlConfig) -> dict[str, Any]:
+    """model.hf_config, else the model folder's config.json (read as plain JSON), else {}."""
+    if cfg.model.hf_config:
+        return dict(cfg.model.hf_config)
+    path = Path(cfg.model.path).expanduser() / "config.json" if cfg.model.path else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+
+def _check_experts(cfg: UnirlConfig) -> None:
+    """Expert parallel against the model: only a mixture-of-experts model has experts to split,
+    ``ep`` must divide them, and attention tensor parallel under MoE needs megatron's sequence
+    parallel (its torch norms refuse it; without it every TP rank routes the same tokens and the
+    expert gradients come out ``tp`` times too large), so MoE shards experts with ``etp``."""
+    p = cfg.parallel
+    hf = _hf_config_fields(cfg)
+    experts = hf.get("num_experts") if hf.get("model_type") == "qwen3_moe" else None
+    if not hf:
+        return  # the model is read at build time, where `model.check_hf_config` applies
+    if experts is None and (p.ep > 1 or p.etp is not None):
+        raise ConfigError(
+            f"parallel.ep={p.ep}, parallel.etp={p.etp} need a mixture-of-experts model (Qwen3-MoE); "
+            f"model_type={hf.get('model_type')!r} is dense: set parallel.ep: 1 and leave "
+            "parallel.etp unset"
+        )
+    if experts is None:
+        return
+    if experts % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} does not divide the model's num_experts={experts}; choose an ep "
+            "that divides the number of experts"
+        )
+    if p.tp > 1:
+        raise ConfigError(
+            f"parallel.tp={p.tp} with a mixture-of-experts model: megatron-core trains MoE under "
+            "tensor parallel only with sequence parallel, which needs Transformer Engine or Apex "
+            "norms; use parallel.tp: 1 and split the experts with parallel.ep / parallel.etp"
         )
 
 

@@ -21,6 +21,8 @@ def initialize_parallel_state(parallel: ParallelConfig) -> None:
             pipeline_model_parallel_size=parallel.pp,
             virtual_pipeline_model_parallel_size=parallel.vpp,
             context_parallel_size=parallel.cp,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.etp,
             distributed_timeout_minutes=timeout.total_seconds() / 60,
         )
 
@@ -39,11 +41,20 @@ def topology_from_parallel_state() -> Topology:
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         cp_rank=ps.get_context_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        edp_size=ps.get_expert_data_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
         groups=ProcessGroups(
             dp=ps.get_data_parallel_group(),
             dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
             tp=ps.get_tensor_model_parallel_group(),
             pp=ps.get_pipeline_model_parallel_group(),
             cp=ps.get_context_parallel_group(),
+            ep=ps.get_expert_model_parallel_group(),
+            etp=ps.get_expert_tensor_parallel_group(),
+            edp=ps.get_expert_data_parallel_group(),
         ),
     )

@@ -47,7 +47,7 @@ from unirl.core.run.sections.training import (
     TrainConfig,
 )
 from unirl.core.source_plugin import SOURCES
-from unirl.core.topology import data_parallel_size
+from unirl.core.topology import data_parallel_size, expert_data_parallel_size
 
 __all__ = [
     "AlgorithmConfig",
@@ -344,6 +344,7 @@ def _derive_layout(cfg: UnirlConfig) -> Layout:
     p, b = cfg.parallel, cfg.batch
     world = _world_size(cfg)
     dp = data_parallel_size(world, tp=p.tp, pp=p.pp, cp=p.cp)
+    expert_data_parallel_size(world, ep=p.ep, etp=p.etp or p.tp, pp=p.pp)
     rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
     per_rank, microbatches = split_per_rank(b.samples_per_optimizer_step, dp, b.micro_batch_size)
     if cfg.critic.micro_batch_size is not None:

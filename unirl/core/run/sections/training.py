@@ -58,6 +58,11 @@ class ParallelConfig:
     pp: int = attrs.field(default=1, validator=positive)
     vpp: int | None = attrs.field(default=None, validator=positive)
     cp: int = attrs.field(default=1, validator=positive)
+    # Mixture-of-experts layers (Megatron): experts split over ``ep`` ranks, each expert's
+    # weights over ``etp`` ranks (None: tp, megatron-core's default); etp x ep x pp divides the
+    # world, and the rest is the expert data-parallel size (unirl.core.topology).
+    ep: int = attrs.field(default=1, validator=positive)
+    etp: int | None = attrs.field(default=None, validator=positive)
     zero_stage: Literal[0, 1, 2, 3] = 0
     # None: read WORLD_SIZE from the environment (1 without a launcher).
     world_size: int | None = attrs.field(default=None, validator=positive)
