@@ -61,27 +61,11 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
-    r = cfg.rollout
-    summary: dict[str, Any] = {"source": r.source}
-    if r.source == "vllm":
-        v = r.vllm
-        summary |= {
-            "engine": "vLLM on global rank 0; each rollout is broadcast to every rank",
-            "dtype": cfg.model.dtype if v.dtype == "model" else v.dtype,
-            "max_model_len": v.max_model_len or cfg.model.max_seq_len,
-            "kv_cache_gb": v.kv_cache_gb,
-            "enforce_eager": v.enforce_eager,
-            "tensor_parallel_size": v.tensor_parallel_size,
-            "rollout_logprobs": (
-                f"vLLM processed_logprobs: the sampled distribution, temperature "
-                f"{r.temperature} applied"
-            ),
-            "weight_sync": (
-                f"after every optimizer step: safetensors in {v.sync_dir or '/dev/shm'}, "
-                "reloaded in place (LLM.collective_rpc('reload_weights'))"
-            ),
-        }
-    return summary
+    """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
+    from unirl.core.source_plugin import SOURCES
+
+    source = cfg.rollout.source
+    return {"source": source, **SOURCES.get(source).describe(cfg)}
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
