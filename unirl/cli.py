@@ -87,8 +87,10 @@ def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
     from unirl.core.old_logprobs import decide_old_logprobs
+    from unirl.core.run.algorithm import head_path
 
     decision = decide_old_logprobs(cfg)
+    head = head_path(cfg)
     lay, p = cfg.layout, cfg.parallel
     return {
         "config": cfg.to_dict(),
@@ -105,6 +107,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         "plan": _plan_summary(cfg),
         "rollout": _rollout_summary(cfg),
         "old_logprobs": decision.to_dict() | {"explanation": decision.explain()},
+        "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
         "critic": critic_summary(cfg),
     }
 
@@ -127,6 +130,7 @@ def _print_report(report: dict[str, Any]) -> None:
         out.write(f"{key}: {value}\n")
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
+    out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
 
 

@@ -129,9 +129,34 @@ def test_logprob_path(case, group):
     _, layout = case
     fused = bool(layout.model_dict.get("fused_head", False))
     calls = [r["logprob_calls"] for r in group.ranks]
-    used, unused = ("hidden", "logits") if fused else ("logits", "hidden")
-    assert sum(c[unused] for c in calls) == 0, (layout.name, calls)
-    assert sum(c[used] for c in calls) > 0, (layout.name, calls)
+    used, unused = (
+        (("hidden", "head_loss"), ("logits",)) if fused else (("logits",), ("hidden", "head_loss"))
+    )
+    for key in unused:
+        assert sum(c[key] for c in calls) == 0, (layout.name, key, calls)
+    for key in used:
+        assert sum(c[key] for c in calls) > 0, (layout.name, key, calls)
+
+
+# GSPO's sequence ratio makes each token's gradient depend on its sequence's other tokens.
+NOT_SEPARABLE = {"gspo_k2_seq_mean_token_mean"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_head_loss_path(case, group, variant):
+    """With ``model.fused_head`` the training forward of a loss that is a sum over tokens computes
+    it inside the head (``head_loss``: 3 head matmuls); GSPO's takes the head's log-probs, then
+    the loss (4 matmuls)."""
+    _, layout = case
+    if not layout.model_dict.get("fused_head", False):
+        pytest.skip(f"{layout.name} runs without model.fused_head")
+    calls = [r["variants"][variant]["logprob_calls"] for r in group.ranks if "variants" in r]
+    assert calls, group.ranks[0]["errors"]
+    in_head = sum(c.get("head_loss", 0) for c in calls)
+    if variant in NOT_SEPARABLE:
+        assert in_head == 0 and sum(c.get("hidden", 0) for c in calls) > 0, (variant, calls)
+    else:
+        assert in_head > 0, (variant, calls)
 
 
 def test_cpu_compat_lines_listed(group):

@@ -21,6 +21,7 @@ import torch
 
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
+from unirl.backends.megatron.heads import HeadLossFn
 from unirl.backends.megatron.role_model import MegatronModel
 from unirl.backends.megatron.schedule import ScheduledMicrobatch, run_schedule, schedule_items
 from unirl.backends.microbatch import zero_through_graph
@@ -30,9 +31,6 @@ from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
 
-# loss_fn(microbatch, *head results) -> (loss, metrics): core's `LossFn` (log-probs, entropy) or
-# `ValueLossFn` (values), matching the model's head.
-HeadLossFn = Callable[..., tuple[torch.Tensor, Mapping[str, Metric]]]
 # (item, the last stage's output) -> (the loss megatron backpropagates, data for megatron)
 _StageLoss = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, Any]]
 
@@ -108,7 +106,7 @@ class MicrobatchLoop:
             if item.mb is None:  # VPP padding: a zero that still reaches every parameter
                 return zero_through_graph(output), {}
             mb = item.mb
-            loss, mb_metrics = loss_fn(mb, *model.head(model.chunks, item, output, spec))
+            loss, mb_metrics = model.head.loss(model.chunks, item, output, spec, loss_fn)
             if mb.num_tokens == 0:
                 # the backward (and the pipeline's gradient sends) run as for any microbatch
                 loss = loss + zero_through_graph(output)

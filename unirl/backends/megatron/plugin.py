@@ -68,9 +68,11 @@ PLUGIN = BackendPlugin(
     layouts=(
         ContractLayout.of("tp1-pp1-dp1", 1),
         ContractLayout.of("padded", 1, options={"attention": "padded"}),
-        # model.fused_head (TP-sharded: tests/distributed/test_megatron_model.py; every layout:
+        # model.fused_head, the loss inside the head for separable losses (every layout:
         # benchmarks/megatron_contract.py --fused-head on)
         ContractLayout.of("fused", 1, model={"fused_head": True}),
+        ContractLayout.of("fused-tp2", 2, model={"fused_head": True}, tp=2),
+        ContractLayout.of("fused-pp2-vpp2", 2, model={"fused_head": True}, pp=2, vpp=2),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
         ContractLayout.of("pp2", 2, pp=2),
