@@ -136,6 +136,8 @@ class BackendPlugin:
     # Whether its backends build a critic (`TrainingBackend.critic`) when the config enables one;
     # a config that enables a critic on a backend without is refused at load.
     supports_critic: bool = False
+    # Whether it runs ``parallel.sequence_parallel``; a config that sets it on another is refused.
+    supports_sequence_parallel: bool = False
 
 
 BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")

@@ -40,8 +40,10 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
+from unirl.backends.megatron.sequence_parallel import sequence_parallel_block
 from unirl.backends.megatron.varlen_attention import (
     cp_packed_causal_attention,
     packed_causal_attention,
@@ -184,6 +186,7 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -403,9 +406,15 @@ def build_gpt_model(
     """
     config = transformer_config(hf_config, parallel, dtype=dtype, **(config_overrides or {}))
     rope = rope_settings(hf_config)
+    spec: ModuleSpec | TransformerBlockSubmodules = layer_spec(
+        use_te=use_te, unfused_attention=unfused_attention
+    )
+    te = not unfused_attention and (use_te if use_te is not None else te_available())
+    if config.sequence_parallel and not te:  # the local spec's torch norms, marked for it
+        spec = sequence_parallel_block(spec, config, vp_stage)
     model = UnirlGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te=use_te, unfused_attention=unfused_attention),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, parallel.tp, VOCAB_DIVISIBLE_BY),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

@@ -38,10 +38,13 @@ _StageLoss = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, A
 class MicrobatchLoop:
     """See the module docstring. One per backend: its topology, device and input form."""
 
-    def __init__(self, topology: Topology, device: torch.device, *, packed: bool) -> None:
+    def __init__(
+        self, topology: Topology, device: torch.device, *, packed: bool, seq_multiple: int = 1
+    ) -> None:
         self.topology = topology
         self.device = device
         self.packed = packed  # megatron.attention: packed (THD streams) or right-padded rows
+        self.seq_multiple = seq_multiple  # model input lengths' multiple (sequence parallel)
 
     def loss_scale(self, num_microbatches: int) -> float:
         """`schedule.loss_scale`; ``num_microbatches`` counts the schedule's padding ones too."""
@@ -123,7 +126,13 @@ class MicrobatchLoop:
     def _items(
         self, microbatches: Sequence[TrainMicrobatch]
     ) -> tuple[list[ScheduledMicrobatch], int, int]:
-        return schedule_items(microbatches, self.topology, self.device, packed=self.packed)
+        return schedule_items(
+            microbatches,
+            self.topology,
+            self.device,
+            packed=self.packed,
+            seq_multiple=self.seq_multiple,
+        )
 
     def _run(
         self,

@@ -45,11 +45,35 @@ def check(cfg: UnirlConfig) -> None:
             f"critic.zero_stage={cfg.critic.zero_stage} with backend: megatron; the critic's "
             "optimizer is sharded by megatron's distributed optimizer: use 0 (off) or 1"
         )
+    if p.sequence_parallel:
+        _check_sequence_parallel(cfg)
     layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
         raise ConfigError(
             f"model.hf_config.num_hidden_layers={layers} is not divisible by parallel.pp x "
             f"parallel.vpp = {p.pp} x {p.vpp or 1}; choose sizes that divide the layer count"
+        )
+
+
+def _check_sequence_parallel(cfg: UnirlConfig) -> None:
+    """``parallel.sequence_parallel`` splits sequences over the TP ranks (`sequence_parallel`)."""
+    from unirl.core.run.config import critic_enabled
+
+    p = cfg.parallel
+    if p.tp < 2:
+        raise ConfigError(
+            f"parallel.sequence_parallel: true needs parallel.tp > 1 (it splits each sequence "
+            f"over the tensor-parallel ranks), got tp={p.tp}; raise tp or remove it"
+        )
+    if p.cp > 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel: true with parallel.cp={p.cp} is not supported by the "
+            "Megatron backend without Transformer Engine (untested combination); use one of them"
+        )
+    if critic_enabled(cfg):
+        raise ConfigError(
+            "parallel.sequence_parallel: true with a critic (critic.enabled / advantage_estimator: "
+            "gae): the critic's value head does not gather the sequence; remove one of them"
         )
 
 
@@ -61,6 +85,7 @@ PLUGIN = BackendPlugin(
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",
     supports_critic=True,
+    supports_sequence_parallel=True,
     # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).
     # Packed sequences (the default) everywhere; the padded form on one process and under the
     # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's
@@ -75,6 +100,7 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("fused-pp2-vpp2", 2, model={"fused_head": True}, pp=2, vpp=2),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
+        ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True),
         ContractLayout.of("pp2", 2, pp=2),
         ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2),
         ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),
