@@ -170,3 +170,14 @@ def test_cpu_compat_lines_listed(group):
     unlisted = sorted(set().union(*reached) - cpu_compat.listed_lines())
     assert not unlisted, f"patched megatron-core lines ran but are not listed: {unlisted}"
     assert reached[0], "cpu_compat was installed but patched nothing that ran"
+
+
+def test_sequence_parallel_ran(case, group):
+    """``parallel.sequence_parallel``: the activations between the TP matmuls were split along the
+    sequence (megatron's reduce-scatter into the sequence slices ran; on the CPU the patched line
+    of its output buffer records it)."""
+    _, layout = case
+    if not layout.parallel_dict.get("sequence_parallel", False):
+        pytest.skip(f"{layout.name} runs without parallel.sequence_parallel")
+    reached = [r.get("cpu_compat_lines", []) for r in group.ranks]
+    assert all("tensor_parallel/mappings.py:181" in lines for lines in reached), reached

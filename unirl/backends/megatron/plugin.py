@@ -98,6 +98,9 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("fused", 1, model={"fused_head": True}),
         ContractLayout.of("fused-tp2", 2, model={"fused_head": True}, tp=2),
         ContractLayout.of("fused-pp2-vpp2", 2, model={"fused_head": True}, pp=2, vpp=2),
+        ContractLayout.of(
+            "fused-tp2-sp", 2, model={"fused_head": True}, tp=2, sequence_parallel=True
+        ),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
         ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True),
