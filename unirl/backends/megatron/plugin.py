@@ -104,6 +104,9 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
         ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True),
+        ContractLayout.of(
+            "padded-tp2-sp", 2, options={"attention": "padded"}, tp=2, sequence_parallel=True
+        ),
         ContractLayout.of("pp2", 2, pp=2),
         ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2),
         ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),
