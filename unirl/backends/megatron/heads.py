@@ -40,7 +40,7 @@ Spec = LogprobSpec | None  # how logits become log-probs (None for a value head)
 HeadLossFn = Callable[..., tuple[Tensor, Mapping[str, Metric]]]
 
 
-def _loss_after(
+def _loss_after(  # the loss after the head: core's loss function on the head's results
     head: Head,
     chunks: Chunks,
     item: ScheduledMicrobatch,
