@@ -5,10 +5,10 @@ backend holds (policy, reference, critic), each one call of megatron-core's sche
 Per microbatch, on the last pipeline stage: the model's `Head` turns the stage's output into
 per-token results (log-probs and entropy, or values); a forward-only pass keeps the first of them,
 detached; a training pass has the head compute the loss (`Head.loss`: core's loss function on
-those results, or with ``model.fused_head`` and a separable loss inside core's fused head), multiplies it by
-`loss_scale` (the one factor that cancels megatron's averaging), and connects an empty
-microbatch's zero loss to the graph so that its backward (and the pipeline's gradient sends) runs
-as for any other. Every rank counts one forward per real microbatch (``on_forward``) and the
+those results, or, with ``model.fused_head`` and a separable loss, inside core's fused head),
+multiplies it by `loss_scale` (the one factor that cancels megatron's averaging), and connects an
+empty microbatch's zero loss to the graph so that its backward (and the pipeline's gradient sends)
+runs as for any other. Every rank counts one forward per real microbatch (``on_forward``) and the
 reporting rank ticks the progress bar once per microbatch (`Topology.counts_microbatch`), under
 virtual pipeline stages too.
 """
