@@ -406,7 +406,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-dir", type=Path, default=None, help="profile one more step")
     parser.add_argument(
-        "--fused-head", action="store_true", help="model.fused_head: log-probs without logits"
+        "--fused-head",
+        action="store_true",
+        help="model.fused_head: no logits; PPO-clip's loss inside the head (3 head matmuls)",
     )
     parser.add_argument(
         "--search-tokens",
