@@ -72,9 +72,13 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys):
     ("overrides", "in_head", "words"),
     [
         ([], False, "model.fused_head is off"),
-        (["model.fused_head=true"], True, "loss inside the fused head (3 head matmuls)"),
         (
-            ["model.fused_head=true", "algorithm.policy_loss=gspo"],
+            ["model.fused_head=true", "backend=megatron"],
+            True,
+            "loss inside the fused head (3 head matmuls)",
+        ),
+        (
+            ["model.fused_head=true", "backend=megatron", "algorithm.policy_loss=gspo"],
             False,
             "(4 head matmuls): policy_loss 'gspo' is not separable",
         ),

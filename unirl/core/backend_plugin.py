@@ -11,7 +11,8 @@ it, so adding a backend edits no file under ``unirl/core``:
   it imports the engine lazily (`LazyBuilder`), so registering needs no engine installed;
 - ``requires`` / ``install_hint``: the engine packages it imports, and how to install them;
 - ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on;
-- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy.
+- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy;
+  ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features.
 
 Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
 outside the package registers itself with ``BACKENDS.register(plugin.name, plugin)``.
@@ -138,6 +139,10 @@ class BackendPlugin:
     supports_critic: bool = False
     # Whether it runs ``parallel.sequence_parallel``; a config that sets it on another is refused.
     supports_sequence_parallel: bool = False
+    # Whether its training forward with ``model.fused_head`` computes a separable loss inside the
+    # head when the log-prob spec says ``loss_in_head`` (`unirl.core.backend.token_loss_from_hidden`);
+    # on a backend without, the RL step asks for the log-probs and the loss after them.
+    supports_loss_in_head: bool = False
 
 
 BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")

@@ -86,6 +86,7 @@ PLUGIN = BackendPlugin(
     install_hint="pip install 'unirl[megatron,hf]'",
     supports_critic=True,
     supports_sequence_parallel=True,
+    supports_loss_in_head=True,  # `heads.LogprobHead.loss`
     # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).
     # Packed sequences (the default) everywhere; the padded form on one process and under the
     # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's

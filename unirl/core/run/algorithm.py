@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from unirl.core.backend_plugin import BACKENDS
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.head_loss import HeadPath, choose_head_path
 from unirl.core.maths.logprob_spec import LogprobSpec
@@ -50,7 +51,14 @@ def head_path(cfg: UnirlConfig) -> HeadPath:
     (`choose_head_path`), else the head's log-probs and then the loss."""
     if not cfg.model.fused_head:
         return HeadPath(False, "model.fused_head is off: logits from the LM head, then the loss")
-    return choose_head_path(loss_settings(cfg))
+    path = choose_head_path(loss_settings(cfg))
+    if path.loss_in_head and not BACKENDS.get(cfg.backend).supports_loss_in_head:
+        return HeadPath(
+            False,
+            f"fused head log-probs, then the loss (4 head matmuls): backend {cfg.backend} does "
+            "not take the loss into its fused head (the loss would allow it)",
+        )
+    return path
 
 
 def forward_logprob_spec(cfg: UnirlConfig, vocab_size: int) -> LogprobSpec:
