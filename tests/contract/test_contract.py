@@ -126,12 +126,12 @@ def test_clause8_hf_export(group, contract_data):
 def test_logprob_path(case, group):
     """The log-probs came from the path the layout asks for: hidden states and the head's weight
     with ``model.fused_head``, logits otherwise (on the ranks that hold the loss; none other)."""
-    _, layout = case
+    entry, layout = case
     fused = bool(layout.model_dict.get("fused_head", False))
     calls = [r["logprob_calls"] for r in group.ranks]
-    used, unused = (
-        (("hidden", "head_loss"), ("logits",)) if fused else (("logits",), ("hidden", "head_loss"))
-    )
+    used, unused = (["hidden"], ["logits"]) if fused else (["logits"], ["hidden", "head_loss"])
+    if fused:  # the loss inside the head where the backend declares it
+        (used if entry.supports_loss_in_head else unused).append("head_loss")
     for key in unused:
         assert sum(c[key] for c in calls) == 0, (layout.name, key, calls)
     for key in used:
@@ -147,9 +147,11 @@ def test_head_loss_path(case, group, variant):
     """With ``model.fused_head`` the training forward of a loss that is a sum over tokens computes
     it inside the head (``head_loss``: 3 head matmuls); GSPO's takes the head's log-probs, then
     the loss (4 matmuls)."""
-    _, layout = case
+    entry, layout = case
     if not layout.model_dict.get("fused_head", False):
         pytest.skip(f"{layout.name} runs without model.fused_head")
+    if not entry.supports_loss_in_head:
+        pytest.skip(f"{entry.name} does not take the loss into its fused head")
     calls = [r["variants"][variant]["logprob_calls"] for r in group.ranks if "variants" in r]
     assert calls, group.ranks[0]["errors"]
     in_head = sum(c.get("head_loss", 0) for c in calls)
