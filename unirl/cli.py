@@ -72,8 +72,10 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
     from unirl.core.old_logprobs import decide_old_logprobs
+    from unirl.core.run.algorithm import head_path
 
     decision = decide_old_logprobs(cfg)
+    head = head_path(cfg)
     lay, p = cfg.layout, cfg.parallel
     return {
         "config": cfg.to_dict(),
@@ -91,6 +93,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         "rollout": _rollout_summary(cfg),
         "old_logprobs": decision.to_dict()
         | {"explanation": decision.explain(), "mismatch": mismatch_note(cfg, decision.source)},
+        "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
         "critic": critic_summary(cfg),
     }
 
@@ -114,6 +117,7 @@ def _print_report(report: dict[str, Any]) -> None:
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
     out.write(report["old_logprobs"]["mismatch"] + "\n")
+    out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
 
 

@@ -165,7 +165,13 @@ def _world_size(cfg: UnirlConfig) -> int:
 def _check_combinations(cfg: UnirlConfig) -> None:
     p, b, a = cfg.parallel, cfg.batch, cfg.algorithm
     # The chosen backend's own rules (what it cannot run, what its options need).
-    BACKENDS.get(cfg.backend).check(cfg)
+    plugin = BACKENDS.get(cfg.backend)
+    if p.sequence_parallel and not plugin.supports_sequence_parallel:
+        raise ConfigError(
+            f"parallel.sequence_parallel: true with backend: {cfg.backend}, which has no sequence "
+            "parallel; remove it or use a backend that has (megatron)"
+        )
+    plugin.check(cfg)
     if p.vpp is not None and p.pp == 1:
         raise ConfigError(
             f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline "
