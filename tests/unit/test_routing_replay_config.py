@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
+from unirl.core.backend_plugin import BACKENDS
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import reduce_metrics
 from unirl.core.maths.losses.router_disagreement import (
@@ -124,8 +125,17 @@ def test_record_with_rollout_old_logprobs_is_refused():
 
 
 def test_a_backend_that_does_not_replay_is_refused():
-    with pytest.raises(ConfigError, match=r"backend: deepspeed does not replay MoE routing yet"):
-        config_from_dict({**cfg_dict("record"), "backend": "deepspeed"})
+    from tests.plugins import toy_backend
+
+    with BACKENDS.scoped():
+        BACKENDS.register("toy", toy_backend.PLUGIN)  # declares no routing replay
+        with pytest.raises(ConfigError, match=r"backend: toy does not replay MoE routing yet"):
+            config_from_dict({**cfg_dict("record"), "backend": "toy"})
+
+
+def test_deepspeed_and_fsdp2_replay():
+    assert BACKENDS.get("deepspeed").supports_routing_replay
+    assert BACKENDS.get("fsdp2").supports_routing_replay
 
 
 def test_unirl_check_prints_the_need_with_its_reason():
