@@ -94,6 +94,14 @@ def test_probe_reads_hugging_face_defaults_and_config_json(tmp_path):
         moe_shape(ModelConfig(path=str(tmp_path / "missing")))
 
 
+def test_probe_reads_a_folder_transformers_saved(tmp_path):
+    """transformers 5 writes ``num_experts`` as ``num_local_experts`` in config.json."""
+    transformers = pytest.importorskip("transformers")
+    hf = {k: v for k, v in MOE_HF.items() if k != "model_type"}
+    transformers.Qwen3MoeConfig(**hf).save_pretrained(tmp_path)
+    assert moe_shape(ModelConfig(path=str(tmp_path))) == moe_shape(ModelConfig(hf_config=MOE_HF))
+
+
 # -- config rules ----------------------------------------------------------------------------
 
 
