@@ -176,3 +176,13 @@ def test_disagreement_reduces_over_decisions_not_microbatches():
     b = router_disagreement_metric(torch.tensor(3), torch.tensor(5))
     got = reduce_metrics([{"router/disagreement": a}, {"router/disagreement": b}])
     assert got["router/disagreement"] == pytest.approx(0.5)
+
+
+def test_unquoted_off_in_yaml_reads_as_off(tmp_path):
+    """YAML 1.1 reads ``routing_replay: off`` as false; it means "off"."""
+    import yaml
+
+    data = yaml.safe_load("algorithm:\n  routing_replay: off\n")
+    assert data["algorithm"]["routing_replay"] is False
+    cfg = config_from_dict({**cfg_dict("record"), "algorithm": data["algorithm"]})
+    assert cfg.algorithm.routing_replay == "off"
