@@ -91,12 +91,12 @@ def sequences(seed: int) -> list[tuple[list[int], int]]:
     return [(torch.randint(0, VOCAB, (p + r,), generator=g).tolist(), p) for p, r in SHAPES]
 
 
-def config(folder: Path, backend: str, **algorithm):
-    over: dict = {}
+def config(folder: Path, backend: str, checkpointing: bool = False, **algorithm):
+    over: dict = {"model": {"gradient_checkpointing": checkpointing}}
     if backend == "fsdp2":
         from unirl.backends.fsdp2.plugin import Fsdp2Options
 
-        over = {"backend": "fsdp2", "backend_options": Fsdp2Options()}
+        over.update(backend="fsdp2", backend_options=Fsdp2Options())
     algo = AlgorithmConfig(router_aux_loss_coef=AUX, router_z_loss_coef=Z, **algorithm)
     return make_config(folder, algorithm=algo, **over)
 
@@ -202,11 +202,17 @@ def train(backend, cfg, mbs, seqs_per_mb, seen=None):
     return reduce_metrics(metrics), backend.optimizer_step()
 
 
-@pytest.mark.parametrize("backend_name", ["deepspeed", "fsdp2"])
-def test_moe_step_with_router_losses_matches_transformers(moe_folder, backend_name):
+@pytest.mark.parametrize(
+    ("backend_name", "checkpointing"),
+    [("deepspeed", False), ("fsdp2", False), ("deepspeed", True)],
+    ids=["deepspeed", "fsdp2", "deepspeed-checkpointing"],
+)
+def test_moe_step_with_router_losses_matches_transformers(moe_folder, backend_name, checkpointing):
+    """With activation checkpointing the recomputed layers must not add their router logits
+    twice, and the router logits' gradient must still flow."""
     seqs = sequences(1)
     split = [seqs[:2], seqs[2:]]
-    cfg = config(moe_folder, backend_name)
+    cfg = config(moe_folder, backend_name, checkpointing)
     backend = build(cfg)
     try:
         ref = reference_model(moe_folder)
@@ -283,8 +289,9 @@ def without_last(values, seqs):
 
 @pytest.mark.parametrize("backend_name", ["deepspeed", "fsdp2"])
 def test_rollout_replay_equals_the_hand_forced_forward(moe_folder, backend_name):
+    """FSDP2 with activation checkpointing: replay must hold in the recomputed forward."""
     seqs = sequences(2)
-    cfg = config(moe_folder, backend_name, routing_replay="rollout")
+    cfg = config(moe_folder, backend_name, backend_name == "fsdp2", routing_replay="rollout")
     backend = build(cfg)
     try:
         mb, experts = forced_packed(seqs, seed=5)
