@@ -351,3 +351,38 @@ def test_record_then_replay_after_the_router_changed(moe_folder):
         assert metrics["router/disagreement"] > 0.0  # the changed routers would choose otherwise
     finally:
         backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_moe_forward_and_router_logits_on_gpu_bf16(moe_folder):
+    """The GPU path of the packed forward (varlen flash attention, bf16) on Qwen3-MoE against
+    per-sequence eager forwards in bf16, and the router logits the capture hands core."""
+    from unirl.backends.hf.moe import PolicyRouting
+    from unirl.backends.hf.packed import forward_packed, use_packed_attention
+
+    device = torch.device("cuda")
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe_folder, dtype=torch.bfloat16)
+    model.to(device).eval()
+    ref = reference_model(moe_folder).to(device=device, dtype=torch.bfloat16).eval()
+    use_packed_attention(model)
+    routing = PolicyRouting(model, "off")
+    seqs = sequences(4)
+    mb = pack(seqs)
+    with torch.no_grad(), routing.training(mb):
+        logits = forward_packed(model, mb, device).float()
+        router_logits = routing.take_router_logits()
+    assert [tuple(lg.shape) for lg in router_logits] == [(mb.num_tokens, EXPERTS)] * LAYERS
+    start = 0
+    for ids, _ in seqs:
+        with torch.no_grad():
+            out = ref(input_ids=torch.tensor(ids, device=device)[None], output_router_logits=True)
+        n = len(ids)
+        torch.testing.assert_close(
+            logits[start : start + n], out.logits[0].float(), atol=5e-2, rtol=5e-2
+        )
+        for got, want in zip(router_logits, out.router_logits):
+            torch.testing.assert_close(
+                got[start : start + n].float(), want.float(), atol=5e-2, rtol=5e-2
+            )
+        start += n
