@@ -17,6 +17,7 @@ from unirl.core.data.context_parallel import CPLayout
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.data.routed_experts import MoeShape
 from unirl.core.maths.losses import reduce_metrics
+from unirl.core.maths.losses.router import RouterCoefficients
 from unirl.core.moe_loss import RouterLossSettings, router_term
 
 EXPERTS, TOP_K, LAYERS, VOCAB, MAX_POS = 6, 2, 2, 9, 16
@@ -25,8 +26,7 @@ AUX, Z = 0.7, 0.2
 EXTRA = 5  # tokens of the step's other microbatches / ranks
 SETTINGS = RouterLossSettings(
     shape=MoeShape(num_experts=EXPERTS, top_k=TOP_K, moe_layers=(0, 1), norm_topk_prob=True),
-    aux_coef=AUX,
-    z_coef=Z,
+    router_coefficients=RouterCoefficients(aux_coef=AUX, z_coef=Z),
 )
 
 
