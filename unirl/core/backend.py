@@ -36,18 +36,42 @@ __all__ = [
     "LossFn",
     "ModelRole",
     "OptimizerStepStats",
+    "RecordsRouting",
     "TrainingBackend",
     "ValueLossFn",
     "token_logprobs",
     "token_logprobs_from_hidden",
 ]
 
-# loss_fn(microbatch, logprobs [T] fp32 with grad, entropy [T] or None) -> (loss, metrics);
-# the loss is this microbatch's share of the step objective (core normalises globally).
-LossFn = Callable[
-    [TrainMicrobatch, torch.Tensor, "torch.Tensor | None"],
-    tuple[torch.Tensor, Mapping[str, Metric]],
-]
+
+class LossFn(Protocol):
+    """``loss_fn(microbatch, logprobs [T] fp32 with grad, entropy [T] or None) -> (loss,
+    metrics)``; the loss is this microbatch's share of the step objective (core normalises
+    globally). A mixture-of-experts backend also passes ``router_logits``: each MoE layer's
+    router logits ``[rows, num_experts]`` of this forward (with their gradient), from which core
+    adds the router's auxiliary losses (`unirl.core.moe_loss`)."""
+
+    def __call__(
+        self,
+        mb: TrainMicrobatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        /,
+        *,
+        router_logits: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, Mapping[str, Metric]]: ...
+
+
+@runtime_checkable
+class RecordsRouting(Protocol):
+    """A backend whose policy forward-only pass records MoE routing (``routing_replay: record``,
+    R2): after `TrainingBackend.forward_logprobs` with ``role="policy"`` it hands back, per
+    microbatch of that call, the experts its routers chose ``[T_local, moe_layers, top_k]`` int32
+    (CP-local rows, as the log-probs)."""
+
+    def recorded_routing(self) -> list[torch.Tensor]: ...
+
+
 ModelRole = Literal["policy", "reference"]
 # value_loss_fn(microbatch, values [T] fp32 with grad) -> (loss, metrics): the critic's share.
 ValueLossFn = Callable[[TrainMicrobatch, torch.Tensor], tuple[torch.Tensor, Mapping[str, Metric]]]

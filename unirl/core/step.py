@@ -20,16 +20,18 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.core.backend import ModelRole, TrainingBackend
+from unirl.core.backend import ModelRole, RecordsRouting, TrainingBackend
 from unirl.core.critic import critic_warming_up, value_metrics
 from unirl.core.data.context_parallel import gather_from_cp
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.data.microbatch import TrainMicrobatch, build_microbatch
 from unirl.core.data.plan import MicrobatchPlan
 from unirl.core.data.rollout import PackedMicrobatch, RolloutBatch
-from unirl.core.errors import RolloutDataError
+from unirl.core.data.routed_experts import recorded_per_sample
+from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.maths.advantages import AdvantageInputs, compute_advantages
 from unirl.core.maths.losses import LossInputs, Metric, compute_loss, critic_loss, reduce_metrics
+from unirl.core.moe_loss import RouterLossSettings, router_term
 from unirl.core.old_logprobs import DecisionLog, OldLogprobDecision, decide_old_logprobs
 from unirl.core.run.algorithm import (
     advantage_settings,
@@ -39,6 +41,7 @@ from unirl.core.run.algorithm import (
     train_logprob_spec,
 )
 from unirl.core.run.config import UnirlConfig, norm_length
+from unirl.core.run.model_shape import moe_shape
 from unirl.core.run.progress import MicrobatchProgress, logs_step, progress_enabled
 from unirl.core.run.routing_replay import replay_shape
 
@@ -70,6 +73,11 @@ class RLStep:
         self.rollout_experts = (
             replay_shape(cfg) if cfg.algorithm.routing_replay == "rollout" else None
         )
+        # R2 (routing_replay: record): the old-log-prob forward records, the training replays.
+        self.records_routing = cfg.algorithm.routing_replay == "record"
+        # A mixture-of-experts policy: the router's auxiliary losses join the loss.
+        shape = moe_shape(cfg.model)
+        self.router_settings = None if shape is None else RouterLossSettings.from_config(cfg, shape)
         self.decisions = DecisionLog()
         self.show_bars = progress_enabled(cfg.progress.enabled)
         self.log_phases = True  # with bars off: this step's phase lines at INFO (log_every)
@@ -114,6 +122,8 @@ class RLStep:
             old_bl = self._forward_to_responses(
                 batch, first, self._logprobs_of("policy"), "actor forward"
             )
+            if self.records_routing:
+                batch = batch.with_routed_experts(self._recorded_routing(first))
             timings["time/actor_forward_s"] = time.perf_counter() - t0
         if needs_ref_forward:
             t0 = time.perf_counter()
@@ -253,9 +263,13 @@ class RLStep:
         *,
         returns_bl: torch.Tensor | None = None,
         old_values_bl: torch.Tensor | None = None,
+        keep_experts: bool = False,
     ) -> TrainMicrobatch:
+        """``keep_experts``: hand the policy the samples' ``routed_experts`` to replay (R3: the
+        rollout's, every policy pass; R2: the recorded ones, the training passes); otherwise
+        experts in the data are dropped."""
         topo = self.topology
-        if self.rollout_experts is None and packed.routed_experts is not None:
+        if not keep_experts and packed.routed_experts is not None:
             packed = attrs.evolve(packed, routed_experts=None)
 
         def place(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -291,7 +305,8 @@ class RLStep:
         """A forward-only per-token quantity (log-probs, values) of every response token, as a
         batch ``[B, L]`` tensor."""
         topo = self.topology
-        mbs = [self._microbatch(p, None, None, None) for p in packs]
+        replay = self.rollout_experts is not None
+        mbs = [self._microbatch(p, None, None, None, keep_experts=replay) for p in packs]
         with MicrobatchProgress(
             phase, len(mbs), topo, enabled=self.show_bars, log_summary=self.log_phases
         ) as bar:
@@ -314,6 +329,29 @@ class RLStep:
             out = reduced.cpu()
         return out
 
+    def _recorded_routing(self, packs: Sequence[PackedMicrobatch]) -> dict[int, torch.Tensor]:
+        """R2: the experts the policy's forward-only pass over ``packs`` (this rank's) recorded,
+        per sample index of the whole batch (CP pieces gathered, every DP rank's collected)."""
+        backend, topo = self.backend, self.topology
+        if not isinstance(backend, RecordsRouting):
+            raise ConfigError(
+                f"algorithm.routing_replay='record': {type(backend).__name__} does not hand "
+                "back recorded routing; set algorithm.routing_replay: off"
+            )
+        recorded = backend.recorded_routing()
+        if topo.cp_size > 1:
+            recorded = [
+                gather_from_cp(e.to(backend.device), p.cu_seqlens, topo.groups.cp)
+                for p, e in zip(packs, recorded, strict=True)
+            ]
+        mine = recorded_per_sample(packs, [e.cpu() for e in recorded])
+        group = topo.groups.dp
+        if group is None or topo.dp_size == 1:
+            return mine
+        gathered: list[Any] = [None] * topo.dp_size
+        dist.all_gather_object(gathered, mine, group=group)
+        return {i: e for part in gathered for i, e in part.items()}
+
     def _optimizer_step(
         self,
         batch: RolloutBatch,
@@ -328,10 +366,20 @@ class RLStep:
         topo, settings = self.topology, self.loss_settings
         counts: GlobalCounts = step.counts
         packs = [batch.pack(idx) for idx in step.microbatches(topo.dp_rank)]
-        mbs = [self._microbatch(p, advantages_bl, old_bl, ref_bl) for p in packs]
+        replay = self.rollout_experts is not None or self.records_routing
+        mbs = [
+            self._microbatch(p, advantages_bl, old_bl, ref_bl, keep_experts=replay) for p in packs
+        ]
+        step_tokens = sum(step.rank_tokens)
+        router = self.router_settings
 
         def loss_fn(
-            mb: TrainMicrobatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
+            mb: TrainMicrobatch,
+            logprobs: torch.Tensor,
+            entropy: torch.Tensor | None,
+            /,
+            *,
+            router_logits: Sequence[torch.Tensor] | None = None,
         ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
             device = logprobs.device
 
@@ -356,7 +404,10 @@ class RLStep:
                 settings,
                 validate=False,  # the batch was validated once, before anything ran
             )
-            return out.loss, out.metrics
+            if router is None or router_logits is None:
+                return out.loss, out.metrics
+            term = router_term(router_logits, mb, router, global_tokens=step_tokens)
+            return out.loss + term.loss, {**out.metrics, **term.metrics}
 
         spec = train_logprob_spec(self.cfg, self.backend.vocab_size)
         with MicrobatchProgress(

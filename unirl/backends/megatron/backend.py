@@ -42,6 +42,7 @@ from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.megatron import checkpoint, cpu_compat
 from unirl.backends.megatron.critic import MegatronCritic, critic_plan
 from unirl.backends.megatron.heads import LogprobHead
+from unirl.backends.megatron.moe import is_moe
 from unirl.backends.megatron.optimizer import use_distributed_optimizer
 from unirl.backends.megatron.passes import MicrobatchLoop
 from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
@@ -177,6 +178,17 @@ class MegatronBackend(EngineBackend):
             spec=run.spec,
             on_forward=lambda: self._count_forward("policy"),
             progress=run.progress,
+            router_logits=self._hands_router_logits(),
+        )
+
+    def _hands_router_logits(self) -> bool:
+        """Whether the training loss gets the router logits (core adds the router losses): an
+        MoE policy whose one pipeline stage runs every router with autograd on (the plug-in's
+        check refuses router loss coefficients under pp > 1 or activation recompute)."""
+        return (
+            is_moe(self.policy.hf_config)
+            and self.topology.pp_size == 1
+            and not self.cfg.model.gradient_checkpointing
         )
 
     def optimizer_step(self) -> OptimizerStepStats:

@@ -17,7 +17,9 @@ of a Qwen3-MoE config (``mlp_only_layers``, ``decoder_sparse_step``) become mega
 layers through ``moe_layer_freq``.
 
 megatron-core's own load-balancing and z-losses are off: core computes the router losses from the
-logits each router records (`collect_router_logits`), the same way on every backend.
+logits each router records (`collect_router_logits`, put in the microbatch's packed token order by
+`microbatch_router_logits`), the same way on every backend (`unirl.core.moe_loss.router_term`,
+``algorithm.router_aux_loss_coef`` / ``router_z_loss_coef``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from unirl.backends.megatron.padded import PaddedBatch
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import ParallelConfig
 
@@ -125,6 +128,24 @@ class RecordingTopKRouter(TopKRouter):
         if torch.is_grad_enabled():
             self.recorded_logits.append(logits.reshape(-1, logits.shape[-1]))
         return logits
+
+
+def microbatch_router_logits(chunks: Sequence[torch.nn.Module], batch: Any) -> list[torch.Tensor]:
+    """`collect_router_logits` of one microbatch's forward in the packed token order core's
+    `router_term` reads: a packed stream (``[S, 1]``) already is (the stream's padding comes after
+    the microbatch's tokens, CP padding is dropped by core); right-padded rows (``[S, B]``,
+    flattened sequence-major by megatron) are gathered to the microbatch's real tokens."""
+    logits = collect_router_logits(chunks)
+    if not isinstance(batch, PaddedBatch):
+        return logits
+    rows = batch.tokens.shape[0]
+    return [
+        lg.reshape(-1, rows, lg.shape[-1])
+        .transpose(0, 1)
+        .reshape(-1, lg.shape[-1])
+        .index_select(0, batch.flat_index)
+        for lg in logits
+    ]
 
 
 def collect_router_logits(chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
+from unirl.backends.megatron.moe import microbatch_router_logits
 from unirl.backends.megatron.role_model import MegatronModel
 from unirl.backends.megatron.schedule import ScheduledMicrobatch, run_schedule, schedule_items
 from unirl.backends.microbatch import zero_through_graph
@@ -87,10 +88,14 @@ class MicrobatchLoop:
         spec: LogprobSpec | None,
         on_forward: Callable[[], None],
         progress: MicrobatchProgress,
+        router_logits: bool = False,
     ) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of one optimizer step; its metrics per microbatch ([] off the
         last stage). One schedule call: megatron reduces the gradients at its end, so all
-        microbatches of one optimizer step come in one call."""
+        microbatches of one optimizer step come in one call. ``router_logits``: hand ``loss_fn``
+        each MoE layer's router logits of the microbatch (one pipeline stage holds them all: the
+        plug-in's check refuses router losses under pp > 1), so that core adds the router
+        losses."""
         # the caller's interface refused an empty list (`unirl.backends.base`, core's plan)
         assert microbatches, "a training pass needs at least one microbatch"
         if model.grads_pending:
@@ -108,7 +113,10 @@ class MicrobatchLoop:
             if item.mb is None:  # VPP padding: a zero that still reaches every parameter
                 return zero_through_graph(output), {}
             mb = item.mb
-            loss, mb_metrics = loss_fn(mb, *model.head(model.chunks, item, output, spec))
+            extra = {}
+            if router_logits:
+                extra["router_logits"] = microbatch_router_logits(model.chunks, item.batch)
+            loss, mb_metrics = loss_fn(mb, *model.head(model.chunks, item, output, spec), **extra)
             if mb.num_tokens == 0:
                 # the backward (and the pipeline's gradient sends) run as for any microbatch
                 loss = loss + zero_through_graph(output)

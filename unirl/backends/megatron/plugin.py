@@ -48,11 +48,38 @@ def check(cfg: UnirlConfig) -> None:
             "optimizer is sharded by megatron's distributed optimizer: use 0 (off) or 1"
         )
     _check_experts(cfg)
+    _check_router_losses(cfg)
     layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
         raise ConfigError(
             f"model.hf_config.num_hidden_layers={layers} is not divisible by parallel.pp x "
             f"parallel.vpp = {p.pp} x {p.vpp or 1}; choose sizes that divide the layer count"
+        )
+
+
+def _check_router_losses(cfg: UnirlConfig) -> None:
+    """The router losses need every MoE layer's logits of a forward, with autograd, in the
+    training loss: one pipeline stage (no exchange of the pooled statistics between stages yet)
+    and no activation recompute (its first forward runs without autograd)."""
+    a = cfg.algorithm
+    if _hf_config_fields(cfg).get("model_type") != "qwen3_moe" or not (
+        a.router_aux_loss_coef or a.router_z_loss_coef
+    ):
+        return
+    coefs = (
+        f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef}, "
+        f"router_z_loss_coef={a.router_z_loss_coef}"
+    )
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"{coefs} with parallel.pp={cfg.parallel.pp}: the Megatron backend adds the router "
+            "losses with one pipeline stage only; set both coefficients to 0 or parallel.pp: 1"
+        )
+    if cfg.model.gradient_checkpointing:
+        raise ConfigError(
+            f"{coefs} with model.gradient_checkpointing: true: under megatron's full recompute the "
+            "routers run without autograd in the forward; set both coefficients to 0 or turn "
+            "gradient_checkpointing off"
         )
 
 

@@ -79,6 +79,11 @@ class AlgorithmConfig:
     mismatch_metrics: bool = False
     # MoE models only: whose experts the trainer's forwards route each token to (RoutingReplay).
     routing_replay: RoutingReplay = "off"
+    # MoE models only: the router's load-balancing loss and z-loss, added to the policy loss
+    # with these coefficients on every backend (`unirl.core.moe_loss`); 0 leaves a term out.
+    # 0.001: Qwen3-MoE's own router_aux_loss_coef; the z-loss is off unless asked for.
+    router_aux_loss_coef: float = attrs.field(default=0.001, validator=non_negative)
+    router_z_loss_coef: float = attrs.field(default=0.0, validator=non_negative)
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None

@@ -1,0 +1,117 @@
+"""The router's auxiliary losses of a mixture-of-experts policy as one optimizer step adds them:
+the same on every backend, which only hands the router logits of its forward.
+
+A backend's training forward returns, with the log-probs, each MoE layer's router logits
+``[rows, num_experts]`` over the rows its router saw (the microbatch's packed tokens on this
+rank; under context parallelism the rank's CP-local tokens, CP padding included; for an empty
+microbatch none). `router_term` turns them into this microbatch's share of the step's router term
+(`unirl.core.maths.losses.router`): padding rows dropped, the pieces of a context-parallel forward
+pooled exactly (`router_statistics` summed over the CP group, `router_loss_shares`), weighted by
+the microbatch's tokens over the step's (the plan's counts: no collective for that).
+
+The coefficients are ``algorithm.router_aux_loss_coef`` and ``algorithm.router_z_loss_coef``
+(`RouterLossSettings.from_config`), read by every backend through this module; Hugging Face's own
+auxiliary loss (``output_router_logits`` with labels) is never added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.data.routed_experts import MoeShape
+from unirl.core.maths.losses.router import (
+    router_loss_shares,
+    router_loss_term,
+    router_statistics,
+)
+from unirl.core.maths.losses.total import LossOutput
+
+
+@attrs.frozen(kw_only=True)
+class RouterLossSettings:
+    """What the router term needs besides the logits: the model's routing shape and the two
+    coefficients."""
+
+    shape: MoeShape
+    aux_coef: float
+    z_coef: float
+
+    @classmethod
+    def from_config(cls, cfg: Any, shape: MoeShape) -> RouterLossSettings:
+        """From a `UnirlConfig`'s ``algorithm`` section (not imported: core's config imports
+        this package)."""
+        return cls(
+            shape=shape,
+            aux_coef=float(cfg.algorithm.router_aux_loss_coef),
+            z_coef=float(cfg.algorithm.router_z_loss_coef),
+        )
+
+
+def real_rows(mb: TrainMicrobatch) -> torch.Tensor:
+    """``[T_local]`` bool: the rows of ``mb`` that are tokens of a sample (not CP padding). Under
+    context parallelism a padded position continues its sequence's positions past its length."""
+    if mb.global_cu_seqlens is None or mb.cp_group is None:
+        return torch.ones(mb.num_tokens, dtype=torch.bool, device=mb.tokens.device)
+    cu = mb.global_cu_seqlens.to(device=mb.position_ids.device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    return mb.position_ids < lengths[mb.seq_ids.to(mb.position_ids.device)]
+
+
+def microbatch_tokens(mb: TrainMicrobatch) -> int:
+    """The tokens of the whole microbatch (every CP piece): the routed rows it weighs."""
+    if mb.global_cu_seqlens is not None:
+        return int(mb.global_cu_seqlens[-1])
+    return mb.num_tokens
+
+
+def router_term(
+    router_logits: Sequence[torch.Tensor],
+    mb: TrainMicrobatch,
+    settings: RouterLossSettings,
+    *,
+    global_tokens: int,
+) -> LossOutput:
+    """This microbatch's share of the step's router loss and the metrics ``router/aux_loss``,
+    ``router/z_loss`` (see the module docstring). ``global_tokens``: the tokens of every
+    microbatch of every rank of the step (``sum(step.rank_tokens)``)."""
+    shape = settings.shape
+    if len(router_logits) != shape.num_moe_layers:
+        raise ValueError(
+            f"router_term: {len(router_logits)} router logits for a model with "
+            f"{shape.num_moe_layers} MoE layers; the backend hands one per MoE layer"
+        )
+    keep = real_rows(mb)
+    logits = [lg[: mb.num_tokens][keep.to(lg.device)] for lg in router_logits]
+    stats = router_statistics(logits, top_k=shape.top_k, num_experts=shape.num_experts)
+    tokens = microbatch_tokens(mb)
+    group = mb.cp_group
+    if group is None or dist.get_world_size(group) == 1:
+        aux, z = router_loss_shares(stats, assignments_e=stats.assignments_e, rows=stats.rows)
+        return router_loss_term(
+            aux,
+            z,
+            aux_coef=settings.aux_coef,
+            z_coef=settings.z_coef,
+            microbatch_tokens=tokens,
+            global_tokens=global_tokens,
+        )
+    # A forward split over CP ranks: pool the counts (no gradient), each rank its share.
+    pooled = torch.cat([stats.assignments_e, stats.assignments_e.new_tensor([stats.rows])])
+    dist.all_reduce(pooled, group=group)
+    total_rows = int(pooled[-1])
+    aux, z = router_loss_shares(stats, assignments_e=pooled[:-1], rows=total_rows)
+    return router_loss_term(
+        aux,
+        z,
+        aux_coef=settings.aux_coef,
+        z_coef=settings.z_coef,
+        microbatch_tokens=tokens,
+        global_tokens=global_tokens,
+        part=stats.rows / max(total_rows, 1),
+    )
