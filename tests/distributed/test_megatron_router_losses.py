@@ -77,7 +77,7 @@ def _weights(n):
     return torch.linspace(-1.0, 1.0, n)
 
 
-def _config(attention):
+def _config(attention, pp):
     return {
         "backend": "megatron",
         "model": {"hf_config": dict(HF_CONFIG), "init_seed": 3, "max_seq_len": 16},
@@ -90,12 +90,13 @@ def _config(attention):
         },
         "algorithm": {"router_aux_loss_coef": AUX_COEF, "router_z_loss_coef": Z_COEF},
         "megatron": {"attention": attention},
+        "parallel": {"pp": pp},
         "train": {"seed": 0},
         "logging": {"tensorboard": False},
     }
 
 
-def _worker(rank, world_size, attention):
+def _worker(rank, world_size, attention, pp):
     from unirl.backends.megatron import build_backend
     from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.moe_loss import RouterLossSettings, router_term
@@ -103,7 +104,7 @@ def _worker(rank, world_size, attention):
     from unirl.core.run.model_shape import moe_shape
     from unirl.core.run.progress import MicrobatchProgress
 
-    cfg = config_from_dict(_config(attention), world_size=world_size)
+    cfg = config_from_dict(_config(attention, pp), world_size=world_size)
     backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
     weights = backend.hf_state_dict()
     settings = RouterLossSettings.from_config(cfg, moe_shape(cfg.model))
@@ -111,8 +112,11 @@ def _worker(rank, world_size, attention):
     global_tokens = sum(mb.num_tokens for mb in mbs)
 
     def loss_fn(mb, logprobs, entropy, /, *, router_logits=None):
-        assert router_logits is not None, "the backend hands the router logits"
         lp = (_weights(mb.num_tokens) * mb.loss_mask * logprobs).sum()
+        if pp > 1:  # each stage backpropagates its layers' share: no logits for the loss
+            assert router_logits is None
+            return lp, {}
+        assert router_logits is not None, "the backend hands the router logits"
         term = router_term(router_logits, mb, settings, global_tokens=global_tokens)
         return lp + term.loss, term.metrics
 
@@ -201,9 +205,14 @@ def _per_expert_to_hf(weights, model):
     return out
 
 
-@pytest.mark.parametrize("attention", ["packed", "padded"])
-def test_router_losses_match_hugging_face(attention):
-    (result,) = run_distributed(_worker, 1, attention)
+@pytest.mark.parametrize(
+    ("attention", "pp"), [("packed", 1), ("padded", 1), ("packed", 2)], ids=["ep1", "padded", "pp2"]
+)
+def test_router_losses_match_hugging_face(attention, pp):
+    results = run_distributed(_worker, pp, attention, pp)
+    (result,) = [r for r in results if r["metrics"]]  # the last stage's
+    for other in results:  # every stage's gradients, gathered by the export
+        torch.testing.assert_close(other["grads"], result["grads"])
     values, ref_grads = _reference(result["weights"])
     for mb_metrics, lengths, (aux, z) in zip(result["metrics"], LENGTHS, values):
         n = sum(lengths)

@@ -52,7 +52,9 @@ from unirl.backends.process_group import destroy_process_group, init_process_gro
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
+from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.config import UnirlConfig, critic_enabled
+from unirl.core.run.model_shape import moe_shape
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ class MegatronBackend(EngineBackend):
         source = policy_source(cfg)
         self.vocab_size = int(source.hf_config.vocab_size)
         self.policy = self._lm_model(source, plan, recompute=cfg.model.gradient_checkpointing)
+        self._router_losses = self._router_settings(cfg, source.hf_config)
         self._reference: MegatronModel | None = None
         self._closed = False
         if needs_reference:
@@ -178,18 +181,18 @@ class MegatronBackend(EngineBackend):
             spec=run.spec,
             on_forward=lambda: self._count_forward("policy"),
             progress=run.progress,
-            router_logits=self._hands_router_logits(),
+            router=self._router_losses,
         )
 
-    def _hands_router_logits(self) -> bool:
-        """Whether the training loss gets the router logits (core adds the router losses): an
-        MoE policy whose one pipeline stage runs every router with autograd on (the plug-in's
-        check refuses router loss coefficients under pp > 1 or activation recompute)."""
-        return (
-            is_moe(self.policy.hf_config)
-            and self.topology.pp_size == 1
-            and not self.cfg.model.gradient_checkpointing
-        )
+    @staticmethod
+    def _router_settings(cfg: UnirlConfig, hf_config: Any) -> RouterLossSettings | None:
+        """An MoE policy's router losses (core's coefficients and the model's routing shape),
+        unless megatron's full recompute is on: its first forward runs the routers without
+        autograd (the plug-in's check refuses non-zero coefficients then)."""
+        if not is_moe(hf_config) or cfg.model.gradient_checkpointing:
+            return None
+        shape = moe_shape(cfg.model)
+        return None if shape is None else RouterLossSettings.from_config(cfg, shape)
 
     def optimizer_step(self) -> OptimizerStepStats:
         return self.policy.optimizer_step()

@@ -23,11 +23,18 @@ from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
 from unirl.backends.megatron.moe import microbatch_router_logits
 from unirl.backends.megatron.role_model import MegatronModel
-from unirl.backends.megatron.schedule import ScheduledMicrobatch, run_schedule, schedule_items
+from unirl.backends.megatron.router_stages import StageRouterLosses
+from unirl.backends.megatron.schedule import (
+    ScheduledMicrobatch,
+    StageOutput,
+    run_schedule,
+    schedule_items,
+)
 from unirl.backends.microbatch import zero_through_graph
 from unirl.core.backend import LogprobSpec
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
+from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
 
@@ -88,14 +95,14 @@ class MicrobatchLoop:
         spec: LogprobSpec | None,
         on_forward: Callable[[], None],
         progress: MicrobatchProgress,
-        router_logits: bool = False,
+        router: RouterLossSettings | None = None,
     ) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of one optimizer step; its metrics per microbatch ([] off the
         last stage). One schedule call: megatron reduces the gradients at its end, so all
-        microbatches of one optimizer step come in one call. ``router_logits``: hand ``loss_fn``
-        each MoE layer's router logits of the microbatch (one pipeline stage holds them all: the
-        plug-in's check refuses router losses under pp > 1), so that core adds the router
-        losses."""
+        microbatches of one optimizer step come in one call. ``router``: an MoE policy's router
+        losses; with one pipeline stage ``loss_fn`` gets each MoE layer's router logits of the
+        microbatch (core adds the term), under pp > 1 each stage backpropagates its layers'
+        share (`unirl.backends.megatron.router_stages`)."""
         # the caller's interface refused an empty list (`unirl.backends.base`, core's plan)
         assert microbatches, "a training pass needs at least one microbatch"
         if model.grads_pending:
@@ -107,6 +114,10 @@ class MicrobatchLoop:
         items, rows, seq_len = self._items(microbatches)
         scale = self.loss_scale(len(items))
         metrics: dict[int, Mapping[str, Metric]] = {}
+        router_logits = router is not None and self.topology.pp_size == 1
+        stages = None
+        if router is not None and not router_logits:
+            stages = self._stage_router_losses(model, router, microbatches, len(items))
 
         def stage_loss(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
             # output: the last stage's logits, hidden states (fused head) or values
@@ -127,8 +138,49 @@ class MicrobatchLoop:
         for ddp in model.ddp:
             ddp.train()
         model.grads_pending = True
-        self._run(model, items, rows, seq_len, stage_loss, on_forward, progress, train=True)
+        self._run(
+            model,
+            items,
+            rows,
+            seq_len,
+            stage_loss,
+            on_forward,
+            progress,
+            train=True,
+            stage_output=None if stages is None else stages.stage_output,
+        )
+        if stages is not None and self.topology.is_last_pipeline_stage():
+            for index, router_metrics in stages.metrics().items():
+                metrics[index] = {**metrics[index], **router_metrics}
         return self._in_order(metrics, len(microbatches))
+
+    def _stage_router_losses(
+        self,
+        model: MegatronModel,
+        router: RouterLossSettings,
+        microbatches: Sequence[TrainMicrobatch],
+        num_items: int,
+    ) -> StageRouterLosses:
+        """Under pp > 1: the shares' backward scaled as megatron scales the last stage's loss
+        (its grad scale, ``cp / num_microbatches``, times `loss_scale`), weighted by the step's
+        tokens (summed over the data-parallel ranks: every rank of the step is in this call)."""
+        topo = self.topology
+        tokens = torch.tensor(
+            [sum(mb.num_tokens for mb in microbatches)], dtype=torch.int64, device=self.device
+        )
+        if topo.groups.dp is not None and topo.dp_size > 1:
+            torch.distributed.all_reduce(tokens, group=topo.groups.dp)
+        config = model.chunks[0].config
+        grad_scale = 1.0
+        if config.grad_scale_func is not None:
+            grad_scale = float(config.grad_scale_func(torch.ones(1, device=self.device)))
+        return StageRouterLosses(
+            router,
+            pp_group=topo.groups.pp,
+            num_local_chunks=len(model.chunks),
+            backward_scale=grad_scale * self.loss_scale(num_items) * topo.cp_size / num_items,
+            global_tokens=int(tokens),
+        )
 
     def _items(
         self, microbatches: Sequence[TrainMicrobatch]
@@ -146,6 +198,7 @@ class MicrobatchLoop:
         progress: MicrobatchProgress,
         *,
         train: bool,
+        stage_output: StageOutput | None = None,
     ) -> None:
         run_schedule(
             model.modules,
@@ -157,6 +210,7 @@ class MicrobatchLoop:
             topology=self.topology,
             on_forward=on_forward,
             on_microbatch=progress.tick,
+            stage_output=stage_output,
         )
 
     def _in_order(self, results: Mapping[int, Any], n: int) -> list[Any]:

@@ -58,9 +58,9 @@ def check(cfg: UnirlConfig) -> None:
 
 
 def _check_router_losses(cfg: UnirlConfig) -> None:
-    """The router losses need every MoE layer's logits of a forward, with autograd, in the
-    training loss: one pipeline stage (no exchange of the pooled statistics between stages yet)
-    and no activation recompute (its first forward runs without autograd)."""
+    """The router losses need every MoE layer's logits of a forward with autograd: no activation
+    recompute (its first forward runs the routers without autograd), and under pp > 1 (each
+    stage its share, pooled over the pipeline group: `router_stages`) no context parallel."""
     a = cfg.algorithm
     if _hf_config_fields(cfg).get("model_type") != "qwen3_moe" or not (
         a.router_aux_loss_coef or a.router_z_loss_coef
@@ -70,10 +70,11 @@ def _check_router_losses(cfg: UnirlConfig) -> None:
         f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef}, "
         f"router_z_loss_coef={a.router_z_loss_coef}"
     )
-    if cfg.parallel.pp > 1:
+    if cfg.parallel.pp > 1 and cfg.parallel.cp > 1:
         raise ConfigError(
-            f"{coefs} with parallel.pp={cfg.parallel.pp}: the Megatron backend adds the router "
-            "losses with one pipeline stage only; set both coefficients to 0 or parallel.pp: 1"
+            f"{coefs} with parallel.pp={cfg.parallel.pp} and parallel.cp={cfg.parallel.cp}: the "
+            "Megatron backend pools the router statistics over pipeline stages or over context "
+            "ranks, not both; set both coefficients to 0, parallel.pp: 1 or parallel.cp: 1"
         )
     if cfg.model.gradient_checkpointing:
         raise ConfigError(
