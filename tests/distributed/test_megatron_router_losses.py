@@ -49,11 +49,11 @@ AUX_COEF, Z_COEF = 0.7, 0.05
 LENGTHS = ([5, 7], [4])
 
 
-def _microbatch(lengths, seed):
+def _microbatch(lengths, seed, vocab=HF_CONFIG["vocab_size"], routed_experts=None):
     from unirl.core.data.microbatch import TrainMicrobatch
 
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, HF_CONFIG["vocab_size"], (sum(lengths),), generator=g)
+    tokens = torch.randint(0, vocab, (sum(lengths),), generator=g)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     targets = tokens.clone()
     for start, n in zip(cu[:-1].tolist(), lengths):
@@ -70,6 +70,7 @@ def _microbatch(lengths, seed):
         loss_mask=mask,
         seq_ids=torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]),
         seq_token_counts=torch.tensor([n - 1 for n in lengths]),
+        routed_experts=routed_experts,
     )
 
 
@@ -171,7 +172,7 @@ def _reference(weights):
     return values, grads
 
 
-def _per_expert_to_hf(weights, model):
+def _per_expert_to_hf(weights, model, experts=HF_CONFIG["num_experts"]):
     """The exported per-expert state dict in the (fused) names of this transformers' model."""
     from tests.distributed.test_megatron_moe import _per_expert
 
@@ -180,7 +181,6 @@ def _per_expert_to_hf(weights, model):
     if set(split) == set(names):
         return weights
     out = {}
-    experts = HF_CONFIG["num_experts"]
     for name in names:
         if name.endswith("experts.gate_up_proj"):
             prefix = name[: -len("gate_up_proj")]

@@ -22,6 +22,7 @@ import torch
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
 from unirl.backends.megatron.moe import microbatch_router_logits
+from unirl.backends.megatron.replay import ScheduleReplay, with_disagreement
 from unirl.backends.megatron.role_model import MegatronModel
 from unirl.backends.megatron.router_stages import StageRouterLosses
 from unirl.backends.megatron.schedule import (
@@ -65,8 +66,10 @@ class MicrobatchLoop:
         spec: LogprobSpec | None,
         on_forward: Callable[[], None],
         progress: MicrobatchProgress,
+        replay: ScheduleReplay | None = None,
     ) -> list[torch.Tensor]:
-        """The head's first result per microbatch, detached fp32 ([] off the last stage)."""
+        """The head's first result per microbatch, detached fp32 ([] off the last stage).
+        ``replay``: the policy's routing replay / record (`unirl.backends.megatron.replay`)."""
         if not microbatches:
             return []
         items, rows, seq_len = self._items(microbatches)
@@ -83,7 +86,18 @@ class MicrobatchLoop:
             return zero, {}
 
         with forward_only(model.modules, device=self.device, offloaded=model.offloaded):
-            self._run(model, items, rows, seq_len, stage_loss, on_forward, progress, train=False)
+            self._run(
+                model,
+                items,
+                rows,
+                seq_len,
+                stage_loss,
+                on_forward,
+                progress,
+                train=False,
+                stage_output=None if replay is None else replay.after_forward,
+                before_forward=None if replay is None else replay.before_forward,
+            )
         return self._in_order(results, len(microbatches))
 
     def train(
@@ -96,13 +110,15 @@ class MicrobatchLoop:
         on_forward: Callable[[], None],
         progress: MicrobatchProgress,
         router: RouterLossSettings | None = None,
+        replay: ScheduleReplay | None = None,
     ) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of one optimizer step; its metrics per microbatch ([] off the
         last stage). One schedule call: megatron reduces the gradients at its end, so all
         microbatches of one optimizer step come in one call. ``router``: an MoE policy's router
         losses; with one pipeline stage ``loss_fn`` gets each MoE layer's router logits of the
         microbatch (core adds the term), under pp > 1 each stage backpropagates its layers'
-        share (`unirl.backends.megatron.router_stages`)."""
+        share (`unirl.backends.megatron.router_stages`). ``replay``: routing replay of
+        ``mb.routed_experts`` and ``router/disagreement`` per microbatch."""
         # the caller's interface refused an empty list (`unirl.backends.base`, core's plan)
         assert microbatches, "a training pass needs at least one microbatch"
         if model.grads_pending:
@@ -147,11 +163,21 @@ class MicrobatchLoop:
             on_forward,
             progress,
             train=True,
-            stage_output=None if stages is None else stages.stage_output,
+            stage_output=_chain(
+                None if replay is None else replay.after_forward,
+                None if stages is None else stages.stage_output,
+            ),
+            before_forward=None if replay is None else replay.before_forward,
         )
-        if stages is not None and self.topology.is_last_pipeline_stage():
+        last = self.topology.is_last_pipeline_stage()
+        if stages is not None and last:
             for index, router_metrics in stages.metrics().items():
                 metrics[index] = {**metrics[index], **router_metrics}
+        if replay is not None:
+            disagreement = replay.disagreement(len(microbatches), self.device)
+            if last:
+                for index, metric in enumerate(disagreement):
+                    metrics[index] = with_disagreement(dict(metrics[index]), metric)
         return self._in_order(metrics, len(microbatches))
 
     def _stage_router_losses(
@@ -199,6 +225,7 @@ class MicrobatchLoop:
         *,
         train: bool,
         stage_output: StageOutput | None = None,
+        before_forward: Callable[[ScheduledMicrobatch, torch.nn.Module], None] | None = None,
     ) -> None:
         run_schedule(
             model.modules,
@@ -211,9 +238,26 @@ class MicrobatchLoop:
             on_forward=on_forward,
             on_microbatch=progress.tick,
             stage_output=stage_output,
+            before_forward=before_forward,
         )
 
     def _in_order(self, results: Mapping[int, Any], n: int) -> list[Any]:
         if not self.topology.is_last_pipeline_stage():
             return []
         return [results[i] for i in range(n)]
+
+
+def _chain(*hooks: StageOutput | None) -> StageOutput | None:
+    """The given `StageOutput` hooks applied in order (None if there are none)."""
+    given = [h for h in hooks if h is not None]
+    if not given:
+        return None
+
+    def chained(
+        index: int, mb: Any, batch: Any, chunk: torch.nn.Module, vp: Any, output: torch.Tensor
+    ) -> torch.Tensor:
+        for hook in given:
+            output = hook(index, mb, batch, chunk, vp, output)
+        return output
+
+    return chained

@@ -49,6 +49,13 @@ def check(cfg: UnirlConfig) -> None:
         )
     _check_experts(cfg)
     _check_router_losses(cfg)
+    if cfg.algorithm.routing_replay != "off" and cfg.model.gradient_checkpointing:
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r} with "
+            "model.gradient_checkpointing: true on the Megatron backend: megatron's full recompute "
+            "reruns each router in the backward, after later microbatches set their experts; turn "
+            "gradient_checkpointing off or set algorithm.routing_replay: off"
+        )
     layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
         raise ConfigError(
@@ -131,6 +138,8 @@ PLUGIN = BackendPlugin(
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",
     supports_critic=True,
+    # R3 / R2 in `RecordingTopKRouter`, mapped per layer number (`unirl.backends.megatron.replay`)
+    supports_routing_replay=True,
     # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).
     # Packed sequences (the default) everywhere; the padded form on one process and under the
     # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's

@@ -203,11 +203,13 @@ def run_schedule(
     on_forward: Callable[[], None],
     on_microbatch: Callable[[], None],
     stage_output: StageOutput | None = None,
+    before_forward: Callable[[ScheduledMicrobatch, torch.nn.Module], None] | None = None,
 ) -> None:
     """One schedule call. `on_forward` runs once per real microbatch (after chunk 0's forward),
     `on_microbatch` once per real microbatch where the microbatch completes (progress tick),
     `stage_output` (if given) on every chunk's output before megatron sees it (the router
-    losses' stage shares, `unirl.backends.megatron.router_stages`)."""
+    losses' stage shares, `unirl.backends.megatron.router_stages`), `before_forward` (if given)
+    before each chunk's forward (routing replay sets the routers' experts)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     vpp = topology.vpp_size is not None and topology.vpp_size > 1
@@ -219,6 +221,8 @@ def run_schedule(
 
     def forward_step(data_iterator: ChunkIterator, chunk: torch.nn.Module) -> Any:
         item = next(data_iterator)
+        if before_forward is not None:
+            before_forward(item, chunk)
         output = chunk(**item.batch.model_kwargs())
         if stage_output is not None:
             output = stage_output(
