@@ -64,8 +64,9 @@ def summarise(checks: dict[str, list[clauses.Check]]) -> dict[str, Any]:
 
 
 def logprob_calls(measured: clauses.Measured) -> dict[str, int]:
-    """Calls of core's log-prob entry points over the group's ranks, by input: logits / hidden."""
-    total = {"logits": 0, "hidden": 0}
+    """Calls of core's log-prob entry points over the group's ranks, by input: logits / hidden /
+    the loss inside the fused head (``head_loss``)."""
+    total = {"logits": 0, "hidden": 0, "head_loss": 0}
     for r in measured.ranks:
         for key, n in r.get("logprob_calls", {}).items():
             total[key] += n

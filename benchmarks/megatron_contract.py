@@ -68,6 +68,7 @@ LAYOUTS = (
     Layout.of("dp2", 2, options=PADDED),
     Layout.of("packed", 1),
     Layout.of("packed-tp2", 2, tp=2),
+    Layout.of("packed-tp2-sp", 2, tp=2, sequence_parallel=True),  # torch norms, no TE
     Layout.of("packed-cp2", 2, cp=2),
     Layout.of("packed-pp2-vpp2", 2, pp=2, vpp=2),
     Layout.of("packed-dp2", 2),

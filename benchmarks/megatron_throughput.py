@@ -270,7 +270,13 @@ def plain_megatron_steps(backend: Any, cfg: Any, batch: Any, args: argparse.Name
     (opt_step,) = plan.steps
     packs = [batch.pack(idx) for idx in opt_step.microbatches(topo.dp_rank)]
     mbs = [step._microbatch(p, None, None, None) for p in packs]
-    items, rows, seq_len = schedule_items(mbs, topo, backend.device, packed=backend.loop.packed)
+    items, rows, seq_len = schedule_items(
+        mbs,
+        topo,
+        backend.device,
+        packed=backend.loop.packed,
+        seq_multiple=backend.loop.seq_multiple,
+    )
     labels = [None if it.is_pad else _labels(it) for it in items]  # VPP pads: no labels
     total_valid = sum(float(it.mb.loss_mask.sum()) for it in items if not it.is_pad)
     n = len(items)
@@ -400,7 +406,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-dir", type=Path, default=None, help="profile one more step")
     parser.add_argument(
-        "--fused-head", action="store_true", help="model.fused_head: log-probs without logits"
+        "--fused-head",
+        action="store_true",
+        help="model.fused_head: no logits; PPO-clip's loss inside the head (3 head matmuls)",
     )
     parser.add_argument(
         "--search-tokens",
@@ -422,6 +430,7 @@ def main() -> None:
 
     from unirl.backends import build_backend
     from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.algorithm import head_path
     from unirl.core.run.config import config_from_dict
 
     hf = dict(MODELS[args.model])
@@ -450,6 +459,9 @@ def main() -> None:
             "attention": args.attention,
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
+            # the training forward's head path (`unirl check`): with --fused-head, PPO-clip's
+            # loss inside the head (3 head matmuls)
+            "head_path": head_path(cfgs["reuse"]).reason,
         },
         "parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "cp": args.cp, "gpus": gpus},
         "flops": {

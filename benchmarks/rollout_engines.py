@@ -61,12 +61,12 @@ def main() -> None:
     weights = model.state_dict()
     try:
         t0 = time.perf_counter()
-        engine_source.sync_weights(weights)  # starts the engine
+        engine_source.sync_weights(weights, policy_version=0)  # starts the engine
         start_s = time.perf_counter() - t0
         syncs = []
         for _ in range(3):
             t0 = time.perf_counter()
-            engine_source.sync_weights(weights)
+            engine_source.sync_weights(weights, policy_version=0)
             syncs.append(time.perf_counter() - t0)
         runs: dict[str, list[dict[str, float]]] = {"vllm": [], "sampler": []}
         for k in range(args.rollouts):

@@ -61,35 +61,21 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
-    r = cfg.rollout
-    summary: dict[str, Any] = {"source": r.source}
-    if r.source == "vllm":
-        v = r.vllm
-        summary |= {
-            "engine": "vLLM on global rank 0; each rollout is broadcast to every rank",
-            "dtype": cfg.model.dtype if v.dtype == "model" else v.dtype,
-            "max_model_len": v.max_model_len or cfg.model.max_seq_len,
-            "kv_cache_gb": v.kv_cache_gb,
-            "enforce_eager": v.enforce_eager,
-            "tensor_parallel_size": v.tensor_parallel_size,
-            "rollout_logprobs": (
-                f"vLLM processed_logprobs: the sampled distribution, temperature "
-                f"{r.temperature} applied"
-            ),
-            "weight_sync": (
-                f"after every optimizer step: safetensors in {v.sync_dir or '/dev/shm'}, "
-                "reloaded in place (LLM.collective_rpc('reload_weights'))"
-            ),
-        }
-    return summary
+    """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
+    from unirl.core.source_plugin import SOURCES
+
+    source = cfg.rollout.source
+    return {"source": source, **SOURCES.get(source).describe(cfg)}
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
     from unirl.core.old_logprobs import decide_old_logprobs
+    from unirl.core.run.algorithm import head_path
 
     decision = decide_old_logprobs(cfg)
+    head = head_path(cfg)
     lay, p = cfg.layout, cfg.parallel
     return {
         "config": cfg.to_dict(),
@@ -107,6 +93,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         "rollout": _rollout_summary(cfg),
         "old_logprobs": decision.to_dict()
         | {"explanation": decision.explain(), "mismatch": mismatch_note(cfg, decision.source)},
+        "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
         "critic": critic_summary(cfg),
     }
 
@@ -130,6 +117,7 @@ def _print_report(report: dict[str, Any]) -> None:
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
     out.write(report["old_logprobs"]["mismatch"] + "\n")
+    out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
 
 

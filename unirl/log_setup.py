@@ -7,11 +7,12 @@ and the engines' own chatter only when ``logging.level: DEBUG`` asks for it.
   the bar redrawn beneath it. A plain stream handler would write into the middle of the bar.
 - `apply_log_level` (``unirl train`` and ``unirl check`` call it with ``cfg.logging.level``) sets
   the ``unirl`` logger's level and the engines': below DEBUG, records of DeepSpeed,
-  torch.distributed, vLLM,
-  Megatron, transformers and their helpers are dropped unless they are errors, Hugging Face's own
-  progress bars (e.g. "Writing model shards" of an export) are switched off and vLLM's engine
-  processes are told the same (``VLLM_LOGGING_LEVEL``, unless the user set it). At DEBUG
-  everything passes.
+  torch.distributed, Megatron, transformers, their helpers and the loggers every registered
+  rollout source declares (`SourcePlugin.loggers`, e.g. vLLM's) are dropped unless they are
+  errors, Hugging Face's own progress bars (e.g. "Writing model shards" of an export) are
+  switched off, and a source's engine processes are told the same through the environment
+  variable its plug-in names (`SourcePlugin.log_level_env`, e.g. ``VLLM_LOGGING_LEVEL``; unless
+  the user set it). At DEBUG everything passes.
 - `engine_prints` wraps engine calls that ``print`` (DeepSpeed's op build): below DEBUG their
   output becomes DEBUG records of ``unirl.engines`` instead of terminal lines.
 """
@@ -27,15 +28,16 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
+from unirl.core.source_plugin import SOURCES
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-# Loggers of the engines and libraries unirl drives (their top-level names; DeepSpeed logs to
-# "DeepSpeed", with its own handler).
+# Loggers of the training engines and libraries unirl drives (their top-level names; DeepSpeed
+# logs to "DeepSpeed", with its own handler); rollout sources declare their own.
 ENGINE_LOGGERS = (
     "DeepSpeed",
     "deepspeed",
     "torch.distributed",
-    "vllm",
     "megatron",
     "transformers",
     "accelerate",
@@ -43,7 +45,12 @@ ENGINE_LOGGERS = (
     "safetensors",
 )
 ENGINE_QUIET_LEVEL = logging.ERROR
-_VLLM_ENV = "VLLM_LOGGING_LEVEL"
+
+
+def engine_loggers() -> tuple[str, ...]:
+    """`ENGINE_LOGGERS` and the loggers of every registered rollout source."""
+    declared = (name for plugin in SOURCES.values() for name in plugin.loggers)
+    return tuple(dict.fromkeys((*ENGINE_LOGGERS, *declared)))
 
 
 class TqdmHandler(logging.Handler):
@@ -84,26 +91,28 @@ class _Below(logging.Filter):
         return record.levelno >= self.threshold
 
 
-_vllm_env_set_here: str | None = None
+# The value unirl last wrote into each engine's level variable: a value that differs was set by
+# the user, and is kept.
+_env_set_here: dict[str, str] = {}
 
 
 def apply_log_level(level: str) -> None:
     """``logging.level``: unirl's own loggers at `level`; the engines' at ERROR unless `level`
     is DEBUG (then everything passes)."""
-    global _vllm_env_set_here
     logging.getLogger("unirl").setLevel(level)
     debug = level == "DEBUG"
     engines = logging.DEBUG if debug else ENGINE_QUIET_LEVEL
-    for name in ENGINE_LOGGERS:
+    for name in engine_loggers():
         logger = logging.getLogger(name)
         logger.setLevel(engines)
         for old in [f for f in logger.filters if isinstance(f, _Below)]:
             logger.removeFilter(old)
         logger.addFilter(_Below(engines))
-    # vLLM configures its loggers from the environment in every engine process it spawns.
-    if _VLLM_ENV not in os.environ or os.environ[_VLLM_ENV] == _vllm_env_set_here:
-        _vllm_env_set_here = "DEBUG" if debug else logging.getLevelName(ENGINE_QUIET_LEVEL)
-        os.environ[_VLLM_ENV] = _vllm_env_set_here
+    # Engines that configure their loggers from the environment in every process they spawn.
+    for env in {p.log_level_env for p in SOURCES.values() if p.log_level_env}:
+        if env not in os.environ or os.environ[env] == _env_set_here.get(env):
+            _env_set_here[env] = "DEBUG" if debug else logging.getLevelName(ENGINE_QUIET_LEVEL)
+            os.environ[env] = _env_set_here[env]
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # transformers is optional (the hf extra)

@@ -36,6 +36,7 @@ from unirl.core.run.progress import (
 )
 from unirl.core.run.resume import check_resume_fits
 from unirl.core.run.wandb_log import WandbLog
+from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
 from unirl.log_setup import apply_log_level
 
@@ -56,9 +57,24 @@ class RunSummary:
 
 
 def with_rollout_file(cfg: UnirlConfig, path: str) -> UnirlConfig:
+    """``cfg`` reading its rollouts from ``path`` (``--rollouts``); the section of the source it
+    named before is dropped with it."""
     data = cfg.to_dict()
-    data["rollout"] = {**data["rollout"], "source": "file", "file": path}
+    rollout = {k: v for k, v in data["rollout"].items() if k not in SOURCES}
+    data["rollout"] = {**rollout, "source": "file", "file": path}
     return config_from_dict(data)
+
+
+def _initial_policy_version(cfg: UnirlConfig, client: dict[str, Any] | None) -> int:
+    """The optimizer steps the policy has taken before the first RL step of this run: 0 on a
+    fresh run, the checkpoint's count on resume (derived from its RL step for a checkpoint
+    written before the count was saved)."""
+    if client is None:
+        return 0
+    if "policy_version" in client:
+        return int(client["policy_version"])
+    done = max(0, policy_rl_steps(cfg, int(client["rl_step"])))
+    return done * cfg.layout.optimizer_steps_per_rollout
 
 
 def _barrier() -> None:
@@ -86,6 +102,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
     from unirl.rollouts.build import save_run_tokenizer
     from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
+    from unirl.rollouts.source import policy_version_metrics
 
     apply_log_level(cfg.logging.level)
     run_dir = Path(cfg.logging.run_dir)
@@ -131,7 +148,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                 run_dirs.clear_previous_run(run_dir, ckpt_root)
             run_dirs.write_run_id(run_dir, run_id)
         _barrier()
-        start, resumed_from = 0, None
+        start, resumed_from, client = 0, None, None
         if resume:
             if found is not None:
                 resumed_from, path = found
@@ -158,8 +175,10 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             if topo.is_reporting_rank
             else None
         )
+        # The optimizer steps the policy has taken: the version of the weights each sync sends.
+        version = _initial_policy_version(cfg, client)
         t0 = time.perf_counter()
-        source.sync_weights(backend.hf_state_dict())
+        source.sync_weights(backend.hf_state_dict(), policy_version=version)
         # Logged with the step whose rollout came from the weights this sync delivered.
         sync_s = time.perf_counter() - t0
         rl_step = RLStep(cfg, backend)
@@ -169,7 +188,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         metrics: dict[str, float] = {}
         bars = progress_enabled(cfg.progress.enabled)
         every = cfg.progress.log_every
-        generates = cfg.rollout.source != "file"  # reading a file is no phase worth a bar
+        # reading finished rollouts (a file) is no phase worth a bar
+        generates = SOURCES.get(cfg.rollout.source).generates
         with RunProgress(
             total, topo, bars, initial=start, show=RUN_BAR_KEYS, log_every=every
         ) as bar:
@@ -192,22 +212,30 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                         hook, batch, k, str(cfg.algorithm.rollout_postprocess_hook)
                     )
                 result = rl_step.run(batch, rl_step=k)
-                metrics = result.metrics | {
-                    "old_logprobs/source": result.decision.source,
-                    "time/generation_s": generation_s,
-                    "time/weight_sync_s": sync_s,
-                }
+                metrics = (
+                    result.metrics
+                    | policy_version_metrics(batch, version)
+                    | {
+                        "old_logprobs/source": result.decision.source,
+                        "time/generation_s": generation_s,
+                        "time/weight_sync_s": sync_s,
+                    }
+                )
+                version += int(result.metrics["optimizer_steps"])
                 weights = backend.hf_state_dict()
                 if metrics_log is not None:
                     metrics_log.write(k + 1, metrics)
                 guard.after_step(k + 1, metrics, weights)  # before any sync, save or export
                 t0 = time.perf_counter()
-                source.sync_weights(weights)
+                source.sync_weights(weights, policy_version=version)
                 sync_s = time.perf_counter() - t0
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                     with bar.excluded():  # a save is not a step: keep it out of the ETA
-                        _save(backend, ckpt_root, done, cfg, source, run_id, topo.is_reporting_rank)
+                        _save(
+                            backend, ckpt_root, done, version, cfg, source, run_id,
+                            topo.is_reporting_rank,
+                        )  # fmt: skip
                 bar.advance(metrics)
         export = None
         if cfg.checkpoint.export_hf:
@@ -263,6 +291,7 @@ def _save(
     backend: Any,
     root: Path,
     done: int,
+    policy_version: int,
     cfg: UnirlConfig,
     source: Any,
     run_id: str,
@@ -271,6 +300,7 @@ def _save(
     path = checkpointing.step_dir(root, done)
     client = {
         "rl_step": done,
+        "policy_version": policy_version,
         "run_id": run_id,
         "config": cfg.to_dict(),
         "rollout_source": source.state_dict(),

@@ -125,16 +125,21 @@ class ForwardCounter:
 
 
 class LogprobPathSpy:
-    """Counts the calls of core's two log-prob entry points as the backends reach them (through
-    `unirl.core.backend`): from logits, or from hidden states (``model.fused_head``)."""
+    """Counts the calls of core's log-prob entry points as the backends reach them (through
+    `unirl.core.backend`): from logits, from hidden states (``model.fused_head``), or the loss
+    inside the fused head (``head_loss``: a separable loss with ``model.fused_head``)."""
 
     def __init__(self) -> None:
-        self.calls = {"logits": 0, "hidden": 0}
+        self.calls = {"logits": 0, "hidden": 0, "head_loss": 0}
 
     def install(self) -> None:
         from unirl.core import backend as core_backend
 
-        for key, name in (("logits", "logprobs_from_logits"), ("hidden", "logprobs_from_hidden")):
+        for key, name in (
+            ("logits", "logprobs_from_logits"),
+            ("hidden", "logprobs_from_hidden"),
+            ("head_loss", "head_loss"),
+        ):
             original = getattr(core_backend, name)
 
             def counted(*args: Any, _key: str = key, _fn: Any = original, **kwargs: Any) -> Any:
@@ -329,9 +334,11 @@ class _GroupRun:
                 self.spy.take()
                 self.counter.take()
                 calls = _calls(backend)
+                paths = dict(self.paths.calls)
                 result = RLStep(cfg, backend).run(batch, rl_step=0)
                 record.update(
                     metrics=dict(result.metrics),
+                    logprob_calls=_delta(self.paths.calls, paths),
                     decision=result.decision.source,
                     hooks=self.counter.take(),
                     forward_calls=_delta(_calls(backend), calls),

@@ -126,12 +126,39 @@ def test_clause8_hf_export(group, contract_data):
 def test_logprob_path(case, group):
     """The log-probs came from the path the layout asks for: hidden states and the head's weight
     with ``model.fused_head``, logits otherwise (on the ranks that hold the loss; none other)."""
-    _, layout = case
+    entry, layout = case
     fused = bool(layout.model_dict.get("fused_head", False))
     calls = [r["logprob_calls"] for r in group.ranks]
-    used, unused = ("hidden", "logits") if fused else ("logits", "hidden")
-    assert sum(c[unused] for c in calls) == 0, (layout.name, calls)
-    assert sum(c[used] for c in calls) > 0, (layout.name, calls)
+    used, unused = (["hidden"], ["logits"]) if fused else (["logits"], ["hidden", "head_loss"])
+    if fused:  # the loss inside the head where the backend declares it
+        (used if entry.supports_loss_in_head else unused).append("head_loss")
+    for key in unused:
+        assert sum(c[key] for c in calls) == 0, (layout.name, key, calls)
+    for key in used:
+        assert sum(c[key] for c in calls) > 0, (layout.name, key, calls)
+
+
+# GSPO's sequence ratio makes each token's gradient depend on its sequence's other tokens.
+NOT_SEPARABLE = {"gspo_k2_seq_mean_token_mean"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_head_loss_path(case, group, variant):
+    """With ``model.fused_head`` the training forward of a loss that is a sum over tokens computes
+    it inside the head (``head_loss``: 3 head matmuls); GSPO's takes the head's log-probs, then
+    the loss (4 matmuls)."""
+    entry, layout = case
+    if not layout.model_dict.get("fused_head", False):
+        pytest.skip(f"{layout.name} runs without model.fused_head")
+    if not entry.supports_loss_in_head:
+        pytest.skip(f"{entry.name} does not take the loss into its fused head")
+    calls = [r["variants"][variant]["logprob_calls"] for r in group.ranks if "variants" in r]
+    assert calls, group.ranks[0]["errors"]
+    in_head = sum(c.get("head_loss", 0) for c in calls)
+    if variant in NOT_SEPARABLE:
+        assert in_head == 0 and sum(c.get("hidden", 0) for c in calls) > 0, (variant, calls)
+    else:
+        assert in_head > 0, (variant, calls)
 
 
 def test_cpu_compat_lines_listed(group):
@@ -145,3 +172,14 @@ def test_cpu_compat_lines_listed(group):
     unlisted = sorted(set().union(*reached) - cpu_compat.listed_lines())
     assert not unlisted, f"patched megatron-core lines ran but are not listed: {unlisted}"
     assert reached[0], "cpu_compat was installed but patched nothing that ran"
+
+
+def test_sequence_parallel_ran(case, group):
+    """``parallel.sequence_parallel``: the activations between the TP matmuls were split along the
+    sequence (megatron's reduce-scatter into the sequence slices ran; on the CPU the patched line
+    of its output buffer records it)."""
+    _, layout = case
+    if not layout.parallel_dict.get("sequence_parallel", False):
+        pytest.skip(f"{layout.name} runs without parallel.sequence_parallel")
+    reached = [r.get("cpu_compat_lines", []) for r in group.ranks]
+    assert all("tensor_parallel/mappings.py:181" in lines for lines in reached), reached

@@ -74,8 +74,9 @@ def _follow(source, cfg, first_rl_step: int) -> list[dict[str, float]]:
         step = RLStep(cfg, backend)
         metrics = []
         for k in range(2):
-            source.sync_weights(backend.hf_state_dict())
+            source.sync_weights(backend.hf_state_dict(), policy_version=k)
             batch = source.next_rollout(first_rl_step + k)
+            assert {s.policy_version for s in batch.samples} == {k}
             metrics.append(step.run(batch, rl_step=first_rl_step + k).metrics)
         # no sync: the engine still holds the weights from before the last optimizer step
         batch = source.next_rollout(first_rl_step + 2)
@@ -113,7 +114,7 @@ def test_logprobs_are_the_tempered_distribution(source, tmp_path):
 
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(source.hf_config).float().eval()
-    source.sync_weights(model.state_dict())
+    source.sync_weights(model.state_dict(), policy_version=0)
     batch = source.next_rollout(20)
     worst, worst_t1 = 0.0, 0.0
     for s in batch.samples:

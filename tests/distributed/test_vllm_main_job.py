@@ -9,6 +9,7 @@ test finds any that is left, also one re-parented after its parent died.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,3 +83,50 @@ def test_engine_that_cannot_start_stops_the_run_cleanly(tmp_path):
     assert last.startswith("unirl: error: the vLLM engine did not start"), last
     assert "kv_cache_gb=100000" in last
     assert not _left_over(marker)
+
+
+def test_resume_on_a_prompt_file_reproduces_the_uninterrupted_run(tmp_path):
+    """Issue 28: with a prompt file, --resume restarted the vLLM source's prompts from the
+    file's first line. One process: two RL steps in one go, against one step and a resume for
+    the second; the second step's numbers (loss, entropy, rewards, response lengths: all depend
+    on which prompts were drawn) are the same. 5 prompts and 3 per rollout: the second rollout
+    spans two epochs of the file, so a restarted file gives other prompts."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{a}=", "metadata": {"answer": 2 * a}}) + "\n"
+            for a in range(5)
+        )
+    )
+
+    def train(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+        proc, marker = _run(
+            [sys.executable, "-m", "unirl.cli", "train", str(EXAMPLE), *extra,
+             "--set", f"logging.run_dir={run}", "--set", f"train.rl_steps={steps}",
+             "--set", f"rollout.prompts={prompts}", "--set", "rollout.reward=math_answer",
+             "--set", "rollout.task_options={}",
+             "--set", "batch.prompts_per_rollout=3", "--set", "batch.samples_per_prompt=4",
+             "--set", "batch.samples_per_optimizer_step=12", "--set", "batch.micro_batch_size=12",
+             "--set", "logging.tensorboard=false", "--set", "checkpoint.export_hf=false"],
+            tmp_path,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert not _left_over(marker)
+        return proc
+
+    train(tmp_path / "full", 2)
+    train(tmp_path / "stopped", 1)
+    train(tmp_path / "stopped", 2, "--resume")
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2]
+
+    def numbers(row: dict) -> dict:
+        return {
+            k: v
+            for k, v in row.items()
+            if not k.startswith(("time/", "throughput/")) and isinstance(v, float)
+        }
+
+    assert numbers(resumed[1]) == numbers(full[1])
+    assert resumed[1]["rollout/policy_version"] == 1.0  # the weights after step 1

@@ -39,7 +39,7 @@ def test_vllm_stops_at_stop_strings_and_stop_ids(tmp_path):
     try:
         torch.manual_seed(3)
         model = AutoModelForCausalLM.from_config(source.hf_config).float().eval()
-        source.sync_weights(model.state_dict())
+        source.sync_weights(model.state_dict(), policy_version=0)
         batch = source.next_rollout(1)
     finally:
         source.close()

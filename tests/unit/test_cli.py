@@ -75,3 +75,31 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys):
     tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
     assert main(["--local_rank=0", "check", str(tiny), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["backend"] == "deepspeed"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "in_head", "words"),
+    [
+        ([], False, "model.fused_head is off"),
+        (
+            ["model.fused_head=true", "backend=megatron"],
+            True,
+            "loss inside the fused head (3 head matmuls)",
+        ),
+        (
+            ["model.fused_head=true", "backend=megatron", "algorithm.policy_loss=gspo"],
+            False,
+            "(4 head matmuls): policy_loss 'gspo' is not separable",
+        ),
+    ],
+)
+def test_check_reports_the_head_path(overrides, in_head, words, capsys):
+    """`unirl check` says how the LM head meets the loss: GSPO's sequence ratio couples a
+    sequence's tokens, so it cannot take the loss into the head's token chunks; PPO-clip can."""
+    tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
+    argv = ["check", str(tiny), "--json"] + [a for o in overrides for a in ("--set", o)]
+    assert main(argv) == 0
+    head = json.loads(capsys.readouterr().out)["head"]
+    assert head["loss_in_head"] is in_head and words in head["reason"], head
+    assert main(["check", str(tiny)] + [a for o in overrides for a in ("--set", o)]) == 0
+    assert "# LM head and loss\n" + head["reason"] in capsys.readouterr().out

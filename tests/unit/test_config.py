@@ -101,6 +101,21 @@ def test_config_is_frozen():
             r"parallel.cp=2 needs megatron.attention: packed",
         ),
         (
+            base(parallel={"sequence_parallel": True}),
+            r"parallel.sequence_parallel: true with backend: deepspeed, which has no sequence",
+        ),
+        (
+            base(backend="megatron", parallel={"sequence_parallel": True}),
+            r"parallel.sequence_parallel: true needs parallel.tp > 1",
+        ),
+        (
+            base(
+                backend="megatron",
+                parallel={"sequence_parallel": True, "tp": 2, "cp": 2, "world_size": 4},
+            ),
+            r"parallel.sequence_parallel: true with parallel.cp=2 is not supported",
+        ),
+        (
             base(backend="megatron", megatron={"attention": "flash"}),
             r"megatron.attention: 'flash' is not valid",
         ),

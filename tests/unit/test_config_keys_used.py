@@ -1,7 +1,8 @@
 """No config key that changes nothing: every field of every config section (the core sections,
-`unirl.core.run.sections`, assembled by `unirl.core.run.config`, and each registered backend's own
-section) is read somewhere in ``unirl/`` outside the modules that declare and check it (reads
-there only validate): for a core section, outside ``sections/`` and ``config.py``.
+`unirl.core.run.sections`, assembled by `unirl.core.run.config`, each registered backend's own
+section and each registered rollout source's) is read somewhere in ``unirl/`` outside the modules
+that declare and check it (reads there only validate): for a core section, outside ``sections/``
+and ``config.py``.
 
 A read is an attribute access ``<section>.<field>`` where ``<section>`` is recognised by how the
 code reaches it: ``cfg.algorithm.clip_low`` / ``self.cfg.algorithm.clip_low`` (an attribute named
@@ -30,6 +31,7 @@ from unirl.backends import BACKENDS
 from unirl.core.run import config as config_module
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.sections.feeds import FEEDS
+from unirl.core.source_plugin import SOURCES
 
 UNIRL = Path(config_module.__file__).parents[2]
 
@@ -50,6 +52,9 @@ def sections() -> dict[type, set[str]]:
     found[UnirlConfig].add("cfg")
     for name in BACKENDS.names():
         found[BACKENDS.get(name).options].add("backend_options")
+    for plugin in SOURCES.values():
+        if plugin.options is not None:
+            found[plugin.options].add("source_options")
     return found
 
 
@@ -75,7 +80,9 @@ def section_fields(cls: type) -> list[str]:
     return [
         f.name
         for f in attrs.fields(cls)
-        if f.init and not attrs.has(hints[f.name]) and f.name != "backend_options"
+        if f.init
+        and not attrs.has(hints[f.name])
+        and f.name not in ("backend_options", "source_options")
     ]
 
 

@@ -187,6 +187,59 @@ def test_sampler_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
             assert a.reward == b.reward and a.group_id == b.group_id
 
 
+class _EchoEngine:
+    """Stands in for the vLLM engine (the prompt stream is under test, not generation): every
+    response is the stop token, and each request's prompt is recorded."""
+
+    def __init__(self, eos_id):
+        self.eos_id, self.prompts = eos_id, []
+
+    def generate(self, requests):
+        from unirl.rollouts.vllm.engine import EngineSample
+
+        self.prompts += [list(r.prompt_tokens) for r in requests]
+        return [
+            EngineSample(response_tokens=(self.eos_id,), logprobs=(-0.5,), finished=True)
+            for _ in requests
+        ]
+
+
+def _vllm_source(cfg):
+    """The vLLM source the plug-in builds, without starting vLLM (the engine is an echo)."""
+    from unirl.rollouts.vllm import VllmRolloutSource
+
+    task = build_task(cfg)
+    source = VllmRolloutSource(task, cfg, hf_config=None, vocab_size=32, seed=cfg.train.seed)
+    source._engine = _EchoEngine(task.tokenizer.eos_id)
+    return source
+
+
+def test_vllm_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
+    """Issue 28: the vLLM source restarted a prompt file from its first line on --resume. With
+    5 prompts and 3 per rollout, rollout 1 holds the last 2 of the first epoch and 1 of the
+    next: a restarted file would give the first epoch's first 3 instead."""
+    records = [{"prompt": f"{a}+{a}=", "metadata": {"answer": 2 * a}} for a in range(5)]
+    cfg = make_cfg(
+        write_prompts(tmp_path / "p.jsonl", records),
+        prompts_per_rollout=3,
+        rollout={"source": "vllm"},
+    )
+    full = _vllm_source(cfg)
+    prompts = [[s.metadata["prompt"] for s in full.next_rollout(k).samples] for k in range(3)]
+    assert Counter(prompts[0][::2] + prompts[1][:4:2]) == Counter(r["prompt"] for r in records)
+    stopped = _vllm_source(cfg)
+    stopped.next_rollout(0)
+    state = json.loads(json.dumps(stopped.state_dict()))  # as plain data, like a checkpoint
+    assert state["task_state"]["prompts_drawn"] == 3
+    resumed = _vllm_source(cfg)
+    resumed.load_state_dict(state)
+    for k in (1, 2):
+        again = resumed.next_rollout(k)
+        assert [s.metadata["prompt"] for s in again.samples] == prompts[k]
+        assert [s.group_id for s in again.samples] == [3 * k + i // 2 for i in range(6)]
+    assert resumed._engine.prompts == full._engine.prompts[6:]  # what reached the engine
+
+
 def test_rewards_and_metadata_reach_every_sample(tmp_path):
     path = write_prompts(tmp_path / "p.jsonl", SUMS)
     cfg = make_cfg(

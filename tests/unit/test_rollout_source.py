@@ -96,7 +96,7 @@ def test_file_source_chunks_in_file_order(tmp_path, caplog):
     assert [s.prompt_tokens.tolist() for s in second.samples] == [[1, i] for i in range(4, 8)]
     assert [s.reward for s in second.samples] == pytest.approx([0.4, 0.5, 0.6, 0.7])
     assert [s.group_id for s in second.samples] == [2, 2, 3, 3]
-    source.sync_weights({})  # a no-op for files
+    source.sync_weights({}, policy_version=3)  # a no-op for files
     with pytest.raises(RolloutDataError) as err:
         source.next_rollout(2)
     msg = str(err.value)
@@ -243,8 +243,10 @@ def test_sampler_source_follows_synced_weights():
     source = build_rollout_source(cfg)
     # The policy after "training": another init of the same architecture.
     policy = build_rollout_source(make_cfg(model={"init_seed": 2})).sampler.model
-    source.sync_weights(policy.state_dict())
-    batch = source.next_rollout(0)
+    assert {s.policy_version for s in source.next_rollout(0).samples} == {0}  # the init
+    source.sync_weights(policy.state_dict(), policy_version=5)
+    batch = source.next_rollout(1)
+    assert {s.policy_version for s in batch.samples} == {5}  # the synced weights' version
     for s in batch.samples:
         full = torch.cat([s.prompt_tokens, s.response_tokens])[None]
         with torch.no_grad():
@@ -293,3 +295,32 @@ def test_write_task_rollouts_round_trip(tmp_path):
 
 
 _ADD = {"rollout": {"task": "add_small", "max_new_tokens": 4}, "model": {"max_seq_len": 16}}
+
+
+def test_file_source_hands_out_the_records_policy_versions(tmp_path):
+    """A record's ``policy_version`` reaches its sample (None where the record has none); the
+    step's version metrics take the oldest: trainer at version 7, rollout versions {5, 6, None}
+    -> rollout/policy_version 5, rollout/staleness 7 - 5 = 2."""
+    from unirl.rollouts.source import policy_version_metrics
+
+    records = [
+        {"prompt_tokens": [1], "response_tokens": [2], "reward": 0.0, "group_id": 0}
+        | ({} if v is None else {"policy_version": v})
+        for v in (6, 5, None, 6)
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    batch = FileRolloutSource(path, rollout_size=4).next_rollout(0)
+    assert [s.policy_version for s in batch.samples] == [6, 5, None, 6]
+    assert [s.to_record().get("policy_version") for s in batch.samples] == [6, 5, None, 6]
+    assert policy_version_metrics(batch, 7) == {
+        "rollout/policy_version": 5.0,
+        "rollout/staleness": 2.0,
+    }
+    unknown = FileRolloutSource(path, rollout_size=1)
+    for _ in range(2):
+        unknown.next_rollout(0)
+    assert policy_version_metrics(unknown.next_rollout(2), 7) == {}  # the record has none
+    path.write_text(json.dumps(records[0] | {"policy_version": -1}) + "\n")
+    with pytest.raises(RolloutDataError, match=r"line 1: field 'policy_version' is int -1"):
+        FileRolloutSource(path, rollout_size=1).next_rollout(0)

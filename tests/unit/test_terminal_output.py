@@ -16,7 +16,7 @@ import pytest
 from tqdm import tqdm
 
 from unirl import log_setup
-from unirl.log_setup import ENGINE_LOGGERS, TqdmHandler, apply_log_level, engine_prints
+from unirl.log_setup import TqdmHandler, apply_log_level, engine_loggers, engine_prints
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_grpo.yaml"
@@ -40,13 +40,13 @@ def glued_records(text: str) -> list[str]:
 @pytest.fixture
 def restore_logging():
     """apply_log_level changes process-wide state: put it back."""
-    names = ("unirl", *ENGINE_LOGGERS)
+    names = ("unirl", *engine_loggers())
     saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).filters)) for n in names}
     env = os.environ.get("VLLM_LOGGING_LEVEL")
-    set_here = log_setup._vllm_env_set_here
+    set_here = dict(log_setup._env_set_here)
     # start as a fresh process would: an earlier in-process run may have set the variable
     os.environ.pop("VLLM_LOGGING_LEVEL", None)
-    log_setup._vllm_env_set_here = None
+    log_setup._env_set_here.clear()
     yield
     for name, (level, filters) in saved.items():
         logger = logging.getLogger(name)
@@ -56,7 +56,8 @@ def restore_logging():
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = env
-    log_setup._vllm_env_set_here = set_here
+    log_setup._env_set_here.clear()
+    log_setup._env_set_here.update(set_here)
     try:
         from transformers.utils import logging as hf_logging
 

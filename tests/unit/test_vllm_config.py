@@ -20,7 +20,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"
 def test_example_section_defaults():
     cfg = load_config(EXAMPLE)
     assert cfg.rollout.source == "vllm"
-    v = cfg.rollout.vllm
+    v = cfg.rollout.source_options
     assert (v.dtype, v.enforce_eager, v.tensor_parallel_size, v.max_model_len) == (
         "model", True, 1, None,
     )  # fmt: skip

@@ -13,7 +13,8 @@ it, so adding a backend edits no file under ``unirl/core``:
 - ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on;
 - ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy;
 - ``supports_routing_replay``: whether its forwards record and replay MoE routing
-  (``algorithm.routing_replay``, `unirl.core.run.routing_replay`).
+  (``algorithm.routing_replay``, `unirl.core.run.routing_replay`);
+  ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features.
 
 Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
 outside the package registers itself with ``BACKENDS.register(plugin.name, plugin)``.
@@ -142,6 +143,12 @@ class BackendPlugin:
     # old-log-prob forward under ``routing_replay: record``, return the experts they chose; a
     # config that enables routing replay on a backend without is refused at load.
     supports_routing_replay: bool = False
+    # Whether it runs ``parallel.sequence_parallel``; a config that sets it on another is refused.
+    supports_sequence_parallel: bool = False
+    # Whether its training forward with ``model.fused_head`` computes a separable loss inside the
+    # head when the log-prob spec says ``loss_in_head`` (`unirl.core.backend.token_loss_from_hidden`);
+    # on a backend without, the RL step asks for the log-probs and the loss after them.
+    supports_loss_in_head: bool = False
 
 
 BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")

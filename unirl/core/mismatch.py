@@ -10,12 +10,13 @@ truncated, renormalised distribution it sampled from, so the mismatch also holds
 truncation, ``-log(kept probability mass)`` per token, on top of any numerics gap; the
 built-in sampler reports the untruncated log-probs (the trainer's distribution), so its
 mismatch holds no truncation, but the samples then come from a distribution those log-probs
-do not describe.
+do not describe. Which one a source does, its plug-in declares (`SourcePlugin.top_p_logprobs`).
 """
 
 from __future__ import annotations
 
 from unirl.core.run.config import UnirlConfig
+from unirl.core.source_plugin import SOURCES
 
 
 def mismatch_note(cfg: UnirlConfig, source: str) -> str:
@@ -30,15 +31,22 @@ def mismatch_note(cfg: UnirlConfig, source: str) -> str:
         "train/rollout mismatch metrics: logged when the rollout carries rollout_logprobs "
         f"(old log-probs from {source} vs the engine's)"
     )
-    top_p = cfg.rollout.top_p
-    if top_p < 1 and cfg.rollout.source == "vllm":
+    top_p, name = cfg.rollout.top_p, cfg.rollout.source
+    kind = SOURCES.get(name).top_p_logprobs
+    if top_p < 1 and kind == "truncated":
         note += (
-            f"; with rollout.top_p={top_p} vLLM reports the log-probs of the truncated "
-            "distribution, so the mismatch includes the truncation (-log of the kept mass)"
+            f"; with rollout.top_p={top_p} rollout.source: {name} reports the log-probs of the "
+            "truncated distribution, so the mismatch includes the truncation (-log of the kept "
+            "mass)"
         )
-    elif top_p < 1:
+    elif top_p < 1 and kind == "untruncated":
         note += (
             f"; with rollout.top_p={top_p} the sampler reports untruncated log-probs (no "
             "truncation in the mismatch, but samples drawn from the truncated distribution)"
+        )
+    elif top_p < 1:
+        note += (
+            f"; with rollout.top_p={top_p}: whether rollout.source: {name}'s log-probs are "
+            "those of the truncated distribution is not known"
         )
     return note

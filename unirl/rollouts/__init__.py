@@ -1,13 +1,18 @@
-"""Rollout sources: built-in tasks with verifiable rewards, their tokenizer, a sampler, and a
-reader for rollout files from other engines.
+"""Rollout sources, as plug-ins: built-in tasks with verifiable rewards, their tokenizer, a
+sampler, a reader for rollout files from other engines, and vLLM.
 
     from unirl.rollouts import build_rollout_source
 
-    source = build_rollout_source(cfg, hf_model=policy)   # rollout.source: sampler | file
+    source = build_rollout_source(cfg, hf_model=policy)   # the plug-in rollout.source names
     for step in range(cfg.train.rl_steps):
         batch = source.next_rollout(step)
         ...                                               # train on the batch
-        source.sync_weights(policy_state_dict)            # the next rollout is on-policy
+        source.sync_weights(policy_state_dict, policy_version=n)  # the next rollout is on-policy
+
+Importing this package registers the built-in sources (``sampler``, ``file``, ``vllm``) in
+`unirl.core.source_plugin.SOURCES` from their light ``plugins`` modules and imports nothing
+else: the names below load on first use (so ``import unirl`` stays free of torch). What a new
+source provides, file by file: ``unirl/rollouts/README.md``.
 
 Tasks: ``reverse_digits`` and ``add_small`` (`unirl.rollouts.tasks`); add one with
 `register_task`. Or prompts from a JSONL file (``rollout.prompts``, `unirl.rollouts.prompts`)
@@ -16,36 +21,98 @@ generating source gets either through `build_task` and scores a rollout with `ta
 Importing this package needs no transformers; building a model or a tokenizer does.
 """
 
-from unirl.rollouts.build import (
-    build_rollout_source,
-    build_task,
-    check_task_lengths,
-    run_tokenizer,
-    save_run_tokenizer,
-    write_task_rollouts,
-)
-from unirl.rollouts.model import build_task_model, hf_config_for_tokenizer
-from unirl.rollouts.rewards import register_reward, registered_rewards
-from unirl.rollouts.sampler import Generation, Sampler, top_p_filter
-from unirl.rollouts.sampler_source import SamplerRolloutSource, model_vocab_size
-from unirl.rollouts.source import FileRolloutSource, RolloutSource
-from unirl.rollouts.tasks import (
-    AddSmall,
-    BatchRewardTask,
-    Problem,
-    ReverseDigits,
-    StatefulTask,
-    Task,
-    TaskTokenizer,
-    load_task_state,
-    make_task,
-    positional_reward,
-    register_task,
-    registered_tasks,
-    task_rewards,
-    task_state,
-)
-from unirl.rollouts.tokenizer import CharTokenizer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from unirl.core.source_plugin import SOURCES
+from unirl.rollouts.plugins import FILE, SAMPLER
+from unirl.rollouts.vllm.plugin import PLUGIN as VLLM
+
+for _plugin in (SAMPLER, FILE, VLLM):
+    SOURCES.register(_plugin.name, _plugin)
+
+if TYPE_CHECKING:
+    from unirl.rollouts.build import (
+        build_rollout_source,
+        build_task,
+        check_task_lengths,
+        run_tokenizer,
+        save_run_tokenizer,
+        write_task_rollouts,
+    )
+    from unirl.rollouts.model import build_task_model, hf_config_for_tokenizer
+    from unirl.rollouts.rewards import register_reward, registered_rewards
+    from unirl.rollouts.sampler import Generation, Sampler, top_p_filter
+    from unirl.rollouts.sampler_source import SamplerRolloutSource, model_vocab_size
+    from unirl.rollouts.source import FileRolloutSource, RolloutSource
+    from unirl.rollouts.tasks import (
+        AddSmall,
+        BatchRewardTask,
+        Problem,
+        ReverseDigits,
+        StatefulTask,
+        Task,
+        TaskTokenizer,
+        load_task_state,
+        make_task,
+        positional_reward,
+        register_task,
+        registered_tasks,
+        task_rewards,
+        task_state,
+    )
+    from unirl.rollouts.tokenizer import CharTokenizer
+
+# Public name -> the module that defines it (imported on first access, PEP 562).
+_LAZY = {
+    "AddSmall": "unirl.rollouts.tasks",
+    "BatchRewardTask": "unirl.rollouts.tasks",
+    "CharTokenizer": "unirl.rollouts.tokenizer",
+    "FileRolloutSource": "unirl.rollouts.source",
+    "Generation": "unirl.rollouts.sampler",
+    "Problem": "unirl.rollouts.tasks",
+    "ReverseDigits": "unirl.rollouts.tasks",
+    "RolloutSource": "unirl.rollouts.source",
+    "Sampler": "unirl.rollouts.sampler",
+    "SamplerRolloutSource": "unirl.rollouts.sampler_source",
+    "StatefulTask": "unirl.rollouts.tasks",
+    "Task": "unirl.rollouts.tasks",
+    "TaskTokenizer": "unirl.rollouts.tasks",
+    "build_rollout_source": "unirl.rollouts.build",
+    "build_task": "unirl.rollouts.build",
+    "build_task_model": "unirl.rollouts.model",
+    "check_task_lengths": "unirl.rollouts.build",
+    "hf_config_for_tokenizer": "unirl.rollouts.model",
+    "load_task_state": "unirl.rollouts.tasks",
+    "make_task": "unirl.rollouts.tasks",
+    "model_vocab_size": "unirl.rollouts.sampler_source",
+    "positional_reward": "unirl.rollouts.tasks",
+    "register_reward": "unirl.rollouts.rewards",
+    "register_task": "unirl.rollouts.tasks",
+    "registered_rewards": "unirl.rollouts.rewards",
+    "registered_tasks": "unirl.rollouts.tasks",
+    "run_tokenizer": "unirl.rollouts.build",
+    "save_run_tokenizer": "unirl.rollouts.build",
+    "task_rewards": "unirl.rollouts.tasks",
+    "task_state": "unirl.rollouts.tasks",
+    "top_p_filter": "unirl.rollouts.sampler",
+    "write_task_rollouts": "unirl.rollouts.build",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "AddSmall",

@@ -1,6 +1,6 @@
 """The rollout source a config asks for, and rollout files written from a built-in task.
 
-source = build_rollout_source(cfg, hf_model=policy_hf_model)  # rollout.source: sampler | file | vllm
+source = build_rollout_source(cfg, hf_model=policy_hf_model)  # the plug-in rollout.source names
 write_task_rollouts("rollouts.jsonl", cfg, n_rollouts=4, seed=0)
 save_run_tokenizer(cfg, "runs/x/hf")   # the tokenizer the rollouts used, beside the weights
 """
@@ -16,6 +16,7 @@ import torch
 from unirl.core.data.rollout_io import write_rollouts
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import UnirlConfig
+from unirl.core.source_plugin import SOURCES, build_source
 from unirl.rollouts.model import build_task_model
 from unirl.rollouts.sampler_source import SamplerRolloutSource
 from unirl.rollouts.source import FileRolloutSource, RolloutSource
@@ -77,29 +78,24 @@ def _sampler_source(
     )
 
 
-def _vllm_source(cfg: UnirlConfig) -> RolloutSource:
-    from transformers import AutoConfig
+def build_sampler_source(
+    cfg: UnirlConfig,
+    *,
+    hf_model: torch.nn.Module | None = None,
+    device: torch.device | str | None = None,
+) -> SamplerRolloutSource:
+    """The ``sampler`` plug-in's constructor: ``rollout.task`` (or ``rollout.prompts``) sampled
+    with a copy of ``hf_model`` (built from ``cfg.model`` when None), seeded by ``train.seed``."""
+    return _sampler_source(cfg, hf_model, device, cfg.train.seed)
 
-    from unirl.rollouts.model import hf_config_for_tokenizer
-    from unirl.rollouts.vllm import VllmRolloutSource
-    from unirl.rollouts.vllm.engine import require_vllm
 
-    require_vllm()
-    task = build_task(cfg)
-    if cfg.model.path is not None:
-        hf_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-    else:
-        assert cfg.model.hf_config is not None  # the config checks it
-        data = hf_config_for_tokenizer(cfg.model.hf_config, task.tokenizer)
-        hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
-    if hf_config.vocab_size < task.tokenizer.vocab_size:
-        raise ConfigError(
-            f"the model's vocab_size {hf_config.vocab_size} is smaller than the vocabulary of "
-            f"task {task.name!r} ({task.tokenizer.vocab_size} tokens); use a model built for it"
-        )
-    return VllmRolloutSource(
-        task, cfg, hf_config=hf_config, vocab_size=int(hf_config.vocab_size), seed=cfg.train.seed
-    )
+def build_file_source(
+    cfg: UnirlConfig, *, hf_model: Any = None, device: Any = None
+) -> FileRolloutSource:
+    """The ``file`` plug-in's constructor: ``rollout.file`` cut into rollouts of the batch's
+    size (no model: the file's samples are finished)."""
+    assert cfg.rollout.file is not None  # the plug-in's check makes sure
+    return FileRolloutSource(cfg.rollout.file, rollout_size=cfg.layout.rollout_samples)
 
 
 def build_rollout_source(
@@ -108,17 +104,15 @@ def build_rollout_source(
     hf_model: torch.nn.Module | None = None,
     device: torch.device | str | None = None,
 ) -> RolloutSource:
-    """``rollout.source: file`` reads ``rollout.file``; ``vllm`` generates with a vLLM engine
-    (`unirl.rollouts.vllm`, started at the first ``sync_weights``); ``sampler`` samples ``rollout.task`` with
-    a copy of ``hf_model`` (the policy in Hugging Face form; built from ``cfg.model`` when None),
-    on ``device`` (default: the model's), seeded by ``train.seed``. Call ``sync_weights`` with
-    the policy's weights before the first rollout when ``hf_model`` is not the policy's init."""
-    if cfg.rollout.source == "file":
-        assert cfg.rollout.file is not None  # the config checks it
-        return FileRolloutSource(cfg.rollout.file, rollout_size=cfg.layout.rollout_samples)
-    if cfg.rollout.source == "vllm":
-        return _vllm_source(cfg)
-    return _sampler_source(cfg, hf_model, device, cfg.train.seed)
+    """The source ``rollout.source`` names, built by its plug-in (`unirl.core.source_plugin`):
+    ``file`` reads ``rollout.file``; ``vllm`` generates with a vLLM engine
+    (`unirl.rollouts.vllm`, started at the first ``sync_weights``); ``sampler`` samples
+    ``rollout.task`` with a copy of ``hf_model`` (the policy in Hugging Face form; built from
+    ``cfg.model`` when None), on ``device`` (default: the model's), seeded by ``train.seed``.
+    Call ``sync_weights`` with the policy's weights before the first rollout when ``hf_model``
+    is not the policy's init."""
+    source: RolloutSource = build_source(cfg, hf_model=hf_model, device=device)
+    return source
 
 
 def write_task_rollouts(
@@ -143,8 +137,8 @@ def write_task_rollouts(
 def run_tokenizer(cfg: UnirlConfig) -> Any | None:
     """The Hugging Face tokenizer of the run's rollouts: that of ``rollout.prompts`` (see
     `unirl.rollouts.prompts.prompt_tokenizer`), the built-in task's character tokenizer, or
-    None for a rollout file (the export then carries ``model.path``'s tokenizer files, if any)."""
-    if cfg.rollout.source == "file":
+    None for a source that does not generate, e.g. a rollout file (the export then carries ``model.path``'s tokenizer files, if any)."""
+    if not SOURCES.get(cfg.rollout.source).generates:
         return None
     from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf
 

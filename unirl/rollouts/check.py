@@ -10,6 +10,7 @@ machine than the one holding finished rollouts."""
 from __future__ import annotations
 
 from unirl.core.run.config import UnirlConfig
+from unirl.core.source_plugin import SOURCES
 from unirl.rollouts.build import build_task, check_task_lengths
 from unirl.rollouts.postprocess import load_postprocess_hook
 from unirl.rollouts.rewards import NamedReward
@@ -22,6 +23,6 @@ def check_rollout_config(cfg: UnirlConfig) -> None:
         assert r.reward is not None  # the config checks it
         NamedReward(r.reward, r.reward_options)  # imports it and binds the signature
         build_task(cfg)  # the dataset read and checked row by row
-    elif r.source != "file":
+    elif SOURCES.get(r.source).generates:  # a source of finished rollouts draws no task
         check_task_lengths(cfg, make_task(r.task, r.task_options))
     load_postprocess_hook(cfg)

@@ -4,7 +4,9 @@ Each `next_rollout` draws ``prompts_per_rollout`` problems from the task (a `ran
 seeded once, so a seed fixes the prompt stream), samples ``samples_per_prompt`` responses for
 each (one GRPO group, one ``group_id``), scores them and attaches the sampler's log-probs as
 ``rollout_logprobs``. Call `sync_weights` with the policy's weights after every optimizer step so
-the next rollout is on-policy; `state_dict` holds both random streams, not the weights.
+the next rollout is on-policy; every sample carries the ``policy_version`` of the weights it was
+sampled from (0, the initial weights, until the first sync says otherwise). `state_dict` holds
+both random streams, not the weights.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class SamplerRolloutSource:
         )
         self._prompt_rng = random.Random(seed)
         self._rollouts_drawn = 0
+        # The model starts as the policy's init (build_rollout_source's contract): version 0.
+        self._policy_version = 0
 
     def _stop_text(self, ids: Sequence[int]) -> str:
         """The text stop strings are looked for in: ids beyond the tokenizer (a model with
@@ -95,8 +99,9 @@ class SamplerRolloutSource:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
         self.sampler.sync_weights(state_dict)
+        self._policy_version = policy_version
 
     def close(self) -> None:
         """Nothing to release: the sampler is a model in this process."""
@@ -136,6 +141,7 @@ class SamplerRolloutSource:
                     reward=rewards[i],
                     group_id=first_group + i // group,
                     rollout_logprobs=gen.logprobs,
+                    policy_version=self._policy_version,
                     metadata=metadata,
                 )
             )

@@ -1,4 +1,5 @@
-"""Where a run's rollouts come from: one interface, three sources.
+"""Where a run's rollouts come from: one interface, a plug-in per source
+(`unirl.core.source_plugin`; the built-ins are ``sampler``, ``file`` and ``vllm``).
 
 `RolloutSource` is what the training loop calls once per RL step. `FileRolloutSource` cuts a
 file of samples written by another engine (JSONL; Parquet when pyarrow is installed) into
@@ -47,6 +48,14 @@ class RolloutSource(Protocol):
     ``close`` releases what the source started (an engine's processes).
     ``next_rollout`` reports finished samples and generated tokens to ``progress`` (the
     generation bar the training loop opens, `GenerationProgress`) when one is given.
+
+    Policy versions. ``sync_weights`` hands over the policy's weights with their
+    ``policy_version`` (the optimizer steps the policy has taken); every sample a source hands
+    out carries the version of the weights that generated it (`RolloutSample.policy_version`),
+    None where unknown. Today's generating sources hand out the version of the last sync (they
+    are on-policy); a source that generates ahead (asynchronously, or on several engines synced
+    at different times) hands out older versions and says which, sample by sample, and the
+    training loop records how stale each rollout is (`policy_version_metrics`).
     """
 
     @property
@@ -59,7 +68,9 @@ class RolloutSource(Protocol):
         self, rl_step: int, progress: GenerationProgress | None = None
     ) -> RolloutBatch: ...
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
+    def sync_weights(
+        self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int
+    ) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -69,6 +80,20 @@ class RolloutSource(Protocol):
         """Release what the source started (an engine's processes); the run calls it last,
         also after an error."""
         ...
+
+
+def policy_version_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
+    """How old the rollout is: ``rollout/policy_version``, the oldest version among its samples,
+    and ``rollout/staleness``, how many optimizer steps the trained weights (``trainer_version``)
+    are ahead of it (0: on-policy). Empty when no sample says its version (a file without them)."""
+    versions = [s.policy_version for s in batch.samples if s.policy_version is not None]
+    if not versions:
+        return {}
+    oldest = min(versions)
+    return {
+        "rollout/policy_version": float(oldest),
+        "rollout/staleness": float(trainer_version - oldest),
+    }
 
 
 # -- readers: a file of records, read one rollout at a time ---------------------------------
@@ -228,8 +253,8 @@ class FileRolloutSource:
             progress.update(samples=len(samples))
         return RolloutBatch(tuple(samples), origins=tuple(origins))
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Nothing to update: the file's samples are fixed."""
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
+        """Nothing to update: the file's samples are fixed (their versions are the records')."""
 
     def close(self) -> None:
         """Nothing to release: the file is opened per rollout."""

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.megatron import checkpoint, cpu_compat
+from unirl.backends.megatron import checkpoint, cpu_compat, sequence_parallel
 from unirl.backends.megatron.critic import MegatronCritic, critic_plan
 from unirl.backends.megatron.heads import LogprobHead
 from unirl.backends.megatron.moe import is_moe
@@ -96,11 +96,16 @@ class MegatronBackend(EngineBackend):
         self.device = self._process_group.device
         if self.device.type == "cpu":
             cpu_compat.install()  # megatron-core's CUDA-only lines, on the CPU only
+            if cfg.parallel.sequence_parallel:
+                sequence_parallel.install_cpu_rng_tracker()
         initialize_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)
         self.loop = MicrobatchLoop(
-            self.topology, self.device, packed=cfg.backend_options.attention == "packed"
+            self.topology,
+            self.device,
+            packed=cfg.backend_options.attention == "packed",
+            seq_multiple=sequence_parallel.sequence_multiple(cfg.parallel),
         )
         self._head = LogprobHead(
             fused=cfg.model.fused_head,

@@ -215,7 +215,7 @@ class FunctionPatch:
     too widely used to patch whole (``megatron.core.utils``)."""
 
     module: str
-    name: str
+    name: str  # a function, or ``Class.method``
     lines: tuple[str, ...]
 
 
@@ -375,6 +375,35 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             "optimizer/distrib_optimizer.py:582",
         ),
     ),
+    # parallel.sequence_parallel (`unirl.backends.megatron.sequence_parallel`):
+    ModulePatch(
+        module="megatron.core.tensor_parallel.mappings",
+        lines=(
+            # torch.empty(dim_size, ..., device=torch.cuda.current_device()): the outputs of the
+            # sequence all-gather (_gather_along_first_dim) and reduce-scatter
+            # (_reduce_scatter_along_first_dim) between the norms and the TP matmuls
+            "tensor_parallel/mappings.py:141",
+            "tensor_parallel/mappings.py:181",
+        ),
+    ),
+    ModulePatch(
+        module="megatron.core.tensor_parallel.layers",
+        lines=(
+            # LinearWithGradAccumulationAndAsyncCommunication.backward: sub_grad_input =
+            # torch.empty(dim_size, ..., device=torch.cuda.current_device()), the reduce-scattered
+            # input gradient of a column-parallel linear
+            "tensor_parallel/layers.py:552",
+        ),
+    ),
+    FunctionPatch(
+        module="megatron.core.utils",
+        name="GlobalMemoryBuffer.get_tensor",
+        lines=(
+            # self.buffer[(name, dtype)] = torch.empty(..., device=torch.cuda.current_device()):
+            # the all-gather buffer of a column-parallel linear's input
+            "utils.py:631",
+        ),
+    ),
     ModulePatch(
         module="megatron.core.transformer.moe.router",
         lines=(
@@ -516,11 +545,13 @@ def install() -> None:
             _ORIGINALS[patch.name] = getattr(module, patch.name)
             setattr(module, patch.name, patch.replacement)
         elif isinstance(patch, FunctionPatch):
-            fn = getattr(module, patch.name)
+            owner_name, _, attr = patch.name.rpartition(".")
+            owner = getattr(module, owner_name) if owner_name else module
+            fn = getattr(owner, attr)
             rebound = types.FunctionType(
                 fn.__code__, {**fn.__globals__, "torch": host_torch}, fn.__name__, fn.__defaults__
             )
-            setattr(module, patch.name, functools.wraps(fn)(rebound))
+            setattr(owner, attr, functools.wraps(fn)(rebound))
         else:
             owner_name, _, attr = patch.qualname.rpartition(".")
             owner = getattr(module, owner_name) if owner_name else module

@@ -5,9 +5,10 @@ gives those and the output layer's weight shard (the word embedding's, when tied
 
 megatron-core's `GPTModel` then returns the hidden states where it returned logits (batch-first
 ``[B, S, H]``), so the packed / padded batches pick the real tokens' rows exactly as they pick
-logits rows. Without sequence parallel (which the local layer spec cannot run) the hidden states
-are the same on every tensor-parallel rank; the column-parallel layer's backward all-reduce of
-their gradient is done by core (`unirl.core.maths.logprobs_hidden`).
+logits rows. The hidden states are the same on every tensor-parallel rank (under
+``parallel.sequence_parallel`` the layer first gathers the sequence, as its matmul would:
+`sequence_parallel.gather_hidden`); the column-parallel layer's backward all-reduce of their
+gradient is done by core (`unirl.core.maths.logprobs_hidden`, `unirl.core.maths.head_loss`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
+from unirl.backends.megatron.sequence_parallel import gather_hidden
+
 
 class HiddenOutputLayer(ColumnParallelLinear):
     """GPTModel's output layer, its matmul left to core: returns ``(input, None)``."""
@@ -24,6 +27,8 @@ class HiddenOutputLayer(ColumnParallelLinear):
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, **_: Any
     ) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            input_ = gather_hidden(input_)
         return input_, None
 
 

@@ -8,12 +8,15 @@ one thing that differs between the policy (or reference) and the critic.
   (``Linear(hidden, 1)``); core's `ValueLossFn` takes them.
 
 A head returns a tuple; its first entry is what a forward-only pass keeps, and the whole tuple
-follows the microbatch into the loss function.
+follows the microbatch into the loss function (`Head.loss`). With ``model.fused_head`` and a loss
+separable over tokens (``spec.loss_in_head``, decided by core) the `LogprobHead` instead hands the
+loss to core's `token_loss_from_hidden`, which computes it inside the head's token chunks (three
+head matmuls instead of four).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -22,10 +25,31 @@ from torch import Tensor
 
 from unirl.backends.megatron.fused_head import head_weight
 from unirl.backends.megatron.schedule import ScheduledMicrobatch
-from unirl.core.backend import LogprobSpec, token_logprobs, token_logprobs_from_hidden
+from unirl.core.backend import (
+    LogprobSpec,
+    token_logprobs,
+    token_logprobs_from_hidden,
+    token_loss_from_hidden,
+)
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.losses import Metric
 
 Chunks = Sequence[torch.nn.Module]  # this rank's unwrapped chunks of the model that ran
 Spec = LogprobSpec | None  # how logits become log-probs (None for a value head)
+# loss_fn(microbatch, *head results) -> (loss, metrics): core's `LossFn` or `ValueLossFn`
+HeadLossFn = Callable[..., tuple[Tensor, Mapping[str, Metric]]]
+
+
+def _loss_after(  # the loss after the head: core's loss function on the head's results
+    head: Head,
+    chunks: Chunks,
+    item: ScheduledMicrobatch,
+    output: Tensor,
+    spec: Spec,
+    loss_fn: HeadLossFn,
+) -> tuple[Tensor, Mapping[str, Metric]]:
+    assert item.mb is not None
+    return loss_fn(item.mb, *head(chunks, item, output, spec))
 
 
 class Head(Protocol):
@@ -33,6 +57,17 @@ class Head(Protocol):
         self, chunks: Chunks, item: ScheduledMicrobatch, output: Tensor, spec: Spec
     ) -> tuple[Tensor | None, ...]:
         """The microbatch's per-token results from the last stage's ``output``."""
+        ...
+
+    def loss(
+        self,
+        chunks: Chunks,
+        item: ScheduledMicrobatch,
+        output: Tensor,
+        spec: Spec,
+        loss_fn: HeadLossFn,
+    ) -> tuple[Tensor, Mapping[str, Metric]]:
+        """The microbatch's (unscaled) loss and metrics from the last stage's ``output``."""
         ...
 
 
@@ -55,6 +90,30 @@ class LogprobHead:
             )
         return token_logprobs(rows, item.mb.targets, spec, tp_group=self.tp_group)
 
+    def loss(
+        self,
+        chunks: Chunks,
+        item: ScheduledMicrobatch,
+        output: Tensor,
+        spec: Spec,
+        loss_fn: HeadLossFn,
+    ) -> tuple[Tensor, Mapping[str, Metric]]:
+        """``loss_fn`` of the head's log-probs; inside the fused head when the spec allows it.
+        Either way ``loss_fn`` sees this forward's own log-probs (what ``reuse`` detaches)."""
+        assert item.mb is not None and spec is not None
+        if not (self.fused and spec.loss_in_head):
+            return _loss_after(self, chunks, item, output, spec, loss_fn)
+        mb: TrainMicrobatch = item.mb
+        out = token_loss_from_hidden(
+            item.batch.real_logits(output),
+            head_weight(chunks[-1]),
+            mb,
+            spec,
+            loss_fn,
+            tp_group=self.tp_group,
+        )
+        return out.loss, out.metrics
+
 
 @attrs.frozen
 class ValueOutput:
@@ -64,6 +123,16 @@ class ValueOutput:
         self, chunks: Chunks, item: ScheduledMicrobatch, output: Tensor, spec: Spec
     ) -> tuple[Tensor]:
         return (item.batch.real_logits(output)[:, 0].float(),)  # [T, 1] -> [T]
+
+    def loss(
+        self,
+        chunks: Chunks,
+        item: ScheduledMicrobatch,
+        output: Tensor,
+        spec: Spec,
+        loss_fn: HeadLossFn,
+    ) -> tuple[Tensor, Mapping[str, Metric]]:
+        return _loss_after(self, chunks, item, output, spec, loss_fn)
 
 
 class ValueHead(torch.nn.Module):

@@ -57,6 +57,7 @@ from unirl.backends.megatron.moe import (
     is_moe,
     moe_transformer_fields,
 )
+from unirl.backends.megatron.sequence_parallel import sequence_parallel_block
 from unirl.backends.megatron.varlen_attention import (
     cp_packed_causal_attention,
     packed_causal_attention,
@@ -212,6 +213,7 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -497,6 +499,9 @@ def build_gpt_model(
         spec = layer_spec(
             use_te=use_te, unfused_attention=unfused_attention, qk_layernorm=config.qk_layernorm
         )
+        te = not unfused_attention and (use_te if use_te is not None else te_available())
+        if config.sequence_parallel and not te:  # the local spec's torch norms, marked for it
+            spec = sequence_parallel_block(spec, config, vp_stage)
     model = UnirlGPTModel(
         config=config,
         transformer_layer_spec=spec,

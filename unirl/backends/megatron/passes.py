@@ -4,16 +4,18 @@ backend holds (policy, reference, critic), each one call of megatron-core's sche
 
 Per microbatch, on the last pipeline stage: the model's `Head` turns the stage's output into
 per-token results (log-probs and entropy, or values); a forward-only pass keeps the first of them,
-detached; a training pass hands them all to core's loss function, multiplies the loss by
-`loss_scale` (the one factor that cancels megatron's averaging), and connects an empty
-microbatch's zero loss to the graph so that its backward (and the pipeline's gradient sends) runs
-as for any other. Every rank counts one forward per real microbatch (``on_forward``) and the
+detached; a training pass has the head compute the loss (`Head.loss`: core's loss function on
+those results, or, with ``model.fused_head`` and a separable loss, inside core's fused head),
+multiplies it by `loss_scale` (the one factor that cancels megatron's averaging), and connects an
+empty microbatch's zero loss to the graph so that its backward (and the pipeline's gradient sends)
+runs as for any other. Every rank counts one forward per real microbatch (``on_forward``) and the
 reporting rank ticks the progress bar once per microbatch (`Topology.counts_microbatch`), under
 virtual pipeline stages too.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
+from unirl.backends.megatron.heads import HeadLossFn
 from unirl.backends.megatron.moe import microbatch_router_logits
 from unirl.backends.megatron.replay import ScheduleReplay, with_disagreement
 from unirl.backends.megatron.role_model import MegatronModel
@@ -39,9 +42,6 @@ from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
 
-# loss_fn(microbatch, *head results) -> (loss, metrics): core's `LossFn` (log-probs, entropy) or
-# `ValueLossFn` (values), matching the model's head.
-HeadLossFn = Callable[..., tuple[torch.Tensor, Mapping[str, Metric]]]
 # (item, the last stage's output) -> (the loss megatron backpropagates, data for megatron)
 _StageLoss = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, Any]]
 
@@ -49,10 +49,13 @@ _StageLoss = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, A
 class MicrobatchLoop:
     """See the module docstring. One per backend: its topology, device and input form."""
 
-    def __init__(self, topology: Topology, device: torch.device, *, packed: bool) -> None:
+    def __init__(
+        self, topology: Topology, device: torch.device, *, packed: bool, seq_multiple: int = 1
+    ) -> None:
         self.topology = topology
         self.device = device
         self.packed = packed  # megatron.attention: packed (THD streams) or right-padded rows
+        self.seq_multiple = seq_multiple  # model input lengths' multiple (sequence parallel)
 
     def loss_scale(self, num_microbatches: int) -> float:
         """`schedule.loss_scale`; ``num_microbatches`` counts the schedule's padding ones too."""
@@ -140,10 +143,12 @@ class MicrobatchLoop:
             if item.mb is None:  # VPP padding: a zero that still reaches every parameter
                 return zero_through_graph(output), {}
             mb = item.mb
-            extra = {}
-            if router_logits:
-                extra["router_logits"] = microbatch_router_logits(model.chunks, item.batch)
-            loss, mb_metrics = loss_fn(mb, *model.head(model.chunks, item, output, spec), **extra)
+            mb_loss_fn = loss_fn
+            if router_logits:  # core adds the router losses from this forward's logits
+                mb_loss_fn = functools.partial(
+                    loss_fn, router_logits=microbatch_router_logits(model.chunks, item.batch)
+                )
+            loss, mb_metrics = model.head.loss(model.chunks, item, output, spec, mb_loss_fn)
             if mb.num_tokens == 0:
                 # the backward (and the pipeline's gradient sends) run as for any microbatch
                 loss = loss + zero_through_graph(output)
@@ -211,7 +216,13 @@ class MicrobatchLoop:
     def _items(
         self, microbatches: Sequence[TrainMicrobatch]
     ) -> tuple[list[ScheduledMicrobatch], int, int]:
-        return schedule_items(microbatches, self.topology, self.device, packed=self.packed)
+        return schedule_items(
+            microbatches,
+            self.topology,
+            self.device,
+            packed=self.packed,
+            seq_multiple=self.seq_multiple,
+        )
 
     def _run(
         self,

@@ -56,6 +56,8 @@ def check(cfg: UnirlConfig) -> None:
             "reruns each router in the backward, after later microbatches set their experts; turn "
             "gradient_checkpointing off or set algorithm.routing_replay: off"
         )
+    if p.sequence_parallel:
+        _check_sequence_parallel(cfg)
     layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
         raise ConfigError(
@@ -125,8 +127,31 @@ def _check_experts(cfg: UnirlConfig) -> None:
     if p.tp > 1:
         raise ConfigError(
             f"parallel.tp={p.tp} with a mixture-of-experts model: megatron-core trains MoE under "
-            "tensor parallel only with sequence parallel, which needs Transformer Engine or Apex "
-            "norms; use parallel.tp: 1 and split the experts with parallel.ep / parallel.etp"
+            "tensor parallel only with sequence parallel, which unirl's TE-less sequence parallel "
+            "does not cover for MoE layers yet; use parallel.tp: 1 and split the experts with "
+            "parallel.ep / parallel.etp"
+        )
+
+
+def _check_sequence_parallel(cfg: UnirlConfig) -> None:
+    """``parallel.sequence_parallel`` splits sequences over the TP ranks (`sequence_parallel`)."""
+    from unirl.core.run.config import critic_enabled
+
+    p = cfg.parallel
+    if p.tp < 2:
+        raise ConfigError(
+            f"parallel.sequence_parallel: true needs parallel.tp > 1 (it splits each sequence "
+            f"over the tensor-parallel ranks), got tp={p.tp}; raise tp or remove it"
+        )
+    if p.cp > 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel: true with parallel.cp={p.cp} is not supported by the "
+            "Megatron backend without Transformer Engine (untested combination); use one of them"
+        )
+    if critic_enabled(cfg):
+        raise ConfigError(
+            "parallel.sequence_parallel: true with a critic (critic.enabled / advantage_estimator: "
+            "gae): the critic's value head does not gather the sequence; remove one of them"
         )
 
 
@@ -140,6 +165,8 @@ PLUGIN = BackendPlugin(
     supports_critic=True,
     # R3 / R2 in `RecordingTopKRouter`, mapped per layer number (`unirl.backends.megatron.replay`)
     supports_routing_replay=True,
+    supports_sequence_parallel=True,
+    supports_loss_in_head=True,  # `heads.LogprobHead.loss`
     # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).
     # Packed sequences (the default) everywhere; the padded form on one process and under the
     # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's
@@ -147,11 +174,20 @@ PLUGIN = BackendPlugin(
     layouts=(
         ContractLayout.of("tp1-pp1-dp1", 1),
         ContractLayout.of("padded", 1, options={"attention": "padded"}),
-        # model.fused_head (TP-sharded: tests/distributed/test_megatron_model.py; every layout:
+        # model.fused_head, the loss inside the head for separable losses (every layout:
         # benchmarks/megatron_contract.py --fused-head on)
         ContractLayout.of("fused", 1, model={"fused_head": True}),
+        ContractLayout.of("fused-tp2", 2, model={"fused_head": True}, tp=2),
+        ContractLayout.of("fused-pp2-vpp2", 2, model={"fused_head": True}, pp=2, vpp=2),
+        ContractLayout.of(
+            "fused-tp2-sp", 2, model={"fused_head": True}, tp=2, sequence_parallel=True
+        ),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2),
+        ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True),
+        ContractLayout.of(
+            "padded-tp2-sp", 2, options={"attention": "padded"}, tp=2, sequence_parallel=True
+        ),
         ContractLayout.of("pp2", 2, pp=2),
         ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2),
         ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),

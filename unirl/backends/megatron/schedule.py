@@ -122,6 +122,7 @@ def schedule_items(
     device: torch.device,
     *,
     packed: bool = True,
+    seq_multiple: int = 1,
 ) -> tuple[list[ScheduledMicrobatch], int, int]:
     """The call's microbatches on the device as model inputs of one shape (and, under VPP, in
     sufficient number); returns ``(items, rows, seq_len)``: megatron's ``micro_batch_size`` and
@@ -130,24 +131,34 @@ def schedule_items(
     ``packed``: each microbatch is one token stream (``rows`` = 1) padded to the call's longest
     stream only under pipeline parallel (the stages exchange one activation shape; without PP
     each microbatch keeps its own length). Otherwise right-padded rows of the call's common
-    ``(rows, L)``."""
+    ``(rows, L)``. ``seq_multiple``: every stream / row length is padded to a multiple of it
+    (sequence parallel splits it evenly over the TP ranks: `sequence_parallel.sequence_multiple`;
+    the padding is never read)."""
     n = len(microbatches)
     cp, cp_rank = topology.cp_size, topology.cp_rank
     if packed:
         pipelined = topology.pp_size > 1
         total = None
         if pipelined:
-            (total,) = _agree([schedule_stream_tokens(microbatches, cp)], n, topology, device)
+            longest = _round_up(schedule_stream_tokens(microbatches, cp), seq_multiple)
+            (total,) = _agree([longest], n, topology, device)
         else:
             _agree([], n, topology, device)
+
+        def own(mb: TrainMicrobatch) -> int | None:
+            if total is not None or seq_multiple == 1:
+                return total
+            return _round_up(schedule_stream_tokens([mb], cp), seq_multiple)
+
         batches: list[PackedBatch | PaddedBatch] = [
-            to_packed_batch(mb, cp_size=cp, cp_rank=cp_rank, device=device, total_tokens=total)
+            to_packed_batch(mb, cp_size=cp, cp_rank=cp_rank, device=device, total_tokens=own(mb))
             for mb in microbatches
         ]
         rows = 1
         seq_len = total if total is not None else max(b.schedule_tokens for b in batches)
     else:
-        rows, seq_len = _agree(list(padded_shape(microbatches)), n, topology, device)
+        rows, length = padded_shape(microbatches)
+        rows, seq_len = _agree([rows, _round_up(length, seq_multiple)], n, topology, device)
         batches = [to_padded(mb, rows, seq_len).to(device) for mb in microbatches]
     items = [
         ScheduledMicrobatch(index=i, batch=batch, mb=to_device(mb, device))
@@ -168,6 +179,10 @@ def schedule_items(
             pad = empty_padded(rows, seq_len).to(device)
         items += [ScheduledMicrobatch(index=-1, batch=pad, mb=None)] * (topology.pp_size - n)
     return items, rows, seq_len
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def vpp_group_size(num_microbatches: int, pp: int) -> int:

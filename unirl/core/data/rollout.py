@@ -6,7 +6,9 @@ the engine or a reference model already computed: the sampling log-probs (`rollo
 for off-policy correction and for skipping the old-log-prob forward), reference log-probs
 (`ref_logprobs`, for the KL penalty) and critic values (`values`, for GAE). A mixture-of-experts
 engine can add the experts it routed every token to (`routed_experts`, for routing replay; one row
-per token the model read, `unirl.core.data.routed_experts`).
+per token the model read, `unirl.core.data.routed_experts`). `policy_version` is the
+optimizer-step count of the policy weights that generated the response (None: unknown, e.g. a
+file written elsewhere); a source that hands out rollouts of older weights says so with it.
 
 `RolloutBatch.validate` finds every broken sample *before* a forward runs, because a bad token id
 or a NaN log-prob deep inside a training step shows up as an opaque CUDA assert or a NaN loss

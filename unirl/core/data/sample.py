@@ -18,6 +18,7 @@ from unirl.core.data.sample_fields import (
     _convert_group_id,
     _convert_loss_mask,
     _convert_metadata,
+    _convert_policy_version,
     _convert_reward,
     _describe,
     _float_converter,
@@ -59,6 +60,8 @@ class RolloutSample:
     routed_experts: torch.Tensor | None = attrs.field(
         default=None, converter=convert_routed_experts, eq=_tensor_eq
     )
+    # The optimizer-step count of the weights that generated the response; None: unknown.
+    policy_version: int | None = attrs.field(default=None, converter=_convert_policy_version)
     metadata: dict[str, Any] = attrs.field(factory=dict, converter=_convert_metadata)
 
     def __attrs_post_init__(self) -> None:
@@ -117,6 +120,8 @@ class RolloutSample:
                 record[name] = value.tolist()
         if self.routed_experts is not None:
             record["routed_experts"] = self.routed_experts.tolist()
+        if self.policy_version is not None:
+            record["policy_version"] = self.policy_version
         if self.metadata:
             record["metadata"] = self.metadata
         return record

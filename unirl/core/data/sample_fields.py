@@ -25,6 +25,7 @@ OPTIONAL_FIELDS = (
     "ref_logprobs",
     "values",
     "routed_experts",
+    "policy_version",
     "metadata",
 )
 # Optional float fields with one entry per response token; each is given for all samples or none.
@@ -206,6 +207,15 @@ def _convert_reward(value: Any) -> float:
 def _convert_group_id(value: Any) -> int:
     want = "give an int in [-2**63, 2**63) naming the prompt this response answers"
     return int(_scalar("group_id", value, _fits_int64, want))
+
+
+def _convert_policy_version(value: Any) -> int | None:
+    if value is None:
+        return None
+    want = (
+        "give the optimizer-step count (an int >= 0) of the weights that generated it, or omit it"
+    )
+    return int(_scalar("policy_version", value, lambda v: _fits_int64(v) and v >= 0, want))
 
 
 def _convert_metadata(value: Any) -> dict[str, Any]:

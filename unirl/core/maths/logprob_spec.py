@@ -9,10 +9,14 @@ import attrs
 @attrs.frozen(kw_only=True)
 class LogprobSpec:
     """How logits become log-probs: the sampling temperature (train and rollout log-probs must
-    describe the same distribution), the true vocabulary (Megatron pads it), and whether entropy
-    (and its gradient) is needed."""
+    describe the same distribution), the true vocabulary (Megatron pads it), whether entropy
+    (and its gradient) is needed, and whether a fused head may take the training loss into its
+    token chunks (``loss_in_head``: ``model.fused_head`` with a loss separable over tokens, as
+    `unirl.core.maths.head_loss.choose_head_path` decides; then a backend calls
+    `unirl.core.backend.token_loss_from_hidden`)."""
 
     temperature: float = 1.0
     vocab_size: int | None = None
     with_entropy: bool = False
     entropy_grad: bool = False
+    loss_in_head: bool = False

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from unirl.core.backend_plugin import BACKENDS
 from unirl.core.maths.advantages import AdvantageSettings
+from unirl.core.maths.head_loss import HeadPath, choose_head_path
 from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.losses import LossSettings
 
@@ -39,7 +41,24 @@ def train_logprob_spec(cfg: UnirlConfig, vocab_size: int) -> LogprobSpec:
         vocab_size=vocab_size,
         with_entropy=True,  # entropy is always reported; its gradient only when it is in the loss
         entropy_grad=entropy_in_loss,
+        loss_in_head=head_path(cfg).loss_in_head,
     )
+
+
+def head_path(cfg: UnirlConfig) -> HeadPath:
+    """How the training forward's last layer meets the loss, and why (`unirl check` prints it):
+    with ``model.fused_head`` the loss inside the head when it is separable over tokens
+    (`choose_head_path`), else the head's log-probs and then the loss."""
+    if not cfg.model.fused_head:
+        return HeadPath(False, "model.fused_head is off: logits from the LM head, then the loss")
+    path = choose_head_path(loss_settings(cfg))
+    if path.loss_in_head and not BACKENDS.get(cfg.backend).supports_loss_in_head:
+        return HeadPath(
+            False,
+            f"fused head log-probs, then the loss (4 head matmuls): backend {cfg.backend} does "
+            "not take the loss into its fused head (the loss would allow it)",
+        )
+    return path
 
 
 def forward_logprob_spec(cfg: UnirlConfig, vocab_size: int) -> LogprobSpec:

@@ -38,7 +38,7 @@ from unirl.core.run.sections.output import (
     ProgressConfig,
     WandbConfig,
 )
-from unirl.core.run.sections.rollout import RolloutConfig, VllmConfig
+from unirl.core.run.sections.rollout import RolloutConfig
 from unirl.core.run.sections.training import (
     BatchConfig,
     OptimizerConfig,
@@ -46,6 +46,7 @@ from unirl.core.run.sections.training import (
     Schedule,
     TrainConfig,
 )
+from unirl.core.source_plugin import SOURCES
 from unirl.core.topology import data_parallel_size, expert_data_parallel_size
 
 __all__ = [
@@ -68,7 +69,6 @@ __all__ = [
     "Schedule",
     "TrainConfig",
     "UnirlConfig",
-    "VllmConfig",
     "WandbConfig",
     "apply_overrides",
     "config_from_dict",
@@ -137,11 +137,14 @@ class UnirlConfig:
         def plain(value: Any) -> dict[str, Any]:
             return attrs.asdict(
                 value,
-                filter=lambda a, _: a.name not in ("layout", "backend_options"),
+                filter=lambda a, _: a.name not in ("layout", "backend_options", "source_options"),
                 value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v,
             )
 
-        return plain(self) | {self.backend: plain(self.backend_options)}
+        data = plain(self) | {self.backend: plain(self.backend_options)}
+        if self.rollout.source_options is not None:
+            data["rollout"][self.rollout.source] = plain(self.rollout.source_options)
+        return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,7 +165,13 @@ def _world_size(cfg: UnirlConfig) -> int:
 def _check_combinations(cfg: UnirlConfig) -> None:
     p, b, a = cfg.parallel, cfg.batch, cfg.algorithm
     # The chosen backend's own rules (what it cannot run, what its options need).
-    BACKENDS.get(cfg.backend).check(cfg)
+    plugin = BACKENDS.get(cfg.backend)
+    if p.sequence_parallel and not plugin.supports_sequence_parallel:
+        raise ConfigError(
+            f"parallel.sequence_parallel: true with backend: {cfg.backend}, which has no sequence "
+            "parallel; remove it or use a backend that has (megatron)"
+        )
+    plugin.check(cfg)
     if p.vpp is not None and p.pp == 1:
         raise ConfigError(
             f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline "
@@ -206,15 +215,8 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             "nothing (the weight exp(old - rollout) is 1 when old log-probs are the rollout's); "
             "use old_logprobs: auto or recompute, or set rollout_correction.mode: none"
         )
-    if cfg.rollout.source == "file" and not cfg.rollout.file:
-        raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
-    vllm = cfg.rollout.vllm
-    if cfg.rollout.source == "vllm" and (vllm.max_model_len or 0) > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"rollout.vllm.max_model_len={vllm.max_model_len} exceeds model.max_seq_len="
-            f"{cfg.model.max_seq_len}: the trainer could not take the engine's longest samples; "
-            "lower it or leave it out (it defaults to model.max_seq_len)"
-        )
+    # The chosen rollout source's own rules (what it needs, what its options must fit).
+    SOURCES.get(cfg.rollout.source).check(cfg)
     _check_prompts(cfg)
     _check_stops(cfg)
     _check_wandb(cfg)
@@ -234,10 +236,10 @@ def _check_wandb(cfg: UnirlConfig) -> None:
 
 def _check_stops(cfg: UnirlConfig) -> None:
     r = cfg.rollout
-    if r.source == "file" and (r.stop or r.stop_token_ids):
+    if not SOURCES.get(r.source).generates and (r.stop or r.stop_token_ids):
         raise ConfigError(
-            "rollout.stop / rollout.stop_token_ids end generation, but rollout.source: file "
-            "trains on finished rollouts; remove them or use a generating source"
+            f"rollout.stop / rollout.stop_token_ids end generation, but rollout.source: "
+            f"{r.source} trains on finished rollouts; remove them or use a generating source"
         )
     for i, text in enumerate(r.stop):
         if not text:
@@ -269,10 +271,10 @@ def _check_prompts(cfg: UnirlConfig) -> None:
                     f"rollout.prompts or remove {key}"
                 )
         return
-    if r.source == "file":
+    if not SOURCES.get(r.source).generates:
         raise ConfigError(
-            "rollout.prompts is read by a generating source, but rollout.source: file trains on "
-            "finished rollouts; remove rollout.prompts or set rollout.source: sampler"
+            f"rollout.prompts is read by a generating source, but rollout.source: {r.source} "
+            "trains on finished rollouts; remove rollout.prompts or set rollout.source: sampler"
         )
     if r.reward is None:
         raise ConfigError(
@@ -387,6 +389,43 @@ def _backend_options(data: dict[str, Any]) -> Any:
     return _convert(sections.get(name) or {}, plugin.options, name)
 
 
+def _rollout_section(data: dict[str, Any]) -> RolloutConfig:
+    """Pop ``rollout`` from ``data`` and build it, with the chosen source's options built from
+    its section (a key of ``rollout`` named after a registered source); a section of another
+    source is an error (it would be silently ignored)."""
+    rollout = data.pop("rollout", {})
+    if not isinstance(rollout, Mapping):
+        raise ConfigError(f"rollout: expected a mapping of keys, got {rollout!r}")
+    rollout = dict(rollout)
+    name = rollout.get("source", attrs.fields(RolloutConfig).source.default)
+    if not isinstance(name, str):
+        raise ConfigError(f"rollout.source: expected a string, got {name!r}")
+    plugin = SOURCES.get(name)
+    keys = {f.name for f in attrs.fields(RolloutConfig)}
+    if plugin.options is not None and name in keys:
+        raise ConfigError(
+            f"rollout source {name!r} has an options section, but rollout.{name} is a key of "
+            "the rollout section itself; register the plug-in under another name"
+        )
+    sections = {
+        key: rollout.pop(key) for key in list(rollout) if key in SOURCES and key not in keys
+    }
+    for other in sections:
+        if other != name:
+            raise ConfigError(
+                f"section 'rollout.{other}:' configures rollout source {other}, but "
+                f"rollout.source: {name}; remove the section or set rollout.source: {other}"
+            )
+    options = None
+    if plugin.options is not None:
+        options = _convert(sections.get(name) or {}, plugin.options, f"rollout.{name}")
+    elif name in sections:
+        raise ConfigError(
+            f"section 'rollout.{name}:': rollout source {name} has no options; remove it"
+        )
+    return _structure(rollout, RolloutConfig, "rollout", converted={"source_options": options})
+
+
 def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) -> UnirlConfig:
     data = dict(data)
     if world_size is not None:
@@ -394,7 +433,10 @@ def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) 
         parallel["world_size"] = world_size
         data["parallel"] = parallel
     options = _backend_options(data)
-    return _structure(data, UnirlConfig, "", converted={"backend_options": options})
+    rollout = _rollout_section(data)
+    return _structure(
+        data, UnirlConfig, "", converted={"backend_options": options, "rollout": rollout}
+    )
 
 
 def load_config(

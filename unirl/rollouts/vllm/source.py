@@ -19,7 +19,13 @@ seed gives the same rollouts on the CPU whatever vLLM's batching, and a resumed 
 exactly what the uninterrupted run would have, with no engine RNG state to checkpoint.
 
 The engine starts at the first `sync_weights` (the trainer's initial weights), so it never loads
-anything but the policy; `close` stops it.
+anything but the policy; `close` stops it. Every sample carries the ``policy_version`` of the
+weights the engine held (that of the last sync: one engine, synced after every step, is
+on-policy).
+
+Resume. `state_dict` holds the prompt stream: the seeded problem rng, the rollout count (which
+fixes the per-sample seeds) and the task's own position (a prompt file's cursor), so a resumed
+run draws the prompts the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
+from unirl.rollouts.build import build_task
 from unirl.rollouts.stops import save_task_tokenizer, stop_ids
-from unirl.rollouts.tasks import Problem, Task
-from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine
+from unirl.rollouts.tasks import Problem, Task, load_task_state, task_state
+from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine, require_vllm
+from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
 from unirl.rollouts.vllm.weights import WeightFolder
 
 logger = logging.getLogger(__name__)
@@ -90,9 +98,10 @@ class VllmRolloutSource:
         self._rollouts_drawn = 0
         self._engine: VllmEngine | None = None
         self._folder: WeightFolder | None = None
-        options = cfg.rollout.vllm
-        self.max_model_len = options.max_model_len or cfg.model.max_seq_len
-        self.dtype = cfg.model.dtype if options.dtype == "model" else options.dtype
+        self._policy_version: int | None = None  # of the weights the engine holds
+        self.options = cfg.rollout.source_options
+        self.max_model_len = max_model_len(cfg)
+        self.dtype = engine_dtype(cfg)
 
     @property
     def num_rollouts(self) -> None:
@@ -104,7 +113,7 @@ class VllmRolloutSource:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
         """Rank 0 writes the weights and the engine reloads them (the first call starts the
         engine from them); every rank learns whether that worked."""
         error = None
@@ -123,10 +132,11 @@ class VllmRolloutSource:
         error = _broadcast(error)
         if error is not None:
             raise RunError(error)
+        self._policy_version = policy_version
 
     def _sync(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         if self._folder is None:
-            self._folder = WeightFolder.create(self.cfg.rollout.vllm.sync_dir, self.hf_config)
+            self._folder = WeightFolder.create(self.options.sync_dir, self.hf_config)
         self._folder.write(state_dict)
         if self._engine is None:
             r = self.cfg.rollout
@@ -134,7 +144,7 @@ class VllmRolloutSource:
                 save_task_tokenizer(self.task.tokenizer, self._folder.path)
             self._engine = VllmEngine.start(
                 str(self._folder.path),
-                r.vllm,
+                self.options,
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 seed=self.seed,
@@ -186,7 +196,7 @@ class VllmRolloutSource:
         if self._engine is None:
             raise RunError(
                 "VllmRolloutSource.next_rollout before sync_weights: the engine starts from the "
-                "policy's weights; call sync_weights(backend.hf_state_dict()) first"
+                "policy's weights; call sync_weights(backend.hf_state_dict(), policy_version=...) first"
             )
         group, rollout = self.samples_per_prompt, self._rollouts_drawn
         for p_index, problem in enumerate(problems):
@@ -211,6 +221,7 @@ class VllmRolloutSource:
                     reward=self._reward(problem, response, first_group + i // group, i),
                     group_id=first_group + i // group,
                     rollout_logprobs=torch.tensor(gen.logprobs, dtype=torch.float32),
+                    policy_version=self._policy_version,
                     metadata={
                         "task": self.task.name,
                         "rl_step": rl_step,
@@ -257,6 +268,7 @@ class VllmRolloutSource:
             "seed": self.seed,
             "rollouts_drawn": self._rollouts_drawn,
             "prompt_rng": self._prompt_rng.getstate(),
+            "task_state": task_state(self.task),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -272,6 +284,7 @@ class VllmRolloutSource:
             )
         version, internal, gauss = state["prompt_rng"]
         self._prompt_rng.setstate((version, tuple(internal), gauss))
+        load_task_state(self.task, state.get("task_state"))
         self._rollouts_drawn = int(state["rollouts_drawn"])
 
     def close(self) -> None:
@@ -282,3 +295,31 @@ class VllmRolloutSource:
         folder, self._folder = self._folder, None
         if folder is not None:
             folder.remove()
+
+
+def build_vllm_source(
+    cfg: UnirlConfig, *, hf_model: Any = None, device: Any = None
+) -> VllmRolloutSource:
+    """The plug-in's constructor: the task, the policy's Hugging Face config (for the engine's
+    folder) and the source; the engine starts at the first sync. ``hf_model`` and ``device`` are
+    not used: the engine holds its own copy of the weights, in its own processes."""
+    from transformers import AutoConfig
+
+    from unirl.rollouts.model import hf_config_for_tokenizer
+
+    require_vllm()
+    task = build_task(cfg)
+    if cfg.model.path is not None:
+        hf_config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    else:
+        assert cfg.model.hf_config is not None  # the config checks it
+        data = hf_config_for_tokenizer(cfg.model.hf_config, task.tokenizer)
+        hf_config = AutoConfig.for_model(data.pop("model_type"), **data)
+    if hf_config.vocab_size < task.tokenizer.vocab_size:
+        raise ConfigError(
+            f"the model's vocab_size {hf_config.vocab_size} is smaller than the vocabulary of "
+            f"task {task.name!r} ({task.tokenizer.vocab_size} tokens); use a model built for it"
+        )
+    return VllmRolloutSource(
+        task, cfg, hf_config=hf_config, vocab_size=int(hf_config.vocab_size), seed=cfg.train.seed
+    )

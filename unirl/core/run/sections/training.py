@@ -64,6 +64,10 @@ class ParallelConfig:
     ep: int = attrs.field(default=1, validator=positive)
     etp: int | None = attrs.field(default=None, validator=positive)
     zero_stage: Literal[0, 1, 2, 3] = 0
+    # Split the activations between the tensor-parallel matmuls (norms, residuals) along the
+    # sequence over the TP ranks (Megatron's sequence parallel): needs tp > 1 and a backend whose
+    # plug-in declares `supports_sequence_parallel`.
+    sequence_parallel: bool = False
     # None: read WORLD_SIZE from the environment (1 without a launcher).
     world_size: int | None = attrs.field(default=None, validator=positive)
     # How long a collective (and so every rank) waits for a rank that stopped answering before

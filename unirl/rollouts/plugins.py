@@ -1,0 +1,50 @@
+"""The plug-ins of the two built-in sources without an engine of their own: ``sampler`` (the
+policy's copy generates in this process) and ``file`` (finished rollouts read from a file).
+Importing this module imports no torch; `unirl.rollouts` registers them (and ``vllm``'s)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from unirl.core.errors import ConfigError
+from unirl.core.source_plugin import LazySourceBuilder, SourcePlugin
+
+if TYPE_CHECKING:
+    from unirl.core.run.config import UnirlConfig
+
+
+def _describe_sampler(cfg: UnirlConfig) -> Mapping[str, Any]:
+    return {
+        "engine": "the built-in sampler: a copy of the policy on every rank",
+        "policy_version": "the weights of the last sync: every rollout is on-policy",
+    }
+
+
+def _check_file(cfg: UnirlConfig) -> None:
+    if not cfg.rollout.file:
+        raise ConfigError("rollout.source: file needs rollout.file (a JSONL path)")
+
+
+def _describe_file(cfg: UnirlConfig) -> Mapping[str, Any]:
+    return {
+        "policy_version": "each record's 'policy_version' (unknown where the file has none)",
+    }
+
+
+SAMPLER = SourcePlugin(
+    name="sampler",
+    build=LazySourceBuilder("unirl.rollouts.build:build_sampler_source"),
+    describe=_describe_sampler,
+    requires=("transformers",),
+    install_hint="pip install 'unirl[hf]'",
+    top_p_logprobs="untruncated",
+)
+
+FILE = SourcePlugin(
+    name="file",
+    build=LazySourceBuilder("unirl.rollouts.build:build_file_source"),
+    check=_check_file,
+    describe=_describe_file,
+    generates=False,
+)
