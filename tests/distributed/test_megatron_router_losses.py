@@ -227,3 +227,36 @@ def test_router_losses_match_hugging_face(attention, pp):
         torch.testing.assert_close(result["grads"][name], grad, atol=1e-5, rtol=1e-4)
         router_seen += "mlp.gate.weight" in name
     assert router_seen == HF_CONFIG["num_hidden_layers"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"parallel": {"pp": 2, "cp": 2}}, r"parallel\.pp=2 and parallel\.cp=2"),
+        ({"model": {"gradient_checkpointing": True}}, r"gradient_checkpointing: true"),
+        (
+            {
+                "model": {"gradient_checkpointing": True},
+                "algorithm": {
+                    "router_aux_loss_coef": 0.0,
+                    "router_z_loss_coef": 0.0,
+                    "routing_replay": "rollout",
+                },
+            },
+            r"routing_replay='rollout' with model\.gradient_checkpointing",
+        ),
+    ],
+    ids=["pp-cp", "recompute", "replay-recompute"],
+)
+def test_megatron_refuses_what_it_cannot_route(changes, pattern):
+    """The plug-in's check, before any process starts: router losses under pp x cp or full
+    recompute, routing replay under full recompute."""
+    from unirl.core.errors import ConfigError
+    from unirl.core.run.config import config_from_dict
+
+    data = _config("packed", 1)
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}
+    world = data["parallel"].get("pp", 1) * data["parallel"].get("cp", 1)
+    with pytest.raises(ConfigError, match=pattern):
+        config_from_dict(data, world_size=world)
