@@ -28,21 +28,32 @@ pytestmark = pytest.mark.skipif(
 transformers = pytest.importorskip("transformers", reason="needs transformers (unirl[hf])")
 
 LENGTHS = [6, 5]
-EXPERTS, TOP_K, MOE_LAYERS = MOE_HF["num_experts"], MOE_HF["num_experts_per_tok"], 2
+EXPERTS, TOP_K = MOE_HF["num_experts"], MOE_HF["num_experts_per_tok"]
+# PP2: 4 layers (layer 1 dense), so stage 0 holds MoE layer 0 and stage 1 MoE layers 1 and 2
+FOUR_LAYERS = {**MOE_HF, "num_hidden_layers": 4}
 
 
-def _forced():
+def _hf_fields(pp):
+    return dict(FOUR_LAYERS if pp > 1 else MOE_HF)
+
+
+def _moe_layers(hf):
+    return sum(1 for i in range(hf["num_hidden_layers"]) if i not in hf["mlp_only_layers"])
+
+
+def _forced(hf):
     g = torch.Generator().manual_seed(2)
-    forced = torch.rand(sum(LENGTHS), MOE_LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
+    layers = _moe_layers(hf)
+    forced = torch.rand(sum(LENGTHS), layers, EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
     forced = forced.to(torch.int32)
     forced[4, 1] = -1  # FREE: one token-layer left to the router
     return forced
 
 
-def _config(mode, ep):
+def _config(mode, ep, pp):
     return {
         "backend": "megatron",
-        "model": {"hf_config": dict(MOE_HF), "init_seed": 5, "max_seq_len": 16},
+        "model": {"hf_config": _hf_fields(pp), "init_seed": 5, "max_seq_len": 16},
         "optimizer": {"lr": 1e-3},
         "batch": {
             "prompts_per_rollout": 2,
@@ -50,7 +61,7 @@ def _config(mode, ep):
             "samples_per_optimizer_step": 4,
             "micro_batch_size": 2,
         },
-        "parallel": {"ep": ep},
+        "parallel": {"ep": ep, "pp": pp},
         "algorithm": {"routing_replay": mode},
         "train": {"seed": 0},
         "logging": {"tensorboard": False},
@@ -67,7 +78,7 @@ def _decisive(state):
     return out
 
 
-def _worker(rank, world_size, ep):
+def _worker(rank, world_size, ep, pp):
     from unirl.backends.megatron import build_backend
     from unirl.backends.megatron.convert import load_hf_weights
     from unirl.core.maths.logprob_spec import LogprobSpec
@@ -76,16 +87,16 @@ def _worker(rank, world_size, ep):
 
     out = {}
     for mode in ("rollout", "record"):
-        cfg = config_from_dict(_config(mode, ep), world_size=world_size)
+        cfg = config_from_dict(_config(mode, ep, pp), world_size=world_size)
         backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
         state = _decisive(backend.hf_state_dict())
         load_hf_weights(backend.model, state, backend.hf_config, backend.topology)
         spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
         vocab = MOE_HF["vocab_size"]
         if mode == "rollout":
-            mb = _microbatch(LENGTHS, seed=1, vocab=vocab, routed_experts=_forced())
+            mb = _microbatch(LENGTHS, seed=1, vocab=vocab, routed_experts=_forced(_hf_fields(pp)))
             with MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
-                (out["replayed"],) = backend.forward_logprobs(
+                out["replayed"] = backend.forward_logprobs(
                     [mb], role="policy", spec=spec, progress=bar
                 )
 
@@ -93,10 +104,8 @@ def _worker(rank, world_size, ep):
                 return (logprobs * mb.loss_mask).sum(), {}
 
             with MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
-                (metrics,) = backend.forward_backward(
-                    [mb], loss_fn=loss_fn, spec=spec, progress=bar
-                )
-            out["disagreement"] = metrics["router/disagreement"]
+                metrics = backend.forward_backward([mb], loss_fn=loss_fn, spec=spec, progress=bar)
+            out["disagreement"] = metrics[0]["router/disagreement"] if metrics else None
             out["state"] = state
         else:
             mb = _microbatch(LENGTHS, seed=1, vocab=vocab)
@@ -107,8 +116,8 @@ def _worker(rank, world_size, ep):
     return out
 
 
-def _hf(state):
-    fields = {k: v for k, v in MOE_HF.items() if k != "model_type"}
+def _hf(state, hf):
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
     config = transformers.AutoConfig.for_model("qwen3_moe", **fields)
     model = transformers.AutoModelForCausalLM.from_config(
         config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
@@ -117,14 +126,15 @@ def _hf(state):
     return model
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["ep1", "ep2"])
-def test_replay_and_record_match_hugging_face(ep):
+@pytest.mark.parametrize(("ep", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["ep1", "ep2", "pp2"])
+def test_replay_and_record_match_hugging_face(ep, pp):
     from tests.unit.test_hf_router_replay import hand_forced
 
-    results = run_distributed(_worker, ep, ep)
-    model = _hf(results[0]["state"])
+    hf = _hf_fields(pp)
+    results = run_distributed(_worker, ep * pp, ep, pp)
+    model = _hf(results[0]["state"], hf)
     mb = _microbatch(LENGTHS, seed=1, vocab=MOE_HF["vocab_size"])
-    forced = _forced()
+    forced = _forced(hf)
     want, free_topk = [], []
     with torch.no_grad():
         for start, end in itertools.pairwise(mb.cu_seqlens.tolist()):
@@ -146,12 +156,17 @@ def test_replay_and_record_match_hugging_face(ep):
             )
     want, free_topk = torch.cat(want), torch.cat(free_topk)
     valid = mb.loss_mask.bool()
+    last = [r for r in results if r["replayed"]]  # the ranks of the last pipeline stage
+    assert len(last) == ep
+    for r in last:
+        (replayed,) = r["replayed"]
+        torch.testing.assert_close(replayed.double()[valid], want[valid], atol=1e-5, rtol=0)
     for r in results:
-        torch.testing.assert_close(r["replayed"].double()[valid], want[valid], atol=1e-5, rtol=0)
-        # R2: the free top-k of each token and MoE layer, as sets
-        assert r["recorded"].shape == (sum(LENGTHS), MOE_LAYERS, TOP_K)
+        # R2: the free top-k of each token and MoE layer, as sets, on every rank
+        assert r["recorded"].shape == (sum(LENGTHS), _moe_layers(hf), TOP_K)
         assert torch.equal(r["recorded"].sort(-1).values.long(), free_topk.sort(-1).values)
-        # every forced token-layer decision counted once; random experts mostly differ
+    for r in last:
+        # every forced token-layer decision counted once (summed over the stages)
         metric = r["disagreement"]
         forced_rows = int((forced[:, :, 0] != -1).sum())
         assert float(metric.denominator) == forced_rows
