@@ -8,7 +8,9 @@ conversion). R3: a packed microbatch of two sequences with forced experts (one t
 backend's weights whose sparse blocks route to the forced experts, computed by hand
 (`tests.unit.test_hf_router_replay.hand_forced`), each sequence run alone. R2: the recorded
 experts of a forward-only pass equal the top-k of HF's own router probabilities. On EP1 and EP2
-(each expert-parallel rank holds 3 experts; tokens reach them by all-to-all).
+(each expert-parallel rank holds 3 experts; tokens reach them by all-to-all), and PP2 (4 layers,
+the second dense: each stage replays its own layers, the records are gathered over the pipeline,
+the disagreement counts summed over it).
 """
 
 import importlib.util
