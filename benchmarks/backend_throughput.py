@@ -82,6 +82,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     """In the child process: build one engine, time its RL steps, report."""
     from unirl.backends import build_backend
     from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.algorithm import head_path
     from unirl.core.run.config import config_from_dict
     from unirl.core.step import RLStep
 
@@ -115,6 +116,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                 "actor_forward_s": [m.get("time/actor_forward_s", 0.0) for m in metrics],
                 "train_s": [m["time/train_s"] for m in metrics],
                 "old_logprob_source": result.decision.source,
+                # with --fused-head: the loss inside the head (3 matmuls) or after it (4)
+                "head_path": head_path(cfgs[mode]).reason,
                 "loss": result.metrics.get("loss"),
                 "grad_norm": result.metrics.get("grad_norm"),
             }

@@ -174,7 +174,9 @@ def step_loss(
     def flag(name: str, value: float) -> None:
         flags.setdefault(name, []).append(float(value))
 
-    has_rollout = "rollout_logprobs" in records[0]
+    # the train/rollout mismatch metrics exist where the old log-probs are not the rollout's own
+    # (with old_logprobs: rollout they would compare the rollout's log-probs with themselves)
+    has_rollout = "rollout_logprobs" in records[0] and s.old_logprobs != "rollout"
     for i, rec in enumerate(records):
         logp, entropy = sequence_logprobs(
             model, rec["prompt_tokens"], rec["response_tokens"], s.temperature, with_entropy=True

@@ -5,9 +5,12 @@ weights, for every way the two ranks can share the work:
 - ``full_shard`` / ``shard_grad_op`` / ``hybrid`` (two replicas of one shard) with the batch
   split over the 2 data-parallel ranks, rank 1 holding an empty microbatch;
 - Ulysses ``sp=2``: both ranks hold the same microbatches, each split into its half of every
-  sequence with core's context-parallel layout; attention exchanges heads for tokens.
+  sequence with core's context-parallel layout; attention exchanges heads for tokens;
+- ``full_shard`` and ``sp=2`` with ``model.fused_head`` and the loss inside the head
+  (``spec.loss_in_head``): each microbatch with tokens goes through core's ``head_loss``.
 
-Each checks `loss_scale = world size`: losses are normalised by the global token count, FSDP2
+Gradients are reduced once per optimizer step (``fsdp2.grad_reduce: step``, the default). Each
+checks `loss_scale = world size`: losses are normalised by the global token count, FSDP2
 averages gradients over the 2 ranks, the factor 2 makes that average the gradient of the sum.
 The forward-only log-probs of the SP layout, gathered over the SP group, must equal the plain
 per-sequence transformers log-probs (SP = 2 equals SP = 1).
@@ -42,6 +45,10 @@ LAYOUTS = {
     "shard_grad_op+ckpt": ({"sharding": "shard_grad_op"}, {"gradient_checkpointing": True}),
     "hybrid": ({"sharding": "hybrid", "shard_size": 1}, {}),
     "sp2+ckpt": ({"sp": 2}, {"gradient_checkpointing": True}),
+    # the loss inside the fused head (spec.loss_in_head): rank 1's empty microbatch takes the
+    # head's log-probs path while rank 0 computes the loss in the head (the same collectives)
+    "full_shard+fused": ({}, {"fused_head": True}),
+    "sp2+fused": ({"sp": 2}, {"fused_head": True}),
 }
 
 
@@ -64,10 +71,19 @@ def split_for_sp(mb, sp: int, rank: int):
 def _worker(rank: int, world_size: int, folder: str) -> dict:
     from unirl.backends import build_backend
     from unirl.backends.fsdp2.plugin import Fsdp2Options
+    from unirl.core import backend as core_backend
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.run.progress import MicrobatchProgress
 
+    in_head: list[int] = []  # core's head_loss calls (the loss inside the fused head)
+    original = core_backend.head_loss
+
+    def counted(*args, **kwargs):
+        in_head.append(1)
+        return original(*args, **kwargs)
+
+    core_backend.head_loss = counted
     seqs = make_sequences(11)
     n = num_response_tokens(seqs)  # the global count: both ranks' tokens
     out = {}
@@ -97,7 +113,9 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
                     if rank == 0
                     else [pack(seqs[3:]), empty_microbatch()]
                 )
-            _, stats = train_step(backend, mine, n)
+            calls = len(in_head)
+            _, stats = train_step(backend, mine, n, loss_in_head=cfg.model.fused_head)
+            out[f"in-head {name}"] = len(in_head) - calls
             out[name] = (backend.loss_scale(len(mine)), stats.grad_norm, backend.hf_state_dict())
         finally:
             backend.close()
@@ -119,6 +137,10 @@ def test_two_ranks_equal_full_batch_reference(tmp_path):
         for rank in range(2):
             scale, grad_norm, synced = results[rank][name]
             assert scale == 2.0
+            # microbatches with tokens computed their loss inside the fused head, others not
+            with_tokens = 2 if name.startswith("sp2") else (2 if rank == 0 else 1)
+            fused = name.endswith("+fused")
+            assert results[rank][f"in-head {name}"] == (with_tokens if fused else 0), name
             assert grad_norm == pytest.approx(norm, rel=1e-5), (name, rank)
             for key, value in expected.items():
                 msg = f"{name} rank {rank} {key}"

@@ -206,12 +206,13 @@ def bar(backend, n: int) -> MicrobatchProgress:
     return MicrobatchProgress("test", n, backend.topology, enabled=False)
 
 
-def train_step(backend, mbs, global_tokens: int):
+def train_step(backend, mbs, global_tokens: int, *, loss_in_head: bool = False):
+    spec = LogprobSpec(with_entropy=True, entropy_grad=True, loss_in_head=loss_in_head)
     with bar(backend, len(mbs)) as progress:
         metrics = backend.forward_backward(
             mbs,
             loss_fn=make_loss_fn(global_tokens),
-            spec=LogprobSpec(with_entropy=True, entropy_grad=True),
+            spec=spec,
             progress=progress,
         )
         assert progress.count == len(mbs)

@@ -102,6 +102,37 @@ def test_step_matches_plain_pytorch(tiny_folder, tmp_path, offload):
         backend.close()
 
 
+@pytest.mark.parametrize("grad_reduce", ["step", "microbatch"])
+def test_gradient_reduction_once_per_step(tiny_folder, monkeypatch, grad_reduce):
+    """``fsdp2.grad_reduce: step`` reduces each FSDP unit's gradients once per optimizer step
+    (after the last microbatch), ``microbatch`` after every microbatch; both give the plain
+    PyTorch step on the whole batch."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    reduces: list[int] = []
+    original = _fsdp_param_group.foreach_reduce
+
+    def counted(*args, **kwargs):  # FSDP2's one reduction call per unit and backward
+        reduces.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counted)
+    seqs = make_sequences(2)
+    backend = build(fsdp2_config(tiny_folder, {"grad_reduce": grad_reduce}))
+    try:
+        mbs = [pack(seqs[:3]), empty_microbatch(), pack(seqs[3:])]
+        _, stats = train_step(backend, mbs, num_response_tokens(seqs))
+        units = 1 + transformers.AutoConfig.from_pretrained(tiny_folder).num_hidden_layers
+        assert len(reduces) == units * (1 if grad_reduce == "step" else len(mbs))
+        norm, expected = reference_step(tiny_folder, seqs, lr=1e-2, clip=0.5, weight_decay=0.1)
+        assert stats.grad_norm == pytest.approx(norm, rel=1e-5)
+        synced = backend.hf_state_dict()
+        for name, value in expected.items():
+            torch.testing.assert_close(synced[name], value, atol=2e-6, rtol=1e-5, msg=name)
+    finally:
+        backend.close()
+
+
 def test_bf16_mixed_precision(tiny_folder):
     """bf16 compute over fp32 master weights (the sharded parameters stay fp32; FSDP2 casts each
     gathered layer): log-probs and gradient norm agree with fp32 to bf16 precision, the weight

@@ -7,10 +7,11 @@ microbatches through varlen attention, under Ulysses SP on this rank's tokens
 The only loss arithmetic is `Fsdp2Model.loss_scale`. Core losses are normalised by the global
 counts of the optimizer step, so the objective is the SUM of the local losses over microbatches
 and ranks (data- and sequence-parallel: SP ranks hold disjoint tokens of the same sequences).
-Gradients accumulate over microbatches by plain summation (each backward reduce-scatters into
-the sharded ``.grad``), and FSDP2's reduce-scatter (and, under hybrid sharding, the all-reduce
-over replicas) AVERAGES them over all ``dp x sp`` ranks; multiplying each loss by the world size
-turns that average back into the sum.
+Gradients accumulate over microbatches by plain summation (with ``fsdp2.grad_reduce: step``
+unsharded on each rank until the last microbatch's backward reduce-scatters their sum once; with
+``microbatch`` each backward reduce-scatters into the summed sharded ``.grad``), and FSDP2's
+reduce-scatter (and, under hybrid sharding, the all-reduce over replicas) AVERAGES them over all
+``dp x sp`` ranks; multiplying each loss by the world size turns that average back into the sum.
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ class Fsdp2Model(PackedModule):
         return float(self._world_size)
 
     def begin_microbatch(self, *, last: bool) -> None:
-        """Nothing to mark: every backward reduce-scatters into the summed sharded ``.grad``."""
+        """With ``fsdp2.grad_reduce: step`` only the last microbatch's backward reduces (and
+        waits for the reduction); the others sum into the unsharded gradients."""
+        if self.options.grad_reduce == "step":
+            self.module.set_requires_gradient_sync(last)
+            self.module.set_is_last_backward(last)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

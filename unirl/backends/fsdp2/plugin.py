@@ -9,6 +9,12 @@ The ``fsdp2:`` section (`Fsdp2Options`); each option is a choice torch's `fully_
   ``shard_size`` ranks, replicate across them; gradients all-reduced over the replicas).
 - ``cpu_offload``: parameters, gradients and optimizer state live in CPU memory (FSDP2's
   `CPUOffloadPolicy`); each layer is copied to the device when gathered.
+- ``grad_reduce``: when the gradients are reduced over the ranks. ``step`` (default): once per
+  optimizer step, after the last microbatch's backward (`set_requires_gradient_sync`); until then
+  each rank sums its microbatches' gradients unsharded, in fp32 (the reduce dtype): 4 bytes per
+  parameter of the whole model on every rank, for one reduce-scatter per step instead of one per
+  microbatch. ``microbatch``: a reduce-scatter after every microbatch into the sharded gradient
+  (only the shard's memory: for a model whose unsharded fp32 gradients do not fit).
 - ``sp``: Ulysses sequence-parallel degree. Sequences are split over ``sp`` ranks with core's
   context-parallel layout; attention trades heads for tokens with an all-to-all, so every rank
   attends over whole sequences for ``heads / sp`` heads (`unirl.backends.fsdp2.ulysses`).
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
     from unirl.core.run.config import UnirlConfig
 
 Sharding = Literal["full_shard", "shard_grad_op", "hybrid"]
+GradReduce = Literal["step", "microbatch"]
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
@@ -42,6 +49,7 @@ class Fsdp2Options:
     # hybrid only: ranks per shard group (the rest replicate); None = the ranks of one node
     shard_size: int | None = attrs.field(default=None, validator=_positive)
     cpu_offload: bool = False
+    grad_reduce: GradReduce = "step"
     sp: int = attrs.field(default=1, validator=_positive)
 
     def check_world(self, world_size: int) -> None:
@@ -103,6 +111,7 @@ PLUGIN = BackendPlugin(
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
     supports_critic=True,
+    supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
     # full_shard with one process (sharding over one rank still runs FSDP2's gather and reduce
     # hooks) and two; Ulysses sp=2 (two ranks, one sequence split over both; dp = 1).
     layouts=(

@@ -133,7 +133,7 @@ class HFBackend(EngineBackend):
 
         return training_pass(
             self.policy,
-            LogprobHead(self._heads["policy"], run.spec),
+            LogprobHead.for_training(self._heads["policy"], run.spec, run.loss_fn),
             run.microbatches,
             loss=loss,
             progress=run.progress,

@@ -13,6 +13,15 @@ output carries them in ``.logits``::
         out = model(input_ids=..., ...).logits[0]       # [T, 1 or 2]: log-prob, entropy
     logp, entropy = split_head_output(out, spec)
 
+In the training forward of a loss separable over tokens (``spec.loss_in_head``, decided by core)
+the request also carries the microbatch and core's loss, and the head computes the LOSS itself
+(`token_loss_from_hidden`: three head matmuls, the gradients of the hidden states and of the
+weight made in the forward, while the engine has the weight whole); `training_loss` returns it
+with its metrics and the detached log-probs. The loss leaves the head as the output's last column
+(every entry is the loss; the loop differentiates entry ``[0, -1]``), so the engine's hooks on the
+module outputs (ZeRO-3's pre-backward gather, FSDP2's root pre-backward and its reduce-scatter
+callback) run as for logits.
+
 Outside a request the head is a plain ``nn.Linear`` (generation, export, anything else).
 """
 
@@ -25,16 +34,26 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.core.backend import token_logprobs, token_logprobs_from_hidden
+from unirl.core.backend import (
+    LossFn,
+    token_logprobs,
+    token_logprobs_from_hidden,
+    token_loss_from_hidden,
+)
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
+from unirl.core.maths.head_loss import HeadLossOutput
 from unirl.core.maths.logprob_spec import LogprobSpec
 
 
-@attrs.frozen
+@attrs.define
 class _Request:
     targets: torch.Tensor
     spec: LogprobSpec
+    # the loss inside the head: core's loss of this microbatch, and what the forward made of it
+    loss_fn: LossFn | None = None
+    mb: TrainMicrobatch | None = None
+    result: HeadLossOutput | None = None
 
 
 class FusedLMHead(torch.nn.Linear):
@@ -52,14 +71,34 @@ class FusedLMHead(torch.nn.Linear):
         finally:
             self._fused_request = None
 
+    @contextlib.contextmanager
+    def loss_request(
+        self, mb: TrainMicrobatch, spec: LogprobSpec, loss_fn: LossFn
+    ) -> Iterator[_Request]:
+        """Forwards in this block compute ``loss_fn`` of ``mb`` inside the head (a separable
+        loss only) and return ``[1, T, 2 or 3]``: log-prob, entropy, the loss; the request's
+        ``result`` then holds the loss, its metrics and the detached log-probs."""
+        req = _Request(mb.targets, spec, loss_fn, mb)
+        self._fused_request = req
+        try:
+            yield req
+        finally:
+            self._fused_request = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         req = self._fused_request
         if req is None:
             return super().forward(hidden)
-        hidden_th = hidden.reshape(-1, hidden.shape[-1])
-        logp, entropy = token_logprobs_from_hidden(
-            hidden_th.to(self.weight.dtype), self.weight, req.targets, req.spec
-        )
+        hidden_th = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.dtype)
+        if req.loss_fn is not None:
+            assert req.mb is not None
+            req.result = res = token_loss_from_hidden(
+                hidden_th, self.weight, req.mb, req.spec, req.loss_fn
+            )
+            cols = [res.logprobs] + ([] if res.entropy is None else [res.entropy])
+            cols.append(res.loss.expand(hidden_th.shape[0]))
+            return torch.stack(cols, dim=-1)[None]
+        logp, entropy = token_logprobs_from_hidden(hidden_th, self.weight, req.targets, req.spec)
         cols = [logp] if entropy is None else [logp, entropy]
         return torch.stack(cols, dim=-1)[None]
 
@@ -118,3 +157,26 @@ def packed_logprobs(
         out = forward(mb)
     logp, entropy = split_head_output(out[:0] if empty else out, spec)
     return logp, entropy, out
+
+
+def training_loss(
+    forward: Callable[[TrainMicrobatch], torch.Tensor],
+    head: FusedLMHead,
+    mb: TrainMicrobatch,
+    spec: LogprobSpec,
+    loss_fn: LossFn,
+) -> tuple[HeadLossOutput, torch.Tensor]:
+    """``loss_fn`` of one microbatch with tokens, computed inside the fused head (``mb.num_tokens
+    > 0``; ``spec.loss_in_head``): ``(result, output)``, where ``result.loss`` is the output's
+    loss entry (autograd runs through the model's output, as for logits) and ``output`` what
+    ``forward`` returned."""
+    with head.loss_request(mb, spec, loss_fn) as req:
+        out = forward(mb)
+    res = req.result
+    if res is None:
+        raise RuntimeError(
+            "model.fused_head: the model's forward did not call its LM head inside the loss "
+            "request (a model whose forward skips lm_head cannot take the loss into the head)"
+        )
+    loss = out[0, -1]
+    return attrs.evolve(res, loss=loss), out

@@ -2,7 +2,8 @@
 
 Per microbatch: to the device -> the model's forward -> the head turns its output into what the
 loss reads (log-probs and entropy for the policy and the reference, values for the critic) ->
-count the forward -> the core loss -> a zero through the graph for a microbatch without tokens ->
+count the forward -> the core loss (or, with ``model.fused_head`` and a loss separable over
+tokens, the loss the head computed inside the LM head's forward: `LogprobHead.loss_fn`) -> a zero through the graph for a microbatch without tokens ->
 backward of ``loss x scale`` -> report and tick the progress bar. An engine supplies the model
 (`PackedModel`, `TrainedPackedModel`: how to run a packed microbatch, where the accumulation
 boundary falls, how to backward, its one loss-scale factor, its device); the head is
@@ -18,8 +19,9 @@ from typing import Protocol
 import attrs
 import torch
 
-from unirl.backends.hf.fused_head import FusedLMHead, packed_logprobs
+from unirl.backends.hf.fused_head import FusedLMHead, packed_logprobs, training_loss
 from unirl.backends.microbatch import to_device, zero_through_graph
+from unirl.core.backend import LossFn
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.losses import Metric
@@ -62,6 +64,9 @@ class HeadOutput:
     values: torch.Tensor  # [T]: log-probs or values, what a forward-only pass returns
     entropy: torch.Tensor | None  # [T] or None
     raw: torch.Tensor  # the model's output, for `zero_through_graph`
+    # the loss and metrics when the head computed them (the loss inside the fused head)
+    loss: torch.Tensor | None = None
+    metrics: Mapping[str, Metric] | None = None
 
 
 Head = Callable[[Callable[[TrainMicrobatch], torch.Tensor], TrainMicrobatch], HeadOutput]
@@ -72,14 +77,33 @@ HeadLoss = Callable[[TrainMicrobatch, HeadOutput], tuple[torch.Tensor, Mapping[s
 @attrs.frozen
 class LogprobHead:
     """Per-token log-probs (and entropy) of a causal LM: from the logits, or from the fused
-    head when the model has one (`packed_logprobs`)."""
+    head when the model has one (`packed_logprobs`). With ``loss_fn`` (a training pass whose
+    loss core found separable, ``spec.loss_in_head``) the fused head computes the loss itself
+    (`training_loss`: three head matmuls) for each microbatch with tokens."""
 
     fused: FusedLMHead | None
     spec: LogprobSpec
+    loss_fn: LossFn | None = None
+
+    @classmethod
+    def for_training(
+        cls, fused: FusedLMHead | None, spec: LogprobSpec, loss_fn: LossFn
+    ) -> LogprobHead:
+        """The training pass's head: the loss inside the fused head where core allows it."""
+        return cls(fused, spec, loss_fn if fused is not None and spec.loss_in_head else None)
 
     def __call__(
         self, forward: Callable[[TrainMicrobatch], torch.Tensor], mb: TrainMicrobatch
     ) -> HeadOutput:
+        if self.loss_fn is not None and self.fused is not None and mb.num_tokens > 0:
+            res, out = training_loss(forward, self.fused, mb, self.spec, self.loss_fn)
+            return HeadOutput(
+                values=res.logprobs,
+                entropy=res.entropy,
+                raw=out,
+                loss=res.loss,
+                metrics=res.metrics,
+            )
         logp, entropy, out = packed_logprobs(forward, self.fused, mb, self.spec)
         return HeadOutput(values=logp, entropy=entropy, raw=out)
 
@@ -135,7 +159,10 @@ def training_pass(
         model.begin_microbatch(last=i == last)
         result = head(model.forward, mb)
         count()
-        mb_loss, mb_metrics = loss(mb, result)
+        if result.loss is not None and result.metrics is not None:
+            mb_loss, mb_metrics = result.loss, result.metrics  # computed inside the head
+        else:
+            mb_loss, mb_metrics = loss(mb, result)
         if mb.num_tokens == 0:
             # this rank's backward must run the engine's collectives as the others' do
             mb_loss = mb_loss + zero_through_graph(result.raw)
