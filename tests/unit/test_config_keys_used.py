@@ -186,7 +186,11 @@ CONFIG_FILES = {
 
 
 # The attribute names that hold the settings objects built from the config (`RLStep`).
-SETTINGS_ACCESS = {"LossSettings": "loss_settings", "AdvantageSettings": "advantage_settings"}
+SETTINGS_ACCESS = {
+    "LossSettings": "loss_settings",
+    "AdvantageSettings": "advantage_settings",
+    "RouterCoefficients": "router_coefficients",
+}
 
 
 def fed_settings(found: dict[type, set[str]]) -> dict[tuple[type, str], tuple[type, str]]:

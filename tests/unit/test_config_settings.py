@@ -82,7 +82,7 @@ def test_a_key_has_the_type_of_the_settings_field_it_sets():
     """The YAML converter checks the config field's type; it must be the settings field's, or a
     value could pass one and fail the other."""
     fields = list(_fed_config_fields(AlgorithmConfig))
-    assert len(fields) == 21
+    assert len(fields) == 23  # 2 of them: the MoE router terms' coefficients
     for cls, field, hint in fields:
         settings_cls, name = field.metadata[FEEDS]
         assert hint == typing.get_type_hints(settings_cls)[name], f"{cls.__name__}.{field.name}"
@@ -101,6 +101,10 @@ def test_a_key_has_the_type_of_the_settings_field_it_sets():
             r"algorithm.kl_in_reward.coef must be >= 0 \(0 turns it off\), got -0.1",
         ),
         ({"gamma": 1.5}, r"algorithm.gamma must be in \[0, 1\], got 1.5"),
+        (
+            {"router_z_loss_coef": -1.0},
+            r"algorithm.router_z_loss_coef=-1.0 must be a finite number >= 0",
+        ),
         (
             {"rollout_correction": {"mode": "tis", "low": 1.5}},
             "algorithm.rollout_correction.low=1.5 / algorithm.rollout_correction.high=2.0 must "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
+from unirl.core.backend_plugin import BACKENDS
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import reduce_metrics
 from unirl.core.maths.losses.router_disagreement import (
@@ -93,6 +94,14 @@ def test_probe_reads_hugging_face_defaults_and_config_json(tmp_path):
         moe_shape(ModelConfig(path=str(tmp_path / "missing")))
 
 
+def test_probe_reads_a_folder_transformers_saved(tmp_path):
+    """transformers 5 writes ``num_experts`` as ``num_local_experts`` in config.json."""
+    transformers = pytest.importorskip("transformers")
+    hf = {k: v for k, v in MOE_HF.items() if k != "model_type"}
+    transformers.Qwen3MoeConfig(**hf).save_pretrained(tmp_path)
+    assert moe_shape(ModelConfig(path=str(tmp_path))) == moe_shape(ModelConfig(hf_config=MOE_HF))
+
+
 # -- config rules ----------------------------------------------------------------------------
 
 
@@ -124,8 +133,17 @@ def test_record_with_rollout_old_logprobs_is_refused():
 
 
 def test_a_backend_that_does_not_replay_is_refused():
-    with pytest.raises(ConfigError, match=r"backend: deepspeed does not replay MoE routing yet"):
-        config_from_dict({**cfg_dict("record"), "backend": "deepspeed"})
+    from tests.plugins import toy_backend
+
+    with BACKENDS.scoped():
+        BACKENDS.register("toy", toy_backend.PLUGIN)  # declares no routing replay
+        with pytest.raises(ConfigError, match=r"backend: toy does not replay MoE routing yet"):
+            config_from_dict({**cfg_dict("record"), "backend": "toy"})
+
+
+def test_deepspeed_and_fsdp2_replay():
+    assert BACKENDS.get("deepspeed").supports_routing_replay
+    assert BACKENDS.get("fsdp2").supports_routing_replay
 
 
 def test_unirl_check_prints_the_need_with_its_reason():
@@ -158,3 +176,13 @@ def test_disagreement_reduces_over_decisions_not_microbatches():
     b = router_disagreement_metric(torch.tensor(3), torch.tensor(5))
     got = reduce_metrics([{"router/disagreement": a}, {"router/disagreement": b}])
     assert got["router/disagreement"] == pytest.approx(0.5)
+
+
+def test_unquoted_off_in_yaml_reads_as_off(tmp_path):
+    """YAML 1.1 reads ``routing_replay: off`` as false; it means "off"."""
+    import yaml
+
+    data = yaml.safe_load("algorithm:\n  routing_replay: off\n")
+    assert data["algorithm"]["routing_replay"] is False
+    cfg = config_from_dict({**cfg_dict("record"), "algorithm": data["algorithm"]})
+    assert cfg.algorithm.routing_replay == "off"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 
 from tests.plugins import toy_backend
 from unirl.core.backend_plugin import BACKENDS, build_backend
@@ -98,3 +99,44 @@ def test_with_replay_off_experts_in_the_data_do_not_reach_the_backend(toy_replay
     cfg, backend, batch, seen = setup("off", with_experts=True)
     RLStep(cfg, backend).run(batch)
     assert seen and all(mb.routed_experts is None for mb in seen)
+
+
+def test_record_mode_trains_on_the_experts_the_forward_only_pass_recorded(toy_replaying):
+    """R2 in the step: the toy backend 'records' ``row(token)`` at every position of its policy
+    forward-only microbatches (as a router would, its last position too); the training passes
+    (two epochs, the second in another order) get each token's recorded row, the last position of
+    each sequence FREE; experts in the data are not what is trained on."""
+    cfg, backend, batch, seen = setup("record", with_experts=True)
+    cfg = attrs.evolve(cfg, batch=attrs.evolve(cfg.batch, epochs_per_rollout=2))
+    forward = backend.forward_logprobs
+    recorded: list = []
+
+    def forward_logprobs(mbs, **kw):
+        if kw["role"] == "policy":
+            recorded[:] = [
+                torch.tensor([[[(t + 3) % 8, (t + 4) % 8]] * 2 for t in mb.tokens.tolist()])
+                for mb in mbs
+            ]
+        return forward(mbs, **kw)
+
+    backend.forward_logprobs = forward_logprobs  # type: ignore[method-assign]
+    backend.recorded_routing = lambda: [e.to(torch.int32) for e in recorded]  # type: ignore[attr-defined]
+    RLStep(cfg, backend).run(batch)
+    assert len(seen) == 4  # 2 epochs x 2 microbatches
+    for mb in seen:
+        last = mb.cu_seqlens[1:].long() - 1
+        for pos, token in enumerate(mb.tokens.tolist()):
+            want = (
+                [[FREE, FREE]] * 2
+                if pos in last.tolist()
+                else [[(token + 3) % 8, (token + 4) % 8]] * 2
+            )
+            assert mb.routed_experts[pos].tolist() == want
+
+
+def test_record_mode_needs_a_backend_that_hands_back_recordings(toy_replaying):
+    from unirl.core.errors import ConfigError
+
+    cfg, backend, batch, _ = setup("record", with_experts=False)
+    with pytest.raises(ConfigError, match=r"does not hand back recorded routing"):
+        RLStep(cfg, backend).run(batch)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.data.routed_experts import MoeShape
 from unirl.core.maths.losses.router import (
+    RouterCoefficients,
     router_loss_shares,
     router_loss_term,
     router_statistics,
@@ -39,18 +40,13 @@ class RouterLossSettings:
     coefficients."""
 
     shape: MoeShape
-    aux_coef: float
-    z_coef: float
+    router_coefficients: RouterCoefficients = attrs.field(factory=RouterCoefficients)
 
     @classmethod
     def from_config(cls, cfg: Any, shape: MoeShape) -> RouterLossSettings:
         """From a `UnirlConfig`'s ``algorithm`` section (not imported: core's config imports
         this package)."""
-        return cls(
-            shape=shape,
-            aux_coef=float(cfg.algorithm.router_aux_loss_coef),
-            z_coef=float(cfg.algorithm.router_z_loss_coef),
-        )
+        return cls(shape=shape, router_coefficients=cfg.algorithm.router_coefficients())
 
 
 def real_rows(mb: TrainMicrobatch) -> torch.Tensor:
@@ -81,6 +77,8 @@ def router_term(
     ``router/z_loss`` (see the module docstring). ``global_tokens``: the tokens of every
     microbatch of every rank of the step (``sum(step.rank_tokens)``)."""
     shape = settings.shape
+    aux_coef = settings.router_coefficients.aux_coef
+    z_coef = settings.router_coefficients.z_coef
     if len(router_logits) != shape.num_moe_layers:
         raise ValueError(
             f"router_term: {len(router_logits)} router logits for a model with "
@@ -96,8 +94,8 @@ def router_term(
         return router_loss_term(
             aux,
             z,
-            aux_coef=settings.aux_coef,
-            z_coef=settings.z_coef,
+            aux_coef=aux_coef,
+            z_coef=z_coef,
             microbatch_tokens=tokens,
             global_tokens=global_tokens,
         )
@@ -109,8 +107,8 @@ def router_term(
     return router_loss_term(
         aux,
         z,
-        aux_coef=settings.aux_coef,
-        z_coef=settings.z_coef,
+        aux_coef=aux_coef,
+        z_coef=z_coef,
         microbatch_tokens=tokens,
         global_tokens=global_tokens,
         part=stats.rows / max(total_rows, 1),

@@ -41,7 +41,7 @@ from unirl.core.run.algorithm import (
     train_logprob_spec,
 )
 from unirl.core.run.config import UnirlConfig, norm_length
-from unirl.core.run.model_shape import moe_shape
+from unirl.core.run.model_shape import hf_config_fields, moe_shape
 from unirl.core.run.progress import MicrobatchProgress, logs_step, progress_enabled
 from unirl.core.run.routing_replay import replay_shape
 
@@ -76,7 +76,8 @@ class RLStep:
         # R2 (routing_replay: record): the old-log-prob forward records, the training replays.
         self.records_routing = cfg.algorithm.routing_replay == "record"
         # A mixture-of-experts policy: the router's auxiliary losses join the loss.
-        shape = moe_shape(cfg.model)
+        # (a model whose config cannot be read here is the backend's to report: no router term)
+        shape = moe_shape(cfg.model) if hf_config_fields(cfg.model) is not None else None
         self.router_settings = None if shape is None else RouterLossSettings.from_config(cfg, shape)
         self.decisions = DecisionLog()
         self.show_bars = progress_enabled(cfg.progress.enabled)

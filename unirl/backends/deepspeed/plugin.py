@@ -48,6 +48,7 @@ PLUGIN = BackendPlugin(
     requires=("deepspeed", "transformers"),
     supports_critic=True,
     supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
+    supports_routing_replay=True,
     install_hint="pip install 'unirl[deepspeed,hf]'",
     # ZeRO 0/1/2/3 with one and two processes: optimizer-state (1), gradient (2) and parameter
     # (3) sharding each change where the step's numbers are reduced. zero 1/2 with one process

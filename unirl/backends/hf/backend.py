@@ -32,6 +32,7 @@ from unirl.backends.hf.critic import HFCritic
 from unirl.backends.hf.fused_head import FusedLMHead, install_fused_head
 from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
 from unirl.backends.hf.model import PackedModule, TrainedModel, Training
+from unirl.backends.hf.moe import PolicyRouting, moe_routers
 from unirl.backends.hf_model import load_critic, load_policy, load_reference
 from unirl.backends.process_group import ProcessGroupSetup
 from unirl.core.backend import ModelRole, OptimizerStepStats
@@ -57,6 +58,10 @@ class HFBackend(EngineBackend):
         # model.fused_head: the LM head computes the log-probs (no [T, V] logits)
         self._heads: dict[ModelRole, FusedLMHead | None] = {"policy": self._prepare(model)}
         self.vocab_size = int(model.config.vocab_size)
+        # A mixture-of-experts policy: its router logits for core's auxiliary losses, and routing
+        # replay (`unirl.backends.hf.moe`); the reference and the critic route freely.
+        mode = cfg.algorithm.routing_replay
+        self._routing = PolicyRouting(model, mode) if moe_routers(model) else None
         self.policy = self._trained(
             model, Training("policy", cfg.optimizer, "optimizer", total_optimizer_steps)
         )
@@ -119,25 +124,50 @@ class HFBackend(EngineBackend):
     def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
         role = run.role
         model = self.policy if role == "policy" else self._reference_model()
+        routing = self._routing if role == "policy" else None
+        if routing is not None:
+            routing.begin_forward_only()
         return forward_only_pass(
             model,
             LogprobHead(self._heads[role], run.spec),
             run.microbatches,
             progress=run.progress,
             count=lambda: self._count_forward(role),
+            around=None if routing is None else routing.forward_only,
         )
 
-    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
-        def loss(mb: TrainMicrobatch, out: HeadOutput):
-            return run.loss_fn(mb, out.values, out.entropy)
+    def recorded_routing(self) -> list[torch.Tensor]:
+        """`unirl.core.backend.RecordsRouting`: the experts the last policy forward-only pass
+        recorded, per microbatch (``routing_replay: record``)."""
+        if self._routing is None:
+            raise RuntimeError("recorded_routing: the policy is not a mixture-of-experts model")
+        return self._routing.recorded()
 
+    def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
+        routing = self._routing
+
+        def loss(mb: TrainMicrobatch, out: HeadOutput):
+            if routing is None:
+                return run.loss_fn(mb, out.values, out.entropy)
+            logits = routing.take_router_logits()
+            return run.loss_fn(mb, out.values, out.entropy, router_logits=logits)
+
+        # An MoE policy's loss also takes its router logits (core's auxiliary losses), which only
+        # the loop has after the forward: its loss is computed after the head, not inside it.
+        head = (
+            LogprobHead.for_training(self._heads["policy"], run.spec, run.loss_fn)
+            if routing is None
+            else LogprobHead(self._heads["policy"], run.spec)
+        )
         return training_pass(
             self.policy,
-            LogprobHead.for_training(self._heads["policy"], run.spec, run.loss_fn),
+            head,
             run.microbatches,
             loss=loss,
             progress=run.progress,
             count=lambda: self._count_forward("policy"),
+            around=None if routing is None else routing.training,
+            around_metrics=None if routing is None else routing.training_metrics,
         )
 
     def optimizer_step(self) -> OptimizerStepStats:
@@ -178,6 +208,9 @@ class HFBackend(EngineBackend):
         if self._closed:
             return
         self._closed = True
+        if self._routing is not None:
+            self._routing.remove()
+            self._routing = None
         self.policy.close()
         if self.critic is not None:
             self.critic.close()

@@ -13,7 +13,7 @@ boundary falls, how to backward, its one loss-scale factor, its device); the hea
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import attrs
@@ -70,6 +70,8 @@ class HeadOutput:
 
 
 Head = Callable[[Callable[[TrainMicrobatch], torch.Tensor], TrainMicrobatch], HeadOutput]
+# around(microbatch): a context entered around one microbatch's forward (and backward)
+Around = Callable[[TrainMicrobatch], AbstractContextManager[None]]
 # loss(microbatch, head output) -> (this microbatch's share of the objective, metrics)
 HeadLoss = Callable[[TrainMicrobatch, HeadOutput], tuple[torch.Tensor, Mapping[str, Metric]]]
 
@@ -125,14 +127,17 @@ def forward_only_pass(
     *,
     progress: MicrobatchProgress,
     count: Callable[[], None],
+    around: Around | None = None,
 ) -> list[torch.Tensor]:
     """Detached fp32 ``head`` values ``[T]`` per microbatch, on the device; ``count`` is called
-    once per model forward."""
+    once per model forward; ``around(mb)`` is entered around each microbatch's forward (the
+    policy's routing replay)."""
     out = []
     with model.forward_only():
         for mb in microbatches:
             mb = to_device(mb, model.device)
-            result = head(model.forward, mb)
+            with nullcontext() if around is None else around(mb):
+                result = head(model.forward, mb)
             count()
             out.append(result.values.float())
             progress.report(tokens=mb.num_tokens)
@@ -148,8 +153,13 @@ def training_pass(
     loss: HeadLoss,
     progress: MicrobatchProgress,
     count: Callable[[], None],
+    around: Around | None = None,
+    around_metrics: Callable[[TrainMicrobatch], Mapping[str, Metric]] | None = None,
 ) -> list[Mapping[str, Metric]]:
-    """Accumulate the gradients of one optimizer step's microbatches; per-microbatch metrics."""
+    """Accumulate the gradients of one optimizer step's microbatches; per-microbatch metrics.
+    ``around(mb)`` is entered around each microbatch's forward and backward (a checkpointed layer
+    recomputes its forward in backward: routing replay must still hold); ``around_metrics(mb)``
+    adds what it measured to the microbatch's metrics."""
     model.train()
     metrics = []
     last = len(microbatches) - 1
@@ -157,16 +167,19 @@ def training_pass(
     for i, mb in enumerate(microbatches):
         mb = to_device(mb, model.device)
         model.begin_microbatch(last=i == last)
-        result = head(model.forward, mb)
-        count()
-        if result.loss is not None and result.metrics is not None:
-            mb_loss, mb_metrics = result.loss, result.metrics  # computed inside the head
-        else:
-            mb_loss, mb_metrics = loss(mb, result)
-        if mb.num_tokens == 0:
-            # this rank's backward must run the engine's collectives as the others' do
-            mb_loss = mb_loss + zero_through_graph(result.raw)
-        model.backward(mb_loss * scale)
+        with nullcontext() if around is None else around(mb):
+            result = head(model.forward, mb)
+            count()
+            if result.loss is not None and result.metrics is not None:
+                mb_loss, mb_metrics = result.loss, result.metrics  # computed inside the head
+            else:
+                mb_loss, mb_metrics = loss(mb, result)
+            if mb.num_tokens == 0:
+                # this rank's backward must run the engine's collectives as the others' do
+                mb_loss = mb_loss + zero_through_graph(result.raw)
+            model.backward(mb_loss * scale)
+        if around_metrics is not None:
+            mb_metrics = {**mb_metrics, **around_metrics(mb)}
         metrics.append(mb_metrics)
         progress.report(loss=mb_loss.detach(), tokens=mb.num_tokens)
         progress.tick()

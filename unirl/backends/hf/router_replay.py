@@ -145,6 +145,11 @@ class RouterReplay:
             self._mode = "idle"
             self._experts = None
 
+    def clear_disagreement(self) -> None:
+        """Forget the last replayed forward's counts (a microbatch that replays nothing then
+        reports 0 of 0)."""
+        self._counts = {}
+
     def _enter(self, mode: Literal["record", "replay"]) -> None:
         if self._mode != "idle":
             raise RuntimeError(f"RouterReplay: {mode} inside {self._mode}")

@@ -164,8 +164,8 @@ class StageRouterLosses:
             return output
         share = self.backward_scale * mb.num_tokens / max(self.global_tokens, 1)
         coef = (
-            self.settings.aux_coef * share,
-            self.settings.z_coef * share,
+            self.settings.router_coefficients.aux_coef * share,
+            self.settings.router_coefficients.z_coef * share,
             shape.num_experts,
         )
         # the pooled counts of this microbatch: issued by this rank's last chunk, before any
@@ -202,8 +202,8 @@ class StageRouterLosses:
             term = router_loss_term(
                 aux,
                 z,
-                aux_coef=self.settings.aux_coef,
-                z_coef=self.settings.z_coef,
+                aux_coef=self.settings.router_coefficients.aux_coef,
+                z_coef=self.settings.router_coefficients.z_coef,
                 microbatch_tokens=self.tokens[index],
                 global_tokens=self.global_tokens,
             )

@@ -57,6 +57,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if value is False and "off" in allowed:
+            return "off"  # YAML 1.1 reads an unquoted `off` as false (routing_replay: off)
         if value not in allowed or isinstance(value, bool) != any(
             isinstance(v, bool) for v in allowed
         ):

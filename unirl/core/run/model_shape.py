@@ -46,7 +46,9 @@ def _qwen3_moe(hf: Mapping[str, Any]) -> MoeShape:
     ``mlp_only_layers``, when ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``.
     Defaults are `Qwen3MoeConfig`'s (transformers 5.19)."""
     layers = _int(hf, "num_hidden_layers", 24)
-    experts = _int(hf, "num_experts", 128)
+    # transformers 5 writes num_experts to config.json as num_local_experts (its attribute_map)
+    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    experts = _int(hf, key, 128)
     top_k = _int(hf, "num_experts_per_tok", 8)
     step = _int(hf, "decoder_sparse_step", 1)
     if step < 1:

@@ -43,14 +43,41 @@ shares, the whole microbatch's tokens and ``part=rows / total rows``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
 
-from unirl.core.errors import LossInputError
+from unirl.core.errors import KeyedConfigError, LossInputError
 from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.total import LossOutput
+
+
+def _coefficient(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        ok = False
+    else:
+        ok = value >= 0
+    if not ok:
+        raise KeyedConfigError(
+            lambda key: (
+                f"{key(attribute.name)}={value!r} must be a finite number >= 0 (0 leaves the "
+                "term out)"
+            ),
+            lambda field: f"RouterCoefficients.{field}",
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RouterCoefficients:
+    """The weights of the two router terms in the loss (the one source of their defaults; the
+    config keys ``algorithm.router_aux_loss_coef`` / ``router_z_loss_coef`` feed them).
+    0.001: Qwen3-MoE's own ``router_aux_loss_coef``; the z-loss is off unless asked for."""
+
+    aux_coef: float = attrs.field(default=0.001, validator=_coefficient)
+    z_coef: float = attrs.field(default=0.0, validator=_coefficient)
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -8,6 +8,7 @@ from typing import Literal
 import attrs
 
 from unirl.core.maths.advantages.settings import AdvantageSettings
+from unirl.core.maths.losses.router import RouterCoefficients
 from unirl.core.maths.losses.settings import Aggregation, LossSettings, RolloutCorrection
 from unirl.core.run.sections.feeds import Feeding, build_settings
 from unirl.core.run.sections.training import OptimizerConfig
@@ -22,6 +23,7 @@ RoutingReplay = Literal["off", "record", "rollout"]
 # that the key sets (`unirl.core.run.sections.feeds`).
 LOSS = Feeding(LossSettings)
 ADVANTAGE = Feeding(AdvantageSettings)
+ROUTER = Feeding(RouterCoefficients)
 
 
 @attrs.frozen(kw_only=True)
@@ -81,9 +83,8 @@ class AlgorithmConfig:
     routing_replay: RoutingReplay = "off"
     # MoE models only: the router's load-balancing loss and z-loss, added to the policy loss
     # with these coefficients on every backend (`unirl.core.moe_loss`); 0 leaves a term out.
-    # 0.001: Qwen3-MoE's own router_aux_loss_coef; the z-loss is off unless asked for.
-    router_aux_loss_coef: float = attrs.field(default=0.001, validator=non_negative)
-    router_z_loss_coef: float = attrs.field(default=0.0, validator=non_negative)
+    router_aux_loss_coef: float = ROUTER.aux_coef
+    router_z_loss_coef: float = ROUTER.z_coef
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
@@ -91,10 +92,15 @@ class AlgorithmConfig:
     def __attrs_post_init__(self) -> None:
         self.loss_settings()
         self.advantage_settings()
+        self.router_coefficients()
 
     def loss_settings(self) -> LossSettings:
         """The loss settings these keys set; a bad value raises `ConfigError` naming its key."""
         return build_settings(self, LossSettings)
+
+    def router_coefficients(self) -> RouterCoefficients:
+        """The MoE router terms' coefficients these keys set (`ConfigError` naming the key)."""
+        return build_settings(self, RouterCoefficients)
 
     def advantage_settings(self) -> AdvantageSettings:
         """The advantage settings these keys set; a bad value raises `ConfigError` naming its
