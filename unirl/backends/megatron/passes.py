@@ -24,7 +24,7 @@ import torch
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
 from unirl.backends.megatron.heads import HeadLossFn
-from unirl.backends.megatron.moe import microbatch_router_logits
+from unirl.backends.megatron.moe import collect_router_logits, microbatch_router_logits
 from unirl.backends.megatron.replay import ScheduleReplay, with_disagreement
 from unirl.backends.megatron.role_model import MegatronModel
 from unirl.backends.megatron.router_stages import StageRouterLosses
@@ -174,6 +174,9 @@ class MicrobatchLoop:
             ),
             before_forward=None if replay is None else replay.before_forward,
         )
+        # logits nobody took (no router losses: a critic, megatron's recompute recording in the
+        # backward) are dropped, not kept across steps
+        collect_router_logits(model.chunks)
         last = self.topology.is_last_pipeline_stage()
         if stages is not None and last:
             for index, router_metrics in stages.metrics().items():
