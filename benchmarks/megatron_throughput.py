@@ -26,6 +26,13 @@ the output layer; the embedding lookup is not a matmul), plus causal attention `
 (training) or ``2 L d Σ s²`` (forward), ``d`` = heads x head dim, ``s`` each sequence's length.
 MFU = model FLOPs / (time x 989 TFLOP/s x GPUs), the H200's dense bf16 peak.
 
+Mixture of experts (``--model qwen3-30b-a3b --layers 8``): ``N`` counts the active parameters
+(router + top-k experts); ``--experts sequential | grouped`` forces megatron's `SequentialMLP` or
+`GroupedExperts` (default: `select_experts`' choice), the issue's A/B::
+
+    PYTHONPATH=$PWD python benchmarks/megatron_throughput.py --model qwen3-30b-a3b --layers 8 \
+        --experts grouped --out benchmarks/results/megatron_throughput_h200_moe_grouped.json
+
 ``--fused-head`` sets ``model.fused_head: true`` (log-probs from the last stage's hidden states and
 the output layer's weight, no ``[T, V]`` logits); the plain loop computes megatron's own
 cross-entropy from logits and does not run then.
@@ -96,18 +103,54 @@ MODELS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "use_sliding_window": False,
     },
+    # Qwen3-30B-A3B's architecture (config.json of Qwen/Qwen3-30B-A3B); the issue measures it at
+    # --layers 8, EP = 1, --experts sequential | grouped
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
 }
 
 
 # -- FLOPs -------------------------------------------------------------------------------------
 
 
+def _q_dim(hf: dict[str, Any]) -> int:
+    """heads x head dim (the hidden size, unless the config sets ``head_dim``)."""
+    heads = hf["num_attention_heads"]
+    return heads * hf.get("head_dim", hf["hidden_size"] // heads)
+
+
 def matmul_params(hf: dict[str, Any]) -> int:
-    """Parameters that multiply activations: q, k, v, o, gate, up, down per layer + output layer."""
-    h, f, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
-    head_dim = h // hf["num_attention_heads"]
-    kv = hf["num_key_value_heads"] * head_dim
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * f
+    """Parameters that multiply activations: q, k, v, o, gate, up, down per layer + output layer.
+    Mixture of experts: the active ones, the router and the top-k experts' gate, up and down
+    (every layer sparse, as Qwen3-30B-A3B's)."""
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    q = _q_dim(hf)
+    kv = hf["num_key_value_heads"] * (q // hf["num_attention_heads"])
+    if hf.get("num_experts"):
+        mlp = (
+            h * hf["num_experts"] + hf["num_experts_per_tok"] * 3 * h * hf["moe_intermediate_size"]
+        )
+    else:
+        mlp = 3 * h * hf["intermediate_size"]
+    per_layer = h * q + 2 * h * kv + q * h + mlp
     return layers * per_layer + h * hf["vocab_size"]
 
 
@@ -115,7 +158,7 @@ def model_flops(hf: dict[str, Any], lengths: list[int], *, training: bool) -> fl
     """Model FLOPs of one pass over sequences of ``lengths`` (module docstring)."""
     factor = 6 if training else 2
     tokens = sum(lengths)
-    attention = hf["num_hidden_layers"] * hf["hidden_size"] * sum(s * s for s in lengths)
+    attention = hf["num_hidden_layers"] * _q_dim(hf) * sum(s * s for s in lengths)
     return factor * (matmul_params(hf) * tokens + attention)
 
 
@@ -384,6 +427,26 @@ def summary(
     return out
 
 
+def force_experts(choice: str) -> str:
+    """``--experts``: leave `select_experts` to decide (auto) or make the MoE layers' spec use
+    one module for this A/B (a benchmark-only override of
+    `unirl.backends.megatron.model.experts_choice`; both modules hold the same parameters)."""
+    if choice == "auto":
+        return "auto"
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from unirl.backends.megatron import model
+    from unirl.backends.megatron.grouped_experts import ExpertsChoice, GroupedExperts
+
+    forced = ExpertsChoice(
+        module=SequentialMLP if choice == "sequential" else GroupedExperts,
+        name=choice,
+        reason="forced by benchmarks/megatron_throughput.py --experts",
+    )
+    model.experts_choice = lambda device, config: forced
+    return choice
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -411,6 +474,12 @@ def main() -> None:
         help="model.fused_head: no logits; PPO-clip's loss inside the head (3 head matmuls)",
     )
     parser.add_argument(
+        "--experts",
+        choices=["auto", "sequential", "grouped"],
+        default="auto",
+        help="MoE models: the experts module (auto: select_experts' choice, grouped on CUDA)",
+    )
+    parser.add_argument(
         "--search-tokens",
         default="",
         help="comma-separated microbatch token budgets: the largest that fits (reuse step)",
@@ -433,6 +502,7 @@ def main() -> None:
     from unirl.core.run.algorithm import head_path
     from unirl.core.run.config import config_from_dict
 
+    experts = force_experts(args.experts)
     hf = dict(MODELS[args.model])
     if args.layers is not None:
         hf["num_hidden_layers"] = args.layers
@@ -449,7 +519,12 @@ def main() -> None:
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "torch_threads": torch.get_num_threads(),
         },
-        "model": {"name": args.model, **hf, "matmul_params": matmul_params(hf)},
+        "model": {
+            "name": args.model,
+            **hf,
+            "matmul_params": matmul_params(hf),
+            "experts": experts,
+        },
         "batch": {
             "samples": len(lengths),
             "tokens": sum(lengths),

@@ -324,3 +324,51 @@ def test_in_a_megatron_moe_layer_the_same_as_sequential_mlp_cuda():
     assert run_distributed(
         _layer_check, 1, "cuda", "alltoall", "bfloat16", 3e-2, backend="nccl"
     ) == [True]
+
+
+def _moe_spec_experts(rank, world, device_name):
+    """The experts module the Qwen3-MoE block spec gets for ``device`` (local spec, no TE)."""
+    from megatron.core import parallel_state as ps
+    from transformers import Qwen3MoeConfig
+
+    from unirl.backends.megatron.model import moe_block_spec, transformer_config
+    from unirl.core.run.config import ParallelConfig
+
+    hf = Qwen3MoeConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=64,
+        mlp_only_layers=[0],
+    )
+    ps.initialize_model_parallel(1, 1)
+    config = transformer_config(hf, ParallelConfig(), dtype=torch.bfloat16)
+    block = moe_block_spec(config, vp_stage=None, device=torch.device(device_name), use_te=False)
+    return [
+        spec.submodules.mlp.submodules.experts.module.__name__
+        for spec in block.layer_specs
+        if hasattr(spec.submodules.mlp.submodules, "experts")
+    ]
+
+
+def test_the_moe_spec_uses_sequential_mlp_on_the_cpu():
+    pytest.importorskip("transformers")
+    # layer 0 is dense: one sparse layer
+    assert run_distributed(_moe_spec_experts, 1, "cpu") == [["SequentialMLP"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_moe_spec_uses_grouped_experts_on_cuda():
+    pytest.importorskip("transformers")
+    from unirl.backends.megatron.grouped_experts import grouped_mm_available
+
+    if not grouped_mm_available():
+        pytest.skip("this torch has no torch._grouped_mm")
+    got = run_distributed(_moe_spec_experts, 1, "cuda", backend="nccl")
+    assert got == [["GroupedExperts"]]

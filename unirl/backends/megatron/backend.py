@@ -42,8 +42,10 @@ from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.megatron import checkpoint, cpu_compat, sequence_parallel
 from unirl.backends.megatron.critic import MegatronCritic, critic_plan
 from unirl.backends.megatron.heads import LogprobHead
+from unirl.backends.megatron.moe import is_moe
 from unirl.backends.megatron.optimizer import use_distributed_optimizer
 from unirl.backends.megatron.passes import MicrobatchLoop
+from unirl.backends.megatron.replay import ScheduleReplay
 from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
 from unirl.backends.megatron.sources import ModelSource, policy_source, reference_source
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
@@ -51,7 +53,9 @@ from unirl.backends.process_group import destroy_process_group, init_process_gro
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
+from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.config import UnirlConfig, critic_enabled
+from unirl.core.run.model_shape import moe_shape
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,10 @@ class MegatronBackend(EngineBackend):
         source = policy_source(cfg)
         self.vocab_size = int(source.hf_config.vocab_size)
         self.policy = self._lm_model(source, plan, recompute=cfg.model.gradient_checkpointing)
+        self._router_losses = self._router_settings(cfg, source.hf_config)
+        self._router_shape = moe_shape(cfg.model) if is_moe(source.hf_config) else None
+        self._records = cfg.algorithm.routing_replay == "record"
+        self._recorded: list[torch.Tensor] | None = None
         self._reference: MegatronModel | None = None
         self._closed = False
         if needs_reference:
@@ -166,15 +174,54 @@ class MegatronBackend(EngineBackend):
 
     def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
         model = self.policy if run.role == "policy" else self.reference()
-        return self.loop.forward_only(
-            model,
-            run.microbatches,
-            spec=run.spec,
-            on_forward=lambda: self._count_forward(run.role),
-            progress=run.progress,
+        # the policy replays (R3) or records (R2); the reference routes freely
+        replay = self._replay(record=self._records) if run.role == "policy" else None
+        try:
+            out = self.loop.forward_only(
+                model,
+                run.microbatches,
+                spec=run.spec,
+                on_forward=lambda: self._count_forward(run.role),
+                progress=run.progress,
+                replay=replay,
+            )
+            if replay is not None and self._records:
+                shape = self._router_shape
+                assert shape is not None
+                self._recorded = replay.recorded_routing(run.microbatches, shape.num_moe_layers)
+        finally:
+            if replay is not None:
+                replay.close()
+        return out
+
+    def recorded_routing(self) -> list[torch.Tensor]:
+        """`RecordsRouting`: the experts the last policy forward-only pass recorded (R2), per
+        microbatch ``[T, moe_layers, top_k]`` int32 (every stage's layers, on every rank)."""
+        if self._recorded is None:
+            raise RuntimeError(
+                "recorded_routing: no policy forward-only pass recorded (routing_replay: record)"
+            )
+        out, self._recorded = self._recorded, None
+        return out
+
+    def _replay(self, *, record: bool) -> ScheduleReplay | None:
+        if self.cfg.algorithm.routing_replay == "off" or self._router_shape is None:
+            return None
+        return ScheduleReplay(
+            self.policy.chunks, self.policy.hf_config, self.topology, record=record
         )
 
     def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
+        replay = self._replay(record=False)
+        try:
+            return self._train(run, replay)
+        finally:
+            if replay is not None:
+                replay.close()
+
+    def _train(
+        self, run: TrainingPass, replay: ScheduleReplay | None
+    ) -> list[Mapping[str, Metric]]:
         return self.loop.train(
             self.policy,
             run.microbatches,
@@ -182,7 +229,19 @@ class MegatronBackend(EngineBackend):
             spec=run.spec,
             on_forward=lambda: self._count_forward("policy"),
             progress=run.progress,
+            router=self._router_losses,
+            replay=replay,
         )
+
+    @staticmethod
+    def _router_settings(cfg: UnirlConfig, hf_config: Any) -> RouterLossSettings | None:
+        """An MoE policy's router losses (core's coefficients and the model's routing shape),
+        unless megatron's full recompute is on: its first forward runs the routers without
+        autograd (the plug-in's check refuses non-zero coefficients then)."""
+        if not is_moe(hf_config) or cfg.model.gradient_checkpointing:
+            return None
+        shape = moe_shape(cfg.model)
+        return None if shape is None else RouterLossSettings.from_config(cfg, shape)
 
     def optimizer_step(self) -> OptimizerStepStats:
         return self.policy.optimizer_step()

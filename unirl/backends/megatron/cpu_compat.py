@@ -375,17 +375,9 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             "optimizer/distrib_optimizer.py:582",
         ),
     ),
-    # parallel.sequence_parallel (`unirl.backends.megatron.sequence_parallel`):
-    ModulePatch(
-        module="megatron.core.tensor_parallel.mappings",
-        lines=(
-            # torch.empty(dim_size, ..., device=torch.cuda.current_device()): the outputs of the
-            # sequence all-gather (_gather_along_first_dim) and reduce-scatter
-            # (_reduce_scatter_along_first_dim) between the norms and the TP matmuls
-            "tensor_parallel/mappings.py:141",
-            "tensor_parallel/mappings.py:181",
-        ),
-    ),
+    # parallel.sequence_parallel (`unirl.backends.megatron.sequence_parallel`): the outputs of
+    # the sequence all-gather and reduce-scatter, mappings.py:141 / :181, patched by the one
+    # ModulePatch of tensor_parallel.mappings below (a module's torch is replaced once)
     ModulePatch(
         module="megatron.core.tensor_parallel.layers",
         lines=(
@@ -463,10 +455,12 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             "tensor_parallel/mappings.py:442",
             # _gather_along_first_dim: torch.empty(dim_size, ..., device=
             # torch.cuda.current_device()), the dispatcher's gather of token counts over the
-            # tensor x expert parallel ranks (equal and uneven splits)
+            # tensor x expert parallel ranks (equal and uneven splits), and sequence parallel's
+            # all-gather
             "tensor_parallel/mappings.py:141",
             "tensor_parallel/mappings.py:148",
-            # _reduce_scatter_along_first_dim (combine under tp > 1): the same allocation
+            # _reduce_scatter_along_first_dim (combine under tp > 1; sequence parallel between
+            # the norms and the TP matmuls): the same allocation
             "tensor_parallel/mappings.py:181",
         ),
     ),

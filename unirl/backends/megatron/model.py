@@ -27,6 +27,7 @@ other chunks return hidden states ``[S, B, H]``.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 from typing import Any
 
@@ -49,6 +50,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from unirl.backends.megatron import te_compat
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
+from unirl.backends.megatron.grouped_experts import ExpertsChoice, experts_spec, select_experts
 from unirl.backends.megatron.moe import (
     RecordingTopKRouter,
     check_moe_config,
@@ -62,6 +64,8 @@ from unirl.backends.megatron.varlen_attention import (
 )
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # RMSNorm on each query / key head (over head_dim) before RoPE: megatron's qk_layernorm
@@ -415,23 +419,49 @@ def moe_block_spec(
     config: TransformerConfig,
     *,
     vp_stage: int | None,
+    device: torch.device,
     use_te: bool | None = None,
     unfused_attention: bool = False,
 ) -> TransformerBlockSubmodules:
     """The layers of this (virtual) stage of a mixture-of-experts model, dense or MoE as
     ``config.moe_layer_freq`` says: megatron's block spec, with `SDPACoreAttention` (unless
-    ``unfused_attention`` or TE) and routers that record their logits (`RecordingTopKRouter`)."""
+    ``unfused_attention`` or TE), routers that record their logits (`RecordingTopKRouter`) and,
+    without TE, the experts `select_experts` picks for ``device`` (`GroupedExperts` on CUDA with
+    ``torch._grouped_mm``, megatron's `SequentialMLP` on the CPU: same parameters, so checkpoints
+    and the Hugging Face conversion do not depend on the choice)."""
     te = use_te if use_te is not None else te_available()
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
     )
+    experts = None if te else experts_choice(device, config)
     for spec in block.layer_specs:
         if not (te or unfused_attention):
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         mlp = spec.submodules.mlp
         if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
             mlp.submodules.router = RecordingTopKRouter
+            if experts is not None:
+                mlp.submodules.experts = experts_spec(experts)
     return block
+
+
+_LOGGED_EXPERTS: set[tuple[str, str]] = set()
+
+
+def experts_choice(device: torch.device, config: TransformerConfig) -> ExpertsChoice:
+    """`select_experts`, its choice and reason logged once per process (not once per chunk)."""
+    choice = select_experts(device, config)
+    if (choice.name, choice.reason) not in _LOGGED_EXPERTS:
+        _LOGGED_EXPERTS.add((choice.name, choice.reason))
+        logger.info("MoE experts: %s (%s)", choice.name, choice.reason)
+    return choice
+
+
+def model_device() -> torch.device:
+    """The device every chunk is built on: the current CUDA device when there is one."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # --- building -------------------------------------------------------------------------------
@@ -459,7 +489,11 @@ def build_gpt_model(
     if is_moe(hf_config):
         te_compat.install()  # the router's gating reads a name only TE binds
         spec: ModuleSpec | TransformerBlockSubmodules = moe_block_spec(
-            config, vp_stage=vp_stage, use_te=use_te, unfused_attention=unfused_attention
+            config,
+            vp_stage=vp_stage,
+            device=model_device(),
+            use_te=use_te,
+            unfused_attention=unfused_attention,
         )
     else:
         spec = layer_spec(
@@ -484,10 +518,7 @@ def build_gpt_model(
     )
     # torch norms are created in fp32 on the CPU whatever params_dtype / use_cpu_initialization
     # say: one dtype and one device for every parameter (as Float16Module / get_model would do)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    )
-    return model.to(device=device, dtype=dtype)
+    return model.to(device=model_device(), dtype=dtype)
 
 
 def build_model_chunks(

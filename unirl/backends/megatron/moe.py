@@ -17,7 +17,9 @@ of a Qwen3-MoE config (``mlp_only_layers``, ``decoder_sparse_step``) become mega
 layers through ``moe_layer_freq``.
 
 megatron-core's own load-balancing and z-losses are off: core computes the router losses from the
-logits each router records (`collect_router_logits`), the same way on every backend.
+logits each router records (`collect_router_logits`, put in the microbatch's packed token order by
+`microbatch_router_logits`), the same way on every backend (`unirl.core.moe_loss.router_term`,
+``algorithm.router_aux_loss_coef`` / ``router_z_loss_coef``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-from unirl.core.errors import ConfigError
+from unirl.backends.megatron.padded import PaddedBatch
+from unirl.core.data.routed_experts import DTYPE, FREE
+from unirl.core.errors import ConfigError, LossInputError
+from unirl.core.maths.losses.router_disagreement import routing_disagreement
 from unirl.core.run.config import ParallelConfig
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
@@ -114,17 +119,110 @@ class RecordingTopKRouter(TopKRouter):
     forward (autograd-connected, in the order megatron flattens ``[S, B]``: sequence-major) until
     `collect_router_logits` takes them. Only forwards with autograd enabled record, so
     forward-only passes keep nothing; under full activation recompute the first forward runs
-    without autograd and the logits are recorded by the recompute, in the backward."""
+    without autograd and the logits are recorded by the recompute, in the backward.
+
+    Routing replay (``algorithm.routing_replay``, our own, not megatron-core's `RouterReplay`,
+    which router fusion silently skips and which keeps its objects in construction order): with
+    ``replay_experts`` set (``[tokens, top_k]`` in the router's row order, `FREE` rows routed
+    freely) the top-k becomes the given experts and their weights the router's softmax
+    probabilities at them, renormalised when ``norm_topk_prob`` (Hugging Face's arithmetic, as
+    `unirl.backends.hf.router_replay.replayed_routing`), so the router weight keeps its
+    gradient; an expert given twice in a row gets both weights summed (HF's sum over k) and its
+    token once, so the all-to-all token counts stay those of the routing map. Each replayed
+    forward appends its disagreement counts (free top-k vs given) to ``replay_counts``; with
+    ``record_indices`` the free top-k ``[tokens, top_k]`` of each forward goes to
+    ``recorded_indices`` (R2)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recorded_logits: list[torch.Tensor] = []
+        self.replay_experts: torch.Tensor | None = None
+        self.norm_topk_prob = not self.config.moe_router_pre_softmax  # see the module docstring
+        self.replay_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.record_indices = False
+        self.recorded_indices: list[torch.Tensor] = []
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         logits = super().gating(input)
         if torch.is_grad_enabled():
             self.recorded_logits.append(logits.reshape(-1, logits.shape[-1]))
         return logits
+
+    def routing(
+        self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        if self.replay_experts is None and not self.record_indices:
+            return probs, routing_map
+        logits_ne = logits.reshape(-1, self.config.num_moe_experts)
+        free_nk = torch.topk(probs.detach(), self.topk, dim=-1).indices
+        if self.record_indices:
+            self.recorded_indices.append(free_nk.to(DTYPE))
+        if self.replay_experts is None:
+            return probs, routing_map
+        given = self.replay_experts.to(device=logits.device, dtype=torch.long)
+        if given.shape != free_nk.shape:
+            raise LossInputError(
+                f"routing replay: MoE layer {self.layer_number} routes {tuple(free_nk.shape)} "
+                f"(tokens, top_k) but routed_experts gives {tuple(given.shape)}"
+            )
+        self.replay_counts.append(routing_disagreement(free_nk, given))
+        forced = given[:, :1] != FREE
+        chosen = torch.where(forced, given, free_nk)
+        weights = torch.softmax(logits_ne, dim=-1, dtype=torch.float).gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        replayed = torch.zeros_like(probs).scatter_add(1, chosen, weights.to(probs.dtype))
+        replayed_map = torch.zeros_like(routing_map).scatter(1, chosen, True)
+        return (
+            torch.where(forced, replayed, probs),
+            torch.where(forced, replayed_map, routing_map),
+        )
+
+
+def moe_layer_index(hf_config: Any, layer_number: int) -> int:
+    """The MoE-layer column of ``routed_experts`` for megatron's (1-based, global) layer number."""
+    return sum(moe_layer_pattern(hf_config)[: layer_number - 1])
+
+
+def routers(chunks: Sequence[torch.nn.Module]) -> list[RecordingTopKRouter]:
+    """This rank's MoE routers, in layer order."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, RecordingTopKRouter)]
+
+
+def stream_experts(experts_tlk: torch.Tensor, batch: Any) -> torch.Tensor:
+    """``mb.routed_experts`` ``[T, moe_layers, top_k]`` (the microbatch's tokens in packed
+    order) in the routers' row order for ``batch``: a packed stream's own rows then `FREE` for
+    its padding; right-padded rows scattered into ``[rows, L]`` (`FREE` padding), then
+    sequence-major as megatron flattens ``[S, B]``."""
+    _, layers, k = experts_tlk.shape
+    if isinstance(batch, PaddedBatch):
+        rows, length = batch.tokens.shape
+        full = experts_tlk.new_full((rows * length, layers, k), FREE)
+        full[batch.flat_index.to(full.device)] = experts_tlk
+        return full.reshape(rows, length, layers, k).transpose(0, 1).reshape(-1, layers, k)
+    total = batch.inputs.input_ids.shape[-1]
+    full = experts_tlk.new_full((total, layers, k), FREE)
+    full[: experts_tlk.shape[0]] = experts_tlk
+    return full
+
+
+def microbatch_router_logits(chunks: Sequence[torch.nn.Module], batch: Any) -> list[torch.Tensor]:
+    """`collect_router_logits` of one microbatch's forward in the packed token order core's
+    `router_term` reads: a packed stream (``[S, 1]``) already is (the stream's padding comes after
+    the microbatch's tokens, CP padding is dropped by core); right-padded rows (``[S, B]``,
+    flattened sequence-major by megatron) are gathered to the microbatch's real tokens."""
+    logits = collect_router_logits(chunks)
+    if not isinstance(batch, PaddedBatch):
+        return logits
+    rows = batch.tokens.shape[0]
+    return [
+        lg.reshape(-1, rows, lg.shape[-1])
+        .transpose(0, 1)
+        .reshape(-1, lg.shape[-1])
+        .index_select(0, batch.flat_index)
+        for lg in logits
+    ]
 
 
 def collect_router_logits(chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ virtual pipeline stages too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,12 +24,21 @@ import torch
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
 from unirl.backends.megatron.heads import HeadLossFn
+from unirl.backends.megatron.moe import collect_router_logits, microbatch_router_logits
+from unirl.backends.megatron.replay import ScheduleReplay, with_disagreement
 from unirl.backends.megatron.role_model import MegatronModel
-from unirl.backends.megatron.schedule import ScheduledMicrobatch, run_schedule, schedule_items
+from unirl.backends.megatron.router_stages import StageRouterLosses
+from unirl.backends.megatron.schedule import (
+    ScheduledMicrobatch,
+    StageOutput,
+    run_schedule,
+    schedule_items,
+)
 from unirl.backends.microbatch import zero_through_graph
 from unirl.core.backend import LogprobSpec
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
+from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
 
@@ -59,8 +69,10 @@ class MicrobatchLoop:
         spec: LogprobSpec | None,
         on_forward: Callable[[], None],
         progress: MicrobatchProgress,
+        replay: ScheduleReplay | None = None,
     ) -> list[torch.Tensor]:
-        """The head's first result per microbatch, detached fp32 ([] off the last stage)."""
+        """The head's first result per microbatch, detached fp32 ([] off the last stage).
+        ``replay``: the policy's routing replay / record (`unirl.backends.megatron.replay`)."""
         if not microbatches:
             return []
         items, rows, seq_len = self._items(microbatches)
@@ -77,7 +89,18 @@ class MicrobatchLoop:
             return zero, {}
 
         with forward_only(model.modules, device=self.device, offloaded=model.offloaded):
-            self._run(model, items, rows, seq_len, stage_loss, on_forward, progress, train=False)
+            self._run(
+                model,
+                items,
+                rows,
+                seq_len,
+                stage_loss,
+                on_forward,
+                progress,
+                train=False,
+                stage_output=None if replay is None else replay.after_forward,
+                before_forward=None if replay is None else replay.before_forward,
+            )
         return self._in_order(results, len(microbatches))
 
     def train(
@@ -89,10 +112,16 @@ class MicrobatchLoop:
         spec: LogprobSpec | None,
         on_forward: Callable[[], None],
         progress: MicrobatchProgress,
+        router: RouterLossSettings | None = None,
+        replay: ScheduleReplay | None = None,
     ) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of one optimizer step; its metrics per microbatch ([] off the
         last stage). One schedule call: megatron reduces the gradients at its end, so all
-        microbatches of one optimizer step come in one call."""
+        microbatches of one optimizer step come in one call. ``router``: an MoE policy's router
+        losses; with one pipeline stage ``loss_fn`` gets each MoE layer's router logits of the
+        microbatch (core adds the term), under pp > 1 each stage backpropagates its layers'
+        share (`unirl.backends.megatron.router_stages`). ``replay``: routing replay of
+        ``mb.routed_experts`` and ``router/disagreement`` per microbatch."""
         # the caller's interface refused an empty list (`unirl.backends.base`, core's plan)
         assert microbatches, "a training pass needs at least one microbatch"
         if model.grads_pending:
@@ -104,13 +133,22 @@ class MicrobatchLoop:
         items, rows, seq_len = self._items(microbatches)
         scale = self.loss_scale(len(items))
         metrics: dict[int, Mapping[str, Metric]] = {}
+        router_logits = router is not None and self.topology.pp_size == 1
+        stages = None
+        if router is not None and not router_logits:
+            stages = self._stage_router_losses(model, router, microbatches, len(items))
 
         def stage_loss(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
             # output: the last stage's logits, hidden states (fused head) or values
             if item.mb is None:  # VPP padding: a zero that still reaches every parameter
                 return zero_through_graph(output), {}
             mb = item.mb
-            loss, mb_metrics = model.head.loss(model.chunks, item, output, spec, loss_fn)
+            mb_loss_fn = loss_fn
+            if router_logits:  # core adds the router losses from this forward's logits
+                mb_loss_fn = functools.partial(
+                    loss_fn, router_logits=microbatch_router_logits(model.chunks, item.batch)
+                )
+            loss, mb_metrics = model.head.loss(model.chunks, item, output, spec, mb_loss_fn)
             if mb.num_tokens == 0:
                 # the backward (and the pipeline's gradient sends) run as for any microbatch
                 loss = loss + zero_through_graph(output)
@@ -121,8 +159,62 @@ class MicrobatchLoop:
         for ddp in model.ddp:
             ddp.train()
         model.grads_pending = True
-        self._run(model, items, rows, seq_len, stage_loss, on_forward, progress, train=True)
+        self._run(
+            model,
+            items,
+            rows,
+            seq_len,
+            stage_loss,
+            on_forward,
+            progress,
+            train=True,
+            stage_output=_chain(
+                None if replay is None else replay.after_forward,
+                None if stages is None else stages.stage_output,
+            ),
+            before_forward=None if replay is None else replay.before_forward,
+        )
+        # logits nobody took (no router losses: a critic, megatron's recompute recording in the
+        # backward) are dropped, not kept across steps
+        collect_router_logits(model.chunks)
+        last = self.topology.is_last_pipeline_stage()
+        if stages is not None and last:
+            for index, router_metrics in stages.metrics().items():
+                metrics[index] = {**metrics[index], **router_metrics}
+        if replay is not None:
+            disagreement = replay.disagreement(len(microbatches), self.device)
+            if last:
+                for index, metric in enumerate(disagreement):
+                    metrics[index] = with_disagreement(dict(metrics[index]), metric)
         return self._in_order(metrics, len(microbatches))
+
+    def _stage_router_losses(
+        self,
+        model: MegatronModel,
+        router: RouterLossSettings,
+        microbatches: Sequence[TrainMicrobatch],
+        num_items: int,
+    ) -> StageRouterLosses:
+        """Under pp > 1: the shares' backward scaled as megatron scales the last stage's loss
+        (its grad scale, ``cp / num_microbatches``, times `loss_scale`), weighted by the step's
+        tokens (summed over the data-parallel ranks: every rank of the step is in this call)."""
+        topo = self.topology
+        tokens = torch.tensor(
+            [sum(mb.num_tokens for mb in microbatches)], dtype=torch.int64, device=self.device
+        )
+        if topo.groups.dp is not None and topo.dp_size > 1:
+            torch.distributed.all_reduce(tokens, group=topo.groups.dp)
+        config = model.chunks[0].config
+        grad_scale = 1.0
+        if config.grad_scale_func is not None:
+            grad_scale = float(config.grad_scale_func(torch.ones(1, device=self.device)))
+        return StageRouterLosses(
+            router,
+            pp_group=topo.groups.pp,
+            num_local_chunks=len(model.chunks),
+            backward_scale=grad_scale * self.loss_scale(num_items) * topo.cp_size / num_items,
+            global_tokens=int(tokens),
+        )
 
     def _items(
         self, microbatches: Sequence[TrainMicrobatch]
@@ -146,6 +238,8 @@ class MicrobatchLoop:
         progress: MicrobatchProgress,
         *,
         train: bool,
+        stage_output: StageOutput | None = None,
+        before_forward: Callable[[ScheduledMicrobatch, torch.nn.Module], None] | None = None,
     ) -> None:
         run_schedule(
             model.modules,
@@ -157,9 +251,27 @@ class MicrobatchLoop:
             topology=self.topology,
             on_forward=on_forward,
             on_microbatch=progress.tick,
+            stage_output=stage_output,
+            before_forward=before_forward,
         )
 
     def _in_order(self, results: Mapping[int, Any], n: int) -> list[Any]:
         if not self.topology.is_last_pipeline_stage():
             return []
         return [results[i] for i in range(n)]
+
+
+def _chain(*hooks: StageOutput | None) -> StageOutput | None:
+    """The given `StageOutput` hooks applied in order (None if there are none)."""
+    given = [h for h in hooks if h is not None]
+    if not given:
+        return None
+
+    def chained(
+        index: int, mb: Any, batch: Any, chunk: torch.nn.Module, vp: Any, output: torch.Tensor
+    ) -> torch.Tensor:
+        for hook in given:
+            output = hook(index, mb, batch, chunk, vp, output)
+        return output
+
+    return chained

@@ -48,6 +48,14 @@ def check(cfg: UnirlConfig) -> None:
             "optimizer is sharded by megatron's distributed optimizer: use 0 (off) or 1"
         )
     _check_experts(cfg)
+    _check_router_losses(cfg)
+    if cfg.algorithm.routing_replay != "off" and cfg.model.gradient_checkpointing:
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r} with "
+            "model.gradient_checkpointing: true on the Megatron backend: megatron's full recompute "
+            "reruns each router in the backward, after later microbatches set their experts; turn "
+            "gradient_checkpointing off or set algorithm.routing_replay: off"
+        )
     if p.sequence_parallel:
         _check_sequence_parallel(cfg)
     layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
@@ -55,6 +63,33 @@ def check(cfg: UnirlConfig) -> None:
         raise ConfigError(
             f"model.hf_config.num_hidden_layers={layers} is not divisible by parallel.pp x "
             f"parallel.vpp = {p.pp} x {p.vpp or 1}; choose sizes that divide the layer count"
+        )
+
+
+def _check_router_losses(cfg: UnirlConfig) -> None:
+    """The router losses need every MoE layer's logits of a forward with autograd: no activation
+    recompute (its first forward runs the routers without autograd), and under pp > 1 (each
+    stage its share, pooled over the pipeline group: `router_stages`) no context parallel."""
+    a = cfg.algorithm
+    if _hf_config_fields(cfg).get("model_type") != "qwen3_moe" or not (
+        a.router_aux_loss_coef or a.router_z_loss_coef
+    ):
+        return
+    coefs = (
+        f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef}, "
+        f"router_z_loss_coef={a.router_z_loss_coef}"
+    )
+    if cfg.parallel.pp > 1 and cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"{coefs} with parallel.pp={cfg.parallel.pp} and parallel.cp={cfg.parallel.cp}: the "
+            "Megatron backend pools the router statistics over pipeline stages or over context "
+            "ranks, not both; set both coefficients to 0, parallel.pp: 1 or parallel.cp: 1"
+        )
+    if cfg.model.gradient_checkpointing:
+        raise ConfigError(
+            f"{coefs} with model.gradient_checkpointing: true: under megatron's full recompute the "
+            "routers run without autograd in the forward; set both coefficients to 0 or turn "
+            "gradient_checkpointing off"
         )
 
 
@@ -128,6 +163,8 @@ PLUGIN = BackendPlugin(
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",
     supports_critic=True,
+    # R3 / R2 in `RecordingTopKRouter`, mapped per layer number (`unirl.backends.megatron.replay`)
+    supports_routing_replay=True,
     supports_sequence_parallel=True,
     supports_loss_in_head=True,  # `heads.LogprobHead.loss`
     # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).

@@ -199,6 +199,11 @@ def vpp_group_size(num_microbatches: int, pp: int) -> int:
 # (item, logits on the last stage: [1, T, V_local] packed, [rows, L, V_local] padded)
 #   -> (loss tensor, data for megatron); item.batch.real_logits(logits) is [T_real, V_local]
 LossFunc = Callable[[ScheduledMicrobatch, torch.Tensor], tuple[torch.Tensor, Any]]
+# (microbatch index, microbatch or None for padding, model inputs, chunk, vp_stage, the chunk's
+# output) -> the output megatron sends on / hands the loss function
+StageOutput = Callable[
+    [int, "TrainMicrobatch | None", Any, torch.nn.Module, "int | None", torch.Tensor], torch.Tensor
+]
 
 
 def run_schedule(
@@ -212,9 +217,14 @@ def run_schedule(
     topology: Topology,
     on_forward: Callable[[], None],
     on_microbatch: Callable[[], None],
+    stage_output: StageOutput | None = None,
+    before_forward: Callable[[ScheduledMicrobatch, torch.nn.Module], None] | None = None,
 ) -> None:
     """One schedule call. `on_forward` runs once per real microbatch (after chunk 0's forward),
-    `on_microbatch` once per real microbatch where the microbatch completes (progress tick)."""
+    `on_microbatch` once per real microbatch where the microbatch completes (progress tick),
+    `stage_output` (if given) on every chunk's output before megatron sees it (the router
+    losses' stage shares, `unirl.backends.megatron.router_stages`), `before_forward` (if given)
+    before each chunk's forward (routing replay sets the routers' experts)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     vpp = topology.vpp_size is not None and topology.vpp_size > 1
@@ -226,7 +236,13 @@ def run_schedule(
 
     def forward_step(data_iterator: ChunkIterator, chunk: torch.nn.Module) -> Any:
         item = next(data_iterator)
+        if before_forward is not None:
+            before_forward(item, chunk)
         output = chunk(**item.batch.model_kwargs())
+        if stage_output is not None:
+            output = stage_output(
+                item.index, item.mb, item.batch, chunk, data_iterator.vp_stage, output
+            )
         if not item.is_pad:
             if data_iterator.vp_stage in (None, 0):
                 on_forward()
