@@ -204,6 +204,8 @@ class RLStep:
             )
         if self.cfg.algorithm.mismatch_metrics:
             users.append("algorithm.mismatch_metrics: true")
+        if self.loss_settings.decoupled:
+            users.append("algorithm.decoupled: true (the behaviour log-probs)")
         if users and not batch.has("rollout_logprobs"):
             raise RolloutDataError(
                 f"the rollout has no 'rollout_logprobs', but {', '.join(users)} needs them; give "

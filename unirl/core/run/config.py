@@ -209,6 +209,12 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             "nothing (the weight exp(old - rollout) is 1 when old log-probs are the rollout's); "
             "use old_logprobs: auto or recompute, or set rollout_correction.mode: none"
         )
+    if a.decoupled and cfg.old_logprobs == "rollout":
+        raise ConfigError(
+            "algorithm.decoupled: true with old_logprobs: rollout makes the proximal policy the "
+            "behaviour one (weight exp(0) = 1 everywhere); use old_logprobs: auto or recompute, "
+            "or set algorithm.decoupled: false"
+        )
     # The chosen rollout source's own rules (what it needs, what its options must fit).
     SOURCES.get(cfg.rollout.source).check(cfg)
     _check_prompts(cfg)
