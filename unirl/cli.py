@@ -71,7 +71,7 @@ def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
-    from unirl.core.old_logprobs import decide_old_logprobs
+    from unirl.core.old_logprobs import decide_old_logprobs, logprob_roles
 
     decision = decide_old_logprobs(cfg)
     lay, p = cfg.layout, cfg.parallel
@@ -90,7 +90,11 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         "plan": _plan_summary(cfg),
         "rollout": _rollout_summary(cfg),
         "old_logprobs": decision.to_dict()
-        | {"explanation": decision.explain(), "mismatch": mismatch_note(cfg, decision.source)},
+        | {
+            "explanation": decision.explain(),
+            "mismatch": mismatch_note(cfg, decision.source),
+            "roles": logprob_roles(cfg, decision),
+        },
         "critic": critic_summary(cfg),
     }
 
@@ -114,6 +118,9 @@ def _print_report(report: dict[str, Any]) -> None:
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
     out.write(report["old_logprobs"]["mismatch"] + "\n")
+    out.write("\n# log-prob roles\n")
+    for role, origin in report["old_logprobs"]["roles"].items():
+        out.write(f"{role}: {origin}\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
 
 

@@ -211,7 +211,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                     batch = apply_postprocess_hook(
                         hook, batch, k, str(cfg.algorithm.rollout_postprocess_hook)
                     )
-                result = rl_step.run(batch, rl_step=k)
+                result = rl_step.run(batch, rl_step=k, policy_version=version)
                 metrics = (
                     result.metrics
                     | policy_version_metrics(batch, version)

@@ -30,7 +30,13 @@ from unirl.core.data.rollout import PackedMicrobatch, RolloutBatch
 from unirl.core.errors import RolloutDataError
 from unirl.core.maths.advantages import AdvantageInputs, compute_advantages
 from unirl.core.maths.losses import LossInputs, Metric, compute_loss, critic_loss, reduce_metrics
-from unirl.core.old_logprobs import DecisionLog, OldLogprobDecision, decide_old_logprobs
+from unirl.core.old_logprobs import (
+    DecisionLog,
+    OldLogprobDecision,
+    decide_old_logprobs,
+    rollout_staleness,
+    uncorrected_staleness,
+)
 from unirl.core.run.algorithm import (
     advantage_settings,
     forward_logprob_spec,
@@ -71,6 +77,7 @@ class RLStep:
             replay_shape(cfg) if cfg.algorithm.routing_replay == "rollout" else None
         )
         self.decisions = DecisionLog()
+        self._warned_stale = False  # the uncorrected-staleness warning, once per run
         self.show_bars = progress_enabled(cfg.progress.enabled)
         self.log_phases = True  # with bars off: this step's phase lines at INFO (log_every)
         # PPO's value model, when the config enables one (`unirl.core.critic`).
@@ -78,7 +85,11 @@ class RLStep:
 
     # -- public -------------------------------------------------------------------------
 
-    def run(self, batch: RolloutBatch, *, rl_step: int = 0) -> StepResult:
+    def run(
+        self, batch: RolloutBatch, *, rl_step: int = 0, policy_version: int | None = None
+    ) -> StepResult:
+        """One RL step on ``batch``. ``policy_version`` (the optimizer steps the policy has
+        taken) tells the decision how stale the samples are; None: treat them as on-policy."""
         cfg, topo = self.cfg, self.topology
         t_start = time.perf_counter()
         self.log_phases = logs_step(rl_step + 1, cfg.progress.log_every, cfg.train.rl_steps)
@@ -88,9 +99,14 @@ class RLStep:
             samples_per_prompt=cfg.batch.samples_per_prompt,
             moe=self.rollout_experts,
         )
-        decision = decide_old_logprobs(cfg, len(batch))
+        staleness = rollout_staleness(batch, policy_version)
+        decision = decide_old_logprobs(cfg, len(batch), staleness=staleness)
         if topo.is_reporting_rank:
             self.decisions.update(decision)
+            warning = uncorrected_staleness(cfg, staleness)
+            if warning is not None and not self._warned_stale:
+                logger.warning("%s", warning)
+                self._warned_stale = True
         self._check_data_for(decision, batch)
         plans = self._plans(batch, rl_step)
         critic_plans = (
