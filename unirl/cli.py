@@ -71,9 +71,15 @@ def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
-    from unirl.core.old_logprobs import decide_old_logprobs, logprob_roles
+    from unirl.core.old_logprobs import (
+        configured_staleness,
+        decide_old_logprobs,
+        logprob_roles,
+        uncorrected_staleness,
+    )
 
-    decision = decide_old_logprobs(cfg)
+    staleness = configured_staleness(cfg)
+    decision = decide_old_logprobs(cfg, staleness=staleness)
     lay, p = cfg.layout, cfg.parallel
     return {
         "config": cfg.to_dict(),
@@ -94,6 +100,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
             "explanation": decision.explain(),
             "mismatch": mismatch_note(cfg, decision.source),
             "roles": logprob_roles(cfg, decision),
+            "staleness_warning": uncorrected_staleness(cfg, staleness),
         },
         "critic": critic_summary(cfg),
     }
@@ -121,6 +128,8 @@ def _print_report(report: dict[str, Any]) -> None:
     out.write("\n# log-prob roles\n")
     for role, origin in report["old_logprobs"]["roles"].items():
         out.write(f"{role}: {origin}\n")
+    if report["old_logprobs"]["staleness_warning"]:
+        out.write("WARNING: " + report["old_logprobs"]["staleness_warning"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
 
 

@@ -256,6 +256,12 @@ def decide_old_logprobs(
     return OldLogprobDecision(requested=mode, source=source, needs=needs)
 
 
+def configured_staleness(cfg: UnirlConfig) -> int:
+    """The staleness ``train.max_staleness`` allows, in policy versions (optimizer steps):
+    what `unirl check` decides for, before any rollout exists."""
+    return cfg.train.max_staleness * cfg.layout.optimizer_steps_per_rollout
+
+
 def uncorrected_staleness(cfg: UnirlConfig, staleness: int) -> str | None:
     """A warning when stale samples train without any off-policy correction, naming the fix;
     None when the data is on-policy or something corrects it."""

@@ -215,6 +215,12 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             "behaviour one (weight exp(0) = 1 everywhere); use old_logprobs: auto or recompute, "
             "or set algorithm.decoupled: false"
         )
+    if cfg.train.max_staleness and not SOURCES.get(cfg.rollout.source).generates:
+        raise ConfigError(
+            f"train.max_staleness={cfg.train.max_staleness} generates rollouts ahead of "
+            f"training, but rollout.source: {cfg.rollout.source} reads finished ones (their "
+            "staleness is in their policy_version); set train.max_staleness: 0"
+        )
     # The chosen rollout source's own rules (what it needs, what its options must fit).
     SOURCES.get(cfg.rollout.source).check(cfg)
     _check_prompts(cfg)
