@@ -322,6 +322,7 @@ def _take_ahead(
     metrics = staleness_metrics(generated.batch, version) | {
         "time/rollout_wait_s": wait_s,  # the trainer idle, waiting for the rollout
         "time/overlap_s": max(0.0, busy - wait_s),  # its generation hidden behind training
+        "time/generator_idle_s": generated.idle_s,  # the worker waiting for these weights
     }
     return generated.batch, generated.generation_s, generated.sync_s, metrics
 

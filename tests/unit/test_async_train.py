@@ -112,7 +112,8 @@ def test_async_run_follows_the_schedule_and_resumes_exactly(tmp_path):
     assert [r["rollout/policy_version"] for r in a] == [0, 0, 1, 2]  # max(0, r - 1)
     assert [r["rollout/staleness_max"] for r in a] == [0, 1, 1, 1]
     assert [r["old_logprobs/source"] for r in a] == ["reuse", "recompute", "recompute", "recompute"]
-    assert all(r["time/overlap_s"] >= 0 and r["time/rollout_wait_s"] >= 0 for r in a)
+    for key in ("time/overlap_s", "time/rollout_wait_s", "time/generator_idle_s"):
+        assert all(r[key] >= 0 for r in a), key
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for key in ("reward/mean", "loss", "grad_norm", "entropy", "ppo_kl",

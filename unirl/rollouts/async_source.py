@@ -34,11 +34,13 @@ logger = logging.getLogger(__name__)
 
 @attrs.frozen(kw_only=True)
 class Generated:
-    """One rollout from the worker, with the seconds its weight sync and its generation took."""
+    """One rollout from the worker, with the seconds its weight sync and its generation took and
+    the seconds the worker sat idle before it, waiting for these weights to be submitted."""
 
     batch: RolloutBatch
     sync_s: float
     generation_s: float
+    idle_s: float = 0.0
 
 
 def staleness_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
@@ -68,6 +70,7 @@ class RolloutsAhead:
         self.max_staleness = max_staleness
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unirl-rollouts")
         self._pending: dict[int, Future[Generated]] = {}
+        self._last_done: float | None = None  # when the worker finished its previous rollout
 
     def submit(self, rl_step: int, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Queue rollout ``rl_step``, generated from a copy of ``weights`` (version ``version``):
@@ -77,10 +80,14 @@ class RolloutsAhead:
 
     def _generate(self, rl_step: int, weights: dict[str, torch.Tensor], version: int) -> Generated:
         t0 = time.perf_counter()
+        idle = 0.0 if self._last_done is None else max(0.0, t0 - self._last_done)
         self.source.sync_weights(weights, policy_version=version)
         t1 = time.perf_counter()
         batch = self.source.next_rollout(rl_step)
-        return Generated(batch=batch, sync_s=t1 - t0, generation_s=time.perf_counter() - t1)
+        self._last_done = time.perf_counter()
+        return Generated(
+            batch=batch, sync_s=t1 - t0, generation_s=self._last_done - t1, idle_s=idle
+        )
 
     def put_ready(self, rl_step: int, batch: RolloutBatch) -> None:
         """A rollout already generated (restored from a checkpoint)."""
