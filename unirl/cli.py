@@ -71,10 +71,16 @@ def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
-    from unirl.core.old_logprobs import decide_old_logprobs
+    from unirl.core.old_logprobs import (
+        configured_staleness,
+        decide_old_logprobs,
+        logprob_roles,
+        uncorrected_staleness,
+    )
     from unirl.core.run.algorithm import head_path
 
-    decision = decide_old_logprobs(cfg)
+    staleness = configured_staleness(cfg)
+    decision = decide_old_logprobs(cfg, staleness=staleness)
     head = head_path(cfg)
     lay, p = cfg.layout, cfg.parallel
     return {
@@ -92,7 +98,12 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         "plan": _plan_summary(cfg),
         "rollout": _rollout_summary(cfg),
         "old_logprobs": decision.to_dict()
-        | {"explanation": decision.explain(), "mismatch": mismatch_note(cfg, decision.source)},
+        | {
+            "explanation": decision.explain(),
+            "mismatch": mismatch_note(cfg, decision.source),
+            "roles": logprob_roles(cfg, decision),
+            "staleness_warning": uncorrected_staleness(cfg, staleness),
+        },
         "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
         "critic": critic_summary(cfg),
     }
@@ -117,6 +128,11 @@ def _print_report(report: dict[str, Any]) -> None:
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
     out.write(report["old_logprobs"]["mismatch"] + "\n")
+    out.write("\n# log-prob roles\n")
+    for role, origin in report["old_logprobs"]["roles"].items():
+        out.write(f"{role}: {origin}\n")
+    if report["old_logprobs"]["staleness_warning"]:
+        out.write("WARNING: " + report["old_logprobs"]["staleness_warning"] + "\n")
     out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch.distributed as dist
@@ -39,6 +39,10 @@ from unirl.core.run.wandb_log import WandbLog
 from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
 from unirl.log_setup import apply_log_level
+
+if TYPE_CHECKING:
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.rollouts.async_source import RolloutsAhead
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     checkpoint; `overwrite` deletes a previous run there first. Without either, a directory that
     holds another run is refused (`ConfigError`) before anything is built or written."""
     from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
+    from unirl.rollouts.async_source import RolloutsAhead
+    from unirl.rollouts.async_source import restore as restore_rollouts
     from unirl.rollouts.build import save_run_tokenizer
     from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
     from unirl.rollouts.source import policy_version_metrics
@@ -141,6 +147,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     )
     topo = backend.topology
     timed_out = False
+    # train.max_staleness > 0: rollouts generated ahead, in a worker (rollouts/async_source)
+    ahead: RolloutsAhead | None = None
     try:
         run_id = _same_on_every_rank(resumed_id or run_dirs.new_run_id())
         if _is_rank0():
@@ -149,12 +157,14 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             run_dirs.write_run_id(run_dir, run_id)
         _barrier()
         start, resumed_from, client = 0, None, None
+        if cfg.train.max_staleness:
+            ahead = RolloutsAhead(source, cfg.train.max_staleness)
         if resume:
             if found is not None:
                 resumed_from, path = found
                 client = backend.load_checkpoint(path)
                 start = int(client["rl_step"])
-                source.load_state_dict(client["rollout_source"])
+                restore_rollouts(source, ahead, client["rollout_source"])
             if topo.is_reporting_rank:
                 if found is None:
                     logger.info("--resume: no complete checkpoint in %s, starting fresh", ckpt_root)
@@ -178,7 +188,12 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         # The optimizer steps the policy has taken: the version of the weights each sync sends.
         version = _initial_policy_version(cfg, client)
         t0 = time.perf_counter()
-        source.sync_weights(backend.hf_state_dict(), policy_version=version)
+        if ahead is None:
+            source.sync_weights(backend.hf_state_dict(), policy_version=version)
+        else:  # the first k rollouts: restored, or generated from the weights we start from
+            for r in range(start, start + ahead.max_staleness):
+                if not ahead.has(r):
+                    ahead.submit(r, backend.hf_state_dict(), version)
         # Logged with the step whose rollout came from the weights this sync delivered.
         sync_s = time.perf_counter() - t0
         rl_step = RLStep(cfg, backend)
@@ -195,7 +210,12 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         ) as bar:
             for k in range(start, total):
                 t0 = time.perf_counter()
-                if generates:
+                async_metrics: dict[str, float] = {}
+                if ahead is not None:
+                    batch, generation_s, sync_s, async_metrics = _take_ahead(
+                        ahead, k, backend, version
+                    )
+                elif generates:
                     with GenerationProgress(
                         "generate",
                         cfg.layout.rollout_samples,
@@ -206,15 +226,17 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                         batch = source.next_rollout(k, progress=gen_bar)
                 else:
                     batch = source.next_rollout(k)
-                generation_s = time.perf_counter() - t0
+                if ahead is None:
+                    generation_s = time.perf_counter() - t0
                 if hook is not None:
                     batch = apply_postprocess_hook(
                         hook, batch, k, str(cfg.algorithm.rollout_postprocess_hook)
                     )
-                result = rl_step.run(batch, rl_step=k)
+                result = rl_step.run(batch, rl_step=k, policy_version=version)
                 metrics = (
                     result.metrics
                     | policy_version_metrics(batch, version)
+                    | async_metrics
                     | {
                         "old_logprobs/source": result.decision.source,
                         "time/generation_s": generation_s,
@@ -226,14 +248,15 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                 if metrics_log is not None:
                     metrics_log.write(k + 1, metrics)
                 guard.after_step(k + 1, metrics, weights)  # before any sync, save or export
-                t0 = time.perf_counter()
-                source.sync_weights(weights, policy_version=version)
-                sync_s = time.perf_counter() - t0
+                if ahead is None:
+                    t0 = time.perf_counter()
+                    source.sync_weights(weights, policy_version=version)
+                    sync_s = time.perf_counter() - t0
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                     with bar.excluded():  # a save is not a step: keep it out of the ETA
                         _save(
-                            backend, ckpt_root, done, version, cfg, source, run_id,
+                            backend, ckpt_root, done, version, cfg, ahead or source, run_id,
                             topo.is_reporting_rank,
                         )  # fmt: skip
                 bar.advance(metrics)
@@ -276,9 +299,32 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             "(raise parallel.timeout_s if a rank is only slow)"
         ) from exc
     finally:
+        if ahead is not None:
+            ahead.close()
         source.close()  # an engine's processes go also when the run failed
         if not timed_out:
             backend.close()
+
+
+def _take_ahead(
+    ahead: RolloutsAhead, k: int, backend: Any, version: int
+) -> tuple[RolloutBatch, float, float, dict[str, float]]:
+    """train.max_staleness > 0: queue rollout k + max_staleness from the weights now (version
+    ``version``), then take rollout k (unirl.rollouts.async_source has the schedule). Returns the
+    batch, its generation and weight-sync seconds in the worker, and the async metrics."""
+    from unirl.rollouts.async_source import staleness_metrics
+
+    # Queued even past the run's last step: the final checkpoint then holds the rollouts a
+    # --resume with more train.rl_steps continues from, exactly.
+    ahead.submit(k + ahead.max_staleness, backend.hf_state_dict(), version)
+    generated, wait_s = ahead.take(k)
+    busy = generated.sync_s + generated.generation_s
+    metrics = staleness_metrics(generated.batch, version) | {
+        "time/rollout_wait_s": wait_s,  # the trainer idle, waiting for the rollout
+        "time/overlap_s": max(0.0, busy - wait_s),  # its generation hidden behind training
+        "time/generator_idle_s": generated.idle_s,  # the worker waiting for these weights
+    }
+    return generated.batch, generated.generation_s, generated.sync_s, metrics
 
 
 def _write_error(exc: BaseException) -> str:

@@ -187,6 +187,18 @@ def test_config_is_frozen():
             base(old_logprobs="rollout", algorithm={"rollout_correction": {"mode": "tis"}}),
             r"rollout_correction.mode='tis' with old_logprobs: rollout corrects nothing",
         ),
+        (
+            base(old_logprobs="rollout", algorithm={"decoupled": True}),
+            r"algorithm.decoupled: true with old_logprobs: rollout makes the proximal policy",
+        ),
+        (
+            base(algorithm={"decoupled": True, "rollout_correction": {"mode": "icepop"}}),
+            r"algorithm.decoupled=True with algorithm.rollout_correction.mode='icepop'",
+        ),
+        (
+            base(algorithm={"decoupled_cap": 0.9}),
+            r"algorithm.decoupled_cap=0.9 must be >= 1",
+        ),
         (base(rollout={"top_p": 1.5}), r"rollout.top_p must be > 0 and <= 1, got 1.5"),
     ],
 )

@@ -56,6 +56,8 @@ def test_the_keys_and_the_settings_fields_they_set():
         "rollout_correction_high": "rollout_correction.high",
         "value_coef": "value_coef",
         "value_clip": "value_clip",
+        "decoupled": "decoupled",
+        "decoupled_cap": "decoupled_cap",
     }
     assert fed_fields(AlgorithmConfig, AdvantageSettings) == {
         "estimator": "advantage_estimator",
@@ -82,7 +84,7 @@ def test_a_key_has_the_type_of_the_settings_field_it_sets():
     """The YAML converter checks the config field's type; it must be the settings field's, or a
     value could pass one and fail the other."""
     fields = list(_fed_config_fields(AlgorithmConfig))
-    assert len(fields) == 23  # 2 of them: the MoE router terms' coefficients
+    assert len(fields) == 25  # 2 MoE router coefficients, 2 decoupled-PPO keys
     for cls, field, hint in fields:
         settings_cls, name = field.metadata[FEEDS]
         assert hint == typing.get_type_hints(settings_cls)[name], f"{cls.__name__}.{field.name}"

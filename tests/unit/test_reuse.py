@@ -7,8 +7,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
+from unirl.core.data.rollout import RolloutBatch
+from unirl.core.data.sample import RolloutSample
 from unirl.core.errors import ConfigError
-from unirl.core.old_logprobs import DecisionLog, decide_old_logprobs, registered_needs
+from unirl.core.old_logprobs import (
+    DecisionLog,
+    decide_old_logprobs,
+    logprob_roles,
+    registered_needs,
+    rollout_staleness,
+    uncorrected_staleness,
+)
 from unirl.core.run.config import config_from_dict
 
 # 8 prompts x 4 samples = 32 per rollout; one optimizer step of 32 by default.
@@ -226,5 +235,81 @@ def test_reuse_never_chosen_while_a_need_is_active(chosen, mode):
 
 
 def test_every_need_is_exercised_by_the_table():
-    seen = {feature for *_, needs in TABLE for feature in needs}
+    seen = {feature for *_, needs in TABLE + STALE_TABLE for feature in needs}
     assert seen == set(registered_needs())
+
+
+# -- staleness: samples older than the policy at the training forward ----------------------------
+
+DECOUPLED = {"algorithm__decoupled": True}
+STALE_TABLE = [
+    # (mode, overrides, staleness, expected source, expected active needs)
+    ("auto", {}, 0, "reuse", set()),
+    ("auto", {}, 1, "recompute", {"stale_samples"}),
+    ("auto", {}, 3, "recompute", {"stale_samples"}),
+    ("auto", DECOUPLED, 0, "reuse", set()),  # k = 0 with decoupled: the ratio is 1, reuse stays
+    ("auto", DECOUPLED, 2, "recompute", {"stale_samples"}),
+    ("auto", TWO_STEPS, 1, "recompute", {"stale_samples", "multiple_optimizer_steps"}),
+    ("recompute", {}, 1, "recompute", {"stale_samples"}),
+    ("rollout", {}, 1, "rollout", {"stale_samples"}),
+]
+
+
+@pytest.mark.parametrize("mode, overrides, staleness, source, needs", STALE_TABLE)
+def test_staleness_rows(mode, overrides, staleness, source, needs):
+    decision = decide_old_logprobs(make(mode, **overrides), staleness=staleness)
+    assert decision.source == source
+    assert {n.feature for n in decision.needs} == needs
+    if staleness:
+        assert f"up to {staleness} policy version(s) older" in decision.explain()
+
+
+def test_forced_reuse_on_stale_samples_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"old_logprobs: reuse is invalid.*stale_samples"):
+        decide_old_logprobs(make("reuse"), staleness=1)
+
+
+def _batch(versions):
+    samples = [
+        RolloutSample(prompt_tokens=[1], response_tokens=[2], reward=0.0, group_id=i // 4,
+                      policy_version=v)
+        for i, v in enumerate(versions)
+    ]  # fmt: skip
+    return RolloutBatch(samples)
+
+
+def test_rollout_staleness_is_the_oldest_sample_against_the_trainer():
+    assert rollout_staleness(_batch([5, 4, 5, 3]), 5) == 2  # 5 - min(5, 4, 5, 3)
+    assert rollout_staleness(_batch([5, 5, 5, 5]), 5) == 0
+    assert rollout_staleness(_batch([None] * 4), 5) == 0  # a file without versions
+    assert rollout_staleness(_batch([5, None, 2, None]), 5) == 3
+    assert rollout_staleness(_batch([5] * 4), None) == 0  # a caller without a version
+
+
+@pytest.mark.parametrize(
+    "overrides, staleness, warns",
+    [
+        ({}, 0, False),
+        ({}, 2, True),
+        (DECOUPLED, 2, False),
+        (TIS, 2, False),
+        ({"algorithm__rollout_correction__mode": "icepop"}, 1, False),
+    ],
+)
+def test_uncorrected_staleness_warning(overrides, staleness, warns):
+    warning = uncorrected_staleness(make("auto", **overrides), staleness)
+    assert (warning is not None) == warns
+    if warns:
+        assert "algorithm.decoupled: true" in warning
+        assert f"up to {staleness} policy version(s) stale" in warning
+
+
+def test_roles_say_where_each_log_prob_comes_from():
+    roles = logprob_roles(make("auto"), decide_old_logprobs(make("auto")))
+    assert roles["proximal"].startswith("the training forward's own, detached")
+    cfg = make("auto", **DECOUPLED)
+    roles = logprob_roles(cfg, decide_old_logprobs(cfg, staleness=1))
+    assert roles["proximal"].startswith("a forward-only pass")
+    assert "weights the loss through algorithm.decoupled" in roles["behaviour"]
+    roles = logprob_roles(make("rollout"), decide_old_logprobs(make("rollout")))
+    assert "behaviour = proximal" in roles["proximal"]

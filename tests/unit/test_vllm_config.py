@@ -67,3 +67,17 @@ def test_max_metric_reduces_by_max_over_microbatches():
     got = reduce_metrics([{"m_max": mb1}, {"m_max": mb2}, {"m_max": empty}])
     assert got == {"m_max": pytest.approx(0.3)}
     assert reduce_metrics([{"m_max": empty}]) == {"m_max": 0.0}
+
+
+def test_async_on_several_trainer_processes_is_refused():
+    with pytest.raises(ConfigError, match=r"train\.max_staleness=1 runs on one trainer process"):
+        load_config(EXAMPLE, ["train.max_staleness=1"], world_size=2)
+
+
+def test_check_with_max_staleness_prints_roles_and_the_warning(capsys):
+    assert main(["check", str(EXAMPLE), "--json", "--set", "train.max_staleness=1"]) == 0
+    report = json.loads(capsys.readouterr().out)["old_logprobs"]
+    assert report["source"] == "recompute"  # stale samples: the proximal pass runs
+    assert [n["feature"] for n in report["needs"]] == ["stale_samples"]
+    assert report["roles"]["proximal"].startswith("a forward-only pass")
+    assert "algorithm.decoupled: true" in report["staleness_warning"]

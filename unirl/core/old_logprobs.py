@@ -8,6 +8,12 @@
   skipped.
 - ``rollout``: the rollout engine's log-probs (they must be present in the data).
 
+These are the *proximal* log-probs of the three roles (`unirl.core.maths.losses.inputs`):
+current (the training forward's), proximal (what the PPO ratio is clipped against) and behaviour
+(the rollout engine's, of the weights that generated the sample; `logprob_roles` says where each
+comes from). On-policy data has behaviour = proximal; stale data (asynchronous training, an old
+rollout file) does not, which is the ``stale_samples`` need.
+
 Instead of a hand-kept chain of flags, each feature that needs the policy's log-probs before the
 first optimizer step declares that need (a registered function of the config returning a reason,
 or None). `auto` reuses exactly when no need is active. The decision is a frozen value that carries
@@ -22,6 +28,7 @@ from typing import Literal
 
 import attrs
 
+from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import UnirlConfig
 
@@ -44,6 +51,9 @@ class RolloutShape:
 
     samples: int
     optimizer_steps: int
+    # How many optimizer steps the policy at the training forward is ahead of the oldest policy
+    # that generated a sample (0: on-policy, or the versions are unknown).
+    staleness: int = 0
 
 
 NeedCheck = Callable[[UnirlConfig, RolloutShape], "str | None"]
@@ -84,6 +94,17 @@ def _multiple_steps(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
             f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} x "
             f"batch.epochs_per_rollout={b.epochs_per_rollout}): after the first step the policy "
             "differs from the one that generated the data"
+        )
+    return None
+
+
+@register_need("stale_samples")
+def _stale(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
+    if shape.staleness > 0:
+        return (
+            f"samples up to {shape.staleness} policy version(s) older than the policy at the "
+            "training forward (policy_version < current): its own log-probs are not the ones "
+            "that generated the data, so the proximal log-probs are computed before the step"
         )
     return None
 
@@ -201,12 +222,25 @@ def active_needs(cfg: UnirlConfig, shape: RolloutShape) -> tuple[Need, ...]:
     return tuple(needs)
 
 
-def decide_old_logprobs(cfg: UnirlConfig, rollout_samples: int | None = None) -> OldLogprobDecision:
-    """Decide for a rollout of `rollout_samples` samples (default: the configured size)."""
+def rollout_staleness(batch: RolloutBatch, policy_version: int | None) -> int:
+    """How many versions ``policy_version`` (the trained policy's) is ahead of the oldest sample
+    of ``batch``; 0 when either is unknown (a file without versions, a caller without one)."""
+    if policy_version is None:
+        return 0
+    versions = [s.policy_version for s in batch.samples if s.policy_version is not None]
+    return max(0, policy_version - min(versions)) if versions else 0
+
+
+def decide_old_logprobs(
+    cfg: UnirlConfig, rollout_samples: int | None = None, *, staleness: int = 0
+) -> OldLogprobDecision:
+    """Decide for a rollout of `rollout_samples` samples (default: the configured size) whose
+    oldest sample is `staleness` policy versions behind the trained policy."""
     samples = rollout_samples if rollout_samples is not None else cfg.layout.rollout_samples
     per_step = cfg.batch.samples_per_optimizer_step
     steps = -(-samples // per_step) * cfg.batch.epochs_per_rollout
-    needs = active_needs(cfg, RolloutShape(samples=samples, optimizer_steps=steps))
+    shape = RolloutShape(samples=samples, optimizer_steps=steps, staleness=staleness)
+    needs = active_needs(cfg, shape)
     mode = cfg.old_logprobs
     if mode == "reuse" and needs:
         listed = "; ".join(f"{n.feature} ({n.reason})" for n in needs)
@@ -220,6 +254,56 @@ def decide_old_logprobs(cfg: UnirlConfig, rollout_samples: int | None = None) ->
     else:
         source = mode  # type: ignore[assignment]
     return OldLogprobDecision(requested=mode, source=source, needs=needs)
+
+
+def configured_staleness(cfg: UnirlConfig) -> int:
+    """The staleness ``train.max_staleness`` allows, in policy versions (optimizer steps):
+    what `unirl check` decides for, before any rollout exists."""
+    return cfg.train.max_staleness * cfg.layout.optimizer_steps_per_rollout
+
+
+def uncorrected_staleness(cfg: UnirlConfig, staleness: int) -> str | None:
+    """A warning when stale samples train without any off-policy correction, naming the fix;
+    None when the data is on-policy or something corrects it."""
+    a = cfg.algorithm
+    if staleness <= 0 or a.decoupled or a.rollout_correction.mode != "none":
+        return None
+    return (
+        f"the rollout is up to {staleness} policy version(s) stale and nothing corrects for it: "
+        "plain PPO treats it as on-policy; set algorithm.decoupled: true (decoupled PPO, "
+        "weights each token by its proximal / behaviour ratio) or "
+        "algorithm.rollout_correction.mode: tis"
+    )
+
+
+def logprob_roles(cfg: UnirlConfig, decision: OldLogprobDecision) -> dict[str, str]:
+    """Each log-prob role -> where it comes from in this run (`unirl check` prints it)."""
+    proximal = {
+        "recompute": "a forward-only pass of the policy before the first optimizer step",
+        "reuse": "the training forward's own, detached (no extra pass; ratio exactly 1)",
+        "rollout": "the rollout engine's (rollout_logprobs): behaviour = proximal",
+    }[decision.source]
+    a = cfg.algorithm
+    users = [
+        key
+        for key, on in (
+            ("algorithm.decoupled", a.decoupled),
+            (f"algorithm.rollout_correction.mode={a.rollout_correction.mode}",
+             a.rollout_correction.mode != "none"),
+        )
+        if on
+    ]  # fmt: skip
+    behaviour = "the rollout engine's (rollout_logprobs), of the weights that generated each sample"
+    behaviour += (
+        f"; weights the loss through {', '.join(users)}"
+        if users
+        else "; weights no token in this run (a stale rollout would need algorithm.decoupled)"
+    )
+    return {
+        "current": "the training forward (with grad)",
+        "proximal": proximal,
+        "behaviour": behaviour,
+    }
 
 
 class DecisionLog:

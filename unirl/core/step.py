@@ -32,7 +32,13 @@ from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.maths.advantages import AdvantageInputs, compute_advantages
 from unirl.core.maths.losses import LossInputs, Metric, compute_loss, critic_loss, reduce_metrics
 from unirl.core.moe_loss import RouterLossSettings, router_term
-from unirl.core.old_logprobs import DecisionLog, OldLogprobDecision, decide_old_logprobs
+from unirl.core.old_logprobs import (
+    DecisionLog,
+    OldLogprobDecision,
+    decide_old_logprobs,
+    rollout_staleness,
+    uncorrected_staleness,
+)
 from unirl.core.run.algorithm import (
     advantage_settings,
     forward_logprob_spec,
@@ -80,6 +86,7 @@ class RLStep:
         shape = moe_shape(cfg.model) if hf_config_fields(cfg.model) is not None else None
         self.router_settings = None if shape is None else RouterLossSettings.from_config(cfg, shape)
         self.decisions = DecisionLog()
+        self._warned_stale = False  # the uncorrected-staleness warning, once per run
         self.show_bars = progress_enabled(cfg.progress.enabled)
         self.log_phases = True  # with bars off: this step's phase lines at INFO (log_every)
         # PPO's value model, when the config enables one (`unirl.core.critic`).
@@ -87,7 +94,11 @@ class RLStep:
 
     # -- public -------------------------------------------------------------------------
 
-    def run(self, batch: RolloutBatch, *, rl_step: int = 0) -> StepResult:
+    def run(
+        self, batch: RolloutBatch, *, rl_step: int = 0, policy_version: int | None = None
+    ) -> StepResult:
+        """One RL step on ``batch``. ``policy_version`` (the optimizer steps the policy has
+        taken) tells the decision how stale the samples are; None: treat them as on-policy."""
         cfg, topo = self.cfg, self.topology
         t_start = time.perf_counter()
         self.log_phases = logs_step(rl_step + 1, cfg.progress.log_every, cfg.train.rl_steps)
@@ -97,9 +108,14 @@ class RLStep:
             samples_per_prompt=cfg.batch.samples_per_prompt,
             moe=self.rollout_experts,
         )
-        decision = decide_old_logprobs(cfg, len(batch))
+        staleness = rollout_staleness(batch, policy_version)
+        decision = decide_old_logprobs(cfg, len(batch), staleness=staleness)
         if topo.is_reporting_rank:
             self.decisions.update(decision)
+            warning = uncorrected_staleness(cfg, staleness)
+            if warning is not None and not self._warned_stale:
+                logger.warning("%s", warning)
+                self._warned_stale = True
         self._check_data_for(decision, batch)
         plans = self._plans(batch, rl_step)
         critic_plans = (
@@ -215,6 +231,8 @@ class RLStep:
             )
         if self.cfg.algorithm.mismatch_metrics:
             users.append("algorithm.mismatch_metrics: true")
+        if self.loss_settings.decoupled:
+            users.append("algorithm.decoupled: true (the behaviour log-probs)")
         if users and not batch.has("rollout_logprobs"):
             raise RolloutDataError(
                 f"the rollout has no 'rollout_logprobs', but {', '.join(users)} needs them; give "

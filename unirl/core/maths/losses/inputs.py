@@ -16,6 +16,13 @@ import torch
 
 from unirl.core.errors import LossInputError
 
+# The three roles of the log-probs in an (off-policy) PPO step -> the field that holds each.
+LOGPROB_ROLES = {
+    "current": "logprobs",
+    "proximal": "old_logprobs",
+    "behaviour": "rollout_logprobs",
+}
+
 # Per-token tensors that must be finite wherever they are given.
 _FINITE_FIELDS = (
     "logprobs",
@@ -34,8 +41,15 @@ _FINITE_FIELDS = (
 class LossInputs:
     """Per-token inputs of one microbatch on this rank.
 
-    ``old_logprobs`` None means "reuse": the policy has not moved since the rollout was scored,
-    so the pre-step log-probs are this forward's own, detached (ratio exactly 1).
+    The log-probs play three roles (`LOGPROB_ROLES`):
+
+    - current: ``logprobs``, the training forward's, with grad;
+    - proximal: ``old_logprobs``, the policy the PPO ratio is clipped against (the "old" one);
+      None means "reuse": the policy has not moved since the rollout was scored, so the
+      pre-step log-probs are this forward's own, detached (ratio exactly 1);
+    - behaviour: ``rollout_logprobs``, the rollout engine's, of the policy that generated the
+      tokens (maybe some optimizer steps old). Rollout correction (TIS, IcePop) and decoupled
+      PPO weight tokens by proximal / behaviour.
     Padding tokens need ``loss_mask`` 0 and any valid ``seq_ids`` entry.
     """
 
@@ -58,6 +72,15 @@ class LossInputs:
     def mask(self) -> torch.Tensor:
         """The loss mask as a float tensor in the log-probs' dtype."""
         return self.loss_mask.to(self.logprobs.dtype)
+
+    @property
+    def behaviour_logprobs(self) -> torch.Tensor | None:
+        """The behaviour policy's log-probs (the rollout engine's), or None when not given."""
+        return self.rollout_logprobs
+
+    def proximal_logprobs(self) -> torch.Tensor:
+        """The proximal policy's log-probs (the PPO ratio's "old"), detached-reuse resolved."""
+        return self.resolved_old_logprobs()
 
     def resolved_old_logprobs(self) -> torch.Tensor:
         """Pre-step log-probs; ``None`` means reuse this forward's own, detached."""

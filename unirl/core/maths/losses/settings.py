@@ -87,6 +87,9 @@ class LossSettings:
     )
     rollout_correction_low: float = attrs.field(default=0.5, validator=_non_negative)
     rollout_correction_high: float = attrs.field(default=2.0, validator=_non_negative)
+    # Decoupled PPO (AReaL): weight each token by min(exp(proximal - behaviour), decoupled_cap).
+    decoupled: bool = False
+    decoupled_cap: float = attrs.field(default=5.0, validator=_non_negative)
     value_coef: float = attrs.field(default=0.5, validator=_non_negative)
     value_clip: float | None = attrs.field(default=0.2, validator=_non_negative)
 
@@ -113,6 +116,23 @@ class LossSettings:
                     f"{key('rollout_correction_high')}={hi} must satisfy low <= 1 <= high with "
                     "low < high (an on-policy token, ratio 1, must keep weight 1); typical: 0.5 "
                     "and 2.0"
+                )
+            )
+        if self.decoupled_cap < 1.0:
+            raise _error(
+                lambda key: (
+                    f"{key('decoupled_cap')}={self.decoupled_cap} must be >= 1 (an on-policy "
+                    "token, ratio 1, must keep weight 1); typical: 5.0"
+                )
+            )
+        if self.decoupled and self.rollout_correction != "none":
+            raise _error(
+                lambda key: (
+                    f"{key('decoupled')}=True with {key('rollout_correction')}="
+                    f"{self.rollout_correction!r} weights each token by the proximal / behaviour "
+                    "ratio twice; decoupled PPO already corrects for the behaviour policy (the "
+                    f"rollout engine), so set {key('rollout_correction')}: none or "
+                    f"{key('decoupled')}: false"
                 )
             )
         if self.value_clip == 0:

@@ -1,6 +1,7 @@
 """The loss of one microbatch: policy term, KL, entropy bonus and value term, aggregated once.
 
-Per token, with ``w_t`` the rollout-correction weight (1 when off)::
+Per token, with ``w_t`` the rollout-correction weight or decoupled PPO's behaviour weight (1 when
+off; both are the proximal / behaviour ratio, so the settings allow one at a time)::
 
     total_t = w_t pg_t + kl_loss_coef kl_t - entropy_coef H_t + value_coef v_t
 
@@ -23,6 +24,7 @@ from unirl.core.maths.losses.aggregation import (
     token_max_metric,
     token_mean_metric,
 )
+from unirl.core.maths.losses.decoupled import decoupled_weight
 from unirl.core.maths.losses.inputs import LossInputs
 from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.registry import get_policy_loss
@@ -74,6 +76,10 @@ def compute_loss(
     metrics.update(correction_metrics)
     if weight_t is not None:
         pg_t = pg_t * weight_t
+    behaviour_t, decoupled_metrics = decoupled_weight(inp, settings)
+    metrics.update(decoupled_metrics)
+    if behaviour_t is not None:
+        pg_t = pg_t * behaviour_t
     if pg_weight is not None:
         pg_t = pg_t * pg_weight.detach()
     metrics["pg_loss"] = aggregate_metric(pg_t, inp, counts, mode)

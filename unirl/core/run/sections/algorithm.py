@@ -69,6 +69,9 @@ class AlgorithmConfig:
     kl_loss: KLConfig = attrs.field(factory=KLConfig)
     kl_in_reward: KLInRewardConfig = attrs.field(factory=KLInRewardConfig)
     rollout_correction: RolloutCorrectionConfig = attrs.field(factory=RolloutCorrectionConfig)
+    # Decoupled PPO (AReaL, unirl.core.maths.losses.decoupled): for stale (asynchronous) data.
+    decoupled: bool = LOSS.decoupled
+    decoupled_cap: float = LOSS.decoupled_cap
     gamma: float = ADVANTAGE.gamma
     lam: float = ADVANTAGE.lam
     std_normalize: bool = ADVANTAGE.std_normalize

@@ -1,0 +1,124 @@
+"""Asynchronous training (``train.max_staleness: k``): the generation schedule, the copy of the
+weights the worker generates from, the metrics, and an exact resume through the CLI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.unit.test_train import EXAMPLES, _run_train_in_subprocess
+from unirl.core.data.rollout import RolloutBatch
+from unirl.core.data.sample import RolloutSample
+from unirl.core.errors import ConfigError
+from unirl.core.run.metrics_log import read_metrics
+from unirl.rollouts.async_source import RolloutsAhead, restore, staleness_metrics
+
+
+class _RecordingSource:
+    """Makes a one-sample rollout whose reward is the synced weight's value, and logs calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.weight = None
+        self.version = -1
+        self.drawn = 0
+
+    def sync_weights(self, state_dict, *, policy_version: int) -> None:
+        self.calls.append(("sync", policy_version))
+        self.weight, self.version = float(state_dict["w"]), policy_version
+
+    def next_rollout(self, rl_step: int, progress: Any = None) -> RolloutBatch:
+        self.calls.append(("generate", rl_step))
+        self.drawn += 1
+        return RolloutBatch([RolloutSample(prompt_tokens=[1], response_tokens=[2],
+                                           reward=self.weight, group_id=rl_step,
+                                           policy_version=self.version)])  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state) -> None:
+        self.drawn = state["drawn"]
+
+
+def test_worker_generates_in_order_from_a_copy_of_the_weights():
+    source = _RecordingSource()
+    ahead = RolloutsAhead(source, max_staleness=1)
+    w = torch.tensor(1.0)
+    try:
+        ahead.submit(0, {"w": w}, 0)
+        ahead.submit(1, {"w": w}, 0)
+        w.add_(10.0)  # the trainer moves on: the queued rollouts keep the weights they were given
+        first, _ = ahead.take(0)
+        ahead.submit(2, {"w": w}, 1)
+        second, _ = ahead.take(1)
+        third, _ = ahead.take(2)
+    finally:
+        ahead.close()
+    assert [float(g.batch.rewards[0]) for g in (first, second, third)] == [1.0, 1.0, 11.0]
+    assert source.calls == [("sync", 0), ("generate", 0), ("sync", 0), ("generate", 1),
+                            ("sync", 1), ("generate", 2)]  # fmt: skip
+
+
+def test_state_round_trips_the_rollouts_in_flight():
+    source = _RecordingSource()
+    ahead = RolloutsAhead(source, max_staleness=2)
+    ahead.submit(5, {"w": torch.tensor(3.0)}, 4)
+    ahead.submit(6, {"w": torch.tensor(4.0)}, 5)
+    state = ahead.state_dict()
+    ahead.close()
+    assert state["source"] == {"drawn": 2} and sorted(state["in_flight"]) == ["5", "6"]
+    again = RolloutsAhead(_RecordingSource(), max_staleness=2)
+    restore(again.source, again, state)
+    assert again.source.drawn == 2 and again.has(5) and again.has(6)
+    batch = again.take(6)[0].batch
+    again.close()
+    assert float(batch.rewards[0]) == 4.0 and batch.samples[0].policy_version == 5
+    with pytest.raises(ConfigError, match=r"resume with the train\.max_staleness"):
+        restore(_RecordingSource(), None, state)
+
+
+def test_staleness_metrics_per_sample():
+    batch = RolloutBatch([RolloutSample(prompt_tokens=[1], response_tokens=[2], reward=0.0,
+                                        group_id=0, policy_version=v) for v in (3, 4, 4, None)])  # fmt: skip
+    # ages 5-3, 5-4, 5-4 (None is left out): mean 4/3, max 2
+    assert staleness_metrics(batch, 5) == {
+        "rollout/staleness_mean": pytest.approx(4 / 3),
+        "rollout/staleness_max": 2.0,
+    }
+
+
+def test_async_run_follows_the_schedule_and_resumes_exactly(tmp_path):
+    """k = 1: rollout r (0-based) comes from the weights after max(0, r - 1) RL steps (one
+    optimizer step each); a run cut at step 2 and resumed equals the uninterrupted run."""
+    base = [str(EXAMPLES / "tiny_grpo.yaml"), "--set", "logging.tensorboard=false",
+            "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=32",
+            "--set", "train.max_staleness=1", "--set", "algorithm.decoupled=true"]  # fmt: skip
+    full = _run_train_in_subprocess(
+        [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
+        tmp_path,
+    )
+    assert full.returncode == 0, full.stderr[-3000:]
+    cut = [*base, "--set", f"logging.run_dir={tmp_path / 'cut'}", "--set", "checkpoint.every=2"]
+    first = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=4", "--resume"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["rollout/policy_version"] for r in a] == [0, 0, 1, 2]  # max(0, r - 1)
+    assert [r["rollout/staleness_max"] for r in a] == [0, 1, 1, 1]
+    assert [r["old_logprobs/source"] for r in a] == ["reuse", "recompute", "recompute", "recompute"]
+    for key in ("time/overlap_s", "time/rollout_wait_s", "time/generator_idle_s"):
+        assert all(r[key] >= 0 for r in a), key
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ("reward/mean", "loss", "grad_norm", "entropy", "ppo_kl",
+                    "decoupled_weight_mean", "rollout/policy_version"):  # fmt: skip
+            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    wa = load_file(str(tmp_path / "full" / "hf" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "cut" / "hf" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
