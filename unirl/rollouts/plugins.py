@@ -39,6 +39,7 @@ SAMPLER = SourcePlugin(
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
     top_p_logprobs="untruncated",
+    runs_episodes=True,
 )
 
 FILE = SourcePlugin(
