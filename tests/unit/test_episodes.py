@@ -315,3 +315,94 @@ def test_hidden_number_environment():
         env.reset("?", {})
     problem = make_task("tool_lookup").sample_problem(random.Random(0))
     assert problem.metadata["secret"] == problem.target_text
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def _example(**rollout):
+    import yaml
+
+    from unirl.core.run.config import config_from_dict
+
+    with open("examples/tiny_multiturn.yaml") as f:
+        data = yaml.safe_load(f)
+    data["rollout"].update(rollout)
+    return config_from_dict(data)
+
+
+def test_config_environment_rules():
+    cfg = _example()
+    assert cfg.rollout.environment == "hidden_number" and cfg.rollout.max_turns == 3
+    with pytest.raises(ConfigError, match=r"rollout\.source: vllm does not run multi-turn"):
+        _example(source="vllm")
+    with pytest.raises(ConfigError, match=r"rollout.max_turns=3 applies to multi-turn"):
+        _example(environment=None, env_step_timeout_s=60.0, max_episode_tokens=None)
+    with pytest.raises(ConfigError, match=r"max_episode_tokens=2 is below"):
+        _example(max_episode_tokens=2)
+    with pytest.raises(ConfigError, match=r"not a registered environment"):
+        from unirl.rollouts.build import build_sampler_source
+
+        build_sampler_source(_example(environment="hidden_nmber"))
+
+
+# -- the loss of a multi-turn batch -------------------------------------------------------------
+
+
+def test_multi_turn_loss_and_grads_equal_a_per_turn_loop():
+    """unirl's ppo_clip token-mean loss on padded multi-turn episodes (mask holes at the
+    observations) against a loop over turns: each turn scored by its own forward of the
+    episode up to that turn, the clipped term summed over policy tokens, / their count."""
+    from unirl.core.maths.losses.settings import LossSettings
+    from unirl.losses import policy_loss
+
+    torch.manual_seed(0)
+    model = tiny_model(VOCAB).train()
+    eps, _, _ = play(
+        [[TURN0, TURN1], [([10, 2], [-1.0, -2.0])], [([11], [-0.3]), ([7, 2], [-0.2, -0.1])]],
+        EchoTool,
+        [[1, 3, 4], [1, 5, 6], [1, 4, 4]],
+    )
+    adv = torch.tensor([0.7, -1.2, 0.4])
+    settings = LossSettings(clip_low=0.2, clip_high=0.28)
+    # old log-probs: the rollout's shifted per token, so some ratios clip
+    olds = [torch.tensor(e.logprobs) + 0.3 * torch.randn(len(e.logprobs)) for e in eps]
+
+    # unirl: one forward per episode, padded to [B, L]
+    width = max(len(e.response) for e in eps)
+    old = torch.zeros(len(eps), width)
+    mask = torch.zeros(len(eps), width, dtype=torch.bool)
+    rows = []
+    for b, e in enumerate(eps):
+        full = torch.tensor([e.prompt + e.response])
+        lp = torch.log_softmax(model(input_ids=full).logits[0].float(), -1)
+        p, n = len(e.prompt), len(e.response)
+        rows.append(lp[torch.arange(p - 1, p + n - 1), torch.tensor(e.response)])
+        old[b, :n] = olds[b]
+        mask[b, :n] = torch.tensor(e.mask)
+    logp = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+    loss, _ = policy_loss("ppo_clip", logp, old, adv, mask, settings=settings)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+
+    # the reference: a Python loop over episodes and turns
+    total, count = 0.0, 0
+    for b, e in enumerate(eps):
+        start = 0
+        for end in e.turn_ends:
+            # the turn's policy tokens: from the first unmasked token after the last observation
+            span = [j for j in range(start, end + 1) if e.mask[j]]
+            prefix = torch.tensor([e.prompt + e.response[: end + 1]])
+            lp = torch.log_softmax(model(input_ids=prefix).logits[0].float(), -1)
+            for j in span:
+                new = lp[len(e.prompt) + j - 1, e.response[j]]
+                ratio = torch.exp(new - olds[b][j])
+                clipped = torch.clamp(ratio, 1 - 0.2, 1 + 0.28)
+                total = total + torch.maximum(-adv[b] * ratio, -adv[b] * clipped)
+                count += 1
+            start = end + 1
+    want = total / count
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    assert count == sum(sum(e.mask) for e in eps)
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
