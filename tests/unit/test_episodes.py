@@ -406,3 +406,22 @@ def test_multi_turn_loss_and_grads_equal_a_per_turn_loop():
     torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
+
+
+def test_readme_environment_snippet():
+    """The README's example environment, run as written, through the episode loop."""
+    from tests.unit.readme import readme_snippet
+    from unirl.rollouts.environments import ENVIRONMENTS
+
+    namespace: dict = {}
+    try:
+        exec(readme_snippet("environment"), namespace)
+        env = make_environment("calculator")
+        env.reset("?", {"answer": "84"})
+        from unirl.rollouts.environments import Turn
+
+        ask = Turn(token_ids=(1,), text="12*7=", index=0, finished=True)
+        assert env.step(ask) == ("84", 0.0, False)
+        assert env.step(Turn(token_ids=(2,), text="84", index=1, finished=True))[1:] == (1.0, True)
+    finally:
+        ENVIRONMENTS.unregister("calculator")
