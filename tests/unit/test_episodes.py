@@ -310,7 +310,7 @@ def test_hidden_number_environment():
     assert env.step(call) == ("=7", 0.2, False)
     assert env.step(call) == ("=7", 0.0, False)  # only the first call earns
     assert env.step(Turn(token_ids=(), text="7", index=1, finished=True)) == (None, 0.8, True)
-    assert env.step(Turn(token_ids=(), text="71", index=1, finished=True))[1] == 0.4
+    assert env.step(Turn(token_ids=(), text="77", index=1, finished=True))[1] == 0.0
     with pytest.raises(ConfigError, match="secret"):
         env.reset("?", {})
     problem = make_task("tool_lookup").sample_problem(random.Random(0))

@@ -6,8 +6,9 @@ its metadata (``secret``). A turn that ends with the call string (default ``"c"`
 ``rollout.stop`` so the turn ends there) is a tool call: the observation is ``"=" + secret``, and
 the first call earns ``call_reward`` (a per-turn reward: it makes calling worth learning before
 the answer is). Any other turn is the final answer: ``1 - call_reward`` when its text is exactly
-the secret, half that when it only starts with it, else 0; an episode that calls and answers
-right earns 1. Without the tool a policy can only guess (about 1 in 10).
+the secret, else 0 (no credit for a right first digit: a policy paid for it learns to copy the
+digit and never to stop after it); an episode that calls once and answers right earns 1.
+Without the tool a policy can only guess (about 1 in 10).
 """
 
 from __future__ import annotations
@@ -48,10 +49,7 @@ class HiddenNumber:
             reward = 0.0 if self.called else self.call_reward
             self.called = True
             return "=" + self.secret, reward, False
-        answer = 1.0 - self.call_reward
-        if turn.text == self.secret:
-            return None, answer, True
-        return None, answer / 2 if turn.text.startswith(self.secret) else 0.0, True
+        return None, 1.0 - self.call_reward if turn.text == self.secret else 0.0, True
 
 
 register_environment("hidden_number", HiddenNumber)
