@@ -244,7 +244,7 @@ def test_sampler_source_episodes_are_the_engines_ids_and_logprobs():
     torch.set_num_threads(1)
     task = make_task("tool_lookup")
     model = tiny_model(task.tokenizer.vocab_size)
-    from unirl.rollouts.environments.base import environment_factory
+    from unirl.rollouts.environments.registry import environment_factory
 
     source = SamplerRolloutSource(
         task,

@@ -84,7 +84,7 @@ def _episode_options(cfg: UnirlConfig) -> dict[str, Any]:
     r = cfg.rollout
     if r.environment is None:
         return {}
-    from unirl.rollouts.environments.base import environment_factory
+    from unirl.rollouts.environments.registry import environment_factory
     from unirl.rollouts.episodes import EpisodeLimits
 
     return {

@@ -18,12 +18,10 @@ decoded text. An observation given as text is tokenised once by the run's tokeni
 as token ids is appended as is. The episode loop is `unirl.rollouts.episodes`.
 """
 
-from unirl.rollouts.environments.base import (
+from unirl.rollouts.environments.base import Environment, Observation, Turn, as_observation
+from unirl.rollouts.environments.registry import (
     ENVIRONMENTS,
-    Environment,
-    Observation,
-    Turn,
-    as_observation,
+    environment_factory,
     make_environment,
     register_environment,
 )
@@ -34,6 +32,7 @@ __all__ = [
     "Observation",
     "Turn",
     "as_observation",
+    "environment_factory",
     "make_environment",
     "register_environment",
 ]

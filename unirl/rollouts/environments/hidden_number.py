@@ -2,7 +2,7 @@
 policy learns to call a tool and use what it returns.
 
 Every prompt is the same (``<bos> ? <sep>``, task ``tool_lookup``); each problem hides a digit in
-its metadata (``secret``). A turn that ends with the call string (default ``"c"``; make it a
+its metadata (``secret``). A turn that is exactly the call string (default ``"c"``; make it a
 ``rollout.stop`` so the turn ends there) is a tool call: the observation is ``"=" + secret``, and
 the first call earns ``call_reward`` (a per-turn reward: it makes calling worth learning before
 the answer is). Any other turn is the final answer: ``1 - call_reward`` when its text is exactly
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from unirl.core.errors import ConfigError
-from unirl.rollouts.environments.base import Turn, register_environment
+from unirl.rollouts.environments.base import Turn
 from unirl.rollouts.tasks import TOOL_CALL
 
 
@@ -45,11 +45,8 @@ class HiddenNumber:
         self.called = False
 
     def step(self, turn: Turn) -> tuple[str | None, float, bool]:
-        if turn.text.endswith(self.call):
+        if turn.text == self.call:
             reward = 0.0 if self.called else self.call_reward
             self.called = True
             return "=" + self.secret, reward, False
         return None, 1.0 - self.call_reward if turn.text == self.secret else 0.0, True
-
-
-register_environment("hidden_number", HiddenNumber)
