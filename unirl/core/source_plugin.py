@@ -88,6 +88,8 @@ class SourcePlugin:
     # Under rollout.top_p < 1: "truncated", the renormalised distribution it sampled from (a
     # serving engine); "untruncated", the full softmax (the built-in sampler); None: not known.
     top_p_logprobs: Literal["truncated", "untruncated"] | None = None
+    # Whether it runs multi-turn episodes against rollout.environment (unirl/rollouts/episodes.py).
+    runs_episodes: bool = False
 
 
 SOURCES: Registry[SourcePlugin] = Registry("rollout source", key="rollout.source")

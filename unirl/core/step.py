@@ -524,6 +524,22 @@ def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "samples": float(len(batch)),
+        **_episode_metrics(batch),
+    }
+
+
+def _episode_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Means over the samples of a multi-turn rollout (each sample's ``metadata["episode"]``,
+    written by the episode loop of `unirl.rollouts`): ``episode/turns`` per episode,
+    ``episode/tool_calls`` (observations returned), ``episode/truncated`` and
+    ``episode/env_failed`` (fractions). Empty for single-turn rollouts."""
+    episodes = [s.metadata.get("episode") for s in batch.samples]
+    if not episodes or not all(isinstance(e, Mapping) for e in episodes):
+        return {}
+    keys = ("turns", "tool_calls", "truncated", "env_failed")
+    return {
+        f"episode/{k}": sum(float(e.get(k, 0)) for e in episodes) / len(episodes)  # type: ignore[union-attr]
+        for k in keys
     }
 
 

@@ -75,7 +75,28 @@ def _sampler_source(
         device=device,
         stop=cfg.rollout.stop,
         stop_token_ids=cfg.rollout.stop_token_ids,
+        **_episode_options(cfg),
     )
+
+
+def _episode_options(cfg: UnirlConfig) -> dict[str, Any]:
+    """The sampler source's multi-turn arguments (none without ``rollout.environment``)."""
+    r = cfg.rollout
+    if r.environment is None:
+        return {}
+    from unirl.rollouts.environments.registry import environment_factory
+    from unirl.rollouts.episodes import EpisodeLimits
+
+    return {
+        "environment": environment_factory(r.environment, r.environment_options),
+        "episode_limits": EpisodeLimits(
+            max_turns=r.max_turns,
+            max_tokens=r.max_episode_tokens or cfg.model.max_seq_len,
+            step_timeout_s=r.env_step_timeout_s,
+            failure_reward=r.env_failure_reward,
+        ),
+        "max_seq_len": cfg.model.max_seq_len,
+    }
 
 
 def build_sampler_source(

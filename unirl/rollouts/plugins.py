@@ -15,9 +15,18 @@ if TYPE_CHECKING:
 
 
 def _describe_sampler(cfg: UnirlConfig) -> Mapping[str, Any]:
+    r = cfg.rollout
+    episodes = {}
+    if r.environment is not None:
+        episodes["episodes"] = (
+            f"multi-turn against environment {r.environment!r}: up to {r.max_turns} turns of "
+            f"{r.max_new_tokens} tokens, {r.max_episode_tokens or cfg.model.max_seq_len} "
+            "response tokens in all"
+        )
     return {
         "engine": "the built-in sampler: a copy of the policy on every rank",
         "policy_version": "the weights of the last sync: every rollout is on-policy",
+        **episodes,
     }
 
 
@@ -39,6 +48,7 @@ SAMPLER = SourcePlugin(
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
     top_p_logprobs="untruncated",
+    runs_episodes=True,
 )
 
 FILE = SourcePlugin(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,9 +21,18 @@ import torch
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.run.progress import GenerationProgress
+from unirl.rollouts.environments.base import Environment
+from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.sampler import Sampler
 from unirl.rollouts.stops import stop_ids
-from unirl.rollouts.tasks import Task, TaskTokenizer, load_task_state, task_rewards, task_state
+from unirl.rollouts.tasks import (
+    Problem,
+    Task,
+    TaskTokenizer,
+    load_task_state,
+    task_rewards,
+    task_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +44,21 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     if vocab is None:
         vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
     return int(vocab)
+
+
+def observation_encoder(tokenizer: TaskTokenizer) -> Callable[[str], list[int]]:
+    """How an observation's text becomes ids: the task tokenizer's plain encoding (no special
+    tokens added), done once per observation."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        return lambda text: [int(t) for t in hf.encode(text, add_special_tokens=False)]
+    encode = getattr(tokenizer, "encode", None)
+    if encode is None:
+        raise ConfigError(
+            f"rollout.environment: the task's tokenizer ({type(tokenizer).__name__}) has no "
+            "encode(text); return observations as token ids, or give the task a tokenizer with one"
+        )
+    return lambda text: list(encode(text))
 
 
 class SamplerRolloutSource:
@@ -54,7 +78,13 @@ class SamplerRolloutSource:
         device: torch.device | str | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        environment: Callable[[], Environment] | None = None,
+        episode_limits: EpisodeLimits | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
+        """With ``environment`` (a builder of one episode's environment), every sample is a
+        multi-turn episode (`unirl.rollouts.episodes`) within ``episode_limits`` and
+        ``max_seq_len`` tokens; ``max_new_tokens`` is then each turn's budget."""
         self.task = task
         self.tokenizer: TaskTokenizer = task.tokenizer
         self.prompts_per_rollout = prompts_per_rollout
@@ -80,6 +110,21 @@ class SamplerRolloutSource:
             stop_strings=stop,
             decode=self._stop_text,
         )
+        self.environment = environment
+        self.episodes: EpisodeRunner | None = None
+        if environment is not None:
+            if episode_limits is None or max_seq_len is None:
+                raise ConfigError(
+                    "SamplerRolloutSource: an environment needs episode_limits and max_seq_len"
+                )
+            self.episodes = EpisodeRunner(
+                lambda prompts, progress: self.sampler.generate(prompts, progress=progress),
+                encode=observation_encoder(self.tokenizer),
+                decode=self._stop_text,
+                limits=episode_limits,
+                max_seq_len=max_seq_len,
+                vocab_size=self._vocab_size,
+            )
         self._prompt_rng = random.Random(seed)
         self._rollouts_drawn = 0
         # The model starts as the policy's init (build_rollout_source's contract): version 0.
@@ -113,10 +158,12 @@ class SamplerRolloutSource:
         advances per decode step."""
         task, tok, group = self.task, self.tokenizer, self.samples_per_prompt
         problems = [task.sample_problem(self._prompt_rng) for _ in range(self.prompts_per_rollout)]
-        prompts = [p.prompt_tokens for p in problems for _ in range(group)]
-        generations = self.sampler.generate(prompts, progress=progress)
         # Group ids stay unique over the run, which keeps logged samples traceable.
         first_group = self._rollouts_drawn * self.prompts_per_rollout
+        if self.episodes is not None:
+            return self._episode_rollout(rl_step, problems, first_group, progress)
+        prompts = [p.prompt_tokens for p in problems for _ in range(group)]
+        generations = self.sampler.generate(prompts, progress=progress)
         sample_problems = [problems[i // group] for i in range(len(generations))]
         responses = [gen.response_tokens.tolist() for gen in generations]
         rewards = task_rewards(task, sample_problems, responses)
@@ -152,6 +199,58 @@ class SamplerRolloutSource:
             samples[0].metadata["prompt"],
             samples[0].metadata["response"],
             samples[0].metadata["target"],
+        )
+        return RolloutBatch(tuple(samples))
+
+    def _episode_rollout(
+        self,
+        rl_step: int,
+        problems: Sequence[Problem],
+        first_group: int,
+        progress: GenerationProgress | None,
+    ) -> RolloutBatch:
+        """One multi-turn episode per sample, all played together (`EpisodeRunner`); the
+        reward is the environment's, the task's reward is not used."""
+        assert self.episodes is not None and self.environment is not None
+        group = self.samples_per_prompt
+        sample_problems = [problems[i // group] for i in range(len(problems) * group)]
+        episodes = []
+        for i, problem in enumerate(sample_problems):
+            where = f"rl_step {rl_step} episode {i} (group {first_group + i // group})"
+            meta = dict(problem.metadata)
+            episodes.append(
+                self.episodes.start(
+                    self.environment(), problem.prompt_tokens, problem.prompt_text, meta, where
+                )
+            )
+        self.episodes.run(episodes, progress)
+        samples = []
+        for i, (ep, problem) in enumerate(zip(episodes, sample_problems)):
+            metadata = {
+                "task": self.task.name,
+                "rl_step": rl_step,
+                "prompt": problem.prompt_text,
+                "target": problem.target_text,
+                "response": self.tokenizer.decode(ep.response),
+                "finished": not ep.truncated,
+                "episode": ep.metadata(),
+            }
+            if problem.metadata:
+                metadata["prompt_metadata"] = dict(problem.metadata)
+            samples.append(
+                RolloutSample(
+                    **ep.sample_fields(),
+                    group_id=first_group + i // group,
+                    policy_version=self._policy_version,
+                    metadata=metadata,
+                )
+            )
+        self._rollouts_drawn += 1
+        logger.debug(
+            "rollout %d: %s -> %r",
+            rl_step,
+            problems[0].prompt_text,
+            samples[0].metadata["response"],
         )
         return RolloutBatch(tuple(samples))
 

@@ -265,6 +265,40 @@ class RepeatDigit:
         return positional_reward(response_tokens, problem.target_tokens)
 
 
+# The tool call of task tool_lookup (its environment, hidden_number, answers it).
+TOOL_CALL = "c"
+
+
+@attrs.frozen
+class ToolLookup:
+    """Problems for the ``hidden_number`` environment (`unirl.rollouts.environments.hidden_number`): the prompt ``<bos> ? <sep>``, a secret digit in metadata."""
+
+    name: str = "tool_lookup"
+    tokenizer: CharTokenizer = attrs.field(factory=lambda: CharTokenizer(DIGITS + "?=" + TOOL_CALL))
+
+    @property
+    def max_prompt_length(self) -> int:
+        return 3
+
+    @property
+    def max_target_length(self) -> int:
+        return 2  # the secret and <eos> (the call turn is shorter)
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        secret = rng.choice(DIGITS)
+        return Problem(
+            prompt_tokens=self.tokenizer.encode("?", bos=True, sep=True),
+            target_tokens=self.tokenizer.encode(secret, eos=True),
+            prompt_text="?",
+            target_text=secret,
+            metadata={"secret": secret},
+        )
+
+    def reward(self, problem: Problem, response_tokens: Sequence[int]) -> float:
+        """The single-turn score (a run without the environment): the exact answer."""
+        return float(list(response_tokens) == list(problem.target_tokens))
+
+
 # -- registry ------------------------------------------------------------------------------
 
 TaskFactory = Callable[..., Task]
@@ -311,3 +345,4 @@ def _import_factory(spec: str) -> TaskFactory:
 register_task("reverse_digits", ReverseDigits)
 register_task("add_small", AddSmall)
 register_task("repeat_digit", RepeatDigit)
+register_task("tool_lookup", ToolLookup)

@@ -239,6 +239,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     SOURCES.get(cfg.rollout.source).check(cfg)
     _check_prompts(cfg)
     _check_stops(cfg)
+    _check_environment(cfg)
     _check_wandb(cfg)
     _check_critic(cfg)
     check_routing_replay(cfg)
@@ -267,6 +268,41 @@ def _check_stops(cfg: UnirlConfig) -> None:
     for i, token in enumerate(r.stop_token_ids):
         if token < 0:
             raise ConfigError(f"rollout.stop_token_ids[{i}]={token}; token ids are >= 0")
+
+
+def _check_environment(cfg: UnirlConfig) -> None:
+    """rollout.environment and the keys that only mean something with it."""
+    r, default = cfg.rollout, RolloutConfig()
+    if r.environment is None:
+        for key in (
+            "environment_options",
+            "max_turns",
+            "max_episode_tokens",
+            "env_step_timeout_s",
+            "env_failure_reward",
+        ):
+            if getattr(r, key) != getattr(default, key):
+                raise ConfigError(
+                    f"rollout.{key}={getattr(r, key)!r} applies to multi-turn episodes, but "
+                    "rollout.environment is not set; set rollout.environment or remove the key"
+                )
+        return
+    if not SOURCES.get(r.source).runs_episodes:
+        raise ConfigError(
+            f"rollout.environment={r.environment!r}: rollout.source: {r.source} does not run "
+            "multi-turn episodes (only the built-in sampler does today); set rollout.source: "
+            "sampler or remove rollout.environment"
+        )
+    if r.prompts is not None:
+        raise ConfigError(
+            "rollout.environment with rollout.prompts: episodes are drawn from rollout.task "
+            "today (its problems' metadata reach the environment's reset); remove one of them"
+        )
+    if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
+        raise ConfigError(
+            f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
+            f"{r.max_new_tokens} (one turn's budget); raise it or leave it out"
+        )
 
 
 def _check_prompts(cfg: UnirlConfig) -> None:

@@ -9,6 +9,7 @@ import attrs
 
 from unirl.core.errors import ConfigError
 from unirl.core.run.validators import (
+    finite,
     in_range,
     positive,
 )
@@ -17,6 +18,16 @@ from unirl.core.source_plugin import SOURCES
 
 def _registered_source(instance: Any, attribute: attrs.Attribute, value: str) -> None:
     SOURCES.get(value)
+
+
+def _optional_positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        positive(instance, attribute, value)
+
+
+def _optional_finite(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        finite(instance, attribute, value)
 
 
 @attrs.frozen(kw_only=True)
@@ -59,6 +70,18 @@ class RolloutConfig:
     # of these token ids (besides the tokenizer's eos); the stop is the last response token.
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Multi-turn episodes (unirl/rollouts/episodes.py): an environment answers every policy turn
+    # (a registered name or "package.module:Class", built with environment_options); at most
+    # max_turns policy turns and max_episode_tokens response tokens (turns and observations;
+    # None: up to model.max_seq_len); one environment call may take env_step_timeout_s seconds
+    # (None: no limit); an environment that fails ends its episode with env_failure_reward
+    # (None: the run stops with an error naming the episode and turn).
+    environment: str | None = None
+    environment_options: dict[str, Any] = attrs.field(factory=dict)
+    max_turns: int = attrs.field(default=4, validator=positive)
+    max_episode_tokens: int | None = attrs.field(default=None, validator=_optional_positive)
+    env_step_timeout_s: float | None = attrs.field(default=60.0, validator=_optional_positive)
+    env_failure_reward: float | None = attrs.field(default=None, validator=_optional_finite)
     source_options: Any = None
 
     def __attrs_post_init__(self) -> None:
