@@ -38,6 +38,7 @@ from unirl.core.run.resume import check_resume_fits
 from unirl.core.run.wandb_log import WandbLog
 from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
+from unirl.core.weight_sync import WeightSync
 from unirl.log_setup import apply_log_level
 
 logger = logging.getLogger(__name__)
@@ -177,10 +178,9 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         )
         # The optimizer steps the policy has taken: the version of the weights each sync sends.
         version = _initial_policy_version(cfg, client)
-        t0 = time.perf_counter()
-        source.sync_weights(backend.hf_state_dict(), policy_version=version)
+        sync = WeightSync(cfg, backend, source)
         # Logged with the step whose rollout came from the weights this sync delivered.
-        sync_s = time.perf_counter() - t0
+        sync_s = sync.initial(version)
         rl_step = RLStep(cfg, backend)
         if topo.is_reporting_rank and backend.critic is not None:
             logger.info("critic: %s", critic_summary(cfg))
@@ -222,13 +222,10 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                     }
                 )
                 version += int(result.metrics["optimizer_steps"])
-                weights = backend.hf_state_dict()
                 if metrics_log is not None:
                     metrics_log.write(k + 1, metrics)
-                guard.after_step(k + 1, metrics, weights)  # before any sync, save or export
-                t0 = time.perf_counter()
-                source.sync_weights(weights, policy_version=version)
-                sync_s = time.perf_counter() - t0
+                # the non-finite check comes before any sync, save or export
+                sync_s = sync.after_step(k + 1, metrics, guard, version)
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                     with bar.excluded():  # a save is not a step: keep it out of the ETA

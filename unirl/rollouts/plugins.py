@@ -39,6 +39,7 @@ SAMPLER = SourcePlugin(
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
     top_p_logprobs="untruncated",
+    weights="every_rank",
 )
 
 FILE = SourcePlugin(
@@ -47,4 +48,5 @@ FILE = SourcePlugin(
     check=_check_file,
     describe=_describe_file,
     generates=False,
+    weights="none",
 )
