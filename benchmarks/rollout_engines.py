@@ -41,6 +41,7 @@ def main() -> None:
     import vllm
 
     from unirl.core.run.config import load_config
+    from unirl.core.weight_stream import as_buckets
     from unirl.rollouts import build_rollout_source, build_task_model
     from unirl.rollouts.sampler_source import SamplerRolloutSource
 
@@ -61,12 +62,12 @@ def main() -> None:
     weights = model.state_dict()
     try:
         t0 = time.perf_counter()
-        engine_source.sync_weights(weights, policy_version=0)  # starts the engine
+        engine_source.sync_weights(as_buckets(weights), policy_version=0)  # starts the engine
         start_s = time.perf_counter() - t0
         syncs = []
         for _ in range(3):
             t0 = time.perf_counter()
-            engine_source.sync_weights(weights, policy_version=0)
+            engine_source.sync_weights(as_buckets(weights), policy_version=0)
             syncs.append(time.perf_counter() - t0)
         runs: dict[str, list[dict[str, float]]] = {"vllm": [], "sampler": []}
         for k in range(args.rollouts):

@@ -38,6 +38,7 @@ from unirl.core.run.resume import check_resume_fits
 from unirl.core.run.wandb_log import WandbLog
 from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
+from unirl.core.weight_sync import WeightSync
 from unirl.log_setup import apply_log_level
 
 if TYPE_CHECKING:
@@ -187,15 +188,15 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         )
         # The optimizer steps the policy has taken: the version of the weights each sync sends.
         version = _initial_policy_version(cfg, client)
-        t0 = time.perf_counter()
+        sync = WeightSync(cfg, backend, source)
+        # Logged with the step whose rollout came from the weights this sync delivered.
+        sync_s = 0.0
         if ahead is None:
-            source.sync_weights(backend.hf_state_dict(), policy_version=version)
+            sync_s = sync.initial(version)
         else:  # the first k rollouts: restored, or generated from the weights we start from
             for r in range(start, start + ahead.max_staleness):
                 if not ahead.has(r):
-                    ahead.submit(r, backend.hf_state_dict(), version)
-        # Logged with the step whose rollout came from the weights this sync delivered.
-        sync_s = time.perf_counter() - t0
+                    ahead.submit(r, sync.snapshot(), version)
         rl_step = RLStep(cfg, backend)
         if topo.is_reporting_rank and backend.critic is not None:
             logger.info("critic: %s", critic_summary(cfg))
@@ -213,7 +214,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                 async_metrics: dict[str, float] = {}
                 if ahead is not None:
                     batch, generation_s, sync_s, async_metrics = _take_ahead(
-                        ahead, k, backend, version
+                        ahead, k, sync, version
                     )
                 elif generates:
                     with GenerationProgress(
@@ -244,14 +245,13 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                     }
                 )
                 version += int(result.metrics["optimizer_steps"])
-                weights = backend.hf_state_dict()
                 if metrics_log is not None:
                     metrics_log.write(k + 1, metrics)
-                guard.after_step(k + 1, metrics, weights)  # before any sync, save or export
+                # the non-finite check comes before any sync, save or export
                 if ahead is None:
-                    t0 = time.perf_counter()
-                    source.sync_weights(weights, policy_version=version)
-                    sync_s = time.perf_counter() - t0
+                    sync_s = sync.after_step(k + 1, metrics, guard, version)
+                else:  # the worker syncs its own snapshot (`_take_ahead`)
+                    guard.after_step(k + 1, metrics, backend.non_finite_weight())
                 done = k + 1
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                     with bar.excluded():  # a save is not a step: keep it out of the ETA
@@ -307,7 +307,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
 
 
 def _take_ahead(
-    ahead: RolloutsAhead, k: int, backend: Any, version: int
+    ahead: RolloutsAhead, k: int, sync: WeightSync, version: int
 ) -> tuple[RolloutBatch, float, float, dict[str, float]]:
     """train.max_staleness > 0: queue rollout k + max_staleness from the weights now (version
     ``version``), then take rollout k (unirl.rollouts.async_source has the schedule). Returns the
@@ -316,7 +316,7 @@ def _take_ahead(
 
     # Queued even past the run's last step: the final checkpoint then holds the rollouts a
     # --resume with more train.rl_steps continues from, exactly.
-    ahead.submit(k + ahead.max_staleness, backend.hf_state_dict(), version)
+    ahead.submit(k + ahead.max_staleness, sync.snapshot(), version)
     generated, wait_s = ahead.take(k)
     busy = generated.sync_s + generated.generation_s
     metrics = staleness_metrics(generated.batch, version) | {

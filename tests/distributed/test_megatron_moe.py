@@ -153,6 +153,7 @@ def _run_layout(sizes, cases, world):
         initialize_parallel_state,
         topology_from_parallel_state,
     )
+    from unirl.backends.megatron.weight_stream import stream_weights
     from unirl.core.run.config import ParallelConfig
     from unirl.core.topology import Topology
 
@@ -185,6 +186,12 @@ def _run_layout(sizes, cases, world):
                 if hasattr(layer.mlp, "local_expert_indices")
             ],
             "export": export_hf_state_dict(chunks, config, topo),
+            # issue 28: the weight stream to rank 0, small buckets (experts over EP / etp)
+            "stream": [
+                (n, t)
+                for bucket in stream_weights(chunks, config, topo, 2048, dst=0)
+                for n, t in bucket
+            ],
             "logprobs": _pipeline_logprobs(chunks, topo, ids[topo.dp_rank]),
         }
     if sizes.get("tp", 1) == 1 and sizes.get("pp", 1) == 1:
@@ -342,6 +349,12 @@ def test_moe_layouts_logprobs_and_round_trip():
                 for experts in out["local_experts"]:
                     assert experts == list(range(4 * ep_rank, 4 * ep_rank + 4)), (layout, rank)
                 _assert_exact(out["export"], original, config.tie_word_embeddings)
+                streamed = dict(out["stream"])  # rank 0 receives all, bit for bit; others none
+                assert (
+                    len(streamed) == len(out["stream"]) == (len(out["export"]) if rank == 0 else 0)
+                )
+                for n, t in streamed.items():
+                    assert torch.equal(t, out["export"][n]) and t.dtype == out["export"][n].dtype
                 if out["logprobs"] is not None:
                     last_stage.append(rank)
                     torch.testing.assert_close(

@@ -28,6 +28,7 @@ from unirl.core.errors import RunError
 from unirl.core.run.algorithm import needs_reference
 from unirl.core.run.config import load_config
 from unirl.core.step import RLStep
+from unirl.core.weight_stream import as_buckets
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.vllm import VllmRolloutSource
 
@@ -74,7 +75,8 @@ def _follow(source, cfg, first_rl_step: int) -> list[dict[str, float]]:
         step = RLStep(cfg, backend)
         metrics = []
         for k in range(2):
-            source.sync_weights(backend.hf_state_dict(), policy_version=k)
+            # small buckets: the engine reloads from several safetensors files
+            source.sync_weights(backend.stream_weights(1 << 16, dst=0), policy_version=k)
             batch = source.next_rollout(first_rl_step + k)
             assert {s.policy_version for s in batch.samples} == {k}
             metrics.append(step.run(batch, rl_step=first_rl_step + k).metrics)
@@ -114,7 +116,7 @@ def test_logprobs_are_the_tempered_distribution(source, tmp_path):
 
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(source.hf_config).float().eval()
-    source.sync_weights(model.state_dict(), policy_version=0)
+    source.sync_weights(as_buckets(model.state_dict()), policy_version=0)
     batch = source.next_rollout(20)
     worst, worst_t1 = 0.0, 0.0
     for s in batch.samples:

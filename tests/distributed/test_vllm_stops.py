@@ -15,6 +15,7 @@ pytest.importorskip(
 )
 
 from unirl.core.run.config import load_config
+from unirl.core.weight_stream import as_buckets
 from unirl.rollouts import build_rollout_source
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"
@@ -39,7 +40,7 @@ def test_vllm_stops_at_stop_strings_and_stop_ids(tmp_path):
     try:
         torch.manual_seed(3)
         model = AutoModelForCausalLM.from_config(source.hf_config).float().eval()
-        source.sync_weights(model.state_dict(), policy_version=0)
+        source.sync_weights(as_buckets(model.state_dict()), policy_version=0)
         batch = source.next_rollout(1)
     finally:
         source.close()

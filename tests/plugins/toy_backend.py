@@ -26,6 +26,12 @@ from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
 from unirl.core.topology import Topology
+from unirl.core.weight_stream import (
+    WeightBuckets,
+    bucketed,
+    checked_stream,
+    first_non_finite_local,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -151,6 +157,14 @@ class ToyBackend(EngineBackend):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+        return checked_stream(
+            self.non_finite_weight, lambda: bucketed(self.hf_state_dict().items(), bucket_bytes)
+        )
+
+    def non_finite_weight(self) -> str | None:
+        return first_non_finite_local(self.model.named_parameters())
 
     def close(self) -> None:
         pass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -27,6 +27,7 @@ from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
 from unirl.core.run.validators import non_negative, positive
 from unirl.core.source_plugin import SourcePlugin
+from unirl.core.weight_stream import Bucket
 from unirl.rollouts.build import build_task
 from unirl.rollouts.tasks import Task, load_task_state, task_rewards, task_state
 
@@ -96,8 +97,8 @@ class ToyRolloutSource:
     def vocab_size(self) -> int | None:
         return int(self._weights[-1][1]["head.bias"].numel()) if self._weights else None
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
-        weights = {k: v.detach().clone() for k, v in state_dict.items()}
+    def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
+        weights = {k: v.detach().clone() for bucket in buckets for k, v in bucket}
         self._weights.append((policy_version, weights))
         logger.info("toy engine: weights of version %d received", policy_version)
 

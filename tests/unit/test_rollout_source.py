@@ -10,6 +10,7 @@ import torch
 
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.run.config import config_from_dict
+from unirl.core.weight_stream import as_buckets
 from unirl.rollouts import (
     FileRolloutSource,
     RolloutSource,
@@ -96,7 +97,7 @@ def test_file_source_chunks_in_file_order(tmp_path, caplog):
     assert [s.prompt_tokens.tolist() for s in second.samples] == [[1, i] for i in range(4, 8)]
     assert [s.reward for s in second.samples] == pytest.approx([0.4, 0.5, 0.6, 0.7])
     assert [s.group_id for s in second.samples] == [2, 2, 3, 3]
-    source.sync_weights({}, policy_version=3)  # a no-op for files
+    source.sync_weights(as_buckets({}), policy_version=3)  # a no-op for files
     with pytest.raises(RolloutDataError) as err:
         source.next_rollout(2)
     msg = str(err.value)
@@ -244,7 +245,7 @@ def test_sampler_source_follows_synced_weights():
     # The policy after "training": another init of the same architecture.
     policy = build_rollout_source(make_cfg(model={"init_seed": 2})).sampler.model
     assert {s.policy_version for s in source.next_rollout(0).samples} == {0}  # the init
-    source.sync_weights(policy.state_dict(), policy_version=5)
+    source.sync_weights(as_buckets(policy.state_dict()), policy_version=5)
     batch = source.next_rollout(1)
     assert {s.policy_version for s in batch.samples} == {5}  # the synced weights' version
     for s in batch.samples:

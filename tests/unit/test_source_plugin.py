@@ -21,6 +21,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.run.config import config_from_dict
 from unirl.core.run.metrics_log import read_metrics
 from unirl.core.source_plugin import SOURCES
+from unirl.core.weight_stream import as_buckets
 from unirl.rollouts import build_rollout_source
 
 VOCAB = 16  # reverse_digits' character tokenizer has 14 ids
@@ -121,8 +122,8 @@ def test_lagging_source_generates_from_the_older_weights(toys_registered, tmp_pa
     cfg = config_from_dict(config_data(tmp_path, temperature=0.7))
     source = build_rollout_source(cfg)
     old, new = (toy_backend.ToyLM(VOCAB, 8) for _ in range(2))
-    source.sync_weights(old.state_dict(), policy_version=4)
-    source.sync_weights(new.state_dict(), policy_version=5)
+    source.sync_weights(as_buckets(old.state_dict()), policy_version=4)
+    source.sync_weights(as_buckets(new.state_dict()), policy_version=5)
     batch = source.next_rollout(0)
     for s in batch.samples:
         assert s.policy_version == 4

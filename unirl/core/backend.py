@@ -28,6 +28,7 @@ from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
 from unirl.core.maths.losses import Metric
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
+from unirl.core.weight_stream import WeightBuckets
 
 __all__ = [
     "CriticModel",
@@ -262,8 +263,21 @@ class TrainingBackend(Protocol):
     def export_hf(self, path: Path) -> None: ...
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full policy weights in Hugging Face names, on the CPU, on every rank (the weight
-        sync to a rollout engine)."""
+        """The full policy weights in Hugging Face names, on the CPU, on every rank (collective).
+        For tools and tests; a training step syncs with `stream_weights`."""
+        ...
+
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+        """The policy weights as `hf_state_dict` holds them (same names, dtypes, values), in
+        buckets of at most ``bucket_bytes`` made by the ranks that own them, CPU tensors on
+        global rank ``dst`` (None: every rank); see `unirl.core.weight_stream`. Collective:
+        every rank calls it and runs the iterator to its end. Raises `NonFiniteWeightsError` on
+        every rank, before any bucket, when a weight is not finite."""
+        ...
+
+    def non_finite_weight(self) -> str | None:
+        """The first parameter holding a NaN or an infinity, or None; from each rank's own shards
+        and one all-reduce of a flag (collective)."""
         ...
 
     def close(self) -> None: ...

@@ -16,6 +16,9 @@ picks, as backends do (`unirl.core.backend_plugin`), so adding a source edits no
 - ``requires`` / ``install_hint``: the packages it imports, and how to install them;
 - ``loggers`` / ``log_level_env``: its engine's logger names and the environment variable the
   engine's own processes read their log level from; `unirl.log_setup` quiets both below DEBUG;
+- ``weights``: who receives the policy's weights after every step (`unirl.core.weight_stream`):
+  ``"rank0"`` (an engine driven from global rank 0), ``"every_rank"`` (a sampler on every rank),
+  or ``"none"`` (a rollout file: the run streams nothing and pays nothing for it);
 - ``top_p_logprobs``: which distribution its rollout log-probs describe under ``rollout.top_p < 1``
   (what ``unirl check`` says the mismatch metrics measure, `unirl.core.mismatch`).
 
@@ -85,6 +88,7 @@ class SourcePlugin:
     install_hint: str = ""
     loggers: tuple[str, ...] = ()
     log_level_env: str | None = None
+    weights: Literal["rank0", "every_rank", "none"] = "rank0"
     # Under rollout.top_p < 1: "truncated", the renormalised distribution it sampled from (a
     # serving engine); "untruncated", the full softmax (the built-in sampler); None: not known.
     top_p_logprobs: Literal["truncated", "untruncated"] | None = None

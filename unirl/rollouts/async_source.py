@@ -27,6 +27,7 @@ import torch
 
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
+from unirl.core.weight_stream import as_buckets
 from unirl.rollouts.source import RolloutSource
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class RolloutsAhead:
     def _generate(self, rl_step: int, weights: dict[str, torch.Tensor], version: int) -> Generated:
         t0 = time.perf_counter()
         idle = 0.0 if self._last_done is None else max(0.0, t0 - self._last_done)
-        self.source.sync_weights(weights, policy_version=version)
+        self.source.sync_weights(as_buckets(weights), policy_version=version)
         t1 = time.perf_counter()
         batch = self.source.next_rollout(rl_step)
         self._last_done = time.perf_counter()

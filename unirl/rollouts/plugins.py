@@ -49,6 +49,7 @@ SAMPLER = SourcePlugin(
     install_hint="pip install 'unirl[hf]'",
     top_p_logprobs="untruncated",
     runs_episodes=True,
+    weights="every_rank",
 )
 
 FILE = SourcePlugin(
@@ -57,4 +58,5 @@ FILE = SourcePlugin(
     check=_check_file,
     describe=_describe_file,
     generates=False,
+    weights="none",
 )

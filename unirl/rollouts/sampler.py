@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -158,23 +158,53 @@ class Sampler:
         out is accepted only when its tensor is tied to one given (e.g. ``lm_head.weight`` to
         the embedding). Per-expert checkpoint names (``mlp.experts.E.gate_proj.weight``, what
         the Megatron backend and vLLM use) are fused into transformers 5's in-memory layout."""
-        state_dict = _fuse_experts(state_dict, self.model.state_dict())
+        self.load_buckets([list(state_dict.items())])
+
+    def load_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
+        """`sync_weights` from a stream of buckets (`unirl.core.weight_stream`), loaded as they
+        come: only one bucket (and the per-expert tensors of a layer not yet complete) is held
+        beside the model."""
+        own = self.model.state_dict()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        pending: dict[str, torch.Tensor] = {}  # per-expert tensors of layers not yet complete
+        for bucket in buckets:
+            part: dict[str, torch.Tensor] = {}
+            for name, t in bucket:
+                m = _EXPERT.match(name)
+                (pending if m and f"{m.group(1)}.down_proj" in own else part)[name] = t
+            for name in _complete_experts(pending, own):
+                part[name] = pending.pop(name)
+            self._load_part(part, own, loaded, unexpected)
+        self._load_part(pending, own, loaded, unexpected)  # incomplete experts: refused there
+        given = {own[k].data_ptr() for k in loaded}
+        untied = [k for k in own if k not in loaded and own[k].data_ptr() not in given]
+        if untied or unexpected:
+            raise ConfigError(
+                f"sync_weights: the state dict lacks {untied[:5]} and has unexpected keys "
+                f"{unexpected[:5]}; the sampler's model and the policy must be built from "
+                "the same model config (model.hf_config / model.path)"
+            )
+
+    def _load_part(
+        self,
+        part: Mapping[str, torch.Tensor],
+        own: Mapping[str, torch.Tensor],
+        loaded: set[str],
+        unexpected: list[str],
+    ) -> None:
+        if not part:
+            return
+        fused = _fuse_experts(part, own)
         try:
-            missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
+            _, extra = self.model.load_state_dict(dict(fused), strict=False)
         except RuntimeError as err:  # a shape mismatch
             raise ConfigError(
                 f"sync_weights: the policy's weights do not fit the sampler's model ({err}); "
                 "build both from the same model config (model.hf_config / model.path)"
             ) from None
-        own = self.model.state_dict()
-        given = {own[k].data_ptr() for k in state_dict if k in own}
-        untied = [k for k in missing if own[k].data_ptr() not in given]
-        if untied or unexpected:
-            raise ConfigError(
-                f"sync_weights: the state dict lacks {untied[:5]} and has unexpected keys "
-                f"{list(unexpected)[:5]}; the sampler's model and the policy must be built from "
-                "the same model config (model.hf_config / model.path)"
-            )
+        unexpected.extend(extra)
+        loaded.update(k for k in fused if k in own)
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}
@@ -291,6 +321,23 @@ class Sampler:
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _complete_experts(
+    pending: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]
+) -> list[str]:
+    """The names in ``pending`` of the expert layers whose every expert's gate, up and down
+    projections have arrived."""
+    layers: dict[str, list[str]] = {}
+    for name in pending:
+        m = _EXPERT.match(name)
+        assert m is not None
+        layers.setdefault(m.group(1), []).append(name)
+    done = []
+    for prefix, names in layers.items():
+        if len(names) == 3 * own[f"{prefix}.down_proj"].shape[0]:
+            done += names
+    return done
 
 
 def _fuse_experts(

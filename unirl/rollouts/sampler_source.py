@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.run.progress import GenerationProgress
+from unirl.core.weight_stream import Bucket
 from unirl.rollouts.environments.base import Environment
 from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.sampler import Sampler
@@ -144,8 +145,9 @@ class SamplerRolloutSource:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
-        self.sampler.sync_weights(state_dict)
+    def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
+        """Load the stream bucket by bucket into the sampler's model (every rank has one)."""
+        self.sampler.load_buckets(buckets)
         self._policy_version = policy_version
 
     def close(self) -> None:

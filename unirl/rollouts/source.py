@@ -22,15 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
-
-import torch
 
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.run.progress import GenerationProgress
+from unirl.core.weight_stream import Bucket, drain
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,11 @@ class RolloutSource(Protocol):
     ``close`` releases what the source started (an engine's processes).
     ``next_rollout`` reports finished samples and generated tokens to ``progress`` (the
     generation bar the training loop opens, `GenerationProgress`) when one is given.
+
+    Weights. ``sync_weights`` gets the policy's weights as a stream of buckets of Hugging
+    Face-named CPU tensors (`unirl.core.weight_stream`; on the ranks the plug-in's ``weights``
+    names, an empty stream elsewhere) and must run it to its end on every rank, also when it
+    fails (`unirl.core.weight_stream.drain`): the stream's gathers are collective.
 
     Policy versions. ``sync_weights`` hands over the policy's weights with their
     ``policy_version`` (the optimizer steps the policy has taken); every sample a source hands
@@ -68,9 +72,7 @@ class RolloutSource(Protocol):
         self, rl_step: int, progress: GenerationProgress | None = None
     ) -> RolloutBatch: ...
 
-    def sync_weights(
-        self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int
-    ) -> None: ...
+    def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -253,8 +255,10 @@ class FileRolloutSource:
             progress.update(samples=len(samples))
         return RolloutBatch(tuple(samples), origins=tuple(origins))
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
-        """Nothing to update: the file's samples are fixed (their versions are the records')."""
+    def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
+        """Nothing to update: the file's samples are fixed (their versions are the records').
+        The training loop never calls it (the plug-in needs no weights)."""
+        drain(buckets)
 
     def close(self) -> None:
         """Nothing to release: the file is opened per rollout."""

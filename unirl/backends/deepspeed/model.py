@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from unirl.backends.deepspeed import export
+from unirl.backends.deepspeed import export, weight_stream
 from unirl.backends.deepspeed.engine import initialize_trainable, step_engine
 from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.packed import forward_packed
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.run.config import UnirlConfig
+from unirl.core.weight_stream import WeightBuckets
 
 
 def _runner(device: torch.device):
@@ -94,6 +95,13 @@ class DeepSpeedModel(PackedModule):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective under ZeRO-3."""
         return export.hf_state_dict(self.engine)
+
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+        """Collective under ZeRO-3 (one gathered module at a time)."""
+        return weight_stream.stream_weights(self.engine, bucket_bytes, dst=dst)
+
+    def non_finite_weight(self) -> str | None:
+        return weight_stream.non_finite_weight(self.engine)
 
     def close(self) -> None:
         self.engine.destroy()

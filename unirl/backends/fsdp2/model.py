@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.backends.fsdp2 import export, packed
+from unirl.backends.fsdp2 import export, packed, weight_stream
 from unirl.backends.fsdp2.engine import shard_model
 from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.backends.fsdp2.topology import Fsdp2Mesh
@@ -33,6 +33,7 @@ from unirl.backends.hf.optim import ScheduledLR, adamw
 from unirl.backends.hf_model import torch_dtype
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.run.config import ModelConfig
+from unirl.core.weight_stream import WeightBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,14 @@ class Fsdp2Model(PackedModule):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights in the model's dtype (collective)."""
         return export.hf_state_dict(self.module, torch_dtype(self._model_cfg))
+
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+        """One full parameter at a time in the model's dtype (collective)."""
+        dtype = torch_dtype(self._model_cfg)
+        return weight_stream.stream_weights(self.module, dtype, self.device, bucket_bytes, dst=dst)
+
+    def non_finite_weight(self) -> str | None:
+        return weight_stream.non_finite_weight(self.module, self.device)
 
     def close(self) -> None:
         super().close()

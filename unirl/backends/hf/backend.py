@@ -41,6 +41,7 @@ from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.topology import Topology
+from unirl.core.weight_stream import WeightBuckets
 
 
 class HFBackend(EngineBackend):
@@ -202,6 +203,12 @@ class HFBackend(EngineBackend):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.policy.hf_state_dict()
+
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+        return self.policy.stream_weights(bucket_bytes, dst=dst)
+
+    def non_finite_weight(self) -> str | None:
+        return self.policy.non_finite_weight()
 
     def close(self) -> None:
         """Free the models; leave the process group."""

@@ -56,6 +56,7 @@ from unirl.core.maths.losses import Metric
 from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.run.model_shape import moe_shape
+from unirl.core.weight_stream import WeightBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +283,14 @@ class MegatronBackend(EngineBackend):
         """The full policy weights in Hugging Face names, on the CPU, on every rank
         (collective: TP all-gathers and PP broadcasts)."""
         return self.policy.hf_state_dict()
+
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+        """The policy's weights in buckets from their pipeline stages (collective: TP / EP
+        all-gathers per parameter, a pipeline broadcast per bucket)."""
+        return self.policy.stream_weights(bucket_bytes, dst=dst)
+
+    def non_finite_weight(self) -> str | None:
+        return self.policy.non_finite_weight()
 
     def close(self) -> None:
         """Free the models and optimizers and megatron's parallel state; destroy the process

@@ -454,12 +454,13 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
 
 
-def _stage_hf_state_dict(
+def stage_hf_tensors(
     chunks: Sequence[torch.nn.Module], hf_config: Any, topology: Topology
-) -> dict[str, torch.Tensor]:
-    """CPU copies of the HF tensors on this pipeline stage (TP-gathered one parameter at a time,
-    so the device holds at most one gathered parameter; the same on every TP rank)."""
-    out: dict[str, torch.Tensor] = {}
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of this pipeline stage, on the parameters' device, TP- (and EP-) gathered
+    one parameter at a time, so the device holds at most one gathered parameter beyond the
+    shards; the same on every TP rank (collective over the TP / EP groups: every rank of the
+    stage runs it to the end). Tensors may be views of one gathered parameter (a fused qkv)."""
     for chunk in chunks:
         params = dict(chunk.named_parameters())
         for entry in chunk_entries(chunk, hf_config):
@@ -467,8 +468,7 @@ def _stage_hf_state_dict(
                 continue  # the first stage's embedding is the one copy HF keeps
             param = params[entry.megatron_name].detach()
             if entry.expert is None:
-                for name, tensor in _hf_tensors(entry, _tp_gather(param, topology), hf_config):
-                    out[name] = _host_copy(tensor)
+                yield from _hf_tensors(entry, _tp_gather(param, topology), hf_config)
                 continue
             # a routed expert: each expert-parallel rank holds another expert in this slot
             whole = torch.cat(
@@ -477,9 +477,26 @@ def _stage_hf_state_dict(
             per_ep_rank = _all_gather(whole, topology.ep_size, topology.groups.ep)
             for ep_entry, tensor in zip(_expert_parallel_entries(entry, topology), per_ep_rank):
                 shards = list(tensor.chunk(topology.etp_size, dim=int(entry.kind == "row")))
-                for name, t in _hf_tensors(ep_entry, shards, hf_config):
-                    out[name] = _host_copy(t)
-    return out
+                yield from _hf_tensors(ep_entry, shards, hf_config)
+
+
+def _stage_hf_state_dict(
+    chunks: Sequence[torch.nn.Module], hf_config: Any, topology: Topology
+) -> dict[str, torch.Tensor]:
+    """CPU copies of `stage_hf_tensors`."""
+    return {name: _host_copy(t) for name, t in stage_hf_tensors(chunks, hf_config, topology)}
+
+
+def check_export_names(names: set[str], hf_config: Any) -> None:
+    """Refuse an export that misses or adds a name (the conversion's name map is incomplete)."""
+    expected = expected_hf_names(hf_config)
+    missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
+    if missing or extra:
+        raise RuntimeError(
+            f"Megatron -> HF export of model_type={hf_config.model_type!r}: "
+            f"{len(missing)} HF tensor(s) left unset (first {missing[:1]}), {len(extra)} not in "
+            f"the HF model (first {extra[:1]}); the conversion's name map is incomplete"
+        )
 
 
 @torch.no_grad()
@@ -510,15 +527,8 @@ def export_hf_state_dict(
                 dist.broadcast(buf, src=src, group=group)
                 if stage != topology.pp_rank:
                     full[name] = _host_copy(buf)
-    expected = expected_hf_names(hf_config)
-    missing, extra = sorted(set(expected) - set(full)), sorted(set(full) - set(expected))
-    if missing or extra:
-        raise RuntimeError(
-            f"Megatron -> HF export of model_type={hf_config.model_type!r}: "
-            f"{len(missing)} HF tensor(s) left unset (first {missing[:1]}), {len(extra)} not in "
-            f"the HF model (first {extra[:1]}); the conversion's name map is incomplete"
-        )
-    return {name: full[name] for name in expected}
+    check_export_names(set(full), hf_config)
+    return {name: full[name] for name in expected_hf_names(hf_config)}
 
 
 def save_hf(

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import torch
 
+from unirl.backends.megatron import weight_stream
 from unirl.backends.megatron.checkpoint import ExtraModel
 from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
 from unirl.backends.megatron.fused_head import emit_hidden
@@ -30,6 +31,7 @@ from unirl.core.backend import OptimizerStepStats
 from unirl.core.run.config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule
 from unirl.core.topology import Topology
+from unirl.core.weight_stream import WeightBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +176,15 @@ class MegatronModel:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights in Hugging Face names, on the CPU, on every rank (collective)."""
         return export_hf_state_dict(self.chunks, self.hf_config, self.topology)
+
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+        """`hf_state_dict`'s tensors in buckets, from the stages that own them (collective)."""
+        return weight_stream.stream_weights(
+            self.chunks, self.hf_config, self.topology, bucket_bytes, dst=dst
+        )
+
+    def non_finite_weight(self) -> str | None:
+        return weight_stream.non_finite_weight(self.chunks, self.hf_config)
 
     def close(self) -> None:
         self.optimizer = None

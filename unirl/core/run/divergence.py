@@ -8,7 +8,7 @@ longer finite (an infinite learning rate, an overflow in the update) stop the ru
 a policy is never checkpointed, synced to the rollout engine's next rollout or exported.
 
     guard = DivergenceGuard(max_consecutive_skips=3)
-    guard.after_step(rl_step, metrics, weights)   # raises RunError naming the step and the fix
+    guard.after_step(rl_step, metrics, backend.non_finite_weight())   # RunError: step and fix
 """
 
 from __future__ import annotations
@@ -16,19 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import torch
-
 from unirl.core.errors import RunError
 
 FIX = "lower optimizer.lr, keep optimizer.grad_clip set, or check the rewards"
-
-
-def first_non_finite(weights: Mapping[str, torch.Tensor]) -> str | None:
-    """The name of the first tensor holding a NaN or an infinity, or None."""
-    for name, tensor in weights.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
 
 
 class DivergenceGuard:
@@ -42,12 +32,13 @@ class DivergenceGuard:
         self,
         rl_step: int,
         metrics: Mapping[str, object],
-        weights: Mapping[str, torch.Tensor],
+        non_finite_weight: str | None,
     ) -> None:
         """Call after RL step `rl_step` (counted from 1) with its metrics (``skipped_steps``:
         the fraction of its optimizer steps that were skipped; ``optimizer_steps``) and the
-        policy weights."""
-        bad = first_non_finite(weights)
+        first policy weight that is not finite (None: all are; the backend's
+        ``non_finite_weight``, or the parameter a weight stream refused)."""
+        bad = non_finite_weight
         if bad is not None:
             raise RunError(
                 f"the policy weights are not finite after RL step {rl_step} (first in {bad}; "

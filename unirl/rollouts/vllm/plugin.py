@@ -103,4 +103,5 @@ PLUGIN = SourcePlugin(
     log_level_env="VLLM_LOGGING_LEVEL",
     # processed_logprobs: after top-p, the distribution each token was drawn from
     top_p_logprobs="truncated",
+    weights="rank0",  # the engine runs on global rank 0
 )

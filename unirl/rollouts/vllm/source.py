@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
+from unirl.core.weight_stream import Bucket, drain
 from unirl.rollouts.build import build_task
 from unirl.rollouts.stops import save_task_tokenizer, stop_ids
 from unirl.rollouts.tasks import Problem, Task, load_task_state, task_state
@@ -113,13 +114,18 @@ class VllmRolloutSource:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
-        """Rank 0 writes the weights and the engine reloads them (the first call starts the
-        engine from them); every rank learns whether that worked."""
+    def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
+        """Rank 0 writes the weights bucket by bucket and the engine reloads them (the first
+        call starts the engine from them); the other ranks run the stream's gathers; every rank
+        learns whether that worked. A failure on rank 0 still runs the stream to its end, so no
+        rank waits in a gather for it."""
+        buckets = iter(buckets)
         error = None
-        if _world()[0] == 0:
+        if _world()[0] != 0:
+            drain(buckets)
+        else:
             try:
-                self._sync(state_dict)
+                self._sync(buckets)
             except UnirlError as exc:
                 error = str(exc)
             except Exception as exc:
@@ -129,15 +135,17 @@ class VllmRolloutSource:
                     "logging.level: DEBUG to see the engine's report)"
                 )
                 logger.debug("weight sync failed", exc_info=True)
+            finally:
+                drain(buckets)
         error = _broadcast(error)
         if error is not None:
             raise RunError(error)
         self._policy_version = policy_version
 
-    def _sync(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def _sync(self, buckets: Iterable[Bucket]) -> None:
         if self._folder is None:
             self._folder = WeightFolder.create(self.options.sync_dir, self.hf_config)
-        self._folder.write(state_dict)
+        self._folder.write(buckets)
         if self._engine is None:
             r = self.cfg.rollout
             if r.stop:  # vLLM matches stop strings on text: it needs the task's tokenizer
@@ -196,7 +204,7 @@ class VllmRolloutSource:
         if self._engine is None:
             raise RunError(
                 "VllmRolloutSource.next_rollout before sync_weights: the engine starts from the "
-                "policy's weights; call sync_weights(backend.hf_state_dict(), policy_version=...) first"
+                "policy's weights; call sync_weights(backend.stream_weights(...), policy_version=...) first"
             )
         group, rollout = self.samples_per_prompt, self._rollouts_drawn
         for p_index, problem in enumerate(problems):

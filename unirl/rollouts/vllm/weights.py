@@ -1,7 +1,7 @@
 """The policy's weights as a Hugging Face folder the engine starts from and reloads.
 
     folder = WeightFolder.create(sync_dir=None, hf_config=config)   # under /dev/shm
-    folder.write(state_dict)          # safetensors, replaced atomically
+    folder.write(buckets)             # one safetensors file per bucket, each replaced atomically
     engine.reload_weights(folder.path)
     folder.remove()
 
@@ -14,6 +14,10 @@ vLLM's message queue. On GPUs the same path works (the reload copies host -> dev
 engines (``weight_transfer_config``) would skip the host round trip and are the next step
 there, but vLLM cannot be installed on this project's GPU machine, so that path is untested
 and not offered.
+
+The weights arrive as a stream of buckets (`unirl.core.weight_stream`): each bucket is written
+as its own safetensors file (``weights-00001.safetensors`` ...; vLLM loads every safetensors file
+of a folder without an index), so the host never holds more than one bucket.
 """
 
 from __future__ import annotations
@@ -21,15 +25,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from unirl.core.errors import RunError
-
-WEIGHTS_FILE = "model.safetensors"
+from unirl.core.weight_stream import Bucket
 
 
 def _default_root() -> str:
@@ -60,24 +63,35 @@ class WeightFolder:
             ) from exc
         return cls(path)
 
-    def write(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Write ``state_dict`` (Hugging Face names) as one safetensors file, replaced by a
-        rename so the engine never reads half a file."""
+    def write(self, buckets: Iterable[Bucket]) -> None:
+        """Write each bucket of Hugging Face-named tensors as one safetensors file, each
+        replaced by a rename so the engine never reads half a file; files a previous sync left
+        beyond this one's count are removed."""
+        written: set[str] = set()
+        for index, bucket in enumerate(buckets, start=1):
+            name = f"weights-{index:05d}.safetensors"
+            self._write_file(name, bucket)
+            written.add(name)
+        for stale in self.path.glob("*.safetensors"):
+            if stale.name not in written:
+                stale.unlink()
+
+    def _write_file(self, name: str, bucket: Bucket) -> None:
         from safetensors.torch import save_file
 
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-        for name, tensor in state_dict.items():
+        for key, tensor in bucket:
             t = tensor.detach().to("cpu").contiguous()
             # safetensors refuses tensors that share memory (tied embeddings): copy the second.
             if t.untyped_storage().data_ptr() in seen:
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
-            tensors[name] = t
-        tmp = self.path / (WEIGHTS_FILE + ".tmp")
+            tensors[key] = t
+        tmp = self.path / (name + ".tmp")
         try:
             save_file(tensors, str(tmp))
-            os.replace(tmp, self.path / WEIGHTS_FILE)
+            os.replace(tmp, self.path / name)
         except OSError as exc:
             raise RunError(
                 f"writing the weight sync for the vLLM engine to {self.path} failed "

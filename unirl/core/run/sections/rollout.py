@@ -40,6 +40,9 @@ class RolloutConfig:
 
     source: str = attrs.field(default="sampler", validator=_registered_source)
     file: str | None = None
+    # The weight sync's bucket size in MiB: the most any rank holds beyond its own shards while
+    # the policy's weights stream to a source that needs them (unirl.core.weight_stream).
+    weight_bucket_mb: int = attrs.field(default=1024, validator=positive)
     task: str = "reverse_digits"
     # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
     task_options: dict[str, Any] = attrs.field(factory=dict)

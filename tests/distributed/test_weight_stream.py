@@ -1,0 +1,126 @@
+"""Issue 28, item 1: the weight stream, on 2 gloo processes per layout (the contract suite's tiny
+Llama). For DeepSpeed ZeRO 0 / 3, FSDP2 (full sharding, Ulysses SP) and Megatron (tp2, pp2):
+
+- the buckets streamed to rank 0 hold exactly the full export's tensors (`hf_state_dict`, the
+  path the Hugging Face folder is written from): same names, dtypes and bits; rank 1 receives
+  nothing; streamed to every rank, each rank gets them all;
+- no bucket is above the limit unless it is a single tensor larger than the limit;
+- a NaN in one local shard of rank 1 only is refused on every rank when the stream is asked
+  for, before any bucket exists, with the parameter's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.contract import fixtures
+from tests.spawn import run_distributed
+from unirl.core.backend_plugin import ContractLayout
+
+BUCKET_BYTES = 6 * 1024  # the tiny Llama's embedding (8 KiB) and MLP weights travel alone
+
+LAYOUTS = {
+    "deepspeed-zero0": ("deepspeed", ContractLayout.of("zero0-dp2", 2, zero_stage=0)),
+    "deepspeed-zero3": ("deepspeed", ContractLayout.of("zero3-dp2", 2, zero_stage=3)),
+    "fsdp2-full": ("fsdp2", ContractLayout.of("full-dp2", 2)),
+    "fsdp2-sp": ("fsdp2", ContractLayout.of("sp2", 2, options={"sp": 2})),
+    "megatron-tp2": ("megatron", ContractLayout.of("tp2", 2, tp=2)),
+    "megatron-pp2": ("megatron", ContractLayout.of("pp2", 2, pp=2)),
+}
+REQUIRES = {"deepspeed": "deepspeed", "fsdp2": "torch", "megatron": "megatron.core"}
+
+
+def _poison_local_shard(backend: Any, name: str) -> str:
+    """Put a NaN into this rank's own shard of one MLP weight; the name the error must give."""
+    if name == "megatron":
+        chunk = backend.policy.chunks[0]
+        layer = chunk.decoder.layers[0]
+        shard = dict(chunk.named_parameters())["decoder.layers.0.mlp.linear_fc2.weight"]
+        hf = f"model.layers.{layer.layer_number - 1}.mlp.down_proj.weight"
+    else:
+        hf = "model.layers.1.mlp.down_proj.weight"
+        param = dict(backend.model.named_parameters())[hf]
+        shard = getattr(param, "ds_tensor", None)  # ZeRO-3's partition
+        if shard is None:
+            shard = param.to_local() if hasattr(param, "to_local") else param  # FSDP2's shard
+    with torch.no_grad():
+        shard.view(-1)[0] = float("nan")
+    return hf
+
+
+def _worker(rank: int, world_size: int, backend_name: str, layout: ContractLayout, model_dir: str,
+            run_dir: str) -> dict[str, Any]:  # fmt: skip
+    from unirl.core.backend_plugin import build_backend
+    from unirl.core.run.config import config_from_dict
+    from unirl.core.weight_stream import NonFiniteWeightsError
+
+    data = fixtures.base_config(
+        backend=backend_name,
+        model_dir=model_dir,
+        world_size=world_size,
+        parallel=layout.parallel_dict,
+        options=layout.options_dict,
+        model=layout.model_dict,
+        dtype="fp32",
+        run_dir=run_dir,
+    )
+    backend = build_backend(config_from_dict(data, world_size=world_size), total_optimizer_steps=1)
+    try:
+        out: dict[str, Any] = {"full": backend.hf_state_dict()}
+        out["to_rank0"] = list(backend.stream_weights(BUCKET_BYTES, dst=0))
+        out["to_all"] = list(backend.stream_weights(BUCKET_BYTES, dst=None))
+        expected = _poison_local_shard(backend, backend_name) if rank == 1 else None
+        try:
+            backend.stream_weights(BUCKET_BYTES, dst=0)  # refused here: no bucket is ever made
+            out["refused"] = None
+        except NonFiniteWeightsError as exc:
+            out["refused"] = exc.parameter
+        out["poisoned"] = expected
+        return out
+    finally:
+        backend.close()
+
+
+def _check_buckets(buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+    assert len(buckets) > 1
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= BUCKET_BYTES or len(bucket) == 1, [(n, tuple(t.shape)) for n, t in bucket]
+
+
+def _same_tensors(buckets: list[list[tuple[str, torch.Tensor]]], full: dict) -> None:
+    names = [n for b in buckets for n, _ in b]
+    assert len(names) == len(set(names)), "a tensor was streamed twice"
+    assert set(names) == set(full)
+    for bucket in buckets:
+        for name, tensor in bucket:
+            assert tensor.device.type == "cpu"
+            assert tensor.dtype == full[name].dtype and tensor.shape == full[name].shape, name
+            assert torch.equal(tensor, full[name]), name
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_stream_equals_full_export(case, tmp_path):
+    backend_name, layout = LAYOUTS[case]
+    pytest.importorskip(REQUIRES[backend_name])
+    model_dir = fixtures.write_tiny_model(tmp_path / "tiny")
+    ranks = run_distributed(
+        _worker, 2, backend_name, layout, str(model_dir), str(tmp_path / "run"), timeout=400
+    )
+    full = ranks[0]["full"]
+    for rank, out in enumerate(ranks):
+        for name, tensor in full.items():  # the export is the same on every rank
+            assert torch.equal(out["full"][name], tensor), (rank, name)
+        _same_tensors(out["to_all"], full)
+        _check_buckets(out["to_all"])
+    _same_tensors(ranks[0]["to_rank0"], full)
+    _check_buckets(ranks[0]["to_rank0"])
+    assert ranks[1]["to_rank0"] == []  # rank 1 only took part in the gathers
+    poisoned = ranks[1]["poisoned"]
+    for out in ranks:
+        assert out["refused"] is not None and poisoned in out["refused"], out["refused"]
