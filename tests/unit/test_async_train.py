@@ -26,8 +26,9 @@ class _RecordingSource:
         self.version = -1
         self.drawn = 0
 
-    def sync_weights(self, state_dict, *, policy_version: int) -> None:
+    def sync_weights(self, buckets, *, policy_version: int) -> None:
         self.calls.append(("sync", policy_version))
+        state_dict = {name: t for bucket in buckets for name, t in bucket}
         self.weight, self.version = float(state_dict["w"]), policy_version
 
     def next_rollout(self, rl_step: int, progress: Any = None) -> RolloutBatch:
