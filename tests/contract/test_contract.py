@@ -28,12 +28,19 @@ from tests.contract.backends import REGISTRY, skip_reason
 TOL = clauses.TOLERANCES["fp32"]
 
 
+# Layouts in the slow tier (tests/conftest.py): variants whose feature has a layout in the default
+# tier (tp2-sp, fused-tp2 run there); each passed here once at its introduction.
+SLOW_LAYOUTS = {"megatron": ("padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2")}
+
+
 def _cases() -> list:
     params = []
     for entry in REGISTRY.values():
         for layout in entry.layouts:
             reason = skip_reason(entry, layout, device="cpu", devices_available=0)
             marks = [pytest.mark.skip(reason=reason)] if reason else []
+            if layout.name in SLOW_LAYOUTS.get(entry.name, ()):
+                marks.append(pytest.mark.slow)
             params.append(
                 pytest.param((entry, layout), id=f"{entry.name}-{layout.name}", marks=marks)
             )

@@ -206,7 +206,13 @@ def _per_expert_to_hf(weights, model, experts=HF_CONFIG["num_experts"]):
 
 
 @pytest.mark.parametrize(
-    ("attention", "pp"), [("packed", 1), ("padded", 1), ("packed", 2)], ids=["ep1", "padded", "pp2"]
+    ("attention", "pp"),
+    [
+        pytest.param("packed", 1, id="ep1"),
+        # the slow tier (tests/conftest.py): about 35 s and 110 s on two cores
+        pytest.param("padded", 1, id="padded", marks=pytest.mark.slow),
+        pytest.param("packed", 2, id="pp2", marks=pytest.mark.slow),
+    ],
 )
 def test_router_losses_match_hugging_face(attention, pp):
     results = run_distributed(_worker, pp, attention, pp)

@@ -128,7 +128,15 @@ def _hf(state, hf):
     return model
 
 
-@pytest.mark.parametrize(("ep", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["ep1", "ep2", "pp2"])
+@pytest.mark.parametrize(
+    ("ep", "pp"),
+    [
+        pytest.param(1, 1, id="ep1"),
+        # the slow tier (tests/conftest.py): about 80 s and 55 s on two cores
+        pytest.param(2, 1, id="ep2", marks=pytest.mark.slow),
+        pytest.param(1, 2, id="pp2", marks=pytest.mark.slow),
+    ],
+)
 def test_replay_and_record_match_hugging_face(ep, pp):
     from tests.unit.test_hf_router_replay import hand_forced
 

@@ -104,7 +104,14 @@ def _same_tensors(buckets: list[list[tuple[str, torch.Tensor]]], full: dict) -> 
             assert torch.equal(tensor, full[name]), name
 
 
-@pytest.mark.parametrize("case", sorted(LAYOUTS))
+# one layout per backend in the default tier; the other three in the slow tier (tests/conftest.py)
+SLOW = {"deepspeed-zero0", "fsdp2-sp", "megatron-pp2"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in sorted(LAYOUTS)],
+)
 def test_stream_equals_full_export(case, tmp_path):
     backend_name, layout = LAYOUTS[case]
     pytest.importorskip(REQUIRES[backend_name])
