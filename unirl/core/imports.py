@@ -27,3 +27,23 @@ def import_callable(spec: str, *, key: str, what: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"{key}={spec!r}: module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+def lazy_attributes(
+    module_name: str, namespace: dict[str, Any], lazy: dict[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__getattr__`` and ``__dir__`` that import each name of ``lazy`` (name ->
+    module) on first use: a package whose import must stay light (no torch) can still offer its
+    heavy names at the top."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in lazy:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(lazy[name]), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*namespace, *lazy])
+
+    return __getattr__, __dir__

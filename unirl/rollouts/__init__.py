@@ -23,9 +23,9 @@ Importing this package needs no transformers; building a model or a tokenizer do
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from unirl.core.imports import lazy_attributes
 from unirl.core.source_plugin import SOURCES
 from unirl.rollouts.plugins import FILE, SAMPLER
 from unirl.rollouts.vllm.plugin import PLUGIN as VLLM
@@ -102,16 +102,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY)
 
 
 __all__ = [

@@ -14,9 +14,9 @@ on first use); starting an engine imports vLLM.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from unirl.core.imports import lazy_attributes
 from unirl.rollouts.vllm.plugin import PLUGIN, VllmOptions
 
 if TYPE_CHECKING:
@@ -40,16 +40,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY)
 
 
 __all__ = [
