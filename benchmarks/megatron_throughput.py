@@ -207,6 +207,7 @@ def config_dict(
             "max_seq_len": args.max_len,
             "gradient_checkpointing": args.recompute_activations,
             "fused_head": args.fused_head,
+            "wgrad_fusion": bool(wgrad_fusion_state()),
         },
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
         "batch": {
@@ -427,6 +428,13 @@ def summary(
     return out
 
 
+def wgrad_fusion_state() -> bool | None:
+    """Whether the model's linear layers accumulate weight gradients fused (after the build)."""
+    from unirl.backends.megatron import wgrad_fusion
+
+    return wgrad_fusion._state["installed"]
+
+
 def force_experts(choice: str) -> str:
     """``--experts``: leave `select_experts` to decide (auto) or make the MoE layers' spec use
     one module for this A/B (a benchmark-only override of
@@ -480,6 +488,11 @@ def main() -> None:
         help="MoE models: the experts module (auto: select_experts' choice, grouped on CUDA)",
     )
     parser.add_argument(
+        "--no-wgrad-fusion",
+        action="store_true",
+        help="A/B: megatron's unfused weight-gradient accumulation (bf16 grad, then DDP's add)",
+    )
+    parser.add_argument(
         "--search-tokens",
         default="",
         help="comma-separated microbatch token budgets: the largest that fits (reuse step)",
@@ -503,6 +516,10 @@ def main() -> None:
     from unirl.core.run.config import config_from_dict
 
     experts = force_experts(args.experts)
+    if args.no_wgrad_fusion:
+        from unirl.backends.megatron import wgrad_fusion
+
+        wgrad_fusion._state["installed"] = False
     hf = dict(MODELS[args.model])
     if args.layers is not None:
         hf["num_hidden_layers"] = args.layers

@@ -48,7 +48,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from unirl.backends.megatron import te_compat
+from unirl.backends.megatron import te_compat, wgrad_fusion
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
 from unirl.backends.megatron.grouped_experts import ExpertsChoice, experts_spec, select_experts
 from unirl.backends.megatron.moe import (
@@ -484,7 +484,12 @@ def build_gpt_model(
 
     Needs megatron's parallel state initialised with the same ``parallel`` sizes.
     """
-    config = transformer_config(hf_config, parallel, dtype=dtype, **(config_overrides or {}))
+    overrides = dict(config_overrides or {})
+    if model_device().type == "cuda" and "gradient_accumulation_fusion" not in overrides:
+        # weight gradients added straight into DDP's fp32 main_grad (wgrad_fusion's docstring);
+        # a frozen model's weights need no gradient, so the flag changes nothing there
+        overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
+    config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):
         te_compat.install()  # the router's gating reads a name only TE binds
