@@ -38,3 +38,15 @@ def test_fused_accumulation_on_cuda_matches_float64():
     unfused = acc0 + (g.t() @ x).float()  # bf16 product rounded before the add
     assert (acc.double() - want).abs().max() <= (unfused.double() - want).abs().max()
     assert wgrad_fusion.probe(torch.device("cuda")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_model_accumulates_in_place():
+    gen = torch.Generator().manual_seed(4)
+    x, g = torch.randn(300, 40, generator=gen).cuda(), torch.randn(300, 24, generator=gen).cuda()
+    acc0 = torch.randn(24, 40, generator=gen).cuda()
+    acc = acc0.clone()
+    wgrad_fusion.wgrad_gemm_accum_fp32(x, g, acc)
+    want = acc0.double() + g.double().t() @ x.double()
+    assert (acc.double() - want).abs().max().item() < 1e-4

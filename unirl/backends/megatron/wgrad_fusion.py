@@ -35,7 +35,11 @@ _state: dict[str, bool | None] = {"installed": None}
 def wgrad_gemm_accum_fp32(
     total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
 ) -> None:
-    """``main_grad += grad_output^T @ total_input``: bf16 operands, fp32 accumulate and output."""
+    """``main_grad += grad_output^T @ total_input``: bf16 operands, fp32 accumulate and output
+    (fp32 operands, an fp32 model: a plain in-place addmm)."""
+    if total_input.dtype == torch.float32:
+        main_grad.addmm_(grad_output.t(), total_input)
+        return
     torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
 
 
