@@ -28,9 +28,16 @@ from tests.contract.backends import REGISTRY, skip_reason
 TOL = clauses.TOLERANCES["fp32"]
 
 
-# Layouts in the slow tier (tests/conftest.py): variants whose feature has a layout in the default
-# tier (tp2-sp, fused-tp2 run there); each passed here once at its introduction.
-SLOW_LAYOUTS = {"megatron": ("padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2")}
+# Layouts in the slow tier (tests/conftest.py): variants whose parts each have a layout in the
+# default tier (tp2-sp, fused-tp2, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3,
+# full-dp2 and full-dp1-fused run there); each passed here once in the default tier.
+SLOW_LAYOUTS = {
+    "megatron": (
+        "padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2", "tp2-pp2", "dp2", "padded-pp2-vpp2",
+    ),
+    "deepspeed": ("zero2-dp2",),
+    "fsdp2": ("full-dp1",),
+}  # fmt: skip
 
 
 def _cases() -> list:
