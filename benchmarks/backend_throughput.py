@@ -12,7 +12,10 @@ process (a fresh CUDA context: peak memory is the engine's own, and no engine's 
 leaks into the next), `RLStep.run` with ``old_logprobs: reuse`` (the training pass alone) and,
 with ``--modes reuse,recompute``, with a forward-only pass first; ``--fused-head`` sets
 ``model.fused_head: true`` for every engine. Times are medians of
-``--steps`` steps after ``--warmup``; MFU = model FLOPs / (time x 989 TFLOP/s).
+``--steps`` steps after ``--warmup``; MFU = model FLOPs / (time x 989 TFLOP/s). With
+``--profile-dir DIR`` each engine runs one more step per mode under torch.profiler and writes
+``DIR/profile_<engine>_<mode>.txt``: the kernel table (by CUDA time) and the CPU table (by CPU
+time), as `benchmarks/megatron_throughput.py --profile-dir` does; the profiled step is not timed.
 
 CPU smoke run of the driver (FSDP2 and DeepSpeed only; Megatron's schedules need CUDA)::
 
@@ -24,6 +27,7 @@ CPU smoke run of the driver (FSDP2 and DeepSpeed only; Megatron's schedules need
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -78,6 +82,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def profile_step(fn: Any, path: Path, device: str, rows: int = 45) -> None:
+    """One more call of ``fn`` under torch.profiler: kernel and CPU tables as text in ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    table = prof.key_averages()
+    text = ""
+    if device == "cuda":
+        text = table.table(sort_by="cuda_time_total", row_limit=rows) + "\n\n"
+    text += table.table(sort_by="cpu_time_total", row_limit=rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    logger.info("wrote %s", path)
+
+
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     """In the child process: build one engine, time its RL steps, report."""
     from unirl.backends import build_backend
@@ -126,6 +148,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
             else:  # the process's peak resident memory (CPU smoke runs)
                 res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             res["summary"] = summary(hf, lengths, res, backend.topology.world_size)
+            if args.profile_dir is not None:
+                path = args.profile_dir / f"profile_{args.engine}_{mode}.txt"
+                profile_step(functools.partial(step.run, batch), path, args.device)
+                res["profile"] = str(path)
             out["results"][mode] = res
             logger.info("%s %s: %s", args.engine, mode, json.dumps(res["summary"]))
     finally:
@@ -186,6 +212,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per engine")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="profile one more step per engine and mode: kernel + CPU tables as text here",
+    )
     args = parser.parse_args()
     # megatron_throughput.config_dict reads these
     args.attention, args.tp, args.pp, args.vpp, args.cp = "packed", 1, 1, None, 1

@@ -42,6 +42,7 @@ log-probs, so the ranks agree on every gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -53,7 +54,11 @@ import torch.distributed as dist
 
 from unirl.core.errors import LossInputError
 from unirl.core.maths.logprobs import Kernel, _combine, _triton_kernels
-from unirl.core.maths.logprobs_hidden import _fp32_out_mm_works, validate_hidden_inputs
+from unirl.core.maths.logprobs_hidden import (
+    _accumulate_mm,
+    _fp32_out_mm_works,
+    validate_hidden_inputs,
+)
 from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.separable import separability
 from unirl.core.maths.losses.settings import LossSettings
@@ -70,16 +75,28 @@ TokenLoss = Callable[
 # per chunk for too few FLOPs (benchmarks/fused_head.py --head-loss-chunks measures the trade-off).
 _CUDA_CHUNK_BYTES = 1 << 29
 _CUDA_MIN_ROWS = 128
+# Each chunk's weight-gradient addmm also reads and writes the whole [V, H] gradient: 2 / rows
+# bytes per FLOP, paid once per chunk. For long microbatches the chunk grows to 1/16 of the
+# tokens (at most this many bytes), so that traffic stays below ~1/8 of the matmul time while the
+# chunk stays 1/16 of the [T, V] logits the plain head holds. At 65,536 tokens x 151,936: 4,096
+# rows, 1.16 GiB (benchmarks/fused_head.py --head-loss-chunks measures the trade-off).
+_CUDA_MAX_CHUNK_BYTES = 1 << 31
+_CUDA_TOKEN_FRACTION = 16
 # The CPU path makes a few temporaries of the chunk's size: 2**24 elements, as logprobs_from_hidden.
 _CPU_CHUNK_ELEMENTS = 1 << 24
 
 
-def default_token_chunk(n_local: int, device: torch.device, dtype: torch.dtype) -> int:
-    """Token rows per chunk for ``n_local`` vocabulary rows of ``dtype`` on ``device``; it
-    depends only on the shard's shape, so every tensor-parallel rank runs the same chunks."""
+def default_token_chunk(
+    n_local: int, device: torch.device, dtype: torch.dtype, n_tokens: int = 0
+) -> int:
+    """Token rows per chunk for ``n_local`` vocabulary rows of ``dtype`` on ``device`` and a
+    microbatch of ``n_tokens``; it depends only on the shard's shape and the token count, so
+    every tensor-parallel rank runs the same chunks."""
     cols = max(n_local, 1)
     if device.type == "cuda":
         rows = max(_CUDA_MIN_ROWS, _CUDA_CHUNK_BYTES // (cols * dtype.itemsize))
+        cap = max(rows, _CUDA_MAX_CHUNK_BYTES // (cols * dtype.itemsize))
+        rows = max(rows, min(cap, n_tokens // _CUDA_TOKEN_FRACTION))
         return 1 << (rows.bit_length() - 1)  # a power of two: whole tensor-core tiles
     return max(1, _CPU_CHUNK_ELEMENTS // cols)
 
@@ -192,6 +209,8 @@ class _Pass:
         want_h: bool,
         want_w: bool,
         kernels: ModuleType | None,
+        dweight_fp32: bool = False,
+        overlap: bool = False,
     ) -> None:
         self.targets, self.group, self.inv_temp = targets, group, inv_temp
         self.vocab_start, self.n_valid, self.kernels = vocab_start, n_valid, kernels
@@ -211,6 +230,8 @@ class _Pass:
         dev = hidden.device
         self.logp = torch.zeros(n_rows, dtype=self.stat_dtype, device=dev)
         self.entropy = torch.zeros_like(self.logp) if with_entropy else None
+        # a whole vocabulary on the kernels' path: one kernel writes logp / entropy / lse / E[z]
+        self.finish = kernels is not None and group is None and self.stat_dtype == torch.float32
         self.grad_h: torch.Tensor | None = None
         self.grad_w: torch.Tensor | None = None
         self._acc_w: torch.Tensor | None = None
@@ -225,12 +246,22 @@ class _Pass:
         if want_w:
             self.grad_w = torch.empty_like(weight)
             self.grad_w[n_valid:] = 0  # padding rows; the first chunk writes the others
-            # the kernels' path sums straight into the gradient (weight's dtype); the PyTorch path
-            # into an accumulator of the compute dtype when that differs
-            same = kernels is not None or weight.dtype == dt
-            self._acc_w = self.grad_w[:n_valid] if same else torch.empty_like(self.w_valid)
-            if n_rows == 0:
-                self._acc_w.zero_()
+            # the kernels' path sums straight into the gradient (weight's dtype), or with
+            # ``dweight_fp32`` into an fp32 accumulator (one rounding at the end, twice the
+            # weight's bytes more); the PyTorch path into an accumulator of the compute dtype
+            # when that differs
+            if kernels is not None and dweight_fp32 and weight.dtype != torch.float32:
+                self._acc_w = torch.zeros(n_valid, weight.shape[1], dtype=torch.float32, device=dev)
+            else:
+                same = kernels is not None or weight.dtype == dt
+                self._acc_w = self.grad_w[:n_valid] if same else torch.empty_like(self.w_valid)
+                if n_rows == 0:
+                    self._acc_w.zero_()
+        # ``overlap``: the weight-gradient addmm (memory-heavy: it reads and writes the whole
+        # gradient) runs on a side stream beside the hidden-gradient matmul (compute-bound)
+        self.side = (
+            _side_stream(dev) if overlap and dev.type == "cuda" and want_h and want_w else None
+        )
         self.buffer = None  # the kernels' chunk logits, then (in place) their gradient
         if kernels is not None and n_valid and n_rows:
             self.buffer = torch.empty(min(chunk, n_rows), n_valid, dtype=dt, device=dev)
@@ -249,11 +280,18 @@ class _Pass:
 
     def stats(
         self, logits: torch.Tensor, lo: int, hi: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """(logp, lse, E[z] or None, combined over the group) and the PyTorch path's ``exp(z -
-        max)`` and scaled z, kept for the gradient."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]:
+        """Writes the rows' log-probs (and entropy) and returns (lse, E[z] or None, combined over
+        the group), the targets and the PyTorch path's ``exp(z - max)`` and scaled z, kept for
+        the gradient."""
         t = self.targets[lo:hi]
         rows, dev, sd = hi - lo, self.logp.device, self.stat_dtype
+        if self.finish and self.n_valid:
+            ent = None if self.entropy is None else self.entropy[lo:hi]
+            lse, mean_z = self.kernels.finished_stats(
+                logits, t, self.n_valid, self.inv_temp, self.logp[lo:hi], ent
+            )
+            return lse, mean_z, t, None
         if self.n_valid == 0:  # this shard is all padding
             part = (
                 torch.full((rows,), -math.inf, dtype=sd, device=dev),
@@ -282,7 +320,10 @@ class _Pass:
             )
             cache = (z, e, m)
         logp, lse, mean_z = _combine(*part, self.group)
-        return logp, lse, mean_z, t, cache  # type: ignore[return-value]
+        self.logp[lo:hi] = logp
+        if self.entropy is not None:
+            self.entropy[lo:hi] = lse - mean_z
+        return lse, mean_z, t, cache
 
     def logits_grad(
         self,
@@ -323,8 +364,20 @@ class _Pass:
         return d.mul_(self.inv_temp)
 
     def weight_grads(self, dz: torch.Tensor, lo: int, hi: int) -> None:
-        """``dhidden[lo:hi] = dz @ W``, ``dweight += dz.T @ hidden[lo:hi]``."""
-        h = self.hidden[lo:hi]
+        """``dhidden[lo:hi] = dz @ W``, ``dweight += dz.T @ hidden[lo:hi]`` (the latter on the
+        side stream when overlapping; the next chunk waits for it before reusing ``dz``)."""
+        if self.side is None:
+            self._hidden_grad(dz, lo, hi)
+            self._weight_grad(dz, lo, hi)
+            return
+        main = torch.cuda.current_stream(dz.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            self._weight_grad(dz, lo, hi)
+        self._hidden_grad(dz, lo, hi)
+        main.wait_stream(self.side)
+
+    def _hidden_grad(self, dz: torch.Tensor, lo: int, hi: int) -> None:
         if self.grad_h is not None:
             out = self.grad_h[lo:hi]
             if out.dtype == dz.dtype:
@@ -333,11 +386,17 @@ class _Pass:
                 out.copy_(torch.mm(dz, self.w_valid, out_dtype=out.dtype))
             else:
                 out.copy_(dz @ self.w_valid)
-        if self._acc_w is not None:
-            if lo == 0:
-                torch.mm(dz.T, h, out=self._acc_w)
-            else:
-                self._acc_w.addmm_(dz.T, h)
+
+    def _weight_grad(self, dz: torch.Tensor, lo: int, hi: int) -> None:
+        h = self.hidden[lo:hi]
+        if self._acc_w is None:
+            return
+        if self._acc_w.dtype != dz.dtype:  # the fp32 accumulator (zeroed) of ``dweight_fp32``
+            _accumulate_mm(self._acc_w, dz.T, h)
+        elif lo == 0:
+            torch.mm(dz.T, h, out=self._acc_w)
+        else:
+            self._acc_w.addmm_(dz.T, h)
 
     # -- the whole pass ----------------------------------------------------------------------
 
@@ -345,10 +404,7 @@ class _Pass:
         need_grads = self.grad_h is not None or self.grad_w is not None
         for lo, hi in self.bounds:
             logits = self.logits(lo, hi) if self.n_valid else None
-            logp, lse, mean_z, t, cache = self.stats(logits, lo, hi)
-            self.logp[lo:hi] = logp
-            if self.entropy is not None:
-                self.entropy[lo:hi] = lse - mean_z
+            lse, mean_z, t, cache = self.stats(logits, lo, hi)
             if not (need_grads and self.n_valid):  # forward only, or an all-padding shard
                 continue
             g_logp, g_ent = _chunk_loss_grads(
@@ -369,6 +425,12 @@ class _Pass:
         return _Grads(grad_h, grad_w)
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the overlapped weight-gradient addmm."""
+    return torch.cuda.Stream(device=device)
+
+
 def head_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -382,6 +444,8 @@ def head_loss(
     entropy_grad: bool = True,
     chunk_size: int | None = None,
     kernel: Kernel = "auto",
+    dweight_fp32: bool = False,
+    overlap: bool = False,
 ) -> HeadLossOutput:
     """The loss of ``softmax(hidden @ weight.T / temperature)``'s per-token log-probs (and
     entropy) of ``targets``, with the gradients of ``hidden`` and ``weight`` made in the forward
@@ -404,6 +468,12 @@ def head_loss(
         chunk_size: token rows per chunk (default `default_token_chunk`).
         kernel: "auto" (Triton for CUDA tensors when importable, else PyTorch), "torch" or
             "triton".
+        dweight_fp32: on the kernels' path, sum the weight's gradient over the token chunks in
+            an fp32 accumulator (one rounding at the end) instead of in the weight's dtype (one
+            rounding per chunk); costs twice the weight's bytes (benchmarks/fused_head.py
+            --variants measures both).
+        overlap: on CUDA, run each chunk's weight-gradient addmm on a side stream beside its
+            hidden-gradient matmul (no extra memory).
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -433,7 +503,7 @@ def head_loss(
     if kernels is not None:
         hidden, targets = hidden.contiguous(), targets.contiguous()
     if chunk_size is None:
-        chunk_size = default_token_chunk(n_local, hidden.device, hidden.dtype)
+        chunk_size = default_token_chunk(n_local, hidden.device, hidden.dtype, hidden.shape[0])
     return _head_loss(
         hidden,
         weight,
@@ -447,6 +517,8 @@ def head_loss(
         with_entropy=with_entropy,
         entropy_grad=with_entropy and entropy_grad,
         kernels=kernels,
+        dweight_fp32=dweight_fp32,
+        overlap=overlap,
     )
 
 
