@@ -52,6 +52,7 @@ from benchmarks.megatron_throughput import (
     summary,
 )
 from benchmarks.run_environment import run_environment
+from unirl.backends.deepspeed.engine import deep_merge
 
 logger = logging.getLogger("backend_throughput")
 
@@ -74,6 +75,12 @@ def engine_config(args: argparse.Namespace, hf: dict[str, Any], engine: str, mod
         del data["megatron"]  # the HF backends always run packed sequences
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
+    # A/B knobs from the command line: the engine's own section, merged last
+    if backend == "fsdp2" and args.fsdp2_options:
+        data["fsdp2"] = {**data.get("fsdp2", {}), **json.loads(args.fsdp2_options)}
+    if backend == "deepspeed" and args.deepspeed_extra:
+        extra = data.setdefault("deepspeed", {}).get("extra", {})
+        data["deepspeed"]["extra"] = deep_merge(extra, json.loads(args.deepspeed_extra))
     return data
 
 
@@ -213,6 +220,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per engine")
     parser.add_argument(
+        "--fsdp2-options",
+        default="",
+        help='JSON merged into the fsdp2 engine\'s fsdp2: section, e.g. \'{"sharding": "shard_grad_op"}\'',
+    )
+    parser.add_argument(
+        "--deepspeed-extra",
+        default="",
+        help="JSON merged into deepspeed.extra of the DeepSpeed engines, e.g. "
+        '\'{"zero_optimization": {"stage3_prefetch_bucket_size": 200000000}}\'',
+    )
+    parser.add_argument(
         "--profile-dir",
         type=Path,
         default=None,
@@ -246,6 +264,8 @@ def main() -> None:
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
+            "fsdp2_options": args.fsdp2_options or None,
+            "deepspeed_extra": args.deepspeed_extra or None,
         },
         "flops": {
             "train_pass": model_flops(hf, lengths, training=True),

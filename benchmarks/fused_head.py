@@ -10,9 +10,11 @@ gradients of both under random per-token upstream gradients:
 - ``head_loss``: `unirl.core.maths.head_loss.head_loss`, the loss inside the head (token chunks,
   three matmuls, the gradients made in the forward; issue #30), its default chunk; with
   ``--head-loss-chunks 256,512`` also ``head_loss@256`` ... at those token chunks; variants of it
-  by name in ``--methods``: ``head_loss+overlap`` (the weight-gradient addmm on a side stream),
-  ``head_loss+dwfp32`` (the weight gradient summed over chunks in fp32), combined and with a chunk
-  as ``head_loss+overlap+dwfp32@2048``;
+  by name in ``--methods``: ``head_loss+overlap`` (the weight-gradient addmm on a side stream
+  beside the hidden-gradient matmul), ``head_loss+pipeline`` (both gradient matmuls of a chunk on
+  a side stream while the next chunk's logits are made in a second buffer: twice the chunk's
+  memory), ``head_loss+dwfp32`` (the weight gradient summed over chunks in fp32), combined and
+  with a chunk as ``head_loss+overlap+dwfp32@2048``;
 - ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss`` (mean cross-entropy: no
   per-token upstream gradient, no entropy, no temperature), issue #19's (c); recorded as skipped
   when liger-kernel is not importable;
@@ -122,7 +124,7 @@ def _liger_loss() -> Any:
     return LigerFusedLinearCrossEntropyLoss()
 
 
-HEAD_LOSS_FLAGS = ("overlap", "dwfp32")
+HEAD_LOSS_FLAGS = ("overlap", "pipeline", "dwfp32")
 
 
 def make_step(method: str, temperature: float) -> Step:
@@ -184,7 +186,9 @@ def make_step(method: str, temperature: float) -> Step:
                 temperature=temperature,
                 with_entropy=entropy,
                 chunk_size=chunk,
-                overlap="overlap" in flags,
+                overlap=(
+                    "pipeline" if "pipeline" in flags else ("dw" if "overlap" in flags else "none")
+                ),
                 dweight_fp32="dwfp32" in flags,
             ).loss
 
@@ -194,7 +198,8 @@ def make_step(method: str, temperature: float) -> Step:
         return lambda h, w, t, w_logp, w_ent, data: loss(w, h, t)
     valid = METHODS + ENTROPY_METHODS + PPO_METHODS
     raise ValueError(
-        f"unknown method {method!r}; valid: {valid}, head_loss[+overlap][+dwfp32][@<chunk>]"
+        f"unknown method {method!r}; valid: {valid}, "
+        "head_loss[+overlap|+pipeline][+dwfp32][@<chunk>]"
     )
 
 

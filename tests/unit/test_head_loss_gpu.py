@@ -118,16 +118,21 @@ def test_kernel_path_on_cuda() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
-def test_overlap_and_fp32_weight_grad_on_cuda() -> None:
-    """The side-stream weight-gradient addmm and the fp32 accumulator: the same checks."""
-    assert check_kernel_path("cuda", SMALL[:1] + LARGE[:1], overlap=True, dweight_fp32=True) == []
+@pytest.mark.parametrize("overlap", ["dw", "pipeline"])
+def test_overlap_and_fp32_weight_grad_on_cuda(overlap: str) -> None:
+    """The side-stream gradient matmuls and the fp32 accumulator: the same checks."""
+    shapes = SMALL[:1] + LARGE[:1]
+    assert check_kernel_path("cuda", shapes, overlap=overlap, dweight_fp32=True) == []
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton) for its interpreter")
 def test_kernel_path_in_the_interpreter() -> None:
     code = (
         "from tests.unit.test_head_loss_gpu import check_kernel_path, SMALL; "
-        "import sys; f = check_kernel_path('cpu', SMALL); print(f); sys.exit(1 if f else 0)"
+        "import sys; f = check_kernel_path('cpu', SMALL); "
+        # the fp32 weight-gradient accumulator (overlap needs CUDA streams: ignored here)
+        "f += check_kernel_path('cpu', SMALL[:1], dweight_fp32=True, overlap='pipeline'); "
+        "print(f); sys.exit(1 if f else 0)"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(

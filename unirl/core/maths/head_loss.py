@@ -22,12 +22,20 @@ chunks hold 0, earlier ones their values) as a leaf, and autograd's gradient at 
 is exactly ``f_t'`` there because no token's term depends on another's log-prob. The metrics and
 the loss value come from one last call on the complete detached log-probs.
 
+Kernels per chunk on CUDA with a whole vocabulary: the logits matmul, one statistics kernel that
+also writes the chunk's log-probs, entropy, ``lse`` and ``E[z]`` (`finished_stats`: nothing runs
+between it and the loss), the loss's own small ops, one kernel for ``dz`` (in place) and the two
+gradient matmuls; ``overlap`` can move those to a side stream (`head_loss`).
+
 Precision: on CUDA the chunk logits are the head's bf16 (cuBLAS, fp32 accumulation, one rounding
 as the head's own matmul rounds them), the softmax statistics and ``dz`` come from the Triton
 kernels of `unirl.core.maths.kernels.logprobs_triton` (``dz`` overwrites the chunk's logits),
 ``dhidden`` is one rounding of an fp32-accumulated product, and ``dweight`` is summed over the
 token chunks in the weight's dtype (each cuBLAS ``addmm`` accumulates in fp32 and rounds once: one
-rounding per chunk, as in Liger; an fp32 accumulator would cost twice the weight's bytes). On the
+rounding per chunk, as in Liger; ``dweight_fp32`` sums in fp32 instead, for twice the weight's
+bytes). Against fp64 the gradients' error is that of the plain logits path (head matmul + kernel
++ autograd), which rounds the logits and their gradient to bf16 alike: on the GPU test's input
+with an entropy term both have ~3.3e-2 relative error in ``dhidden`` and ``dweight``. On the
 CPU a plain chunked PyTorch path computes in fp32 (fp64 for fp64 inputs) with fp32 accumulators.
 
 Memory beyond the inputs: the two gradients (which every method returns) plus one chunk of logits,
@@ -46,7 +54,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -68,6 +76,10 @@ from unirl.core.maths.losses.settings import LossSettings
 TokenLoss = Callable[
     [torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Metric]]
 ]
+
+# How the gradient matmuls overlap the rest on CUDA (`head_loss`'s ``overlap``)
+Overlap = Literal["none", "dw", "pipeline"]
+_OVERLAPS = ("none", "dw", "pipeline")
 
 # The CUDA chunk holds ``rows x V_local`` logits in the inputs' dtype; this bounds its bytes. At
 # vocabulary 151,936 in bf16: 1,024 rows, 0.29 GiB. Fewer rows make more, smaller matmuls and more
@@ -210,7 +222,7 @@ class _Pass:
         want_w: bool,
         kernels: ModuleType | None,
         dweight_fp32: bool = False,
-        overlap: bool = False,
+        overlap: Overlap = "none",
     ) -> None:
         self.targets, self.group, self.inv_temp = targets, group, inv_temp
         self.vocab_start, self.n_valid, self.kernels = vocab_start, n_valid, kernels
@@ -257,24 +269,33 @@ class _Pass:
                 self._acc_w = self.grad_w[:n_valid] if same else torch.empty_like(self.w_valid)
                 if n_rows == 0:
                     self._acc_w.zero_()
-        # ``overlap``: the weight-gradient addmm (memory-heavy: it reads and writes the whole
-        # gradient) runs on a side stream beside the hidden-gradient matmul (compute-bound)
-        self.side = (
-            _side_stream(dev) if overlap and dev.type == "cuda" and want_h and want_w else None
-        )
-        self.buffer = None  # the kernels' chunk logits, then (in place) their gradient
+        # ``overlap`` (CUDA, both gradients): "dw" runs the weight-gradient addmm (memory-heavy:
+        # it reads and writes the whole gradient) on a side stream beside the hidden-gradient
+        # matmul; "pipeline" runs both gradient matmuls of chunk c on the side stream while the
+        # main one makes chunk c + 1's logits, statistics and logits gradient, in a second buffer
+        on_side = overlap != "none" and dev.type == "cuda" and want_h and want_w
+        self.overlap = overlap if on_side and kernels is not None else "none"
+        self.side = _side_stream(dev) if self.overlap != "none" else None
+        self.buffers: list[torch.Tensor] = []  # the kernels' chunk logits, then their gradient
+        self._free: list[Any] = [None, None]  # per buffer: the side stream's event, once read
         if kernels is not None and n_valid and n_rows:
-            self.buffer = torch.empty(min(chunk, n_rows), n_valid, dtype=dt, device=dev)
+            count = 2 if self.overlap == "pipeline" and len(self.bounds) > 1 else 1
+            shape = (min(chunk, n_rows), n_valid)
+            self.buffers = [torch.empty(shape, dtype=dt, device=dev) for _ in range(count)]
 
     # -- per chunk ---------------------------------------------------------------------------
 
-    def logits(self, lo: int, hi: int) -> torch.Tensor:
-        """``hidden[lo:hi] @ weight.T`` over the valid rows, unscaled: the kernels' buffer, or a
-        fresh tensor on the PyTorch path."""
+    def logits(self, lo: int, hi: int, index: int) -> torch.Tensor:
+        """``hidden[lo:hi] @ weight.T`` over the valid rows, unscaled: chunk ``index``'s kernels'
+        buffer, or a fresh tensor on the PyTorch path."""
         h = self.hidden[lo:hi]
-        if self.buffer is None:
+        if not self.buffers:
             return h @ self.w_valid.T
-        out = self.buffer[: hi - lo]
+        slot = index % len(self.buffers)
+        if self._free[slot] is not None:  # the side stream's matmuls of chunk index - 2
+            torch.cuda.current_stream(h.device).wait_event(self._free[slot])
+            self._free[slot] = None
+        out = self.buffers[slot][: hi - lo]
         torch.mm(h, self.w_valid.T, out=out)
         return out
 
@@ -363,9 +384,10 @@ class _Pass:
         )
         return d.mul_(self.inv_temp)
 
-    def weight_grads(self, dz: torch.Tensor, lo: int, hi: int) -> None:
-        """``dhidden[lo:hi] = dz @ W``, ``dweight += dz.T @ hidden[lo:hi]`` (the latter on the
-        side stream when overlapping; the next chunk waits for it before reusing ``dz``)."""
+    def weight_grads(self, dz: torch.Tensor, lo: int, hi: int, index: int) -> None:
+        """``dhidden[lo:hi] = dz @ W``, ``dweight += dz.T @ hidden[lo:hi]``: on the main stream,
+        or (``overlap``) partly or wholly on the side stream; the stream that next writes
+        ``dz``'s buffer waits for them."""
         if self.side is None:
             self._hidden_grad(dz, lo, hi)
             self._weight_grad(dz, lo, hi)
@@ -373,9 +395,16 @@ class _Pass:
         main = torch.cuda.current_stream(dz.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
+            if self.overlap == "pipeline":
+                self._hidden_grad(dz, lo, hi)
             self._weight_grad(dz, lo, hi)
-        self._hidden_grad(dz, lo, hi)
-        main.wait_stream(self.side)
+        if self.overlap == "dw":
+            self._hidden_grad(dz, lo, hi)
+            main.wait_stream(self.side)
+            return
+        done = torch.cuda.Event()
+        done.record(self.side)
+        self._free[index % len(self.buffers)] = done
 
     def _hidden_grad(self, dz: torch.Tensor, lo: int, hi: int) -> None:
         if self.grad_h is not None:
@@ -402,8 +431,8 @@ class _Pass:
 
     def run(self, loss: TokenLoss) -> None:
         need_grads = self.grad_h is not None or self.grad_w is not None
-        for lo, hi in self.bounds:
-            logits = self.logits(lo, hi) if self.n_valid else None
+        for index, (lo, hi) in enumerate(self.bounds):
+            logits = self.logits(lo, hi, index) if self.n_valid else None
             lse, mean_z, t, cache = self.stats(logits, lo, hi)
             if not (need_grads and self.n_valid):  # forward only, or an all-padding shard
                 continue
@@ -412,8 +441,10 @@ class _Pass:
             )
             dz = self.logits_grad(logits, t, lse, mean_z, g_logp, g_ent, cache)
             del logits, cache
-            self.weight_grads(dz, lo, hi)
+            self.weight_grads(dz, lo, hi, index)
             del dz
+        if self.side is not None:  # the last chunks' side-stream matmuls
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
 
     def gradients(self) -> _Grads:
         grad_h = self.grad_h
@@ -445,7 +476,7 @@ def head_loss(
     chunk_size: int | None = None,
     kernel: Kernel = "auto",
     dweight_fp32: bool = False,
-    overlap: bool = False,
+    overlap: Overlap = "none",
 ) -> HeadLossOutput:
     """The loss of ``softmax(hidden @ weight.T / temperature)``'s per-token log-probs (and
     entropy) of ``targets``, with the gradients of ``hidden`` and ``weight`` made in the forward
@@ -472,8 +503,10 @@ def head_loss(
             an fp32 accumulator (one rounding at the end) instead of in the weight's dtype (one
             rounding per chunk); costs twice the weight's bytes (benchmarks/fused_head.py
             --variants measures both).
-        overlap: on CUDA, run each chunk's weight-gradient addmm on a side stream beside its
-            hidden-gradient matmul (no extra memory).
+        overlap: on CUDA with both gradients wanted: "none"; "dw" runs each chunk's
+            weight-gradient addmm on a side stream beside its hidden-gradient matmul (no extra
+            memory); "pipeline" runs both gradient matmuls of a chunk on the side stream while
+            the next chunk's logits are made in a second buffer (twice the chunk's memory).
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -500,6 +533,8 @@ def head_loss(
                 f"head_loss: kernel='triton' needs CUDA tensors and triton installed (hidden on "
                 f"{hidden.device}, triton available: {kernels is not None}); use kernel='auto'"
             )
+    if overlap not in _OVERLAPS:
+        raise LossInputError(f"head_loss: overlap={overlap!r}; valid: {', '.join(_OVERLAPS)}")
     if kernels is not None:
         hidden, targets = hidden.contiguous(), targets.contiguous()
     if chunk_size is None:

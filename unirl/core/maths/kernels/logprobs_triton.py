@@ -7,6 +7,8 @@ sum ``s = sum exp(z - m)`` rescaled whenever ``m`` grows, and for entropy ``w = 
 it also reads the target's logit when the target falls in this vocabulary shard. These are
 local statistics: `unirl.core.maths.logprobs` combines them over tensor-parallel ranks and finishes
 ``lse = m + log s``, ``logp = z_target - lse``, ``E[z] = w / s``, ``H = lse - E[z]``.
+For a whole vocabulary `finished_stats` (the fused head's loss path) does that finish in the
+kernel and writes the results.
 
 Backward (one program per row): recomputes ``p = exp(z - lse)`` from the saved logits and the
 per-token ``lse`` and writes, in the logits' dtype,
