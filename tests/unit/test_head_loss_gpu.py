@@ -40,6 +40,11 @@ def logits_path(p, settings, h, w, n_ids, entropy_grad):
     return loss, logp, ent
 
 
+# fp64 references by (shape, dtype, case): the problems are seeded, so the variants' tests in the
+# same process reuse the first test's (the large ones cost seconds of CPU each)
+_REFERENCES: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
 def check_kernel_path(device: str, shapes, **options) -> list[str]:
     """Every case in fp32 and bf16; returns the failures. ``options``: head_loss's variants
     (``overlap``, ``dweight_fp32``)."""
@@ -52,7 +57,12 @@ def check_kernel_path(device: str, shapes, **options) -> list[str]:
             for case, (terms, settings) in sorted(CASES.items()):
                 entropy_grad = settings.entropy_coef != 0
                 p = make(n_tokens, hidden_size, vocab, dtype, 3, n_ids)
-                ref = reference(p, terms, temperature=TEMPERATURE, vocab_size=n_ids)
+                key = (n_tokens, hidden_size, vocab, n_ids, dtype, case)
+                if key not in _REFERENCES:
+                    _REFERENCES[key] = reference(
+                        p, terms, temperature=TEMPERATURE, vocab_size=n_ids
+                    )
+                ref = _REFERENCES[key]
                 p = {k: v.to(device) for k, v in p.items()}
                 h = p["hidden"].clone().requires_grad_(True)
                 w = p["weight"].clone().requires_grad_(True)
