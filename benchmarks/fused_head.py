@@ -286,6 +286,10 @@ def check_against_logits(
             except torch.OutOfMemoryError:
                 found[method] = {"error": "out of memory"}
                 continue
+            except Exception as err:  # one variant's failure must not end a sweep
+                logger.exception("check of %s failed", method)
+                found[method] = {"error": repr(err)}
+                continue
             found[method] = {"reference": ref_name, "loss_abs_diff": abs(loss - ref_loss)}
             for key, got, ref in (("dh", dh, ref_h), ("dw", dw, ref_w)):
                 diff = (got.float() - ref.float()).abs()
@@ -419,6 +423,9 @@ def main() -> None:
                     row[key][method] = cuda_measure(step, inputs, args.warmup, args.iters, run)
                 except torch.OutOfMemoryError:
                     row[key][method] = {"error": "out of memory"}
+                except Exception as err:  # one variant's failure: recorded
+                    logger.exception("%s failed", method)
+                    row[key][method] = {"error": repr(err)}
                 # after the except block: its traceback no longer holds the failed step's tensors
                 inputs[0].grad = inputs[1].grad = None
                 torch.cuda.empty_cache()
