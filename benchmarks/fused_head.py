@@ -13,8 +13,9 @@ gradients of both under random per-token upstream gradients:
   by name in ``--methods``: ``head_loss+overlap`` (the weight-gradient addmm on a side stream
   beside the hidden-gradient matmul), ``head_loss+pipeline`` (both gradient matmuls of a chunk on
   a side stream while the next chunk's logits are made in a second buffer: twice the chunk's
-  memory), ``head_loss+dwfp32`` (the weight gradient summed over chunks in fp32), combined and
-  with a chunk as ``head_loss+overlap+dwfp32@2048``;
+  memory), ``head_loss+dwfp32`` (the weight gradient summed over chunks in fp32),
+  ``head_loss+graph`` (the loss's per-chunk gradient call replayed as a CUDA graph), combined and
+  with a chunk as ``head_loss_ppo+pipeline+graph@512``;
 - ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss`` (mean cross-entropy: no
   per-token upstream gradient, no entropy, no temperature), issue #19's (c); recorded as skipped
   when liger-kernel is not importable;
@@ -124,7 +125,7 @@ def _liger_loss() -> Any:
     return LigerFusedLinearCrossEntropyLoss()
 
 
-HEAD_LOSS_FLAGS = ("overlap", "pipeline", "dwfp32")
+HEAD_LOSS_FLAGS = ("overlap", "pipeline", "dwfp32", "graph")
 
 
 def make_step(method: str, temperature: float) -> Step:
@@ -190,6 +191,7 @@ def make_step(method: str, temperature: float) -> Step:
                     "pipeline" if "pipeline" in flags else ("dw" if "overlap" in flags else "none")
                 ),
                 dweight_fp32="dwfp32" in flags,
+                graph_loss="graph" in flags,
             ).loss
 
         return in_head
@@ -199,7 +201,7 @@ def make_step(method: str, temperature: float) -> Step:
     valid = METHODS + ENTROPY_METHODS + PPO_METHODS
     raise ValueError(
         f"unknown method {method!r}; valid: {valid}, "
-        "head_loss[+overlap|+pipeline][+dwfp32][@<chunk>]"
+        "head_loss[+overlap|+pipeline][+dwfp32][+graph][@<chunk>]"
     )
 
 

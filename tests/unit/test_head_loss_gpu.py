@@ -135,6 +135,19 @@ def test_overlap_and_fp32_weight_grad_on_cuda(overlap: str) -> None:
     assert check_kernel_path("cuda", shapes, overlap=overlap, dweight_fp32=True) == []
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_loss_replayed_as_a_cuda_graph(caplog) -> None:
+    """``graph_loss``: core's loss (PPO-clip with entropy, REINFORCE with KL, sequence-mean) is
+    captured on the second chunk and replayed for the others (several chunks: LARGE[:1] has
+    six), with the same checks; a capture that fell back to eager calls is reported."""
+    shapes = SMALL[:1] + LARGE[:1]
+    with caplog.at_level("WARNING", logger="unirl.core.maths.head_loss"):
+        failures = check_kernel_path("cuda", shapes, graph_loss=True, overlap="pipeline")
+    assert failures == []
+    assert "cannot be captured" not in caplog.text, caplog.text
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install triton) for its interpreter")
 def test_kernel_path_in_the_interpreter() -> None:
     code = (

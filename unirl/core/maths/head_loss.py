@@ -51,6 +51,7 @@ log-probs, so the ranks agree on every gradient.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -70,6 +71,8 @@ from unirl.core.maths.logprobs_hidden import (
 from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.separable import separability
 from unirl.core.maths.losses.settings import LossSettings
+
+logger = logging.getLogger(__name__)
 
 # loss(logprobs [T], entropy [T] or None) -> (this microbatch's loss, metrics): the backend's
 # `LossFn` with its microbatch bound. Must be separable over tokens (`choose_head_path`).
@@ -176,16 +179,11 @@ class _AttachGrads(torch.autograd.Function):
         return gh, gw, None
 
 
-def _chunk_loss_grads(
-    loss: TokenLoss,
-    logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    lo: int,
-    hi: int,
-    entropy_grad: bool,
+def _loss_grads(
+    loss: TokenLoss, logp: torch.Tensor, entropy: torch.Tensor | None, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dL/dlogp, dL/dH)`` at tokens ``[lo, hi)`` from one call of the loss on leaves holding
-    the log-probs computed so far (exact there for a separable loss)."""
+    """``(dL/dlogp, dL/dH)`` at every token from one call of the loss on leaves holding the
+    log-probs computed so far: exact at the tokens computed last, for a separable loss."""
     x = logp.detach().requires_grad_(True)
     e = None if entropy is None else entropy.detach().requires_grad_(entropy_grad)
     wrt = [x] + ([e] if e is not None and entropy_grad else [])
@@ -195,11 +193,62 @@ def _chunk_loss_grads(
         grads: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)
     else:
         grads = torch.autograd.grad(value, wrt, allow_unused=True)
-    out = [
-        torch.zeros(hi - lo, dtype=logp.dtype, device=logp.device) if t is None else t[lo:hi]
-        for t in grads
-    ]
+    out = [torch.zeros_like(logp) if t is None else t for t in grads]
     return out[0], (out[1] if len(out) > 1 else None)
+
+
+class _ChunkLossGrads:
+    """The loss's gradient at each chunk's tokens: one eager call of the loss per chunk, or with
+    ``graph`` (CUDA) the first chunk's call eager and the loss + its autograd captured once in a
+    CUDA graph on the second, replayed for the rest. The loss reads the log-probs through
+    `_Pass`'s persistent ``[T]`` buffers, so one capture serves every chunk, and a replay costs
+    one launch instead of the loss's tens of small kernels and autograd's host work. A loss that
+    cannot be captured (a host sync, say) falls back to eager calls, with a warning."""
+
+    def __init__(
+        self,
+        loss: TokenLoss,
+        logp: torch.Tensor,
+        entropy: torch.Tensor | None,
+        entropy_grad: bool,
+        graph: bool,
+    ) -> None:
+        self.args = (loss, logp, entropy, entropy_grad)
+        self.graph_wanted = graph and logp.is_cuda
+        self.calls = 0
+        self.graph: Any = None
+        self.static: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def __call__(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.graph is None and self.graph_wanted and self.calls >= 1:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+            g_logp, g_ent = self.static  # type: ignore[misc]
+        else:
+            g_logp, g_ent = _loss_grads(*self.args)
+        self.calls += 1
+        return g_logp[lo:hi], (None if g_ent is None else g_ent[lo:hi])
+
+    def _capture(self) -> None:
+        self.graph_wanted = False  # one attempt per call of head_loss
+        main = torch.cuda.current_stream(self.args[1].device)
+        stream = _side_stream(self.args[1].device, "capture")
+        stream.wait_stream(main)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin()
+                try:
+                    static = _loss_grads(*self.args)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as err:
+            logger.warning("head_loss: the loss cannot be captured in a CUDA graph (%s)", err)
+            main.wait_stream(stream)
+            return
+        main.wait_stream(stream)
+        self.graph, self.static = graph, static
 
 
 class _Pass:
@@ -223,7 +272,9 @@ class _Pass:
         kernels: ModuleType | None,
         dweight_fp32: bool = False,
         overlap: Overlap = "none",
+        graph_loss: bool = False,
     ) -> None:
+        self.graph_loss = graph_loss
         self.targets, self.group, self.inv_temp = targets, group, inv_temp
         self.vocab_start, self.n_valid, self.kernels = vocab_start, n_valid, kernels
         self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
@@ -431,14 +482,15 @@ class _Pass:
 
     def run(self, loss: TokenLoss) -> None:
         need_grads = self.grad_h is not None or self.grad_w is not None
+        loss_grads = _ChunkLossGrads(
+            loss, self.logp, self.entropy, self.entropy_grad, self.graph_loss
+        )
         for index, (lo, hi) in enumerate(self.bounds):
             logits = self.logits(lo, hi, index) if self.n_valid else None
             lse, mean_z, t, cache = self.stats(logits, lo, hi)
             if not (need_grads and self.n_valid):  # forward only, or an all-padding shard
                 continue
-            g_logp, g_ent = _chunk_loss_grads(
-                loss, self.logp, self.entropy, lo, hi, self.entropy_grad
-            )
+            g_logp, g_ent = loss_grads(lo, hi)
             dz = self.logits_grad(logits, t, lse, mean_z, g_logp, g_ent, cache)
             del logits, cache
             self.weight_grads(dz, lo, hi, index)
@@ -457,8 +509,9 @@ class _Pass:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the overlapped weight-gradient addmm."""
+def _side_stream(device: torch.device, role: str = "overlap") -> torch.cuda.Stream:
+    """One side stream per device and role: the overlapped gradient matmuls, the capture of the
+    loss's CUDA graph."""
     return torch.cuda.Stream(device=device)
 
 
@@ -477,6 +530,7 @@ def head_loss(
     kernel: Kernel = "auto",
     dweight_fp32: bool = False,
     overlap: Overlap = "none",
+    graph_loss: bool = False,
 ) -> HeadLossOutput:
     """The loss of ``softmax(hidden @ weight.T / temperature)``'s per-token log-probs (and
     entropy) of ``targets``, with the gradients of ``hidden`` and ``weight`` made in the forward
@@ -507,6 +561,9 @@ def head_loss(
             weight-gradient addmm on a side stream beside its hidden-gradient matmul (no extra
             memory); "pipeline" runs both gradient matmuls of a chunk on the side stream while
             the next chunk's logits are made in a second buffer (twice the chunk's memory).
+        graph_loss: on CUDA, capture the loss's per-chunk gradient call in a CUDA graph on the
+            second chunk and replay it for the others (`_ChunkLossGrads`); the loss must then be
+            capturable (no host syncs, the same work for every chunk), else eager calls.
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -554,6 +611,7 @@ def head_loss(
         kernels=kernels,
         dweight_fp32=dweight_fp32,
         overlap=overlap,
+        graph_loss=graph_loss,
     )
 
 
