@@ -12,7 +12,10 @@ process (a fresh CUDA context: peak memory is the engine's own, and no engine's 
 leaks into the next), `RLStep.run` with ``old_logprobs: reuse`` (the training pass alone) and,
 with ``--modes reuse,recompute``, with a forward-only pass first; ``--fused-head`` sets
 ``model.fused_head: true`` for every engine. Times are medians of
-``--steps`` steps after ``--warmup``; MFU = model FLOPs / (time x 989 TFLOP/s).
+``--steps`` steps after ``--warmup``; MFU = model FLOPs / (time x 989 TFLOP/s). With
+``--profile-dir DIR`` each engine runs one more step per mode under torch.profiler and writes
+``DIR/profile_<engine>_<mode>.txt``: the kernel table (by CUDA time) and the CPU table (by CPU
+time), as `benchmarks/megatron_throughput.py --profile-dir` does; the profiled step is not timed.
 
 CPU smoke run of the driver (FSDP2 and DeepSpeed only; Megatron's schedules need CUDA)::
 
@@ -24,6 +27,7 @@ CPU smoke run of the driver (FSDP2 and DeepSpeed only; Megatron's schedules need
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -48,6 +52,7 @@ from benchmarks.megatron_throughput import (
     summary,
 )
 from benchmarks.run_environment import run_environment
+from unirl.backends.deepspeed.engine import deep_merge
 
 logger = logging.getLogger("backend_throughput")
 
@@ -70,12 +75,36 @@ def engine_config(args: argparse.Namespace, hf: dict[str, Any], engine: str, mod
         del data["megatron"]  # the HF backends always run packed sequences
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
+    # A/B knobs from the command line: the engine's own section, merged last
+    if backend == "fsdp2" and args.fsdp2_options:
+        data["fsdp2"] = {**data.get("fsdp2", {}), **json.loads(args.fsdp2_options)}
+    if backend == "deepspeed" and args.deepspeed_extra:
+        extra = data.setdefault("deepspeed", {}).get("extra", {})
+        data["deepspeed"]["extra"] = deep_merge(extra, json.loads(args.deepspeed_extra))
     return data
 
 
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def profile_step(fn: Any, path: Path, device: str, rows: int = 45) -> None:
+    """One more call of ``fn`` under torch.profiler: kernel and CPU tables as text in ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    table = prof.key_averages()
+    text = ""
+    if device == "cuda":
+        text = table.table(sort_by="cuda_time_total", row_limit=rows) + "\n\n"
+    text += table.table(sort_by="cpu_time_total", row_limit=rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    logger.info("wrote %s", path)
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,6 +155,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
             else:  # the process's peak resident memory (CPU smoke runs)
                 res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             res["summary"] = summary(hf, lengths, res, backend.topology.world_size)
+            if args.profile_dir is not None:
+                path = args.profile_dir / f"profile_{args.engine}_{mode}.txt"
+                profile_step(functools.partial(step.run, batch), path, args.device)
+                res["profile"] = str(path)
             out["results"][mode] = res
             logger.info("%s %s: %s", args.engine, mode, json.dumps(res["summary"]))
     finally:
@@ -186,6 +219,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per engine")
+    parser.add_argument(
+        "--fsdp2-options",
+        default="",
+        help='JSON merged into the fsdp2 engine\'s fsdp2: section, e.g. \'{"sharding": "shard_grad_op"}\'',
+    )
+    parser.add_argument(
+        "--deepspeed-extra",
+        default="",
+        help="JSON merged into deepspeed.extra of the DeepSpeed engines, e.g. "
+        '\'{"zero_optimization": {"stage3_prefetch_bucket_size": 200000000}}\'',
+    )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="profile one more step per engine and mode: kernel + CPU tables as text here",
+    )
     args = parser.parse_args()
     # megatron_throughput.config_dict reads these
     args.attention, args.tp, args.pp, args.vpp, args.cp = "packed", 1, 1, None, 1
@@ -214,6 +264,8 @@ def main() -> None:
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
+            "fsdp2_options": args.fsdp2_options or None,
+            "deepspeed_extra": args.deepspeed_extra or None,
         },
         "flops": {
             "train_pass": model_flops(hf, lengths, training=True),

@@ -9,7 +9,13 @@ gradients of both under random per-token upstream gradients:
 - ``fused``: `logprobs_from_hidden` (vocabulary chunks, no ``[T, V]`` logits), issue #19's (b);
 - ``head_loss``: `unirl.core.maths.head_loss.head_loss`, the loss inside the head (token chunks,
   three matmuls, the gradients made in the forward; issue #30), its default chunk; with
-  ``--head-loss-chunks 256,512`` also ``head_loss@256`` ... at those token chunks;
+  ``--head-loss-chunks 256,512`` also ``head_loss@256`` ... at those token chunks; variants of it
+  by name in ``--methods``: ``head_loss+overlap`` (the weight-gradient addmm on a side stream
+  beside the hidden-gradient matmul), ``head_loss+pipeline`` (both gradient matmuls of a chunk on
+  a side stream while the next chunk's logits are made in a second buffer: twice the chunk's
+  memory), ``head_loss+dwfp32`` (the weight gradient summed over chunks in fp32),
+  ``head_loss+graph`` (the loss's per-chunk gradient call replayed as a CUDA graph), combined and
+  with a chunk as ``head_loss_ppo+pipeline+graph@512``;
 - ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss`` (mean cross-entropy: no
   per-token upstream gradient, no entropy, no temperature), issue #19's (c); recorded as skipped
   when liger-kernel is not importable;
@@ -22,6 +28,11 @@ gradients of both under random per-token upstream gradients:
 Every method but ``liger`` and ``*_ppo`` has the same objective,
 ``sum_t w_logp[t] logp_t (+ w_ent[t] H_t)`` with random per-token weights.
 
+With ``--check`` each method's loss and gradients are also compared with those of the logits path
+of the same objective (``matmul_kernel``, ``matmul_kernel_entropy`` or ``matmul_kernel_ppo``) on
+the same inputs: ``correctness`` holds the absolute loss difference and the max-abs and relative
+(norm) differences of both gradients.
+
 Times are medians over ``--iters`` timed iterations after ``--warmup``: CUDA events on a GPU;
 on the CPU ``perf_counter`` with the methods interleaved round by round (an in-process A/B that
 a busy machine slows alike). Memory (CUDA only) is ``max_memory_allocated`` during one
@@ -33,6 +44,9 @@ in the compute dtype, for scale; ``beyond_grads_gib`` is the peak minus the two 
 
     PYTHONPATH=$PWD python benchmarks/fused_head.py --device cuda \\
         --out benchmarks/results/fused_head_h200.json
+    PYTHONPATH=$PWD python benchmarks/fused_head.py --device cuda --tokens 16384 --hidden 1536 \\
+        --methods matmul_kernel,liger,head_loss,head_loss+overlap,head_loss@2048 --check \\
+        --out /tmp/fused_head_variants.json
     PYTHONPATH=$PWD python benchmarks/fused_head.py --device cpu --dtype fp32 \\
         --tokens 384,4096 --hidden 128,512 --vocab 16,32000 --methods matmul_kernel,fused \\
         --out /tmp/fused_head_cpu.json
@@ -111,9 +125,15 @@ def _liger_loss() -> Any:
     return LigerFusedLinearCrossEntropyLoss()
 
 
+HEAD_LOSS_FLAGS = ("overlap", "pipeline", "dwfp32", "graph")
+
+
 def make_step(method: str, temperature: float) -> Step:
-    base, _, chunk_text = method.partition("@")
+    spec, _, chunk_text = method.partition("@")
     chunk = int(chunk_text) if chunk_text else None
+    base, *flags = spec.split("+")
+    if flags and (not base.startswith("head_loss") or set(flags) - set(HEAD_LOSS_FLAGS)):
+        raise ValueError(f"method {method!r}: only head_loss takes +{'/+'.join(HEAD_LOSS_FLAGS)}")
     entropy = base.endswith("_entropy") or base.endswith("_ppo")
     ppo = base.endswith("_ppo")
     kind = base.removesuffix("_entropy").removesuffix("_ppo")
@@ -160,7 +180,18 @@ def make_step(method: str, temperature: float) -> Step:
         def in_head(h, w, t, w_logp, w_ent, data):
             loss = _ppo_loss(data) if ppo else _weights_loss(w_logp, w_ent, entropy)
             return head_loss(
-                h, w, t, loss, temperature=temperature, with_entropy=entropy, chunk_size=chunk
+                h,
+                w,
+                t,
+                loss,
+                temperature=temperature,
+                with_entropy=entropy,
+                chunk_size=chunk,
+                overlap=(
+                    "pipeline" if "pipeline" in flags else ("dw" if "overlap" in flags else "none")
+                ),
+                dweight_fp32="dwfp32" in flags,
+                graph_loss="graph" in flags,
             ).loss
 
         return in_head
@@ -168,7 +199,10 @@ def make_step(method: str, temperature: float) -> Step:
         loss = _liger_loss()
         return lambda h, w, t, w_logp, w_ent, data: loss(w, h, t)
     valid = METHODS + ENTROPY_METHODS + PPO_METHODS
-    raise ValueError(f"unknown method {method!r}; valid: {valid} and head_loss@<chunk>")
+    raise ValueError(
+        f"unknown method {method!r}; valid: {valid}, "
+        "head_loss[+overlap|+pipeline][+dwfp32][+graph][@<chunk>]"
+    )
 
 
 def make_inputs(
@@ -217,6 +251,58 @@ def forward_only(step: Step) -> Step:
 
 def one_forward(step: Step, inputs: tuple[torch.Tensor, ...]) -> None:
     step(*inputs)
+
+
+def reference_method(method: str) -> str | None:
+    """The logits path with ``method``'s objective (None: liger, whose objective differs, and the
+    references themselves)."""
+    base = method.partition("@")[0].split("+")[0]
+    if base.startswith("matmul_kernel") or base.startswith("liger"):
+        return None
+    if base == "matmul_naive":
+        return "matmul_kernel"
+    suffix = "_ppo" if base.endswith("_ppo") else ("_entropy" if base.endswith("_entropy") else "")
+    return "matmul_kernel" + suffix
+
+
+def _loss_and_grads(step: Step, inputs: tuple) -> tuple[float, torch.Tensor, torch.Tensor]:
+    h, w = inputs[0], inputs[1]
+    h.grad = w.grad = None
+    loss = step(*inputs)
+    loss.backward()
+    out = float(loss.detach()), h.grad, w.grad
+    h.grad = w.grad = None
+    return out
+
+
+def check_against_logits(
+    methods: list[str], temperature: float, inputs: tuple
+) -> dict[str, dict[str, float]]:
+    """Each method's loss and gradients against the logits path of the same objective."""
+    found: dict[str, dict[str, float]] = {}
+    for ref_name in sorted({r for m in methods if (r := reference_method(m)) is not None}):
+        ref_loss, ref_h, ref_w = _loss_and_grads(make_step(ref_name, temperature), inputs)
+        for method in [m for m in methods if reference_method(m) == ref_name]:
+            try:
+                loss, dh, dw = _loss_and_grads(make_step(method, temperature), inputs)
+            except torch.OutOfMemoryError:
+                found[method] = {"error": "out of memory"}
+                continue
+            except Exception as err:  # one variant's failure must not end a sweep
+                logger.exception("check of %s failed", method)
+                found[method] = {"error": repr(err)}
+                continue
+            found[method] = {"reference": ref_name, "loss_abs_diff": abs(loss - ref_loss)}
+            for key, got, ref in (("dh", dh, ref_h), ("dw", dw, ref_w)):
+                diff = (got.float() - ref.float()).abs()
+                found[method][f"{key}_max_abs_diff"] = float(diff.max())
+                found[method][f"{key}_rel_diff"] = float(
+                    (got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
+                )
+                found[method][f"{key}_ref_max_abs"] = float(ref.float().abs().max())
+            del dh, dw
+        del ref_h, ref_w
+    return found
 
 
 def cuda_measure(
@@ -281,6 +367,11 @@ def main() -> None:
         default="",
         help="token chunks (e.g. 256,512,1024,2048): also head_loss@<chunk> for each",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also compare each method's loss and gradients with the logits path's",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
@@ -313,7 +404,7 @@ def main() -> None:
             "dtype": args.dtype,
             "logits_gib": round(tokens * vocab * dtype.itemsize / GIB, 3),
             "grads_gib": round((tokens + vocab) * hidden * dtype.itemsize / GIB, 3),
-            "head_loss_chunk": min(tokens, default_token_chunk(vocab, device, dtype)),
+            "head_loss_chunk": min(tokens, default_token_chunk(vocab, device, dtype, tokens)),
             "methods": {},
             "forward_only": {},
         }
@@ -334,9 +425,14 @@ def main() -> None:
                     row[key][method] = cuda_measure(step, inputs, args.warmup, args.iters, run)
                 except torch.OutOfMemoryError:
                     row[key][method] = {"error": "out of memory"}
+                except Exception as err:  # one variant's failure: recorded
+                    logger.exception("%s failed", method)
+                    row[key][method] = {"error": repr(err)}
                 # after the except block: its traceback no longer holds the failed step's tensors
                 inputs[0].grad = inputs[1].grad = None
                 torch.cuda.empty_cache()
+        if args.check:
+            row["correctness"] = check_against_logits(methods, args.temperature, inputs)
         for m in row["methods"].values():
             if "peak_extra_gib" in m:  # what a method adds beyond the two gradients
                 m["beyond_grads_gib"] = round(m["peak_extra_gib"] - row["grads_gib"], 3)

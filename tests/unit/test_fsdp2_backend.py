@@ -102,12 +102,31 @@ def test_step_matches_plain_pytorch(tiny_folder, tmp_path, offload):
         backend.close()
 
 
-@pytest.mark.parametrize("grad_reduce", ["step", "microbatch"])
-def test_gradient_reduction_once_per_step(tiny_folder, monkeypatch, grad_reduce):
+@pytest.mark.parametrize(("grad_reduce", "prefetch"), [("step", 1), ("microbatch", 0)])
+def test_gradient_reduction_once_per_step(tiny_folder, monkeypatch, grad_reduce, prefetch):
     """``fsdp2.grad_reduce: step`` reduces each FSDP unit's gradients once per optimizer step
     (after the last microbatch), ``microbatch`` after every microbatch; both give the plain
-    PyTorch step on the whole batch."""
+    PyTorch step on the whole batch. ``fsdp2.prefetch: 1`` (explicit prefetching of the next
+    layer) leaves the numbers alike: each layer's forward prefetches the next, its backward the
+    one before."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from unirl.backends.fsdp2 import engine
+
+    prefetched: dict[str, list] = {}
+    original_prefetch = engine.set_prefetch
+
+    def recorded(layers, depth):
+        original_prefetch(layers, depth)
+        states = [layer._get_fsdp_state() for layer in layers]
+        prefetched["forward"] = [
+            [states.index(s) for s in st._states_to_forward_prefetch] for st in states
+        ]
+        prefetched["backward"] = [
+            [states.index(s) for s in st._states_to_backward_prefetch] for st in states
+        ]
+
+    monkeypatch.setattr(engine, "set_prefetch", recorded)
 
     reduces: list[int] = []
     original = _fsdp_param_group.foreach_reduce
@@ -118,12 +137,19 @@ def test_gradient_reduction_once_per_step(tiny_folder, monkeypatch, grad_reduce)
 
     monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counted)
     seqs = make_sequences(2)
-    backend = build(fsdp2_config(tiny_folder, {"grad_reduce": grad_reduce}))
+    options = {"grad_reduce": grad_reduce, "prefetch": prefetch}
+    backend = build(fsdp2_config(tiny_folder, options))
     try:
         mbs = [pack(seqs[:3]), empty_microbatch(), pack(seqs[3:])]
         _, stats = train_step(backend, mbs, num_response_tokens(seqs))
-        units = 1 + transformers.AutoConfig.from_pretrained(tiny_folder).num_hidden_layers
+        layers = transformers.AutoConfig.from_pretrained(tiny_folder).num_hidden_layers
+        units = 1 + layers
         assert len(reduces) == units * (1 if grad_reduce == "step" else len(mbs))
+        if prefetch:  # the policy and the reference: the same lists
+            assert prefetched["forward"] == [[i + 1] for i in range(layers - 1)] + [[]]
+            assert prefetched["backward"] == [[]] + [[i] for i in range(layers - 1)]
+        else:
+            assert not prefetched
         norm, expected = reference_step(tiny_folder, seqs, lr=1e-2, clip=0.5, weight_decay=0.1)
         assert stats.grad_norm == pytest.approx(norm, rel=1e-5)
         synced = backend.hf_state_dict()

@@ -71,8 +71,19 @@ def shard_model(
     # shard_grad_op keeps the layers gathered from forward to backward; forward-only models
     # always reshard (nothing comes back for them)
     reshard = not train or fsdp.sharding != "shard_grad_op"
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
     # the root's parameters (embeddings, head) are needed first by the backward: keep them
     fully_shard(model, reshard_after_forward=False if train else reshard, **kwargs)
+    if fsdp.prefetch:
+        set_prefetch(layers, fsdp.prefetch)
     return model
+
+
+def set_prefetch(layers: list[Any], depth: int) -> None:
+    """``fsdp2.prefetch``: each layer's pre-forward issues the all-gathers of the next ``depth``
+    layers, and its pre-backward those of the ``depth`` layers before it (backward order)."""
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + depth])
+        layer.set_modules_to_backward_prefetch(layers[max(0, i - depth) : i][::-1])

@@ -15,6 +15,12 @@ The ``fsdp2:`` section (`Fsdp2Options`); each option is a choice torch's `fully_
   parameter of the whole model on every rank, for one reduce-scatter per step instead of one per
   microbatch. ``microbatch``: a reduce-scatter after every microbatch into the sharded gradient
   (only the shard's memory: for a model whose unsharded fp32 gradients do not fit).
+- ``prefetch``: how many decoder layers ahead each layer's all-gather is issued (FSDP2's
+  explicit prefetching, `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`):
+  ``0`` (default) leaves FSDP2's implicit prefetching, where the next layer's all-gather is issued
+  when the CPU reaches that layer; ``n >= 1`` issues the next ``n`` layers' all-gathers at each
+  layer's start (forward and backward), so they overlap this layer's compute even when the CPU
+  runs barely ahead of the GPU, for ``n`` more gathered layers of memory. The numbers do not change.
 - ``sp``: Ulysses sequence-parallel degree. Sequences are split over ``sp`` ranks with core's
   context-parallel layout; attention trades heads for tokens with an all-to-all, so every rank
   attends over whole sequences for ``heads / sp`` heads (`unirl.backends.fsdp2.ulysses`).
@@ -41,6 +47,11 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> N
         raise ConfigError(f"fsdp2.{attribute.name} must be >= 1, got {value}")
 
 
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 0:
+        raise ConfigError(f"fsdp2.{attribute.name} must be >= 0, got {value}")
+
+
 @attrs.frozen(kw_only=True)
 class Fsdp2Options:
     """The ``fsdp2:`` section (module docstring)."""
@@ -50,6 +61,7 @@ class Fsdp2Options:
     shard_size: int | None = attrs.field(default=None, validator=_positive)
     cpu_offload: bool = False
     grad_reduce: GradReduce = "step"
+    prefetch: int = attrs.field(default=0, validator=_non_negative)
     sp: int = attrs.field(default=1, validator=_positive)
 
     def check_world(self, world_size: int) -> None:

@@ -7,6 +7,8 @@ sum ``s = sum exp(z - m)`` rescaled whenever ``m`` grows, and for entropy ``w = 
 it also reads the target's logit when the target falls in this vocabulary shard. These are
 local statistics: `unirl.core.maths.logprobs` combines them over tensor-parallel ranks and finishes
 ``lse = m + log s``, ``logp = z_target - lse``, ``E[z] = w / s``, ``H = lse - E[z]``.
+For a whole vocabulary `finished_stats` (the fused head's loss path) does that finish in the
+kernel and writes the results.
 
 Backward (one program per row): recomputes ``p = exp(z - lse)`` from the saved logits and the
 per-token ``lse`` and writes, in the logits' dtype,
@@ -66,6 +68,52 @@ def _stats_fwd_kernel(
     own = (t >= 0) & (t < n_valid)
     zt = tl.load(row_ptr + t, mask=own, other=0.0).to(tl.float32) * inv_temp
     tl.store(target_logit_ptr + row, zt)
+
+
+@triton.jit
+def _stats_finish_kernel(
+    logits_ptr,
+    stride_row,
+    targets_ptr,
+    n_valid,
+    inv_temp,
+    logp_ptr,
+    lse_ptr,
+    mean_z_ptr,
+    entropy_ptr,
+    BLOCK_V: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+):
+    """`_stats_fwd_kernel` for a whole (unsharded) vocabulary, finished in the kernel: writes
+    ``logp``, ``lse`` and (for entropy) ``E[z]`` and ``H`` instead of the four local sums, so
+    nothing runs between the statistics and the loss (`unirl.core.maths.head_loss`)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    s = 0.0
+    w = 0.0
+    for start in range(0, n_valid, BLOCK_V):
+        idx = start + cols
+        valid = idx < n_valid
+        z = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        scale = tl.exp(m - m_new)
+        e = tl.exp(z - m_new)
+        s = s * scale + tl.sum(e, axis=0)
+        if WITH_ENTROPY:
+            w = w * scale + tl.sum(tl.where(valid, e * z, 0.0), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    t = tl.load(targets_ptr + row).to(tl.int64)
+    own = (t >= 0) & (t < n_valid)
+    zt = tl.load(row_ptr + t, mask=own, other=0.0).to(tl.float32) * inv_temp
+    tl.store(logp_ptr + row, zt - lse)
+    tl.store(lse_ptr + row, lse)
+    if WITH_ENTROPY:
+        mean_z = w / s
+        tl.store(mean_z_ptr + row, mean_z)
+        tl.store(entropy_ptr + row, lse - mean_z)
 
 
 @triton.jit
@@ -159,6 +207,44 @@ def local_stats(
         num_warps=num_warps,
     )
     return row_max, sumexp, sum_pz, target_logit
+
+
+def finished_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    n_valid: int,
+    inv_temp: float,
+    logp_out: torch.Tensor,
+    entropy_out: torch.Tensor | None,
+    config: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For a whole vocabulary (no tensor-parallel shards): writes the rows' log-probs into
+    ``logp_out`` and (when given) their entropy into ``entropy_out`` (fp32 ``[T]``, unit stride),
+    and returns ``(lse, E[z] or None)`` for the gradient, in one kernel."""
+    n_rows = logits.shape[0]
+    with_entropy = entropy_out is not None
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    mean_z = torch.empty_like(lse) if with_entropy else None
+    for out in (logp_out, entropy_out):
+        assert out is None or (out.dtype == torch.float32 and out.shape == (n_rows,))
+    if n_rows == 0:
+        return lse, mean_z
+    block_v, num_warps = config or fwd_config(n_valid, with_entropy)
+    _stats_finish_kernel[(n_rows,)](
+        logits,
+        logits.stride(0),
+        targets,
+        n_valid,
+        inv_temp,
+        logp_out,
+        lse,
+        mean_z if with_entropy else lse,  # unused pointers when entropy is off
+        entropy_out if with_entropy else lse,
+        BLOCK_V=block_v,
+        WITH_ENTROPY=with_entropy,
+        num_warps=num_warps,
+    )
+    return lse, mean_z
 
 
 def logits_grad(
