@@ -207,7 +207,6 @@ def config_dict(
             "max_seq_len": args.max_len,
             "gradient_checkpointing": args.recompute_activations,
             "fused_head": args.fused_head,
-            "wgrad_fusion": bool(wgrad_fusion_state()),
         },
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
         "batch": {
@@ -551,6 +550,7 @@ def main() -> None:
             "attention": args.attention,
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
+            "wgrad_fusion": bool(wgrad_fusion_state()),
             # the training forward's head path (`unirl check`): with --fused-head, PPO-clip's
             # loss inside the head (3 head matmuls)
             "head_path": head_path(cfgs["reuse"]).reason,

@@ -33,8 +33,9 @@ def test_fused_accumulation_on_cuda_matches_float64():
     acc = acc0.clone()
     wgrad_fusion.wgrad_gemm_accum_fp32(x, g, acc)
     want = acc0.double() + g.double().t() @ x.double()
-    # fp32 accumulation of exact bf16 products: far below one bf16 ulp of the result
-    assert (acc.double() - want).abs().max().item() < 1e-3
+    # fp32 accumulation of exact bf16 products over 4096 rows: about 1e-5 of the result's scale,
+    # where one bf16 rounding of the product alone is 4e-3 of it
+    assert (acc.double() - want).abs().max().item() < 1e-4 * want.abs().max().item()
     unfused = acc0 + (g.t() @ x).float()  # bf16 product rounded before the add
     assert (acc.double() - want).abs().max() <= (unfused.double() - want).abs().max()
     assert wgrad_fusion.probe(torch.device("cuda")) is None
