@@ -17,23 +17,22 @@ Run: python examples/make_moe_rollouts.py [--rollouts N] [--router-noise S] [--o
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 from pathlib import Path
 
 import torch
 
+from unirl.backends.hf_model import load_policy
 from unirl.core.run.config import UnirlConfig, load_config
-from unirl.rollouts.build import build_task
-from unirl.rollouts.model import build_task_model
 from unirl.rollouts.routing_capture import moe_routers, write_moe_rollouts
 
 HERE = Path(__file__).parent
 
 
 def engine_model(cfg: UnirlConfig, router_noise: float, seed: int) -> torch.nn.Module:
-    """The trainer's initial model with noise on its router weights (a seeded generator)."""
-    model = copy.deepcopy(build_task_model(cfg.model, build_task(cfg).tokenizer))
+    """The trainer's initial model (built as the trainer builds it: `load_policy`) with noise on
+    its router weights (a seeded generator)."""
+    model = load_policy(cfg.model).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for router in moe_routers(model):
