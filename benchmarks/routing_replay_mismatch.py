@@ -2,7 +2,8 @@
 ``algorithm.routing_replay: rollout`` against ``off``), on the CPU.
 
     PYTHONPATH=$PWD python benchmarks/routing_replay_mismatch.py \
-        [--router-noise 0 0.1] [--rollouts 4] [--out benchmarks/results/routing_replay_mismatch_cpu.json]
+        [--router-noise 0 0.1] [--bf16-engine] [--rollouts 4] \
+        [--out benchmarks/results/routing_replay_mismatch_cpu.json]
 
 What stands in for the engine. vLLM's CPU build cannot return routed experts (README, "Routing
 replay"), so the rollouts are written by ``examples/make_moe_rollouts.py``: the trainer's initial
@@ -10,7 +11,9 @@ weights with Gaussian noise (``--router-noise`` x the weight's standard deviatio
 weights only, an engine whose numerics route some tokens elsewhere; it samples the responses,
 its log-probs are the rollout log-probs and its routing the ``routed_experts``. Noise 0 is the
 trainer's own model (the mismatch floor: the sampler's KV-cache arithmetic against the
-trainer's packed forward).
+trainer's packed forward). ``--bf16-engine`` adds an engine with the trainer's weights in bf16
+(no noise): its routing differs where bf16 rounding flips a near tie, and every other layer's
+rounding differs too, which replay cannot remove.
 
 Then ``unirl train examples/tiny_qwen3_moe_replay.yaml`` on that file, once per mode, with the
 mismatch metrics on. Step 1 is the clean comparison (the trainer holds the weights the file was
@@ -62,6 +65,7 @@ def _train(rollouts: Path, mode: str, run_dir: Path, steps: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--router-noise", type=float, nargs="+", default=[0.0, 0.1])
+    parser.add_argument("--bf16-engine", action="store_true")
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -70,21 +74,25 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for noise in args.router_noise:
-            file = Path(tmp) / f"rollouts_noise{noise}.jsonl"
+        engines = [(noise, "fp32") for noise in args.router_noise]
+        engines += [(0.0, "bf16")] if args.bf16_engine else []
+        for noise, dtype in engines:
+            file = Path(tmp) / f"rollouts_noise{noise}_{dtype}.jsonl"
             _run([
                 sys.executable, str(ROOT / "examples/make_moe_rollouts.py"), "--out", str(file),
                 "--rollouts", str(args.rollouts), "--router-noise", str(noise),
-                "--seed", str(args.seed),
+                "--dtype", dtype, "--seed", str(args.seed),
             ])  # fmt: skip
             for mode in ("off", "rollout"):
                 start = time.perf_counter()
-                steps = _train(file, mode, Path(tmp) / f"run_{noise}_{mode}", args.rollouts)
+                run_dir = Path(tmp) / f"run_{noise}_{dtype}_{mode}"
+                steps = _train(file, mode, run_dir, args.rollouts)
                 results.append({
-                    "router_noise": noise, "routing_replay": mode, "step_1": steps[0],
-                    "steps": steps, "wall_s": round(time.perf_counter() - start, 1),
+                    "engine_dtype": dtype, "router_noise": noise, "routing_replay": mode,
+                    "step_1": steps[0], "steps": steps,
+                    "wall_s": round(time.perf_counter() - start, 1),
                 })  # fmt: skip
-                print(f"router noise {noise}, routing_replay {mode}: step 1 {steps[0]}")
+                print(f"engine {dtype}, router noise {noise}, routing_replay {mode}: {steps[0]}")
     out = {
         "what": (
             "train/rollout log-prob mismatch of the tiny Qwen3-MoE (examples/"
@@ -93,7 +101,8 @@ def main() -> None:
             "(off). The rollouts are NOT from vLLM (its CPU build cannot return routed experts): "
             "a copy of the initial model with Gaussian noise of router_noise x std on its router "
             "weights sampled them and recorded its routing (examples/make_moe_rollouts.py), "
-            "standing in for an engine with other numerics. step_1 is the clean comparison (the "
+            "standing in for an engine with other numerics; engine_dtype bf16: the initial "
+            "weights in bf16, no noise, against the fp32 trainer. step_1 is the clean comparison (the "
             "trainer holds the sampling weights but for the router noise); later steps are "
             "off-policy, the file being sampled by the initial weights."
         ),
