@@ -109,7 +109,8 @@ def main() -> None:
         "command": "PYTHONPATH=$PWD python benchmarks/routing_replay_mismatch.py "
         + " ".join(
             ["--router-noise", *map(str, args.router_noise), "--rollouts", str(args.rollouts)]
-        ),
+        )
+        + (" --bf16-engine" if args.bf16_engine else ""),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, shared with other jobs "
         "(wall times are not speed measurements)",
         "results": results,
