@@ -36,3 +36,42 @@ def test_tiny_qwen3_moe_trains(tmp_path, mode):
         assert rows[0]["old_logprobs/source"] == "reuse"
         assert "router/disagreement" not in rows[0]
     assert (tmp_path / "run" / "hf" / "config.json").exists()
+
+
+REPLAY_ROLLOUTS = EXAMPLES / "tiny_qwen3_moe_rollouts.jsonl"
+
+
+def _train_replay_example(tmp_path, mode: str, steps: int) -> list[dict]:
+    run = tmp_path / f"run_{mode}"
+    proc = _run_train_in_subprocess(
+        [str(EXAMPLES / "tiny_qwen3_moe_replay.yaml"), "--set", f"logging.run_dir={run}",
+         "--set", f"rollout.file={REPLAY_ROLLOUTS}", "--set", f"train.rl_steps={steps}",
+         "--set", f"algorithm.routing_replay={mode}", "--set", "logging.tensorboard=false",
+         "--set", "checkpoint.export_hf=false"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(run / "metrics.jsonl")
+
+
+def test_tiny_qwen3_moe_trains_with_replay_from_a_rollout_file(tmp_path):
+    """R3 end to end from a file (vLLM's CPU build returns no routed experts): the example's
+    rollouts carry the routing of a router-noise copy of the model, which every forward replays;
+    router/disagreement counts the decisions where the trainer's router would have chosen others
+    (about 10% at noise 0.1, examples/make_moe_rollouts.py)."""
+    rows = _train_replay_example(tmp_path, "rollout", steps=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert 0.02 < rows[0]["router/disagreement"] < 0.5
+    assert rows[0]["train_rollout_logprob_abs_diff"] > 0.0
+    assert all(r["grad_norm"] > 0.0 for r in rows)
+
+
+@pytest.mark.slow
+def test_replaying_the_rollouts_routing_lowers_the_train_rollout_mismatch(tmp_path):
+    """Step 1 (the trainer holds the sampling weights but for the router noise): the mismatch
+    with replay is below the mismatch without (benchmarks/routing_replay_mismatch.py measures it
+    per noise level)."""
+    off = _train_replay_example(tmp_path, "off", steps=1)[0]
+    replay = _train_replay_example(tmp_path, "rollout", steps=1)[0]
+    for key in ("train_rollout_logprob_abs_diff", "train_rollout_kl"):
+        assert replay[key] < 0.5 * off[key], (key, replay[key], off[key])

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from unirl.core.data.rollout import RolloutSample
 from unirl.core.data.rollout_io import write_rollouts
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import UnirlConfig
@@ -147,12 +148,19 @@ def write_task_rollouts(
     """Sample ``n_rollouts`` rollouts of ``rollout.task`` with a freshly initialised model from
     ``cfg.model`` (or ``hf_model``) and write them as JSONL (with rollout log-probs), whatever
     ``rollout.source`` says. Returns the number of samples written."""
+    samples = sample_task_rollouts(cfg, n_rollouts, seed, hf_model=hf_model)
+    write_rollouts(path, samples)
+    return len(samples)
+
+
+def sample_task_rollouts(
+    cfg: UnirlConfig, n_rollouts: int, seed: int, *, hf_model: torch.nn.Module | None = None
+) -> list[RolloutSample]:
+    """The samples `write_task_rollouts` writes."""
     if n_rollouts < 1:
         raise ConfigError(f"write_task_rollouts: n_rollouts must be >= 1, got {n_rollouts}")
     source = _sampler_source(cfg, hf_model, None, seed)
-    samples = [s for step in range(n_rollouts) for s in source.next_rollout(step).samples]
-    write_rollouts(path, samples)
-    return len(samples)
+    return [s for step in range(n_rollouts) for s in source.next_rollout(step).samples]
 
 
 def run_tokenizer(cfg: UnirlConfig) -> Any | None:

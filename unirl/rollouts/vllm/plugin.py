@@ -58,8 +58,27 @@ def max_model_len(cfg: UnirlConfig) -> int:
     return cfg.rollout.source_options.max_model_len or cfg.model.max_seq_len
 
 
+# Why vLLM does not hand routed experts to routing replay (R3); the README's "Routing replay"
+# has the probe. vLLM 0.32 returns them only from its Model Runner V2 (config/vllm.py
+# _verify_aux_output_compatibility), which its CPU build runs only with a Triton that has a CPU
+# backend (triton-cpu, not on PyPI); the GPU path is not wired or tested here.
+NO_ROUTED_EXPERTS = (
+    "algorithm.routing_replay: rollout replays the experts the rollout engine used, but "
+    "rollout.source: vllm does not return them: vLLM 0.32 returns routed experts "
+    "(enable_return_routed_experts) only from its Model Runner V2, which the CPU build refuses "
+    "without triton-cpu ('AuxOutput Connector requires Model Runner V2; set "
+    "VLLM_USE_V2_MODEL_RUNNER=1', then 'Model Runner V2 requires Triton.'), and unirl does not "
+    "wire it yet. Use algorithm.routing_replay: record (the trainer records its own routing), or "
+    "rollouts from a file that carry routed_experts (rollout.source: file; "
+    "examples/make_moe_rollouts.py writes one)"
+)
+
+
 def check(cfg: UnirlConfig) -> None:
-    """The engine may not produce samples longer than the trainer takes."""
+    """The engine may not produce samples longer than the trainer takes, and returns no routed
+    experts (`NO_ROUTED_EXPERTS`)."""
+    if cfg.algorithm.routing_replay == "rollout":
+        raise ConfigError(NO_ROUTED_EXPERTS)
     v = cfg.rollout.source_options
     if (v.max_model_len or 0) > cfg.model.max_seq_len:
         raise ConfigError(
