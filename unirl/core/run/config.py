@@ -312,6 +312,7 @@ def _check_prompts(cfg: UnirlConfig) -> None:
         for key, value in (
             ("rollout.reward", r.reward),
             ("rollout.reward_options", r.reward_options or None),
+            ("rollout.reward_workers", r.reward_workers or None),
             ("rollout.skip_long_prompts", r.skip_long_prompts or None),
             ("model.tokenizer", cfg.model.tokenizer),
             ("rollout.prompt_key", None if r.prompt_key == "prompt" else r.prompt_key),

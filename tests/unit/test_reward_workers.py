@@ -1,0 +1,105 @@
+"""rollout.reward_workers: the reward in spawned worker processes, one sample per call, with a
+per-sample time limit; a timeout, a dead worker or a raising call is a named error for that
+sample or the configured rollout.reward_on_error, and the job never hangs. One pool of two
+workers per test (each start is an interpreter and an import)."""
+
+import time
+
+import pytest
+
+from unirl.core.errors import ConfigError, RolloutDataError
+from unirl.core.run.config import config_from_dict
+from unirl.rollouts.reward_workers import RewardCrashError, RewardTimeoutError
+from unirl.rollouts.rewards import NamedReward, RewardRun
+
+MODULE = "tests.unit.worker_rewards"
+
+
+def _score(reward, metadata):
+    n = len(metadata)
+    return reward(
+        [f"p{i}" for i in range(n)],
+        [f"r{i}" for i in range(n)],
+        metadata,
+        prompt_tokens=[[1]] * n,
+        response_tokens=[[2]] * n,
+        origins=[f"prompts.jsonl line {i + 1}" for i in range(n)],
+    )
+
+
+def _reward(name, on_error="raise", timeout_s=None, **options):
+    run = RewardRun(workers=2, timeout_s=timeout_s, on_error=on_error)
+    return NamedReward(f"{MODULE}:{name}", options, run)
+
+
+def test_a_sleeping_reward_times_out_as_a_named_error_then_as_the_configured_reward():
+    metadata = [{}, {"slow": True}, {}, {}]
+    reward = _reward("sleeps_on_flagged", timeout_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardTimeoutError, match=r"sample 1 \(prompts.jsonl line 2.*reward_timeout_s=1.0"):
+            _score(reward, metadata)
+        assert time.monotonic() - t0 < 30  # the sleeper (60 s) was killed, not waited for
+    finally:
+        reward.close()
+    reward = _reward("sleeps_on_flagged", on_error=-1.0, timeout_s=1.0)
+    try:
+        assert _score(reward, metadata) == [1.0, -1.0, 1.0, 1.0]
+        # the killed worker was replaced: the next rollout is scored in full
+        assert _score(reward, [{}, {}, {}]) == [1.0, 1.0, 1.0]
+    finally:
+        reward.close()
+
+
+def test_a_worker_that_dies_or_a_call_that_raises_costs_only_its_sample():
+    reward = _reward("dies_on_flagged", on_error=0.5)
+    try:
+        assert _score(reward, [{}, {"boom": True}, {}, {"boom": True}, {}]) == [2.0, 0.5, 2.0, 0.5, 2.0]
+    finally:
+        reward.close()
+    reward = _reward("dies_on_flagged")
+    try:
+        with pytest.raises(RewardCrashError, match=r"sample 0 .*exit code 7"):
+            _score(reward, [{"boom": True}])
+    finally:
+        reward.close()
+    reward = _reward("raises_on_flagged")
+    try:
+        with pytest.raises(RolloutDataError, match=r"sample 1 .*ValueError: cannot score this one"):
+            _score(reward, [{}, {"boom": True}])
+    finally:
+        reward.close()
+
+
+def test_a_reward_that_cannot_reach_a_worker_is_refused_when_built():
+    import tests.unit.worker_rewards as module
+
+    module.local = lambda *a, **k: [0.0]  # a lambda pickles by name only if it has one
+    try:
+        with pytest.raises(ConfigError, match="module-level function"):
+            _reward("local")
+    finally:
+        del module.local
+
+
+def _cfg(**rollout):
+    return config_from_dict(
+        {
+            "model": {"hf_config": {"model_type": "llama"}},
+            "batch": {"micro_batch_size": 2},
+            "rollout": {"prompts": "p.jsonl", "reward": "math_answer", **rollout},
+        }
+    )
+
+
+def test_the_config_keys():
+    assert _cfg(reward_workers=2, reward_timeout_s=3, reward_on_error=0).rollout.reward_on_error == 0.0
+    with pytest.raises(ConfigError, match="rollout.reward_timeout_s=5.0 .* rollout.reward_workers"):
+        _cfg(reward_timeout_s=5)
+    with pytest.raises(ConfigError, match="rollout.reward_on_error=0.0 .* rollout.reward_workers"):
+        _cfg(reward_on_error=0)
+    with pytest.raises(ConfigError, match="rollout.reward_on_error"):
+        _cfg(reward_workers=1, reward_on_error="zero")
+    with pytest.raises(ConfigError, match="rollout.reward_workers"):
+        config_from_dict({"model": {"hf_config": {"model_type": "llama"}},
+                          "batch": {"micro_batch_size": 2}, "rollout": {"reward_workers": 1}})  # fmt: skip

@@ -1,0 +1,35 @@
+"""Reward functions for the reward-worker tests (imported by name in spawned workers)."""
+
+import os
+import time
+
+
+def counted_length(prompts, responses, metadata, *, prompt_tokens, response_tokens, log):
+    """len(response) per sample; appends one line per call (its sample count and pid) to
+    ``log``, so a test counts the calls made across processes."""
+    with open(log, "a") as handle:
+        handle.write(f"{len(responses)} {os.getpid()}\n")
+    return [float(len(r)) for r in responses]
+
+
+def sleeps_on_flagged(prompts, responses, metadata, **_):
+    """1.0, after sleeping a minute for a prompt whose metadata carries "slow"."""
+    for m in metadata:
+        if m.get("slow"):
+            time.sleep(60)
+    return [1.0] * len(responses)
+
+
+def dies_on_flagged(prompts, responses, metadata, **_):
+    """2.0; the process exits hard (no exception, no reply) for metadata carrying "boom"."""
+    for m in metadata:
+        if m.get("boom"):
+            os._exit(7)
+    return [2.0] * len(responses)
+
+
+def raises_on_flagged(prompts, responses, metadata, **_):
+    for m in metadata:
+        if m.get("boom"):
+            raise ValueError("cannot score this one")
+    return [3.0] * len(responses)
