@@ -37,7 +37,9 @@ def test_a_sleeping_reward_times_out_as_a_named_error_then_as_the_configured_rew
     reward = _reward("sleeps_on_flagged", timeout_s=1.0)
     try:
         t0 = time.monotonic()
-        with pytest.raises(RewardTimeoutError, match=r"sample 1 \(prompts.jsonl line 2.*reward_timeout_s=1.0"):
+        with pytest.raises(
+            RewardTimeoutError, match=r"sample 1 \(prompts.jsonl line 2.*reward_timeout_s=1.0"
+        ):
             _score(reward, metadata)
         assert time.monotonic() - t0 < 30  # the sleeper (60 s) was killed, not waited for
     finally:
@@ -54,7 +56,13 @@ def test_a_sleeping_reward_times_out_as_a_named_error_then_as_the_configured_rew
 def test_a_worker_that_dies_or_a_call_that_raises_costs_only_its_sample():
     reward = _reward("dies_on_flagged", on_error=0.5)
     try:
-        assert _score(reward, [{}, {"boom": True}, {}, {"boom": True}, {}]) == [2.0, 0.5, 2.0, 0.5, 2.0]
+        assert _score(reward, [{}, {"boom": True}, {}, {"boom": True}, {}]) == [
+            2.0,
+            0.5,
+            2.0,
+            0.5,
+            2.0,
+        ]
     finally:
         reward.close()
     reward = _reward("dies_on_flagged")
@@ -93,7 +101,9 @@ def _cfg(**rollout):
 
 
 def test_the_config_keys():
-    assert _cfg(reward_workers=2, reward_timeout_s=3, reward_on_error=0).rollout.reward_on_error == 0.0
+    assert (
+        _cfg(reward_workers=2, reward_timeout_s=3, reward_on_error=0).rollout.reward_on_error == 0.0
+    )
     with pytest.raises(ConfigError, match="rollout.reward_timeout_s=5.0 .* rollout.reward_workers"):
         _cfg(reward_timeout_s=5)
     with pytest.raises(ConfigError, match="rollout.reward_on_error=0.0 .* rollout.reward_workers"):

@@ -33,3 +33,15 @@ def raises_on_flagged(prompts, responses, metadata, **_):
         if m.get("boom"):
             raise ValueError("cannot score this one")
     return [3.0] * len(responses)
+
+
+def counted_hook(batch, *, rl_step):
+    """Sets every reward to this process's pid and appends one line per call to the file
+    $UNIRL_TEST_HOOK_LOG: which process ran the hook, and how often."""
+    import attrs
+
+    from unirl.core.data.rollout import RolloutBatch
+
+    with open(os.environ["UNIRL_TEST_HOOK_LOG"], "a") as handle:
+        handle.write(f"{rl_step} {os.getpid()}\n")
+    return RolloutBatch(tuple(attrs.evolve(s, reward=float(os.getpid())) for s in batch.samples))

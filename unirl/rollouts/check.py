@@ -21,7 +21,9 @@ def check_rollout_config(cfg: UnirlConfig) -> None:
     r = cfg.rollout
     if r.prompts is not None:
         assert r.reward is not None  # the config checks it
-        NamedReward(r.reward, r.reward_options, RewardRun.of(r))  # imports it and binds the signature
+        NamedReward(
+            r.reward, r.reward_options, RewardRun.of(r)
+        )  # imports it and binds the signature
         build_task(cfg)  # the dataset read and checked row by row
     elif SOURCES.get(r.source).generates:  # a source of finished rollouts draws no task
         check_task_lengths(cfg, make_task(r.task, r.task_options))

@@ -156,6 +156,22 @@ class SamplerRolloutSource:
         """Release the task's reward workers; the sampler is a model in this process."""
         close_task(self.task)
 
+    def generate_eval(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[tuple[list[int], bool]]:
+        """One response (its ids, whether a stop ended it) per prompt from the current weights,
+        drawn with a generator of its own seeded ``seed``: the rollouts' stream is untouched
+        (`unirl.rollouts.eval`)."""
+        sampler = self.sampler.variant(
+            temperature=temperature, max_new_tokens=max_new_tokens, seed=seed
+        )
+        return [(g.response_tokens.tolist(), g.finished) for g in sampler.generate(prompts)]
+
     def next_rollout(
         self, rl_step: int, progress: GenerationProgress | None = None
     ) -> RolloutBatch:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -250,6 +250,28 @@ class VllmRolloutSource:
                 )
             )
         return RolloutBatch(tuple(samples))
+
+    def generate_eval(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[tuple[list[int], bool]]:
+        """One response (its ids, whether a stop ended it) per prompt from the engine's current
+        weights, sample ``i`` seeded from ``seed`` and ``i``; global rank 0 only (an evaluation,
+        `unirl.rollouts.eval`, runs there and broadcasts its metrics)."""
+        if self._engine is None:
+            raise RunError("VllmRolloutSource.generate_eval before sync_weights: no engine yet")
+        requests = [
+            EngineRequest(prompt_tokens=tuple(p), seed=sample_seed(seed, 0, i))
+            for i, p in enumerate(prompts)
+        ]
+        samples = self._engine.generate(
+            requests, temperature=temperature, max_new_tokens=max_new_tokens
+        )
+        return [(list(s.response_tokens), s.finished) for s in samples]
 
     def _check_length(self, problem: Problem, prompt_index: int) -> None:
         n = len(problem.prompt_tokens)
