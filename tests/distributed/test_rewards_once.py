@@ -26,10 +26,10 @@ TINY = {"model_type": "llama", "vocab_size": 32, "hidden_size": 32, "intermediat
 def _rank(rank: int, world: int, prompts: str, log: str, hook_log: str) -> dict:
     import torch
 
+    from tests.unit.worker_rewards import counted_hook
     from unirl.core.run.config import config_from_dict
     from unirl.rollouts import build_rollout_source
     from unirl.rollouts.postprocess import apply_postprocess_hook
-    from tests.unit.worker_rewards import counted_hook
 
     torch.set_num_threads(1)
     os.environ["UNIRL_TEST_HOOK_LOG"] = hook_log

@@ -116,13 +116,13 @@ def test_eval_config_rules(tmp_path):
     held = str(tmp_path / "held.jsonl")
     data = _data(tmp_path, eval_section={"prompts": held})
     data["rollout"] = {"task": "reverse_digits"}
-    with pytest.raises(ConfigError, match="eval: reads its prompts as rollout.prompts"):
+    with pytest.raises(ConfigError, match=r"eval: reads its prompts as rollout.prompts"):
         config_from_dict(data)
-    with pytest.raises(ConfigError, match="eval.reward_options"):
+    with pytest.raises(ConfigError, match=r"eval.reward_options"):
         config_from_dict(
             _data(tmp_path, eval_section={"prompts": held, "reward_options": {"a": 1}})
         )
-    with pytest.raises(ConfigError, match="train.max_staleness"):
+    with pytest.raises(ConfigError, match=r"train.max_staleness"):
         d = _data(tmp_path, eval_section={"prompts": held})
         d["train"]["max_staleness"] = 1
         config_from_dict(d)
@@ -167,3 +167,68 @@ def test_training_with_eval_is_training_without_and_resumes(tmp_path):
                                  checkpoint={"every": 2})), resume=True)  # fmt: skip
     resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert _eval_rows(resumed) == evals and _train_rows(resumed) == _train_rows(off)
+
+
+class _RecordingEngine:
+    """Stands in for the vLLM engine (its own tests start vLLM): every response is token 5
+    then the stop token; each call's requests and sampling overrides are recorded."""
+
+    def __init__(self, eos_id):
+        self.eos_id, self.calls = eos_id, []
+
+    def generate(self, requests, **overrides):
+        from unirl.rollouts.vllm.engine import EngineSample
+
+        self.calls.append((list(requests), overrides))
+        return [
+            EngineSample(response_tokens=(5, self.eos_id), logprobs=(-0.5, -0.5), finished=True)
+            for _ in requests
+        ]
+
+
+def test_the_vllm_source_scores_a_rollout_in_one_call_and_evaluates_with_its_engine(tmp_path):
+    pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
+    from unirl.rollouts.build import build_task
+    from unirl.rollouts.eval import Evaluator
+    from unirl.rollouts.vllm import VllmRolloutSource
+
+    log = tmp_path / "calls.txt"
+    data = _data(tmp_path, reward="tests.unit.worker_rewards:counted_length",
+                 eval_section={"prompts": _write(tmp_path / "held.jsonl", HELD_OUT),
+                               "samples_per_prompt": 2, "max_new_tokens": 2, "temperature": 0.7})  # fmt: skip
+    data["rollout"] |= {"source": "vllm", "reward_options": {"log": str(log)}}
+    cfg = config_from_dict(data)
+    task = build_task(cfg)
+    source = VllmRolloutSource(task, cfg, hf_config=None, vocab_size=32, seed=cfg.train.seed)
+    source._engine = engine = _RecordingEngine(task.tokenizer.eos_id)
+    for k in range(2):
+        batch = source.next_rollout(k)
+        # the response "5 <eos>" decodes to one character
+        assert [s.reward for s in batch.samples] == [1.0] * 4
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["4", "4"]
+    m = Evaluator(cfg, source).run(3)  # the eval's reward is the rollouts' (no eval.reward)
+    assert m["eval/reward_mean"] == 1.0 and m["eval/response_length_mean"] == 2.0
+    (rollout_1, none), *_, (last, overrides) = engine.calls
+    assert none == {} and overrides == {"temperature": 0.7, "max_new_tokens": 2}
+    assert len(last) == 2  # the third prompt's 2 samples: chunks of prompts_per_rollout
+    seeds = [r.seed for _, (reqs, o) in enumerate(engine.calls) if o for r in reqs]
+    assert len(set(seeds)) == len(seeds) == 6  # one seed per sample
+    assert not {r.seed for r in rollout_1} & set(seeds)
+
+
+def test_unirl_plot_draws_the_eval_beside_the_training_reward(tmp_path):
+    from unirl.plot import panel_lines, plot_run
+
+    rows = [{"step": s, "reward/mean": 0.1 * s, "loss": 1.0} for s in (1, 2, 3, 4)]
+    rows += [{"step": s, "eval/reward_mean": 0.2, "eval/pass@1": 0.2, "eval/pass@2": 0.3,
+              "eval/pass@10": 0.5} for s in (2, 4)]  # fmt: skip
+    assert panel_lines(rows) == [
+        ("reward (mean)", [("reward/mean", "train"), ("eval/reward_mean", "eval (held-out)")]),
+        ("eval pass@k (held-out)",
+         [("eval/pass@1", "pass@1"), ("eval/pass@2", "pass@2"), ("eval/pass@10", "pass@10")]),
+        ("loss", [("loss", None)]),
+    ]  # fmt: skip
+    assert panel_lines(rows[:4])[0] == ("reward (mean)", [("reward/mean", None)])
+    pytest.importorskip("matplotlib", reason="unirl plot needs matplotlib (pip install unirl[plot])")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_run(tmp_path).stat().st_size > 0

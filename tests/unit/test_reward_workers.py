@@ -84,7 +84,7 @@ def test_a_reward_that_cannot_reach_a_worker_is_refused_when_built():
 
     module.local = lambda *a, **k: [0.0]  # a lambda pickles by name only if it has one
     try:
-        with pytest.raises(ConfigError, match="module-level function"):
+        with pytest.raises(ConfigError, match=r"module-level function"):
             _reward("local")
     finally:
         del module.local
@@ -104,12 +104,14 @@ def test_the_config_keys():
     assert (
         _cfg(reward_workers=2, reward_timeout_s=3, reward_on_error=0).rollout.reward_on_error == 0.0
     )
-    with pytest.raises(ConfigError, match="rollout.reward_timeout_s=5.0 .* rollout.reward_workers"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.reward_timeout_s=5.0 .* rollout.reward_workers"
+    ):
         _cfg(reward_timeout_s=5)
-    with pytest.raises(ConfigError, match="rollout.reward_on_error=0.0 .* rollout.reward_workers"):
+    with pytest.raises(ConfigError, match=r"rollout.reward_on_error=0.0 .* rollout.reward_workers"):
         _cfg(reward_on_error=0)
-    with pytest.raises(ConfigError, match="rollout.reward_on_error"):
+    with pytest.raises(ConfigError, match=r"rollout.reward_on_error"):
         _cfg(reward_workers=1, reward_on_error="zero")
-    with pytest.raises(ConfigError, match="rollout.reward_workers"):
+    with pytest.raises(ConfigError, match=r"rollout.reward_workers"):
         config_from_dict({"model": {"hf_config": {"model_type": "llama"}},
                           "batch": {"micro_batch_size": 2}, "rollout": {"reward_workers": 1}})  # fmt: skip

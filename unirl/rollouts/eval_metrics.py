@@ -34,7 +34,7 @@ def reported_ks(n: int) -> list[int]:
     while k < n:
         ks.append(k)
         k *= 2
-    return ks + [n]
+    return [*ks, n]
 
 
 def eval_metrics(

@@ -18,6 +18,7 @@ sample. It reaches the workers by pickling, i.e. by its module and name: a modul
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import pickle
@@ -122,10 +123,8 @@ class _Worker:
         if kill:
             self.process.kill()
         else:
-            try:
+            with contextlib.suppress(OSError):  # a dead worker's pipe is closed
                 self.conn.send(None)
-            except OSError:
-                pass
         self.process.join(timeout=None if kill else 5)
         if self.process.is_alive():
             self.process.kill()
