@@ -229,6 +229,8 @@ def test_unirl_plot_draws_the_eval_beside_the_training_reward(tmp_path):
         ("loss", [("loss", None)]),
     ]  # fmt: skip
     assert panel_lines(rows[:4])[0] == ("reward (mean)", [("reward/mean", None)])
-    pytest.importorskip("matplotlib", reason="unirl plot needs matplotlib (pip install unirl[plot])")
+    pytest.importorskip(
+        "matplotlib", reason="unirl plot needs matplotlib (pip install unirl[plot])"
+    )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert plot_run(tmp_path).stat().st_size > 0

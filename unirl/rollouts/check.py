@@ -22,7 +22,7 @@ def check_rollout_config(cfg: UnirlConfig) -> None:
     if r.prompts is not None:
         assert r.reward is not None  # the config checks it
         NamedReward(
-            r.reward, r.reward_options, RewardRun.of(r)
+            r.reward, r.reward_options, RewardRun.of(cfg)
         )  # imports it and binds the signature
         build_task(cfg)  # the dataset read and checked row by row
     elif SOURCES.get(r.source).generates:  # a source of finished rollouts draws no task

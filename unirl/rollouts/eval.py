@@ -93,7 +93,7 @@ class Evaluator:
             and train_reward.spec == spec
             and train_reward.options == options
         )
-        reward = NamedReward(spec, options, RewardRun.of(r)) if self._own_reward else train_reward
+        reward = NamedReward(spec, options, RewardRun.of(cfg)) if self._own_reward else train_reward
         assert reward is not None
         self.task = PromptFileTask(
             e.prompts,

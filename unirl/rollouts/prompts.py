@@ -426,7 +426,7 @@ def make_prompt_task(cfg: UnirlConfig) -> PromptFileTask:
     """The task of ``rollout.prompts`` and ``rollout.reward`` (file read, tokenized, checked)."""
     r = cfg.rollout
     assert r.prompts is not None and r.reward is not None  # the config checks both
-    reward = NamedReward(r.reward, r.reward_options, RewardRun.of(r))
+    reward = NamedReward(r.reward, r.reward_options, RewardRun.of(cfg))
     records = prompt_records(cfg)
     return PromptFileTask(
         r.prompts,

@@ -96,12 +96,12 @@ class RewardRun:
     on_error: float | str
 
     @classmethod
-    def of(cls, rollout: Any) -> RewardRun:
-        """From the ``rollout`` section (a `RolloutConfig`)."""
+    def of(cls, cfg: Any) -> RewardRun:
+        """From the run config's ``rollout`` section (``cfg``: a `UnirlConfig`)."""
         return cls(
-            workers=rollout.reward_workers,
-            timeout_s=rollout.reward_timeout_s,
-            on_error=rollout.reward_on_error,
+            workers=cfg.rollout.reward_workers,
+            timeout_s=cfg.rollout.reward_timeout_s,
+            on_error=cfg.rollout.reward_on_error,
         )
 
 
