@@ -122,6 +122,10 @@ def test_eval_config_rules(tmp_path):
         config_from_dict(
             _data(tmp_path, eval_section={"prompts": held, "reward_options": {"a": 1}})
         )
+    from unirl.core.run.paths import check_local_paths
+
+    with pytest.raises(ConfigError, match=r"eval.prompts=.*held.jsonl' does not exist"):
+        check_local_paths(config_from_dict(_data(tmp_path, eval_section={"prompts": held})))
     with pytest.raises(ConfigError, match=r"train.max_staleness"):
         d = _data(tmp_path, eval_section={"prompts": held})
         d["train"]["max_staleness"] = 1

@@ -61,6 +61,37 @@ def eval_seed(seed: int, step: int, chunk: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+def build_eval_task(
+    cfg: UnirlConfig, tokenizer: Any, train_reward: NamedReward | None = None
+) -> PromptFileTask:
+    """``eval.prompts`` read through the rollout's column mapping and chat template with the
+    rollouts' ``tokenizer``, every row checked (its length against ``eval.max_new_tokens``),
+    scored by ``eval.reward`` (or the rollout's: ``train_reward`` itself when given)."""
+    e, r = cfg.eval, cfg.rollout
+    assert e is not None
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ConfigError(
+            f"eval: the rollouts' tokenizer is {type(tokenizer).__name__}, not a prompt "
+            "dataset's; train on rollout.prompts to evaluate"
+        )
+    spec = e.reward or r.reward
+    assert spec is not None  # rollout.prompts (which eval needs) needs rollout.reward
+    options = e.reward_options if e.reward is not None else r.reward_options
+    same = train_reward is not None and (train_reward.spec, train_reward.options) == (spec, options)
+    max_new_tokens = r.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens
+    return PromptFileTask(
+        e.prompts,
+        tokenizer,
+        train_reward if same and train_reward else NamedReward(spec, options, RewardRun.of(cfg)),
+        seed=cfg.train.seed,
+        max_prompt_length=cfg.model.max_seq_len - max_new_tokens,
+        skip_long_prompts=r.skip_long_prompts,
+        records=read_prompt_records(Path(e.prompts), ColumnMap.of(r)),
+        apply_chat_template=r.apply_chat_template,
+        system_prompt=r.system_prompt,
+    )
+
+
 class Evaluator:
     """The ``eval`` section over a built source (see the module docstring)."""
 
@@ -73,12 +104,6 @@ class Evaluator:
                 f"{type(source).__name__} has no generate_eval); remove eval or use the sampler "
                 "or vllm source"
             )
-        tokenizer = source.task.tokenizer
-        if not isinstance(tokenizer, HFTokenizer):
-            raise ConfigError(
-                f"eval: the rollouts' tokenizer is {type(tokenizer).__name__}, not a prompt "
-                "dataset's; train on rollout.prompts to evaluate"
-            )
         self.source, self.cfg = source, cfg
         self.every, self.samples = e.every, e.samples_per_prompt
         self.temperature = r.temperature if e.temperature is None else e.temperature
@@ -86,26 +111,8 @@ class Evaluator:
         self.threshold = e.pass_threshold
         self.chunk = cfg.batch.prompts_per_rollout
         train_reward = source.task.reward_fn if isinstance(source.task, PromptFileTask) else None
-        spec = e.reward or r.reward
-        options = e.reward_options if e.reward is not None else r.reward_options
-        self._own_reward = not (
-            train_reward is not None
-            and train_reward.spec == spec
-            and train_reward.options == options
-        )
-        reward = NamedReward(spec, options, RewardRun.of(cfg)) if self._own_reward else train_reward
-        assert reward is not None
-        self.task = PromptFileTask(
-            e.prompts,
-            tokenizer,
-            reward,
-            seed=cfg.train.seed,
-            max_prompt_length=cfg.model.max_seq_len - self.max_new_tokens,
-            skip_long_prompts=r.skip_long_prompts,
-            records=read_prompt_records(Path(e.prompts), ColumnMap.of(r)),
-            apply_chat_template=r.apply_chat_template,
-            system_prompt=r.system_prompt,
-        )
+        self.task = build_eval_task(cfg, source.task.tokenizer, train_reward)
+        self._own_reward = self.task.reward_fn is not train_reward
 
     def due(self, step: int, total: int) -> bool:
         """Whether the eval runs after RL step ``step`` (1-based) of ``total``."""
