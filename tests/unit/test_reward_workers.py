@@ -115,3 +115,49 @@ def test_the_config_keys():
     with pytest.raises(ConfigError, match=r"rollout.reward_workers"):
         config_from_dict({"model": {"hf_config": {"model_type": "llama"}},
                           "batch": {"micro_batch_size": 2}, "rollout": {"reward_workers": 1}})  # fmt: skip
+
+
+def test_a_run_scores_in_its_workers_and_leaves_none_behind(tmp_path):
+    """`unirl train` with rollout.reward_workers: 1: every sample is scored in the worker (one
+    call each, another process), and the worker is gone when the run returns."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
+    import json
+    import os
+
+    from unirl.train import train
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+1=", "metadata": {"answer": a + 1}}) + "\n"
+            for a in range(3)
+        )
+    )
+    log = tmp_path / "calls.txt"
+    tiny = {"model_type": "llama", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64}  # fmt: skip
+    cfg = config_from_dict(
+        {
+            "backend": "deepspeed",
+            "model": {"hf_config": tiny, "max_seq_len": 16, "init_seed": 1, "dtype": "fp32"},
+            "batch": {"prompts_per_rollout": 2, "samples_per_prompt": 2,
+                      "samples_per_optimizer_step": 4, "micro_batch_size": 4},
+            "parallel": {"world_size": 1},
+            "rollout": {"prompts": str(prompts), "reward": f"{MODULE}:counted_length",
+                        "reward_options": {"log": str(log)}, "max_new_tokens": 3,
+                        "reward_workers": 1, "reward_timeout_s": 60},
+            "train": {"rl_steps": 2},
+            "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False},
+            "checkpoint": {"export_hf": False},
+            "progress": {"enabled": False},
+        }
+    )  # fmt: skip
+    summary = train(cfg)
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert [n for n, _ in calls] == ["1"] * 8  # 2 rollouts x 4 samples, one call each
+    pids = {int(pid) for _, pid in calls}
+    assert len(pids) == 1 and os.getpid() not in pids
+    assert summary.steps_done == 2
+    with pytest.raises(ProcessLookupError):  # the worker was stopped with the run
+        os.kill(pids.pop(), 0)
