@@ -32,49 +32,30 @@ def _reward(name, on_error="raise", timeout_s=None, **options):
     return NamedReward(f"{MODULE}:{name}", options, run)
 
 
-def test_a_sleeping_reward_times_out_as_a_named_error_then_as_the_configured_reward():
-    metadata = [{}, {"slow": True}, {}, {}]
-    reward = _reward("sleeps_on_flagged", timeout_s=1.0)
+def test_a_timeout_a_dead_worker_and_a_raising_call_are_named_errors_for_their_sample():
+    reward = _reward("misbehaves", timeout_s=1.0)
     try:
         t0 = time.monotonic()
         with pytest.raises(
             RewardTimeoutError, match=r"sample 1 \(prompts.jsonl line 2.*reward_timeout_s=1.0"
         ):
-            _score(reward, metadata)
+            _score(reward, [{}, {"slow": True}, {}])
         assert time.monotonic() - t0 < 30  # the sleeper (60 s) was killed, not waited for
-    finally:
-        reward.close()
-    reward = _reward("sleeps_on_flagged", on_error=-1.0, timeout_s=1.0)
-    try:
-        assert _score(reward, metadata) == [1.0, -1.0, 1.0, 1.0]
-        # the killed worker was replaced: the next rollout is scored in full
-        assert _score(reward, [{}, {}, {}]) == [1.0, 1.0, 1.0]
-    finally:
-        reward.close()
-
-
-def test_a_worker_that_dies_or_a_call_that_raises_costs_only_its_sample():
-    reward = _reward("dies_on_flagged", on_error=0.5)
-    try:
-        assert _score(reward, [{}, {"boom": True}, {}, {"boom": True}, {}]) == [
-            2.0,
-            0.5,
-            2.0,
-            0.5,
-            2.0,
-        ]
-    finally:
-        reward.close()
-    reward = _reward("dies_on_flagged")
-    try:
         with pytest.raises(RewardCrashError, match=r"sample 0 .*exit code 7"):
-            _score(reward, [{"boom": True}])
+            _score(reward, [{"exit": True}])
+        with pytest.raises(RolloutDataError, match=r"sample 1 .*ValueError: cannot score this one"):
+            _score(reward, [{}, {"raise": True}])
     finally:
         reward.close()
-    reward = _reward("raises_on_flagged")
+
+
+def test_with_reward_on_error_a_failure_costs_only_its_sample():
+    reward = _reward("misbehaves", on_error=-1.0, timeout_s=1.0)
     try:
-        with pytest.raises(RolloutDataError, match=r"sample 1 .*ValueError: cannot score this one"):
-            _score(reward, [{}, {"boom": True}])
+        metadata = [{}, {"slow": True}, {}, {"exit": True}, {"raise": True}, {}]
+        assert _score(reward, metadata) == [4.0, -1.0, 4.0, -1.0, -1.0, 4.0]
+        # the killed and the dead workers were replaced: the next rollout is scored in full
+        assert _score(reward, [{}, {}, {}]) == [4.0, 4.0, 4.0]
     finally:
         reward.close()
 
@@ -117,6 +98,7 @@ def test_the_config_keys():
                           "batch": {"micro_batch_size": 2}, "rollout": {"reward_workers": 1}})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_run_scores_in_its_workers_and_leaves_none_behind(tmp_path):
     """`unirl train` with rollout.reward_workers: 1: every sample is scored in the worker (one
     call each, another process), and the worker is gone when the run returns."""
