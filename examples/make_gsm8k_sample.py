@@ -1,12 +1,13 @@
 """Write a small GSM8K-format prompt set and a tiny chat-templated tokenizer, so that
 examples/gsm8k.yaml runs on the CPU from a fresh clone with nothing downloaded.
 
-    python examples/make_gsm8k_sample.py            # examples/gsm8k_sample/{train.parquet,tokenizer}
+    python examples/make_gsm8k_sample.py            # examples/gsm8k_sample/{train,test}.parquet, tokenizer
     python examples/make_gsm8k_sample.py --n 500 --seed 1 --out /tmp/gsm8k_sample
 
 ``train.parquet`` has GSM8K's schema as published (``openai/gsm8k``, config ``main``): a
 ``question`` column and an ``answer`` column holding a worked solution with calculator
-annotations that ends ``#### <number>``. The problems are short one- or two-step word problems
+annotations that ends ``#### <number>``; ``test.parquet`` (the recipe's ``eval.prompts``) is a
+held-out split in the same schema, problems that are not in the train split. The problems are short one- or two-step word problems
 (sums, differences, products), drawn from one seeded `random.Random`, so a seed gives the same
 rows on every machine. ``tokenizer/`` is a character-level Hugging Face tokenizer over every
 character of the rows, the chat template and examples/gsm8k.yaml's system prompt, with a small
@@ -53,7 +54,7 @@ def problem(rng: random.Random) -> dict[str, str]:
     return {"question": question, "answer": f"{steps}\n#### {answer}"}
 
 
-def write_sample(out: Path, n: int, seed: int) -> None:
+def write_sample(out: Path, n: int, seed: int, n_test: int = 40) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -62,14 +63,17 @@ def write_sample(out: Path, n: int, seed: int) -> None:
 
     rng = random.Random(seed)
     rows, seen = [], set()
-    while len(rows) < n:
+    # the train rows first, then the held-out ones from the same stream (so the train split
+    # does not depend on the test split's size), none of them a train question
+    while len(rows) < n + n_test:
         row = problem(rng)
         if row["question"] not in seen:
             seen.add(row["question"])
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
-    table = pa.table({k: [r[k] for r in rows] for k in ("question", "answer")})
-    pq.write_table(table, out / "train.parquet")
+    for name, split in (("train", rows[:n]), ("test", rows[n:])):
+        table = pa.table({k: [r[k] for r in split] for k in ("question", "answer")})
+        pq.write_table(table, out / f"{name}.parquet")
     texts = [r[k] for r in rows for k in ("question", "answer")]
     texts += [SYSTEM_PROMPT, CHAT_TEMPLATE, "systemuserassistant"]
     hf = char_tokenizer_to_hf(CharTokenizer.from_texts(texts))

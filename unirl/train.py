@@ -108,6 +108,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     from unirl.rollouts.async_source import RolloutsAhead
     from unirl.rollouts.async_source import restore as restore_rollouts
     from unirl.rollouts.build import save_run_tokenizer
+    from unirl.rollouts.eval import build_evaluator
     from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
     from unirl.rollouts.source import policy_version_metrics
 
@@ -126,6 +127,9 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         check_resume_fits(found[1], cfg, run_id=resumed_id)
     source = build_rollout_source(cfg)
     hook = load_postprocess_hook(cfg)
+    # the eval section's prompts, read and checked before the backend is built; its reward
+    # workers, if any, start at its first run
+    evaluator = build_evaluator(cfg, source)
     total = cfg.train.rl_steps
     if source.num_rollouts is not None and source.num_rollouts < total:
         logger.info(
@@ -253,6 +257,11 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
                 else:  # the worker syncs its own snapshot (`_take_ahead`)
                     guard.after_step(k + 1, metrics, backend.non_finite_weight())
                 done = k + 1
+                if evaluator is not None and evaluator.due(done, total):
+                    with bar.excluded():  # an eval is not a step: keep it out of the ETA
+                        eval_metrics = evaluator.run(done)
+                    if metrics_log is not None:
+                        metrics_log.write(done, eval_metrics)
                 if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                     with bar.excluded():  # a save is not a step: keep it out of the ETA
                         _save(
@@ -301,6 +310,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     finally:
         if ahead is not None:
             ahead.close()
+        if evaluator is not None:
+            evaluator.close()
         source.close()  # an engine's processes go also when the run failed
         if not timed_out:
             backend.close()

@@ -25,6 +25,11 @@ TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}[assistant]{% endif %}"
 )
+HELD_OUT = [
+    {"question": f"Tom has {a} cats and {b} dogs. How many pets?",
+     "answer": f"{a}+{b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}
+    for a, b in [(2, 2), (7, 1)]
+]  # fmt: skip
 ROWS = [
     {"question": f"Tom has {a} cats and {b} dogs. How many pets?",
      "answer": f"{a}+{b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}
@@ -48,6 +53,8 @@ def test_the_recipe_trains_on_a_gsm8k_parquet_with_a_chat_template(tmp_path):
 
     pq.write_table(pa.table({k: [r[k] for r in ROWS] for k in ("question", "answer")}),
                    tmp_path / "train.parquet")  # fmt: skip
+    pq.write_table(pa.table({k: [r[k] for r in HELD_OUT] for k in ("question", "answer")}),
+                   tmp_path / "test.parquet")  # fmt: skip
     system = _sample_module().SYSTEM_PROMPT  # the recipe's system prompt
     texts = [r[k] for r in ROWS for k in r] + [TEMPLATE, system, "systemuserassistant"]
     hf = char_tokenizer_to_hf(CharTokenizer.from_texts(texts))
@@ -58,7 +65,8 @@ def test_the_recipe_trains_on_a_gsm8k_parquet_with_a_chat_template(tmp_path):
     sets = [f"rollout.prompts={tmp_path / 'train.parquet'}", f"model.tokenizer={tmp_path / 'tok'}",
             "train.rl_steps=2", "batch.prompts_per_rollout=4", "batch.samples_per_prompt=2",
             "batch.samples_per_optimizer_step=8", "batch.micro_batch_size=8",
-            "rollout.max_new_tokens=8", "logging.tensorboard=false", f"logging.run_dir={run}"]  # fmt: skip
+            "rollout.max_new_tokens=8", "logging.tensorboard=false", f"logging.run_dir={run}",
+            f"eval.prompts={tmp_path / 'test.parquet'}", "eval.every=1", "eval.samples_per_prompt=2"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "unirl.cli", "train", str(RECIPE), *[a for s in sets for a in ("--set", s)]],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -66,8 +74,12 @@ def test_the_recipe_trains_on_a_gsm8k_parquet_with_a_chat_template(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows if "loss" in r)
+    # the held-out split evaluated after each step (eval.every=1): 2 prompts x 2 samples
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    assert [r["step"] for r in evals] == [1, 2]
+    assert all(r["eval/prompts"] == 2.0 and 0.0 <= r["eval/pass@2"] <= 1.0 for r in evals)
     # The export carries the chat-templated tokenizer the prompts went through.
     exported = AutoTokenizer.from_pretrained(str(run / "hf"))
     assert exported.chat_template == TEMPLATE
@@ -86,8 +98,12 @@ def test_the_committed_sample_is_what_the_script_writes(tmp_path):
 
     _sample_module().write_sample(tmp_path, n=200, seed=0)
     sample = ROOT / "examples" / "gsm8k_sample"
-    assert (pq.read_table(tmp_path / "train.parquet").to_pylist()
-            == pq.read_table(sample / "train.parquet").to_pylist())  # fmt: skip
+    for split in ("train", "test"):
+        assert (pq.read_table(tmp_path / f"{split}.parquet").to_pylist()
+                == pq.read_table(sample / f"{split}.parquet").to_pylist())  # fmt: skip
+    train_q = {r["question"] for r in pq.read_table(sample / "train.parquet").to_pylist()}
+    test_q = [r["question"] for r in pq.read_table(sample / "test.parquet").to_pylist()]
+    assert len(test_q) == 40 and not train_q & set(test_q)  # held out
     for name in ("tokenizer.json", "tokenizer_config.json"):
         got = json.loads((tmp_path / "tokenizer" / name).read_text())
         assert got == json.loads((sample / "tokenizer" / name).read_text()), name

@@ -66,6 +66,11 @@ from unirl.rollouts.math_reward import (
         ("50\\%", Fraction(50)),
         ("\\boxed{\\dfrac{7}{2}}", Fraction(7, 2)),
         ("#### \\$1,250", Fraction(1250)),
+        # negatives inside a box, and a box after a plain fraction
+        ("\\boxed{-5}", Fraction(-5)),
+        ("\\boxed{-\\frac{1}{2}}", Fraction(-1, 2)),
+        ("3/4 then \\boxed{\\frac{5}{6}}", Fraction(5, 6)),
+        ("$x = -\\dfrac{9}{3}$", Fraction(-3)),
     ],
 )
 def test_extract_answer(response, expected):

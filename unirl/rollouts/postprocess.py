@@ -6,7 +6,8 @@ in the training process. Its signature is::
 
     def hook(batch: RolloutBatch, *, rl_step: int) -> RolloutBatch
 
-It runs on every rank with the same rollout, so it must be deterministic. What it returns is
+It runs once, on global rank 0, and the batch it returns is broadcast to the other ranks
+(`unirl.rollouts.once`). What it returns is
 validated like any rollout (a hook that breaks the contract stops the step with
 `RolloutDataError` before anything is trained). `unirl check` imports it and checks the
 signature, so a typo fails before a job is queued.
@@ -28,6 +29,7 @@ from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.imports import import_callable
 from unirl.core.run.config import UnirlConfig
+from unirl.rollouts.once import on_rank0
 
 KEY = "algorithm.rollout_postprocess_hook"
 Hook = Callable[..., RolloutBatch]
@@ -54,10 +56,15 @@ def load_postprocess_hook(cfg: UnirlConfig) -> Hook | None:
 def apply_postprocess_hook(
     hook: Hook, batch: RolloutBatch, rl_step: int, spec: str
 ) -> RolloutBatch:
-    out = hook(batch, rl_step=rl_step)
-    if not isinstance(out, RolloutBatch):
-        raise RolloutDataError(
-            f"{KEY}={spec!r} returned {type(out).__name__} at rl_step {rl_step}; return a "
-            "RolloutBatch (the batch it was given, changed or not)"
-        )
-    return out
+    """The hook's batch, run on global rank 0 and broadcast (every rank holds ``batch``)."""
+
+    def run() -> RolloutBatch:
+        out = hook(batch, rl_step=rl_step)
+        if not isinstance(out, RolloutBatch):
+            raise RolloutDataError(
+                f"{KEY}={spec!r} returned {type(out).__name__} at rl_step {rl_step}; return a "
+                "RolloutBatch (the batch it was given, changed or not)"
+            )
+        return out
+
+    return on_rank0(run, KEY)

@@ -54,7 +54,7 @@ from unirl.rollouts.hf_tokenizer import (
     load_hf_tokenizer,
 )
 from unirl.rollouts.prompt_datasets import content_digest, iter_rows
-from unirl.rollouts.rewards import NamedReward
+from unirl.rollouts.rewards import NamedReward, RewardRun
 from unirl.rollouts.tasks import Problem
 from unirl.rollouts.tokenizer import CharTokenizer
 
@@ -392,6 +392,10 @@ class PromptFileTask:
             origins=[p.origin for p in problems],
         )
 
+    def close(self) -> None:
+        """Stop the reward's worker processes (``rollout.reward_workers``), if any."""
+        self.reward_fn.close()
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "file": str(self.path),
@@ -422,7 +426,7 @@ def make_prompt_task(cfg: UnirlConfig) -> PromptFileTask:
     """The task of ``rollout.prompts`` and ``rollout.reward`` (file read, tokenized, checked)."""
     r = cfg.rollout
     assert r.prompts is not None and r.reward is not None  # the config checks both
-    reward = NamedReward(r.reward, r.reward_options)
+    reward = NamedReward(r.reward, r.reward_options, RewardRun.of(cfg))
     records = prompt_records(cfg)
     return PromptFileTask(
         r.prompts,

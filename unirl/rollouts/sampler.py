@@ -206,6 +206,16 @@ class Sampler:
         unexpected.extend(extra)
         loaded.update(k for k in fused if k in own)
 
+    def variant(self, *, temperature: float, max_new_tokens: int, seed: int) -> Sampler:
+        """A sampler on this one's model (shared, not copied: it follows every weight sync) with
+        its own temperature, budget and generator seeded ``seed``, e.g. for an evaluation that
+        must leave this sampler's random stream where it was."""
+        other = copy.copy(self)
+        other.temperature, other.max_new_tokens = float(temperature), int(max_new_tokens)
+        other.generator = torch.Generator(device=self.device)
+        other.generator.manual_seed(seed)
+        return other
+
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}
 

@@ -24,12 +24,14 @@ from unirl.core.run.progress import GenerationProgress
 from unirl.core.weight_stream import Bucket
 from unirl.rollouts.environments.base import Environment
 from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
+from unirl.rollouts.once import on_rank0
 from unirl.rollouts.sampler import Sampler
 from unirl.rollouts.stops import stop_ids
 from unirl.rollouts.tasks import (
     Problem,
     Task,
     TaskTokenizer,
+    close_task,
     load_task_state,
     task_rewards,
     task_state,
@@ -151,7 +153,24 @@ class SamplerRolloutSource:
         self._policy_version = policy_version
 
     def close(self) -> None:
-        """Nothing to release: the sampler is a model in this process."""
+        """Release the task's reward workers; the sampler is a model in this process."""
+        close_task(self.task)
+
+    def generate_eval(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[tuple[list[int], bool]]:
+        """One response (its ids, whether a stop ended it) per prompt from the current weights,
+        drawn with a generator of its own seeded ``seed``: the rollouts' stream is untouched
+        (`unirl.rollouts.eval`)."""
+        sampler = self.sampler.variant(
+            temperature=temperature, max_new_tokens=max_new_tokens, seed=seed
+        )
+        return [(g.response_tokens.tolist(), g.finished) for g in sampler.generate(prompts)]
 
     def next_rollout(
         self, rl_step: int, progress: GenerationProgress | None = None
@@ -168,7 +187,8 @@ class SamplerRolloutSource:
         generations = self.sampler.generate(prompts, progress=progress)
         sample_problems = [problems[i // group] for i in range(len(generations))]
         responses = [gen.response_tokens.tolist() for gen in generations]
-        rewards = task_rewards(task, sample_problems, responses)
+        # Every rank sampled the same responses: score them once, on global rank 0.
+        rewards = on_rank0(lambda: task_rewards(task, sample_problems, responses), "the reward")
         samples = []
         for i, (gen, problem, response) in enumerate(zip(generations, sample_problems, responses)):
             metadata = {

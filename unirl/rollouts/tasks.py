@@ -111,6 +111,19 @@ def task_rewards(
     return [task.reward(p, r) for p, r in zip(problems, responses, strict=True)]
 
 
+@runtime_checkable
+class ClosableTask(Protocol):
+    """A task holding something to release when the run ends (reward worker processes)."""
+
+    def close(self) -> None: ...
+
+
+def close_task(task: Task) -> None:
+    """Release what the task holds (nothing for a task without `ClosableTask.close`)."""
+    if isinstance(task, ClosableTask):
+        task.close()
+
+
 def task_state(task: Task) -> dict[str, Any] | None:
     """The task's own stream state for a checkpoint; None for a task without one."""
     return task.state_dict() if isinstance(task, StatefulTask) else None

@@ -31,6 +31,7 @@ from unirl.core.run.sections.algorithm import (
     KLInRewardConfig,
     RolloutCorrectionConfig,
 )
+from unirl.core.run.sections.eval import EvalConfig
 from unirl.core.run.sections.model import Dtype, ModelConfig
 from unirl.core.run.sections.output import (
     CheckpointConfig,
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointConfig",
     "CriticConfig",
     "Dtype",
+    "EvalConfig",
     "KLConfig",
     "KLInRewardConfig",
     "Layout",
@@ -116,6 +118,8 @@ class UnirlConfig:
     progress: ProgressConfig = attrs.field(factory=ProgressConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     logging: LoggingConfig = attrs.field(factory=LoggingConfig)
+    # Held-out prompts evaluated during training (unirl/rollouts/eval.py); None: no evaluation.
+    eval: EvalConfig | None = None
     backend_options: Any = None
     layout: Layout = attrs.field(init=False, eq=False)
 
@@ -241,6 +245,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     _check_stops(cfg)
     _check_environment(cfg)
     _check_wandb(cfg)
+    _check_eval(cfg)
     _check_critic(cfg)
     check_routing_replay(cfg)
 
@@ -252,6 +257,34 @@ def _check_wandb(cfg: UnirlConfig) -> None:
         raise ConfigError(
             "logging.wandb is set but Weights & Biases is not installed: pip install -e "
             "'.[wandb]' (or pip install wandb), or remove logging.wandb"
+        )
+
+
+def _check_eval(cfg: UnirlConfig) -> None:
+    """eval: runs through the rollout engine on prompts tokenized as rollout.prompts are."""
+    e, r = cfg.eval, cfg.rollout
+    if e is None:
+        return
+    if not SOURCES.get(r.source).generates:
+        raise ConfigError(
+            f"eval: generates held-out responses with the rollout engine, but rollout.source: "
+            f"{r.source} reads finished rollouts; use a generating source or remove eval"
+        )
+    if r.prompts is None:
+        raise ConfigError(
+            "eval: reads its prompts as rollout.prompts are read (its column mapping, chat "
+            f"template and tokenizer), but rollout.prompts is not set (rollout.task={r.task!r} "
+            "has no held-out file); train on a prompt dataset or remove eval"
+        )
+    if cfg.train.max_staleness:
+        raise ConfigError(
+            f"eval: with train.max_staleness={cfg.train.max_staleness} the rollout engine "
+            "belongs to the worker that generates ahead; set train.max_staleness: 0 or remove eval"
+        )
+    if e.reward is None and e.reward_options:
+        raise ConfigError(
+            "eval.reward_options are the options of eval.reward, which is not set (the eval "
+            "uses rollout.reward with rollout.reward_options); set eval.reward or remove them"
         )
 
 
@@ -312,6 +345,7 @@ def _check_prompts(cfg: UnirlConfig) -> None:
         for key, value in (
             ("rollout.reward", r.reward),
             ("rollout.reward_options", r.reward_options or None),
+            ("rollout.reward_workers", r.reward_workers or None),
             ("rollout.skip_long_prompts", r.skip_long_prompts or None),
             ("model.tokenizer", cfg.model.tokenizer),
             ("rollout.prompt_key", None if r.prompt_key == "prompt" else r.prompt_key),

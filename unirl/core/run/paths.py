@@ -31,9 +31,12 @@ def check_local_paths(cfg: UnirlConfig) -> None:
             f"model.tokenizer={m.tokenizer!r} is not a directory; give a local Hugging Face "
             "tokenizer folder (tokenizer.json / tokenizer_config.json)"
         )
-    prompts = cfg.rollout.prompts
-    if prompts is not None and not Path(prompts).exists():
-        raise ConfigError(
-            f"rollout.prompts={prompts!r} does not exist; give a JSONL or Parquet prompt file "
-            "or a Hugging Face datasets folder on this machine"
-        )
+    for key, prompts in (
+        ("rollout.prompts", cfg.rollout.prompts),
+        ("eval.prompts", None if cfg.eval is None else cfg.eval.prompts),
+    ):
+        if prompts is not None and not Path(prompts).exists():
+            raise ConfigError(
+                f"{key}={prompts!r} does not exist; give a JSONL or Parquet prompt file or a "
+                "Hugging Face datasets folder on this machine"
+            )

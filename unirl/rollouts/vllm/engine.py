@@ -155,16 +155,26 @@ class VllmEngine:
         engine._pids = set(_child_pids()) - before
         return engine
 
-    def generate(self, requests: Sequence[EngineRequest]) -> list[EngineSample]:
+    def generate(
+        self,
+        requests: Sequence[EngineRequest],
+        *,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> list[EngineSample]:
+        """The requests' samples with the engine's settings; ``temperature`` / ``max_new_tokens``
+        given: those instead, for these requests only (an evaluation's)."""
         from vllm import SamplingParams
 
+        temperature = self.temperature if temperature is None else temperature
+        max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompts = [{"prompt_token_ids": list(r.prompt_tokens)} for r in requests]
         params = [
             SamplingParams(
                 n=1,
-                temperature=self.temperature,
+                temperature=temperature,
                 top_p=self.top_p,
-                max_tokens=self.max_new_tokens,
+                max_tokens=max_new_tokens,
                 stop_token_ids=self.stop_token_ids,
                 logprobs=0,  # the sampled token's own log-prob only
                 seed=r.seed,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +46,14 @@ from unirl.core.run.progress import GenerationProgress
 from unirl.core.weight_stream import Bucket, drain
 from unirl.rollouts.build import build_task
 from unirl.rollouts.stops import save_task_tokenizer, stop_ids
-from unirl.rollouts.tasks import Problem, Task, load_task_state, task_state
+from unirl.rollouts.tasks import (
+    Problem,
+    Task,
+    close_task,
+    load_task_state,
+    task_rewards,
+    task_state,
+)
 from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine, require_vllm
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
 from unirl.rollouts.vllm.weights import WeightFolder
@@ -218,15 +225,17 @@ class VllmRolloutSource:
         ]
         generations = self._engine.generate(requests)
         first_group = rollout * self.prompts_per_rollout
+        responses = [list(gen.response_tokens) for gen in generations]
+        rewards = self._rewards([problems[i // group] for i in range(len(responses))], responses)
         samples = []
         for i, gen in enumerate(generations):
             problem = problems[i // group]
-            response = list(gen.response_tokens)
+            response = responses[i]
             samples.append(
                 RolloutSample(
                     prompt_tokens=list(problem.prompt_tokens),
                     response_tokens=torch.tensor(response, dtype=torch.long),
-                    reward=self._reward(problem, response, first_group + i // group, i),
+                    reward=rewards[i],
                     group_id=first_group + i // group,
                     rollout_logprobs=torch.tensor(gen.logprobs, dtype=torch.float32),
                     policy_version=self._policy_version,
@@ -242,6 +251,28 @@ class VllmRolloutSource:
             )
         return RolloutBatch(tuple(samples))
 
+    def generate_eval(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> list[tuple[list[int], bool]]:
+        """One response (its ids, whether a stop ended it) per prompt from the engine's current
+        weights, sample ``i`` seeded from ``seed`` and ``i``; global rank 0 only (an evaluation,
+        `unirl.rollouts.eval`, runs there and broadcasts its metrics)."""
+        if self._engine is None:
+            raise RunError("VllmRolloutSource.generate_eval before sync_weights: no engine yet")
+        requests = [
+            EngineRequest(prompt_tokens=tuple(p), seed=sample_seed(seed, 0, i))
+            for i, p in enumerate(prompts)
+        ]
+        samples = self._engine.generate(
+            requests, temperature=temperature, max_new_tokens=max_new_tokens
+        )
+        return [(list(s.response_tokens), s.finished) for s in samples]
+
     def _check_length(self, problem: Problem, prompt_index: int) -> None:
         n = len(problem.prompt_tokens)
         budget = self.cfg.rollout.max_new_tokens
@@ -254,17 +285,17 @@ class VllmRolloutSource:
                 "or lower rollout.max_new_tokens"
             )
 
-    def _reward(self, problem: Problem, response: list[int], group_id: int, index: int) -> float:
+    def _rewards(self, problems: list[Problem], responses: list[list[int]]) -> list[float]:
+        """The rollout's rewards in one batched call (on rank 0, with the rollout)."""
         try:
-            return float(self.task.reward(problem, response))
+            return [float(r) for r in task_rewards(self.task, problems, responses)]
         except UnirlError:
             raise
         except Exception as exc:
             raise RunError(
-                f"the reward of task {self.task.name!r} raised {type(exc).__name__}: {exc} "
-                f"on sample {index} (group {group_id}, prompt {problem.prompt_text!r}, response "
-                f"tokens {response}); fix the reward function (it must return a number for "
-                "every response, also an empty or cut-off one)"
+                f"the reward of task {self.task.name!r} raised {type(exc).__name__}: {exc} on "
+                f"a rollout of {len(responses)} samples; fix the reward function (it must "
+                "return a number for every response, also an empty or cut-off one)"
             ) from exc
 
     # -- state ---------------------------------------------------------------------------------
@@ -303,6 +334,7 @@ class VllmRolloutSource:
         folder, self._folder = self._folder, None
         if folder is not None:
             folder.remove()
+        close_task(self.task)
 
 
 def build_vllm_source(

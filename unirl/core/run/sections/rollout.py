@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Literal
 
 import attrs
 
@@ -11,6 +12,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.run.validators import (
     finite,
     in_range,
+    non_negative,
     positive,
 )
 from unirl.core.source_plugin import SOURCES
@@ -55,6 +57,13 @@ class RolloutConfig:
     prompts: str | None = None
     reward: str | None = None
     reward_options: dict[str, Any] = attrs.field(factory=dict)
+    # rollout.reward in this many worker processes, one sample per call (0: in the training
+    # process), each sample within reward_timeout_s seconds (None: no limit); a sample that
+    # times out, crashes its worker or raises gets reward_on_error, or stops the run with an
+    # error naming it ("raise"). unirl/rollouts/reward_workers.py.
+    reward_workers: int = attrs.field(default=0, validator=non_negative)
+    reward_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    reward_on_error: Literal["raise"] | float = "raise"
     # Drop prompts longer than model.max_seq_len - max_new_tokens (with a warning) instead of
     # refusing the file.
     skip_long_prompts: bool = False
@@ -88,6 +97,7 @@ class RolloutConfig:
     source_options: Any = None
 
     def __attrs_post_init__(self) -> None:
+        _check_reward_run(self)
         options_cls = SOURCES.get(self.source).options
         if options_cls is None:
             if self.source_options is not None:
@@ -103,3 +113,22 @@ class RolloutConfig:
                 f"section; pass a {options_cls.__name__} (or a 'rollout: {{{self.source}: ...}}' "
                 "mapping in the YAML)"
             )
+
+
+def _check_reward_run(r: RolloutConfig) -> None:
+    """reward_timeout_s and reward_on_error act in the reward workers only."""
+    if isinstance(r.reward_on_error, float) and not math.isfinite(r.reward_on_error):
+        raise ConfigError(
+            f"rollout.reward_on_error={r.reward_on_error!r}; give a finite reward or 'raise'"
+        )
+    if r.reward_workers == 0:
+        for key, value, default in (
+            ("reward_timeout_s", r.reward_timeout_s, None),
+            ("reward_on_error", r.reward_on_error, "raise"),
+        ):
+            if value != default:
+                raise ConfigError(
+                    f"rollout.{key}={value!r} applies to rewards run in worker processes, but "
+                    "rollout.reward_workers is 0 (the reward runs in the training process, which "
+                    "cannot stop it); set rollout.reward_workers: 1 or more, or remove the key"
+                )
