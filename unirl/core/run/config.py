@@ -290,8 +290,8 @@ def _check_environment(cfg: UnirlConfig) -> None:
     if not SOURCES.get(r.source).runs_episodes:
         raise ConfigError(
             f"rollout.environment={r.environment!r}: rollout.source: {r.source} does not run "
-            "multi-turn episodes (only the built-in sampler does today); set rollout.source: "
-            "sampler or remove rollout.environment"
+            "multi-turn episodes (the built-in sampler and vllm do); set rollout.source: "
+            "sampler or vllm, or remove rollout.environment"
         )
     if r.prompts is not None:
         raise ConfigError(
