@@ -105,7 +105,10 @@ def play(script, env_factory, prompts, **limits):
     engine.bind(prompts)
     r = runner(engine, **limits)
     envs = [env_factory() for _ in prompts]
-    eps = [r.start(e, p, "q", {}, f"episode {i}") for i, (e, p) in enumerate(zip(envs, prompts))]
+    eps = [
+        r.start(e, p, "q", {}, f"episode {i}", index=i)
+        for i, (e, p) in enumerate(zip(envs, prompts))
+    ]
     r.run(eps)
     return eps, envs, engine
 
@@ -344,7 +347,8 @@ def test_config_environment_rules():
     cfg = _example()
     assert cfg.rollout.environment == "hidden_number" and cfg.rollout.max_turns == 3
     with pytest.raises(ConfigError, match=r"rollout\.source: file does not run multi-turn"):
-        _example(source="file", file="rollouts.jsonl")
+        _example(source="file", file="rollouts.jsonl", stop=[])
+    assert _example(source="vllm").rollout.source == "vllm"  # vLLM runs episodes
     with pytest.raises(ConfigError, match=r"rollout.max_turns=3 applies to multi-turn"):
         _example(environment=None, env_step_timeout_s=60.0, max_episode_tokens=None)
     with pytest.raises(ConfigError, match=r"max_episode_tokens=2 is below"):

@@ -65,7 +65,7 @@ class Episode:
     env: Environment
     prompt: list[int]
     where: str
-    index: int = 0  # its place in the rollout
+    index: int  # its place in the rollout
     limit: int = 0
     response: list[int] = attrs.field(factory=list)
     mask: list[bool] = attrs.field(factory=list)
@@ -234,7 +234,8 @@ class EpisodeRunner:
         text: str,
         meta: Mapping[str, Any],
         where: str,
-        index: int = 0,
+        *,
+        index: int,
     ) -> Episode:
         """A new episode (the ``index``-th of its rollout): ``env.reset(text, meta)``, its
         first observation appended to the prompt (context, not trained)."""
