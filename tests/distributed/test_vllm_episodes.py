@@ -11,7 +11,7 @@ module (its start dominates on a 2-core machine):
   per request), so sampled episodes cannot match token for token: the comparison is greedy
   (vLLM at temperature 0, the sampler at 1e-6, where it draws the arg-max: the test checks that
   no two logits along the way are close enough for it to do otherwise);
-- ``unirl train examples/tiny_multiturn.yaml --set rollout.source=vllm`` runs.
+- ``unirl train examples/tiny_multiturn.yaml --set rollout.source=vllm`` runs (slow tier).
 """
 
 from __future__ import annotations
@@ -205,14 +205,17 @@ def test_greedy_episodes_equal_the_samplers(engine_and_model, tmp_path):
         assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
 
 
+@pytest.mark.slow  # a second engine start (minutes on 2 shared cores); the tests above run by default
 def test_train_tiny_multiturn_on_vllm(tmp_path):
     """The example as a user runs it, on vLLM, for a few steps."""
-    steps = 3
+    steps = 2
     run = tmp_path / "run"
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "unirl.cli", "train", str(EXAMPLE),
          "--set", "rollout.source=vllm", "--set", f"logging.run_dir={run}",
+         "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=32",
+         "--set", "batch.micro_batch_size=32",
          "--set", f"train.rl_steps={steps}", "--set", "logging.tensorboard=false",
          "--set", "checkpoint.export_hf=false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
