@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.contract import clauses, launch
+from tests.contract import clauses, launch, multiturn
 from tests.contract.backends import BackendEntry, Layout
 
 _TIMINGS: list[tuple[str, float, dict[str, float]]] = []
@@ -26,6 +26,14 @@ def contract_reference(
 ) -> clauses.ReferenceResults:
     model_dir, records = contract_data
     return clauses.compute_reference(model_dir, records)
+
+
+@pytest.fixture(scope="session")
+def contract_multiturn_reference(
+    contract_data: tuple[Path, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """The per-turn loop's step on the multi-turn batch (`tests.contract.multiturn`)."""
+    return multiturn.reference_step(*contract_data)
 
 
 class GroupRuns:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from tests.contract import fixtures
+from tests.contract import fixtures, multiturn
 from tests.contract.backends import Layout
 
 if TYPE_CHECKING:
@@ -290,6 +290,7 @@ class _GroupRun:
             self.counter = ForwardCounter(backend.model)
             self.forward(backend)
             self.variants(backend)
+            multiturn.measure(self, backend)  # the multi-turn batch (tests/contract/multiturn.py)
             self.resume(backend)
         self.timings["total"] = time.perf_counter() - t0
         self.out["logprob_calls"] = dict(self.paths.calls)

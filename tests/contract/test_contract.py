@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from tests.contract import clauses, fixtures
+from tests.contract import clauses, fixtures, multiturn
 from tests.contract.backends import REGISTRY, skip_reason
 
 TOL = clauses.TOLERANCES["fp32"]
@@ -135,6 +135,15 @@ def test_clause7_checkpoint_resume(group, contract_reference):
 def test_clause8_hf_export(group, contract_data):
     _, records = contract_data
     assert_checks(_run(clauses.clause8_export, group, records, TOL))
+
+
+def test_multiturn_batch(case, group, contract_multiturn_reference):
+    """Observation tokens (mask 0, no rollout log-probs) inside responses and per-turn token
+    rewards: the loss, gradient norm and weights equal a per-turn Python loop's."""
+    entry, layout = case
+    if not multiturn.is_main_layout(entry.name, layout):
+        pytest.skip(f"the multi-turn batch runs on {entry.name}'s main layout only")
+    assert_checks(_run(multiturn.clause_multiturn, group, contract_multiturn_reference, TOL))
 
 
 def test_logprob_path(case, group):

@@ -46,10 +46,12 @@ class ScriptedEngine:
     def __init__(self, script):
         self.script = script  # list (per episode) of list (per turn) of (ids, logprobs)
         self.prompts = []
+        self.keys = []
         self.calls = 0
 
-    def __call__(self, prompts, progress):
+    def __call__(self, prompts, progress, keys):
         self.prompts.append([list(p) for p in prompts])
+        self.keys.append(list(keys))
         out = []
         for p in prompts:
             row = self.row_of[tuple(p[: self.prompt_len])]
@@ -103,7 +105,10 @@ def play(script, env_factory, prompts, **limits):
     engine.bind(prompts)
     r = runner(engine, **limits)
     envs = [env_factory() for _ in prompts]
-    eps = [r.start(e, p, "q", {}, f"episode {i}") for i, (e, p) in enumerate(zip(envs, prompts))]
+    eps = [
+        r.start(e, p, "q", {}, f"episode {i}", index=i)
+        for i, (e, p) in enumerate(zip(envs, prompts))
+    ]
     r.run(eps)
     return eps, envs, engine
 
@@ -135,6 +140,11 @@ def test_token_in_token_out_against_a_hand_built_sample():
     fields = ep.sample_fields()
     assert fields["loss_mask"].tolist() == ep.mask
     assert fields["rollout_logprobs"].tolist() == pytest.approx(ep.logprobs)
+    # each turn's reward on its last token (response index 2: "c", 9: <eos>), zeros elsewhere
+    assert fields["token_rewards"].tolist() == [0, 0, 0.5, 0, 0, 0, 0, 0, 0, 1.0]
+    assert eps[1].sample_fields()["token_rewards"].tolist() == [0.0, 0.25]
+    # the engine was told which episode and turn each prompt is (its per-request seeds)
+    assert engine.keys == [[(0, 0), (1, 0)], [(0, 1)]]
 
 
 def test_observation_as_token_ids_is_appended_as_is():
@@ -183,6 +193,8 @@ def test_environment_error_with_failure_reward():
     eps, _, _ = play([[TURN0, TURN1]], Raising, [[1, 3]], failure_reward=-1.0)
     assert eps[0].reward == -1.0 and eps[0].metadata()["env_failed"]
     assert "boom" in eps[0].metadata()["env_error"]
+    # no turn's reward counts: the failure reward is the outcome, at the last token
+    assert not eps[0].sample_fields()["token_rewards"].any()
 
 
 def test_hanging_environment_times_out():
@@ -334,8 +346,9 @@ def _example(**rollout):
 def test_config_environment_rules():
     cfg = _example()
     assert cfg.rollout.environment == "hidden_number" and cfg.rollout.max_turns == 3
-    with pytest.raises(ConfigError, match=r"rollout\.source: vllm does not run multi-turn"):
-        _example(source="vllm")
+    with pytest.raises(ConfigError, match=r"rollout\.source: file does not run multi-turn"):
+        _example(source="file", file="rollouts.jsonl", stop=[])
+    assert _example(source="vllm").rollout.source == "vllm"  # vLLM runs episodes
     with pytest.raises(ConfigError, match=r"rollout.max_turns=3 applies to multi-turn"):
         _example(environment=None, env_step_timeout_s=60.0, max_episode_tokens=None)
     with pytest.raises(ConfigError, match=r"max_episode_tokens=2 is below"):

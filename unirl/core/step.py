@@ -29,7 +29,11 @@ from unirl.core.data.plan import MicrobatchPlan
 from unirl.core.data.rollout import PackedMicrobatch, RolloutBatch
 from unirl.core.data.routed_experts import recorded_per_sample
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.maths.advantages import AdvantageInputs, compute_advantages
+from unirl.core.maths.advantages import (
+    AdvantageInputs,
+    compute_advantages,
+    rewards_for_estimator,
+)
 from unirl.core.maths.losses import LossInputs, Metric, compute_loss, critic_loss, reduce_metrics
 from unirl.core.moe_loss import RouterLossSettings, router_term
 from unirl.core.old_logprobs import (
@@ -171,11 +175,17 @@ class RLStep:
 
         t0 = time.perf_counter()
         response_mask = padded.loss_mask.to(torch.float32) * padded.mask
+        rewards, token_rewards = rewards_for_estimator(
+            batch.rewards.to(torch.float32),
+            padded.token_rewards,
+            self.advantage_settings.estimator,
+        )
         adv = compute_advantages(
             AdvantageInputs(
-                rewards=batch.rewards.to(torch.float32),
+                rewards=rewards,
                 group_ids=batch.group_ids,
                 response_mask=response_mask,
+                token_rewards=token_rewards,
                 old_logprobs=old_bl,
                 ref_logprobs=ref_bl,
                 values=values_bl,

@@ -76,12 +76,13 @@ def _sampler_source(
         device=device,
         stop=cfg.rollout.stop,
         stop_token_ids=cfg.rollout.stop_token_ids,
-        **_episode_options(cfg),
+        **episode_options(cfg),
     )
 
 
-def _episode_options(cfg: UnirlConfig) -> dict[str, Any]:
-    """The sampler source's multi-turn arguments (none without ``rollout.environment``)."""
+def episode_options(cfg: UnirlConfig) -> dict[str, Any]:
+    """A source's multi-turn arguments (none without ``rollout.environment``): the
+    environment builder, the episode limits and the longest prompt + response."""
     r = cfg.rollout
     if r.environment is None:
         return {}

@@ -12,7 +12,14 @@ so the trainer scores exactly the tokens the engine sampled. Each next turn is g
 ``prompt + response so far`` as token ids. The sample's reward is the sum of the per-turn rewards
 (each is also kept in ``metadata["episode"]["turn_rewards"]``, with the response index of the
 turn's last token in ``turn_ends``). An episode cut by the token limit ends there: its response
-is cut to the limit (mask and log-probs with it) and it is flagged ``truncated``.
+is cut to the limit (mask and log-probs with it) and it is flagged ``truncated``. For the
+token-level estimators the sample also carries ``token_rewards``: each turn's reward on the last
+token of that turn, zeros elsewhere (their sum is the sample's reward; an episode whose
+environment failed has none there: its failure reward is the outcome at the last token).
+
+The engine is a ``generate(prompts, progress, keys)`` callable: the token prompts of the
+episodes still going, and for each its ``(episode index, turn index)`` (an engine with a seed
+per request derives it from them).
 
 An environment that raises, returns something malformed, or takes longer than
 ``rollout.env_step_timeout_s`` for one call stops the run with a `RolloutDataError` naming the
@@ -35,7 +42,8 @@ from unirl.core.run.progress import GenerationProgress
 from unirl.rollouts.environments.base import Environment, Observation, Turn, as_observation
 from unirl.rollouts.sampler import Generation
 
-Generate = Callable[[Sequence[Sequence[int]], Any], list[Generation]]
+# generate(token prompts, progress, [(episode index, turn index)]) -> one Generation per prompt
+Generate = Callable[[Sequence[Sequence[int]], Any, Sequence[tuple[int, int]]], list[Generation]]
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +65,7 @@ class Episode:
     env: Environment
     prompt: list[int]
     where: str
+    index: int  # its place in the rollout
     limit: int = 0
     response: list[int] = attrs.field(factory=list)
     mask: list[bool] = attrs.field(factory=list)
@@ -99,6 +108,15 @@ class Episode:
             **({"env_error": self.failed} if self.failed is not None else {}),
         }
 
+    def token_rewards(self) -> list[float]:
+        """Each stepped turn's reward at the turn's last token, 0 elsewhere; all zeros for a
+        failed episode (its failure reward replaces the turns')."""
+        out = [0.0] * len(self.response)
+        if self.failed is None:
+            for end, reward in zip(self.turn_ends, self.turn_rewards):
+                out[end] += reward
+        return out
+
     def sample_fields(self) -> dict[str, Any]:
         return {
             "prompt_tokens": list(self.prompt),
@@ -106,6 +124,7 @@ class Episode:
             "loss_mask": torch.tensor(self.mask, dtype=torch.bool),
             "rollout_logprobs": torch.tensor(self.logprobs, dtype=torch.float32),
             "reward": self.reward,
+            "token_rewards": torch.tensor(self.token_rewards(), dtype=torch.float32),
         }
 
 
@@ -215,10 +234,12 @@ class EpisodeRunner:
         text: str,
         meta: Mapping[str, Any],
         where: str,
+        *,
+        index: int,
     ) -> Episode:
-        """A new episode: ``env.reset(text, meta)``, its first observation appended to the
-        prompt (context, not trained)."""
-        ep = Episode(env=env, prompt=list(prompt), where=where)
+        """A new episode (the ``index``-th of its rollout): ``env.reset(text, meta)``, its
+        first observation appended to the prompt (context, not trained)."""
+        ep = Episode(env=env, prompt=list(prompt), where=where, index=index)
         try:
             first = call_with_timeout(env.reset, (text, dict(meta)), self.limits.step_timeout_s)
             ep.prompt.extend(self._observation_ids(as_observation(first, where), where))
@@ -239,7 +260,11 @@ class EpisodeRunner:
         if progress is not None:
             progress.update(samples=len(episodes) - len(active))
         while active:
-            gens = self.generate([ep.prompt + ep.response for ep in active], tokens)
+            gens = self.generate(
+                [ep.prompt + ep.response for ep in active],
+                tokens,
+                [(ep.index, ep.turns) for ep in active],
+            )
             for ep, gen in zip(active, gens):
                 self._after_turn(ep, gen)
             still = [ep for ep in active if not ep.done]

@@ -23,6 +23,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.run.progress import GenerationProgress
 from unirl.core.weight_stream import Bucket
 from unirl.rollouts.environments.base import Environment
+from unirl.rollouts.episode_batch import episode_rollout, observation_encoder
 from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.once import on_rank0
 from unirl.rollouts.sampler import Sampler
@@ -47,21 +48,6 @@ def model_vocab_size(model: torch.nn.Module) -> int:
     if vocab is None:
         vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
     return int(vocab)
-
-
-def observation_encoder(tokenizer: TaskTokenizer) -> Callable[[str], list[int]]:
-    """How an observation's text becomes ids: the task tokenizer's plain encoding (no special
-    tokens added), done once per observation."""
-    hf = getattr(tokenizer, "hf", None)
-    if hf is not None:
-        return lambda text: [int(t) for t in hf.encode(text, add_special_tokens=False)]
-    encode = getattr(tokenizer, "encode", None)
-    if encode is None:
-        raise ConfigError(
-            f"rollout.environment: the task's tokenizer ({type(tokenizer).__name__}) has no "
-            "encode(text); return observations as token ids, or give the task a tokenizer with one"
-        )
-    return lambda text: list(encode(text))
 
 
 class SamplerRolloutSource:
@@ -121,7 +107,7 @@ class SamplerRolloutSource:
                     "SamplerRolloutSource: an environment needs episode_limits and max_seq_len"
                 )
             self.episodes = EpisodeRunner(
-                lambda prompts, progress: self.sampler.generate(prompts, progress=progress),
+                lambda prompts, progress, keys: self.sampler.generate(prompts, progress=progress),
                 encode=observation_encoder(self.tokenizer),
                 decode=self._stop_text,
                 limits=episode_limits,
@@ -231,50 +217,28 @@ class SamplerRolloutSource:
         first_group: int,
         progress: GenerationProgress | None,
     ) -> RolloutBatch:
-        """One multi-turn episode per sample, all played together (`EpisodeRunner`); the
-        reward is the environment's, the task's reward is not used."""
+        """One multi-turn episode per sample, all played together (`episode_rollout`)."""
         assert self.episodes is not None and self.environment is not None
-        group = self.samples_per_prompt
-        sample_problems = [problems[i // group] for i in range(len(problems) * group)]
-        episodes = []
-        for i, problem in enumerate(sample_problems):
-            where = f"rl_step {rl_step} episode {i} (group {first_group + i // group})"
-            meta = dict(problem.metadata)
-            episodes.append(
-                self.episodes.start(
-                    self.environment(), problem.prompt_tokens, problem.prompt_text, meta, where
-                )
-            )
-        self.episodes.run(episodes, progress)
-        samples = []
-        for i, (ep, problem) in enumerate(zip(episodes, sample_problems)):
-            metadata = {
-                "task": self.task.name,
-                "rl_step": rl_step,
-                "prompt": problem.prompt_text,
-                "target": problem.target_text,
-                "response": self.tokenizer.decode(ep.response),
-                "finished": not ep.truncated,
-                "episode": ep.metadata(),
-            }
-            if problem.metadata:
-                metadata["prompt_metadata"] = dict(problem.metadata)
-            samples.append(
-                RolloutSample(
-                    **ep.sample_fields(),
-                    group_id=first_group + i // group,
-                    policy_version=self._policy_version,
-                    metadata=metadata,
-                )
-            )
+        batch = episode_rollout(
+            self.episodes,
+            self.environment,
+            problems,
+            group=self.samples_per_prompt,
+            rl_step=rl_step,
+            first_group=first_group,
+            task_name=self.task.name,
+            decode=self.tokenizer.decode,
+            policy_version=self._policy_version,
+            progress=progress,
+        )
         self._rollouts_drawn += 1
         logger.debug(
             "rollout %d: %s -> %r",
             rl_step,
             problems[0].prompt_text,
-            samples[0].metadata["response"],
+            batch.samples[0].metadata["response"],
         )
-        return RolloutBatch(tuple(samples))
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {

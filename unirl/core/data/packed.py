@@ -22,6 +22,7 @@ class PaddedResponses:
     rollout_logprobs: torch.Tensor | None  # [B, L] float32
     ref_logprobs: torch.Tensor | None
     values: torch.Tensor | None
+    token_rewards: torch.Tensor | None = None  # [B, L] float32 (`RolloutSample.token_rewards`)
 
 
 @attrs.frozen(kw_only=True)

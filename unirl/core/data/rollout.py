@@ -4,7 +4,9 @@ A `RolloutSample` is one prompt and one sampled response with its reward and gro
 answers; GRPO normalises rewards within a group). Optional per-response-token fields carry what
 the engine or a reference model already computed: the sampling log-probs (`rollout_logprobs`,
 for off-policy correction and for skipping the old-log-prob forward), reference log-probs
-(`ref_logprobs`, for the KL penalty) and critic values (`values`, for GAE). A mixture-of-experts
+(`ref_logprobs`, for the KL penalty), critic values (`values`, for GAE) and where parts of the
+reward were earned (`token_rewards`, e.g. a multi-turn episode's per-turn rewards on each turn's
+last token, for the token-level estimators; `reward` stays the total). A mixture-of-experts
 engine can add the experts it routed every token to (`routed_experts`, for routing replay; one row
 per token the model read, `unirl.core.data.routed_experts`). `policy_version` is the
 optimizer-step count of the policy weights that generated the response (None: unknown, e.g. a
@@ -41,6 +43,7 @@ from unirl.core.data.sample_fields import (
     LOGPROB_FIELDS,
     LOGPROB_TOLERANCE,
     OPTIONAL_FIELDS,
+    PACKED_FLOAT_FIELDS,
     PER_TOKEN_FLOAT_FIELDS,
     REQUIRED_FIELDS,
     _describe,
@@ -310,7 +313,7 @@ class RolloutBatch:
             name: per_token([getattr(s, name) for s in samples], torch.float32)
             if samples and all(getattr(s, name) is not None for s in samples)
             else None
-            for name in PER_TOKEN_FLOAT_FIELDS
+            for name in PACKED_FLOAT_FIELDS
         }
         routed = (
             pack_routed_experts([s.routed_experts for s in samples], lengths, cu_seqlens)  # type: ignore[misc]

@@ -7,8 +7,9 @@ and how a run keeps the rollouts it trained on. Fields are those of `RolloutSamp
      "loss_mask": [1, 1], "rollout_logprobs": [-0.3, -0.01], "metadata": {"source": "gsm8k"}}
 
 ``prompt_tokens``, ``response_tokens``, ``reward`` and ``group_id`` are required; ``loss_mask``
-(default all ones), ``rollout_logprobs``, ``ref_logprobs``, ``values`` and ``metadata`` are
-optional. Blank lines are skipped. Reading checks types only: call `RolloutBatch.validate`
+(default all ones), ``rollout_logprobs``, ``ref_logprobs``, ``values``, ``token_rewards`` (the
+part of ``reward`` earned at each response token, for the token-level estimators; ``reward``
+stays the total) and ``metadata`` are optional. Blank lines are skipped. Reading checks types only: call `RolloutBatch.validate`
 afterwards (its "sample i" is the i-th record, counting from 0). Non-finite floats are written
 as Python's JSON does (``NaN``, ``Infinity``) so that a broken batch can be saved for a look.
 """

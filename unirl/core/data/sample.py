@@ -56,6 +56,13 @@ class RolloutSample:
     values: torch.Tensor | None = attrs.field(
         default=None, converter=_float_converter("values"), eq=_tensor_eq
     )
+    # The part of ``reward`` earned at each response token (a multi-turn episode's per-turn
+    # rewards on each turn's last token, 0 elsewhere): token-level estimators (reinforce_pp,
+    # gae) credit it there and take ``reward - sum(token_rewards)`` as the outcome at the last
+    # token; sequence-level ones (grpo, rloo) use ``reward`` alone, so it must be the total.
+    token_rewards: torch.Tensor | None = attrs.field(
+        default=None, converter=_float_converter("token_rewards"), eq=_tensor_eq
+    )
     # [prompt + response - 1, moe_layers, top_k] int32 (`unirl.core.data.routed_experts`).
     routed_experts: torch.Tensor | None = attrs.field(
         default=None, converter=convert_routed_experts, eq=_tensor_eq

@@ -47,7 +47,17 @@ def _batch_may_have_problems(
             return True
         if name in LOGPROB_FIELDS and bool((values > LOGPROB_TOLERANCE).any()):
             return True
-    return False
+    return any(_untrained_token_reward(s) is not None for s in samples)
+
+
+def _untrained_token_reward(sample: RolloutSample) -> int | None:
+    """The first response position with a nonzero token reward and loss mask 0 (None: none).
+    The estimators see only trained tokens: a reward there would be lost without a word."""
+    rewards = sample.token_rewards
+    if rewards is None or rewards.numel() != sample.loss_mask.numel():
+        return None
+    bad = ((rewards != 0) & ~sample.loss_mask).nonzero()
+    return int(bad[0]) if len(bad) else None
 
 
 def _sample_problems(sample: RolloutSample, vocab_size: int, max_seq_len: int) -> list[str]:
@@ -109,4 +119,11 @@ def _sample_problems(sample: RolloutSample, vocab_size: int, max_seq_len: int) -
                     f"log-probability is <= 0 (tolerance {LOGPROB_TOLERANCE:g}), so pass "
                     "log-probs, not probabilities or logits"
                 )
+    j = _untrained_token_reward(sample)
+    if j is not None:
+        problems.append(
+            f"field 'token_rewards' has {sample.token_rewards[j].item():g} at position {j}, "  # type: ignore[index]
+            "where 'loss_mask' is 0 (a token not trained on, e.g. a tool's output); put each "
+            "reward on a trained token (a turn's reward on the turn's last token)"
+        )
     return problems

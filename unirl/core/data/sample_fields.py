@@ -24,12 +24,15 @@ OPTIONAL_FIELDS = (
     "rollout_logprobs",
     "ref_logprobs",
     "values",
+    "token_rewards",
     "routed_experts",
     "policy_version",
     "metadata",
 )
 # Optional float fields with one entry per response token; each is given for all samples or none.
-PER_TOKEN_FLOAT_FIELDS = ("rollout_logprobs", "ref_logprobs", "values")
+PER_TOKEN_FLOAT_FIELDS = ("rollout_logprobs", "ref_logprobs", "values", "token_rewards")
+# Those a packed microbatch carries (token rewards are read once, by the advantage estimator).
+PACKED_FLOAT_FIELDS = ("rollout_logprobs", "ref_logprobs", "values")
 LOGPROB_FIELDS = ("rollout_logprobs", "ref_logprobs")
 # Optional fields given for all samples or none (`RolloutBatch.has`): the per-token floats and
 # the MoE experts of every read token (`unirl.core.data.routed_experts`).
@@ -41,6 +44,7 @@ _PER_TOKEN_WHAT = {
     "rollout_logprobs": "log-prob",
     "ref_logprobs": "log-prob",
     "values": "value estimate",
+    "token_rewards": "reward (0 where none was earned)",
 }
 
 _MAX_LISTED_PROBLEMS = 20

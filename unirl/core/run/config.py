@@ -321,10 +321,10 @@ def _check_environment(cfg: UnirlConfig) -> None:
                 )
         return
     if not SOURCES.get(r.source).runs_episodes:
+        episodic = " or ".join(sorted(p.name for p in SOURCES.values() if p.runs_episodes))
         raise ConfigError(
             f"rollout.environment={r.environment!r}: rollout.source: {r.source} does not run "
-            "multi-turn episodes (only the built-in sampler does today); set rollout.source: "
-            "sampler or remove rollout.environment"
+            f"multi-turn episodes; set rollout.source: {episodic}, or remove rollout.environment"
         )
     if r.prompts is not None:
         raise ConfigError(

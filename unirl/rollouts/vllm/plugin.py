@@ -106,6 +106,17 @@ def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             "in place (LLM.collective_rpc('reload_weights'))"
         ),
         "policy_version": "the weights of the last sync: every rollout is on-policy",
+        **(
+            {
+                "episodes": (
+                    f"multi-turn against environment {r.environment!r}: up to {r.max_turns} "
+                    f"turns of {r.max_new_tokens} tokens, one generate call per turn, the "
+                    "episode so far as token ids, prefix cache on"
+                )
+            }
+            if r.environment is not None
+            else {}
+        ),
     }
 
 
@@ -123,4 +134,5 @@ PLUGIN = SourcePlugin(
     # processed_logprobs: after top-p, the distribution each token was drawn from
     top_p_logprobs="truncated",
     weights="rank0",  # the engine runs on global rank 0
+    runs_episodes=True,  # unirl.rollouts.vllm.episodes
 )

@@ -23,6 +23,10 @@ anything but the policy; `close` stops it. Every sample carries the ``policy_ver
 weights the engine held (that of the last sync: one engine, synced after every step, is
 on-policy).
 
+Episodes. With ``rollout.environment`` every sample is a multi-turn episode played on the engine
+(`unirl.rollouts.vllm.episodes`): one generate call per turn for every episode still going, the
+episode so far as the token prompt, prefix cache on.
+
 Resume. `state_dict` holds the prompt stream: the seeded problem rng, the rollout count (which
 fixes the per-sample seeds) and the task's own position (a prompt file's cursor), so a resumed
 run draws the prompts the uninterrupted run would have.
@@ -33,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +48,9 @@ from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
 from unirl.core.weight_stream import Bucket, drain
-from unirl.rollouts.build import build_task
+from unirl.rollouts.build import build_task, episode_options
+from unirl.rollouts.environments.base import Environment
+from unirl.rollouts.episodes import EpisodeLimits
 from unirl.rollouts.stops import save_task_tokenizer, stop_ids
 from unirl.rollouts.tasks import (
     Problem,
@@ -55,6 +61,7 @@ from unirl.rollouts.tasks import (
     task_state,
 )
 from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine, require_vllm
+from unirl.rollouts.vllm.episodes import VllmEpisodes
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
 from unirl.rollouts.vllm.weights import WeightFolder
 
@@ -94,7 +101,12 @@ class VllmRolloutSource:
         hf_config: Any,
         vocab_size: int,
         seed: int,
+        environment: Callable[[], Environment] | None = None,
+        episode_limits: EpisodeLimits | None = None,
     ) -> None:
+        """With ``environment`` (a builder of one episode's environment), every sample is a
+        multi-turn episode within ``episode_limits``; ``rollout.max_new_tokens`` is then each
+        turn's budget."""
         self.task = task
         self.cfg = cfg
         self.hf_config = hf_config  # transformers PretrainedConfig of the policy
@@ -110,6 +122,18 @@ class VllmRolloutSource:
         self.options = cfg.rollout.source_options
         self.max_model_len = max_model_len(cfg)
         self.dtype = engine_dtype(cfg)
+        self.episodes: VllmEpisodes | None = None
+        if environment is not None:
+            if episode_limits is None:
+                raise ConfigError("VllmRolloutSource: an environment needs episode_limits")
+            self.episodes = VllmEpisodes(
+                task,
+                environment,
+                episode_limits,
+                max_model_len=self.max_model_len,
+                vocab_size=vocab_size,
+                seed=seed,
+            )
 
     @property
     def num_rollouts(self) -> None:
@@ -214,6 +238,16 @@ class VllmRolloutSource:
                 "policy's weights; call sync_weights(backend.stream_weights(...), policy_version=...) first"
             )
         group, rollout = self.samples_per_prompt, self._rollouts_drawn
+        if self.episodes is not None:
+            return self.episodes.rollout(
+                self._engine,
+                problems,
+                group=group,
+                rollout=rollout,
+                rl_step=rl_step,
+                first_group=rollout * self.prompts_per_rollout,
+                policy_version=self._policy_version,
+            )
         for p_index, problem in enumerate(problems):
             self._check_length(problem, rollout * self.prompts_per_rollout + p_index)
         requests = [
@@ -360,6 +394,13 @@ def build_vllm_source(
             f"the model's vocab_size {hf_config.vocab_size} is smaller than the vocabulary of "
             f"task {task.name!r} ({task.tokenizer.vocab_size} tokens); use a model built for it"
         )
+    episodes = episode_options(cfg)
+    episodes.pop("max_seq_len", None)  # the engine's own limit, max_model_len, bounds episodes
     return VllmRolloutSource(
-        task, cfg, hf_config=hf_config, vocab_size=int(hf_config.vocab_size), seed=cfg.train.seed
+        task,
+        cfg,
+        hf_config=hf_config,
+        vocab_size=int(hf_config.vocab_size),
+        seed=cfg.train.seed,
+        **episodes,
     )

@@ -31,6 +31,7 @@ from unirl.core.maths.advantages.reinforce_pp import reinforce_pp, reinforce_pp_
 from unirl.core.maths.advantages.rloo import rloo
 from unirl.core.maths.advantages.settings import AdvantageSettings
 from unirl.core.maths.advantages.shaping import apply_distillation, apply_kl_in_reward
+from unirl.core.maths.advantages.token_rewards import rewards_for_estimator
 from unirl.core.maths.advantages.whitening import masked_whiten
 
 __all__ = [
@@ -53,5 +54,6 @@ __all__ = [
     "registered_advantage_estimators",
     "reinforce_pp",
     "reinforce_pp_baseline",
+    "rewards_for_estimator",
     "rloo",
 ]

@@ -48,7 +48,9 @@ def gae_recursion(
 
 # needs_old_logprobs: PPO with a critic takes several clipped steps per rollout, so its ratio
 # needs the pre-step log-probs.
-@register_advantage_estimator("gae", needs_values=True, needs_old_logprobs=True)
+@register_advantage_estimator(
+    "gae", needs_values=True, needs_old_logprobs=True, reads_token_rewards=True
+)
 def gae(inp: AdvantageInputs, settings: AdvantageSettings) -> AdvantageOutput:
     inp.require(("values",), by="estimator 'gae'")
     rewards_t = token_level_rewards(inp, settings)

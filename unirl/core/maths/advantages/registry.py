@@ -43,6 +43,10 @@ class EstimatorSpec:
     - ``needs_old_logprobs``: reads the sampling policy's log-probs before the optimizer step.
     - ``needs_values``: reads critic values.
     - ``needs_groups``: computes per-group statistics (validated: equal group sizes).
+    - ``reads_token_rewards``: credits per-token rewards where they were earned
+      (`AdvantageInputs.token_rewards`); the trainer then hands it a sample's
+      ``token_rewards`` and the rest of its reward as the outcome, and the others the whole
+      reward as one number.
     - ``whitens_over_batch``: the algorithm whitens its advantages over the whole batch;
       `compute_advantages` does it after the call, over every rank of its process group, so the
       function itself returns them un-whitened.
@@ -54,6 +58,7 @@ class EstimatorSpec:
     needs_old_logprobs: bool = False
     needs_values: bool = False
     needs_groups: bool = False
+    reads_token_rewards: bool = False
     whitens_over_batch: bool = False
     declared: bool = True
 
@@ -80,6 +85,7 @@ def register_advantage_estimator(
     needs_old_logprobs: bool = False,
     needs_values: bool = False,
     needs_groups: bool = False,
+    reads_token_rewards: bool = False,
     whitens_over_batch: bool = False,
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator: register ``fn`` under ``name`` with its declared needs."""
@@ -91,6 +97,7 @@ def register_advantage_estimator(
             needs_old_logprobs=needs_old_logprobs,
             needs_values=needs_values,
             needs_groups=needs_groups,
+            reads_token_rewards=reads_token_rewards,
             whitens_over_batch=whitens_over_batch,
         )
         ESTIMATORS.register(name, spec)

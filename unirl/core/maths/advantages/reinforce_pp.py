@@ -43,7 +43,7 @@ def discounted_returns(rewards_t: torch.Tensor, mask: torch.Tensor, gamma: float
     return returns
 
 
-@register_advantage_estimator("reinforce_pp", whitens_over_batch=True)
+@register_advantage_estimator("reinforce_pp", reads_token_rewards=True, whitens_over_batch=True)
 def reinforce_pp(inp: AdvantageInputs, settings: AdvantageSettings) -> AdvantageOutput:
     returns = discounted_returns(token_level_rewards(inp, settings), inp.mask, settings.gamma)
     return AdvantageOutput(advantages=returns, returns=returns)
