@@ -115,6 +115,11 @@ def test_convert_refusals(tmp_path):
     (fake / "unirl_megatron.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"--tp apply to a Hugging Face SOURCE only"):
         convert(str(fake), str(tmp_path / "o"), {**dict.fromkeys(LAYOUT), "tp": 2}, None)
+    # the Hugging Face engines (DeepSpeed, FSDP2) name the folder and the way back
+    from unirl.backends.hf_model import load_pretrained
+
+    with pytest.raises(ConfigError, match=r"is a Megatron weights folder .*unirl convert"):
+        load_pretrained(str(fake), torch.float32)
     with pytest.raises(ConfigError, match=r"needs a number of ranks divisible by tp x pp = 2"):
         convert(str(src), str(tmp_path / "o"), {**dict.fromkeys(LAYOUT), "tp": 2}, None)
     # a tensor missing from the folder: named, before anything is built
