@@ -3,11 +3,14 @@
     unirl check CONFIG [--set key.path=value ...] [--world-size N] [--json]
     unirl train CONFIG [--set key.path=value ...] [--rollouts FILE] [--resume | --overwrite]
     unirl plot RUN_DIR [--out FILE.png]
+    unirl convert SOURCE OUT [--tp N --pp N --vpp N --ep N --etp N] [--dtype fp32|bf16]
 
 `check` validates a config and explains what a run would do: the resolved config, the parallel
 layout, the microbatch plan and the old-log-prob decision with its reasons. `train` runs the RL
 job (under torchrun / the deepspeed launcher for several processes). `plot` draws the reward and
-loss curves of a run. Every expected failure (a bad config or bad rollout data, a directory
+loss curves of a run. `convert` turns a Hugging Face folder into a
+Megatron weights folder for a parallel layout, and such a folder or any run checkpoint into a
+Hugging Face folder (`unirl.convert`; under torchrun for layouts of several ranks). Every expected failure (a bad config or bad rollout data, a directory
 that holds another run or cannot be written, a full disk, a hung rank, a run whose numbers stopped
 being finite) exits with status 2 and one line ``unirl: error: ...`` naming the key, file or
 sample and the fix; ``--debug`` adds the traceback. Any other exception is a bug in unirl and
@@ -20,6 +23,7 @@ import argparse
 import errno
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -184,6 +188,16 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from unirl.convert import LAYOUT_FLAGS, convert
+
+    layout = {k: getattr(args, k) for k in LAYOUT_FLAGS}
+    out = convert(args.source, args.out, layout, args.dtype)
+    if int(os.environ.get("RANK", "0")) == 0:
+        sys.stdout.write(f"{out}\n")
+    return 0
+
+
 def _add_set(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set",
@@ -231,6 +245,31 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
+
+    conv = sub.add_parser(
+        "convert",
+        help="Hugging Face folder -> Megatron weights for a layout; Megatron weights or a run "
+        "checkpoint -> Hugging Face folder",
+    )
+    conv.add_argument(
+        "source", help="a Hugging Face folder, a Megatron weights folder or checkpoints/step_N"
+    )
+    conv.add_argument("out", help="the new folder to write (must not exist)")
+    for flag, what in (
+        ("tp", "tensor parallel"),
+        ("pp", "pipeline stages"),
+        ("vpp", "virtual stages per pipeline stage"),
+        ("ep", "expert parallel"),
+        ("etp", "expert tensor parallel (default: tp)"),
+    ):
+        conv.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (Megatron target)")
+    conv.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="dtype of the Megatron weights (default: the Hugging Face folder's)",
+    )
+    conv.set_defaults(func=_cmd_convert)
     return parser
 
 

@@ -208,7 +208,9 @@ def _run_layout(sizes, cases, world):
 
 LAYOUTS = {
     "ep2": dict(ep=2),  # dp 4, expert dp 2
-    "ep2_tp2": dict(ep=2, tp=2),  # expert TP = TP = 2 (forward only: see the plug-in check)
+    # expert TP = TP = 2, forward only and without sequence parallel (the plug-in asks for it
+    # when training: test_megatron_moe_tp.py)
+    "ep2_tp2": dict(ep=2, tp=2),
     "ep2_etp2": dict(ep=2, etp=2),  # attention unsplit, each expert over 2 ranks
     "pp2_ep2": dict(pp=2, ep=2),
 }
@@ -429,20 +431,30 @@ def test_moe_one_rank_folder_router_logits_and_refusals(tmp_path):
 def _plugin_errors():
     from unirl.backends.megatron.plugin import _check_experts
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import ModelConfig, ParallelConfig
+    from unirl.core.run.config import AlgorithmConfig, ModelConfig, ParallelConfig
 
     moe = {"model_type": "qwen3_moe", "num_experts": 8}
     dense = {"model_type": "qwen3"}
     cases = [
         (dense, {"ep": 2}, r"parallel\.ep=2.*dense"),
         (moe, {"ep": 3}, r"parallel\.ep=3 does not divide .*num_experts=8"),
-        (moe, {"ep": 2, "tp": 2}, r"parallel\.tp=2 with a mixture-of-experts model"),
+        (
+            moe,
+            {"ep": 2, "tp": 2},
+            r"parallel\.tp=2 with a mixture-of-experts model needs .*"
+            r"sequence_parallel: true",
+        ),
+        (moe, {"ep": 2, "tp": 2, "sequence_parallel": True}, None),
         (moe, {"ep": 2, "etp": 2}, None),
     ]
     out = []
     for hf, sizes, pattern in cases:
-        # the two sections the check reads
-        cfg = SimpleNamespace(parallel=ParallelConfig(**sizes), model=ModelConfig(hf_config=hf))
+        # the sections the check reads
+        cfg = SimpleNamespace(
+            parallel=ParallelConfig(**sizes),
+            model=ModelConfig(hf_config=hf),
+            algorithm=AlgorithmConfig(),
+        )
         try:
             _check_experts(cfg)
             out.append((pattern, None))

@@ -37,6 +37,12 @@ def _check_folder(path: str, key: str) -> Path:
             "(the output of save_pretrained, with config.json and the weights), or use "
             "model.hf_config for a random init"
         )
+    if (folder / "unirl_megatron.json").is_file():  # `unirl convert`'s Megatron weights folder
+        raise ConfigError(
+            f"{key}={path!r} is a Megatron weights folder (written by unirl convert), which only "
+            "backend: megatron reads; convert it back with `unirl convert "
+            f"{path} HF_DIR` and set {key} to HF_DIR"
+        )
     return folder
 
 

@@ -59,6 +59,17 @@ class HFSafetensors(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._files
 
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes the tensors are stored in (read from the headers, no tensor is loaded)."""
+        from safetensors import safe_open
+
+        out = set()
+        for file in set(self._files.values()):
+            with safe_open(str(file), framework="pt") as f:
+                out |= {f.get_slice(n).get_dtype() for n in f.keys()}  # noqa: SIM118
+        names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+        return {names.get(d, d) for d in out}  # type: ignore[misc]
+
 
 def read_hf_config(folder: str | Path, *, key: str = "model.path") -> Any:
     """The `transformers` config of a local folder (nothing is downloaded)."""

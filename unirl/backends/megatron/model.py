@@ -57,7 +57,10 @@ from unirl.backends.megatron.moe import (
     is_moe,
     moe_transformer_fields,
 )
-from unirl.backends.megatron.sequence_parallel import sequence_parallel_block
+from unirl.backends.megatron.sequence_parallel import (
+    sequence_parallel_block,
+    sequence_parallel_norms,
+)
 from unirl.backends.megatron.varlen_attention import (
     cp_packed_causal_attention,
     packed_causal_attention,
@@ -500,6 +503,9 @@ def build_gpt_model(
             use_te=use_te,
             unfused_attention=unfused_attention,
         )
+        # megatron's MoE block spec has torch norms wherever TE is not used
+        if config.sequence_parallel and not (use_te if use_te is not None else te_available()):
+            spec = sequence_parallel_norms(spec)
     else:
         spec = layer_spec(
             use_te=use_te, unfused_attention=unfused_attention, qk_layernorm=config.qk_layernorm

@@ -31,6 +31,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from unirl.backends.megatron.padded import PaddedBatch
+from unirl.backends.megatron.sequence_parallel import gather_hidden
 from unirl.core.data.routed_experts import DTYPE, FREE
 from unirl.core.errors import ConfigError, LossInputError
 from unirl.core.maths.losses.router_disagreement import routing_disagreement
@@ -145,7 +146,14 @@ class RecordingTopKRouter(TopKRouter):
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         logits = super().gating(input)
         if torch.is_grad_enabled():
-            self.recorded_logits.append(logits.reshape(-1, logits.shape[-1]))
+            recorded = logits.reshape(-1, logits.shape[-1])
+            if self.config.sequence_parallel:
+                # this TP rank routes its slice of the sequence; the loss reads the whole
+                # microbatch's rows on every TP rank (`sequence_parallel.gather_hidden`'s
+                # gradient rule: each rank keeps its own slice's, the router weight's gradient
+                # is then summed over TP by megatron: it is marked ``sequence_parallel``)
+                recorded = gather_hidden(recorded)
+            self.recorded_logits.append(recorded)
         return logits
 
     def routing(

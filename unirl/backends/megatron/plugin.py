@@ -105,10 +105,18 @@ def _check_experts(cfg: UnirlConfig) -> None:
     """Expert parallel against the model: only a mixture-of-experts model has experts to split,
     ``ep`` must divide them, and attention tensor parallel under MoE needs megatron's sequence
     parallel (its torch norms refuse it; without it every TP rank routes the same tokens and the
-    expert gradients come out ``tp`` times too large), so MoE shards experts with ``etp``."""
+    expert gradients come out ``tp`` times too large): ``tp > 1`` needs
+    ``parallel.sequence_parallel: true``, asked for rather than turned on (megatron-core and
+    Megatron-LM refuse the combination too; a config key means what it says)."""
     p = cfg.parallel
     hf = _hf_config_fields(cfg)
-    experts = hf.get("num_experts") if hf.get("model_type") == "qwen3_moe" else None
+    # transformers >= 5 writes Qwen3-MoE's ``num_experts`` as ``num_local_experts`` (its
+    # attribute map); the published config.json files say ``num_experts``
+    experts = (
+        hf.get("num_experts", hf.get("num_local_experts"))
+        if hf.get("model_type") == "qwen3_moe"
+        else None
+    )
     if not hf:
         return  # the model is read at build time, where `model.check_hf_config` applies
     if experts is None and (p.ep > 1 or p.etp is not None):
@@ -124,12 +132,20 @@ def _check_experts(cfg: UnirlConfig) -> None:
             f"parallel.ep={p.ep} does not divide the model's num_experts={experts}; choose an ep "
             "that divides the number of experts"
         )
-    if p.tp > 1:
+    if p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(
-            f"parallel.tp={p.tp} with a mixture-of-experts model: megatron-core trains MoE under "
-            "tensor parallel only with sequence parallel, which unirl's TE-less sequence parallel "
-            "does not cover for MoE layers yet; use parallel.tp: 1 and split the experts with "
+            f"parallel.tp={p.tp} with a mixture-of-experts model needs parallel.sequence_parallel: "
+            "true (megatron-core trains MoE layers under tensor parallel only with sequence "
+            "parallel: each TP rank routes its own slice of the sequence); set "
+            "parallel.sequence_parallel: true, or parallel.tp: 1 and split the experts with "
             "parallel.ep / parallel.etp"
+        )
+    if p.tp > 1 and cfg.algorithm.routing_replay != "off":
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r} with parallel.tp={p.tp} "
+            "(sequence parallel) on a mixture-of-experts model: the Megatron backend replays and "
+            "records experts for whole sequences, not per-rank sequence slices; set "
+            "algorithm.routing_replay: off or parallel.tp: 1"
         )
 
 

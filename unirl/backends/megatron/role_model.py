@@ -27,6 +27,7 @@ from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
 from unirl.backends.megatron.schedule import schedule_config
 from unirl.backends.megatron.sources import ModelSource
+from unirl.backends.megatron.weights_folder import MegatronWeights
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.run.config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule
@@ -65,7 +66,10 @@ def build_chunks(
     )
     if value_head:
         install_value_head(chunks, source.hf_config.hidden_size, dtype)
-    load_hf_weights(chunks, source.weights, source.hf_config, topology)
+    if isinstance(source.weights, MegatronWeights):
+        source.weights.load_into(chunks, cfg.parallel)
+    else:
+        load_hf_weights(chunks, source.weights, source.hf_config, topology)
     if cfg.model.fused_head and not value_head:
         emit_hidden(chunks)
     return chunks

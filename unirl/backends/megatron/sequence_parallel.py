@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -62,15 +63,32 @@ class SequenceParallelNorm:
 def sequence_parallel_block(
     layer: ModuleSpec, config: TransformerConfig, vp_stage: int | None
 ) -> TransformerBlockSubmodules:
-    """The decoder block of one chunk with `SequenceParallelNorm` for every norm: the layer's two
-    and the block's final one (what `TransformerBlock` would build from ``layer`` otherwise)."""
+    """The decoder block of one chunk with `SequenceParallelNorm` for every norm: the layer's and
+    the block's final one (what `TransformerBlock` would build from ``layer`` otherwise)."""
     from megatron.core import parallel_state as ps
 
-    sub = layer.submodules
-    sub.input_layernorm = SequenceParallelNorm
-    sub.pre_mlp_layernorm = SequenceParallelNorm
     layers = get_num_layers_to_build(config, vp_stage, ps.get_pipeline_model_parallel_rank())
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm)
+    return sequence_parallel_norms(TransformerBlockSubmodules(layer_specs=[layer] * layers))
+
+
+def sequence_parallel_norms(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
+    """``block`` (a local-spec block: dense layers or megatron's MoE decoder block spec) with
+    `SequenceParallelNorm` in every norm slot that holds a torch norm: each layer's input and
+    pre-MLP norms, its attention's per-head q / k norms (Qwen3; their gradients megatron already
+    sums over TP by name, the mark changes nothing there) and the block's final norm. Layer specs
+    shared between layers are changed once, in place, as megatron's own spec helpers do."""
+    slots = ("input_layernorm", "pre_mlp_layernorm")
+    for layer in block.layer_specs:
+        sub = layer.submodules
+        for slot in slots:
+            if getattr(sub, slot) is not IdentityOp:
+                setattr(sub, slot, SequenceParallelNorm)
+        attention = sub.self_attention.submodules
+        for slot in ("q_layernorm", "k_layernorm"):
+            if getattr(attention, slot) is not IdentityOp:
+                setattr(attention, slot, SequenceParallelNorm)
+    block.layer_norm = SequenceParallelNorm
+    return block
 
 
 def sequence_multiple(parallel: ParallelConfig) -> int:

@@ -1,7 +1,8 @@
 """Where each model the Megatron backend holds gets its initial weights: an HF config and a local
 folder or a state dict, converted into megatron's chunks by `convert`.
 
-- policy: ``model.path``, or ``model.hf_config`` + ``init_seed`` built exactly as the DeepSpeed
+- policy: ``model.path`` (a Hugging Face folder, or a Megatron weights folder written by
+  ``unirl convert``: `weights_folder`), or ``model.hf_config`` + ``init_seed`` built exactly as the DeepSpeed
   backend builds it (same seed -> same weights in both backends);
 - reference: ``model.ref_path``, else the policy's initial weights (it never sees training);
 - critic: Hugging Face's ``*ForTokenClassification`` with one label
@@ -12,6 +13,7 @@ folder or a state dict, converted into megatron's chunks by `convert`.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -19,6 +21,7 @@ import torch
 
 from unirl.backends.hf_model import build_from_config, load_critic
 from unirl.backends.megatron.hf_io import read_hf_config
+from unirl.backends.megatron.weights_folder import MegatronWeights, is_weights_folder
 from unirl.core.run.config import UnirlConfig
 
 
@@ -27,12 +30,19 @@ class ModelSource:
     """Where a model's initial weights come from: an HF config and a local folder or state dict."""
 
     hf_config: Any
-    weights: Any  # str (local safetensors folder) or Mapping[str, Tensor]
+    # str (local safetensors folder), Mapping[str, Tensor] or a Megatron weights folder
+    weights: Any
+
+
+def _folder_source(path: str, key: str) -> ModelSource:
+    """A Hugging Face folder, or a Megatron weights folder of `unirl convert` (its shards)."""
+    weights = MegatronWeights(Path(path).expanduser()) if is_weights_folder(path) else path
+    return ModelSource(hf_config=read_hf_config(path, key=key), weights=weights)
 
 
 def policy_source(cfg: UnirlConfig) -> ModelSource:
     if cfg.model.path is not None:
-        return ModelSource(hf_config=read_hf_config(cfg.model.path), weights=cfg.model.path)
+        return _folder_source(cfg.model.path, "model.path")
     assert cfg.model.hf_config is not None  # the config checks one of the two is set
     model = build_from_config(cfg.model.hf_config, cfg.model.init_seed, torch.float32)
     return ModelSource(hf_config=model.config, weights=model.state_dict())
@@ -40,10 +50,7 @@ def policy_source(cfg: UnirlConfig) -> ModelSource:
 
 def reference_source(cfg: UnirlConfig) -> ModelSource:
     if cfg.model.ref_path is not None:
-        return ModelSource(
-            hf_config=read_hf_config(cfg.model.ref_path, key="model.ref_path"),
-            weights=cfg.model.ref_path,
-        )
+        return _folder_source(cfg.model.ref_path, "model.ref_path")
     return policy_source(cfg)
 
 
