@@ -194,5 +194,12 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("cp2", 2, cp=2),
         ContractLayout.of("zero1-dp2", 2, zero_stage=1),
         ContractLayout.of("tp2-pp2", 4, tp=2, pp=2),
+        # The tiny Qwen3-MoE (8 experts, top-2): expert parallel over the data ranks (ep2: each
+        # rank 4 experts, tokens exchanged all-to-all), each expert split over 2 ranks (etp2),
+        # and with the pipeline (one MoE layer per stage).
+        ContractLayout.of("moe-ep1", 1, fixture="moe"),
+        ContractLayout.of("moe-ep2", 2, fixture="moe", ep=2),
+        ContractLayout.of("moe-ep2-etp2", 4, fixture="moe", ep=2, etp=2),
+        ContractLayout.of("moe-pp2-ep2", 4, fixture="moe", pp=2, ep=2),
     ),
 )
