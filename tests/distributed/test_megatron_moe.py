@@ -432,12 +432,16 @@ def _plugin_errors():
     from unirl.core.run.config import ModelConfig, ParallelConfig
 
     moe = {"model_type": "qwen3_moe", "num_experts": 8}
+    saved = {"model_type": "qwen3_moe", "num_local_experts": 8}
     dense = {"model_type": "qwen3"}
     cases = [
         (dense, {"ep": 2}, r"parallel\.ep=2.*dense"),
         (moe, {"ep": 3}, r"parallel\.ep=3 does not divide .*num_experts=8"),
         (moe, {"ep": 2, "tp": 2}, r"parallel\.tp=2 with a mixture-of-experts model"),
         (moe, {"ep": 2, "etp": 2}, None),
+        # a folder saved by transformers 5 names the expert count num_local_experts
+        (saved, {"ep": 2}, None),
+        (saved, {"ep": 3}, r"parallel\.ep=3 does not divide .*num_experts=8"),
     ]
     out = []
     for hf, sizes, pattern in cases:

@@ -11,6 +11,7 @@ import attrs
 
 from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
+from unirl.core.run.model_shape import MOE_SHAPES
 
 if TYPE_CHECKING:
     from unirl.core.run.config import UnirlConfig
@@ -108,7 +109,10 @@ def _check_experts(cfg: UnirlConfig) -> None:
     expert gradients come out ``tp`` times too large), so MoE shards experts with ``etp``."""
     p = cfg.parallel
     hf = _hf_config_fields(cfg)
-    experts = hf.get("num_experts") if hf.get("model_type") == "qwen3_moe" else None
+    # core's reader of the family (it reads num_experts, or num_local_experts: what transformers
+    # 5 writes to a saved folder's config.json)
+    reader = MOE_SHAPES.find(str(hf.get("model_type")))
+    experts = reader(hf).num_experts if reader is not None else None
     if not hf:
         return  # the model is read at build time, where `model.check_hf_config` applies
     if experts is None and (p.ep > 1 or p.etp is not None):
