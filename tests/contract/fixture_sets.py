@@ -22,6 +22,11 @@ def write_model(fixture: str, root: Path) -> Path:
     return fixtures.write_tiny_model(root / "tiny-llama")
 
 
+def base_overrides(fixture: str) -> dict[str, Any]:
+    """What the fixture adds to `fixtures.base_config` (every variant and the build see it)."""
+    return moe_fixture.BASE if fixture == "moe" else {}
+
+
 def variants(fixture: str) -> dict[str, dict[str, Any]]:
     return moe_fixture.VARIANTS if fixture == "moe" else fixtures.VARIANTS
 

@@ -247,7 +247,7 @@ class _GroupRun:
         self.job = job
         self.world_size = world_size
         self.work = Path(job.work_dir)
-        self.base = fixtures.base_config(
+        base = fixtures.base_config(
             backend=job.backend,
             model_dir=job.model_dir,
             world_size=world_size,
@@ -257,6 +257,7 @@ class _GroupRun:
             dtype=job.dtype,
             run_dir=str(self.work / "runs"),
         )
+        self.base = fixtures.merged(base, fixture_sets.base_overrides(job.fixture))
         self.errors: dict[str, str] = {}
         self.timings: dict[str, float] = {}
         self.out: dict[str, Any] = {

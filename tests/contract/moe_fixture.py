@@ -6,11 +6,15 @@ experts a rollout engine "used" for the routing-replay section.
   splits it). The routers are drawn with a larger std (`ROUTER_STD`) than the rest so that each
   token's top-2 is decided by a clear margin: a near tie between the 2nd and 3rd expert would let
   summation order flip a routing decision between a backend and the reference.
+- Router coefficients (`ROUTER_COEFS`, for the backend the group builds and every variant): large
+  (aux 0.5, z-loss 0.05), so the router term moves every variant's gradient well above the
+  tolerance (at the default aux 0.001 and no z-loss its share of the gradient norm is ~1e-6, below
+  it). They are fixture-wide because Megatron under pp > 1 applies the coefficients of the config
+  it was built with (its stages add their router shares themselves), where the other paths take
+  the step's: one value for both keeps the comparison about the numbers.
 - Variants: the policy-loss path once (PPO dual-clip, token-mean, k1 KL, entropy), its microbatch
-  split (clause 4), reuse / recompute (clause 5), and `ROUTER` with large router coefficients so
-  the router's auxiliary and z-loss terms dominate the routers' gradients (the router clause).
-  Every variant keeps the default ``router_aux_loss_coef`` (0.001) or sets its own: the loss the
-  backends train on includes the router term, and so does the reference.
+  split (clause 4) and reuse / recompute (clause 5); the loss the backends train on includes the
+  router term, and so does the reference.
 - Replay (`REPLAY`): ``routing_replay: rollout`` with `routed_experts` drawn at random (seeded,
   distinct experts per row), so the forced routing differs from the router's own almost
   everywhere and a backend that ignored the given experts fails by far.
@@ -79,28 +83,16 @@ def with_routed_experts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _PPO_DUAL = fixtures.VARIANTS["ppo_dual_k1_token_mean"]["overrides"]
-# Large router coefficients: the router term moves the routers' weights more than the policy
-# loss does, so a wrong aux / z gradient shows in the updated weights.
 ROUTER_COEFS = {"router_aux_loss_coef": 0.5, "router_z_loss_coef": 0.05}
+# What the fixture adds to `fixtures.base_config` (the build's config and every variant's).
+BASE = {"algorithm": ROUTER_COEFS}
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "ppo_dual_k1_token_mean": fixtures.VARIANTS["ppo_dual_k1_token_mean"],
     "ppo_dual_mbs1": fixtures.VARIANTS["ppo_dual_mbs1"],
     "reuse": fixtures.VARIANTS["reuse"],
     "recompute": fixtures.VARIANTS["recompute"],
-    "router_aux_z": {
-        "overrides": {
-            "old_logprobs": "rollout",
-            "algorithm": {
-                "policy_loss": "ppo_clip",
-                "loss_aggregation": "seq-mean-token-mean",
-                **ROUTER_COEFS,
-            },
-        },
-        "data": fixtures.BOTH,
-    },
 }
-ROUTER = "router_aux_z"
 
 # The replay step: the base variant with the rollout's experts replayed in every forward (R3).
 REPLAY = {
