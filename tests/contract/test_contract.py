@@ -35,8 +35,17 @@ TOL = clauses.TOLERANCES["fp32"]
 
 
 # Layouts in the slow tier (tests/conftest.py): variants whose feature has a layout in the default
-# tier (tp2-sp, fused-tp2 run there); each passed here once at its introduction.
-SLOW_LAYOUTS = {"megatron": ("padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2")}
+# tier (tp2-sp, fused-tp2 run there; moe-ep2 for expert parallel); each passed here once at its
+# introduction. The two 4-rank MoE layouts took 210 s and 320 s on the shared 2-core machine.
+SLOW_LAYOUTS = {
+    "megatron": (
+        "padded-tp2-sp",
+        "fused-tp2-sp",
+        "fused-pp2-vpp2",
+        "moe-ep2-etp2",
+        "moe-pp2-ep2",
+    )
+}
 
 
 def _cases() -> list:
