@@ -82,7 +82,7 @@ def layout_reference(
     _, layout = case
     if layout.fixture == "moe":
         return request.getfixturevalue("moe_references").for_group(group)
-    return request.getfixturevalue("layout_reference")
+    return request.getfixturevalue("contract_reference")
 
 
 @pytest.fixture(scope="module")
