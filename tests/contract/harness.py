@@ -9,7 +9,12 @@ them with the reference. Order:
    (`load_checkpoint`), run one `RLStep`, record metrics, forward calls, progress bars, and export
    the updated weights (`export_hf`) for the weight comparison;
 3. the resume run: n RL steps saving after step k, export; the policy's forward-only log-probs
-   (for the export clause); then a fresh backend loads step k and runs to n, export.
+   (for the export clause); then a fresh backend loads step k and runs to n, export;
+4. the MoE fixture only: a backend built with ``routing_replay: rollout`` runs the forward-only
+   pass and one RL step with the rollout's ``routed_experts`` (the routing-replay clause).
+
+Every step records the sample indices of its training microbatches (`SplitSpy`): the MoE
+reference's router term depends on the split.
 
 A failing section records its traceback and the rest still runs (all ranks fail alike: the same
 code on the same data), so one broken clause does not hide the others.
