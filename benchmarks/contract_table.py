@@ -11,6 +11,14 @@ chosen dtype, and the failing checks. On a GPU machine each layout runs one proc
     PYTHONPATH=$PWD python benchmarks/contract_table.py --device cpu --dtype fp32 \\
         --backends deepspeed --layouts zero0-dp1,zero3-dp2 --out /tmp/contract_cpu.json
 
+The ``moe-*`` layouts run the tiny Qwen3-MoE fixture (`tests.contract.moe_fixture`), with the
+router-loss and routing-replay clauses; the critic's clauses run on the dense fixture only:
+
+    PYTHONPATH=$PWD python benchmarks/contract_table.py --device cuda --dtype fp32 \\
+        --backends megatron,deepspeed,fsdp2 \\
+        --layouts moe-ep1,moe-ep2,moe-ep2-etp2,moe-pp2-ep2,moe-zero1-dp2,moe-full-dp2 \\
+        --no-critic --out benchmarks/results/contract_h200_moe_fp32.json
+
 ``--fused-head on`` runs every layout with ``model.fused_head: true`` (log-probs from the hidden
 states and the LM head's weight), ``off`` with it false; the default runs the layouts as the
 backends declare them (a few fused ones among them).
@@ -103,8 +111,23 @@ def main() -> None:
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="unirl-contract-"))
     root.mkdir(parents=True, exist_ok=True)
 
-    model_dir, records = launch.prepare(root)
-    reference = clauses.compute_reference(model_dir, records)
+    prepared: dict[str, tuple[Path, list[dict[str, Any]]]] = {}  # per fixture, when first run
+    references: dict[str, Any] = {}
+
+    def data_of(fixture: str) -> tuple[Path, list[dict[str, Any]]]:
+        if fixture not in prepared:
+            prepared[fixture] = launch.prepare(root / fixture, fixture)
+        return prepared[fixture]
+
+    def reference_of(fixture: str, measured: clauses.Measured) -> clauses.ReferenceResults:
+        """The dense reference (once), or the MoE one for the splits this group ran."""
+        if fixture not in references:
+            model_dir, records = data_of(fixture)
+            make = clauses.MoeReferences if fixture == "moe" else clauses.compute_reference
+            references[fixture] = make(model_dir, records)
+        ref = references[fixture]
+        return ref.for_group(measured) if fixture == "moe" else ref
+
     critic_ref = None  # computed at the first critic group
     results: dict[str, dict[str, Any]] = {}
     for name in [x for x in args.backends.split(",") if x]:
@@ -125,6 +148,8 @@ def main() -> None:
                 logger.info("%s/%s: skipped (%s)", name, layout.name, reason)
                 continue
             logger.info("%s/%s: running", name, layout.name)
+            model_dir, records = data_of(layout.fixture)
+            row["fixture"] = layout.fixture
             try:
                 measured = launch.run_group(
                     entry,
@@ -142,12 +167,13 @@ def main() -> None:
             row["wall_s"] = round(measured.wall_s, 2)
             row["section_s"] = {k: round(v, 3) for k, v in measured.timings().items()}
             row["harness_errors"] = {k: v[-2000:] for k, v in measured.errors.items()}
+            reference = reference_of(layout.fixture, measured)
             row["clauses"] = summarise(clauses.all_checks(measured, reference, records, tol))
             # which of core's log-prob entry points ran (model.fused_head: "hidden")
             row["logprob_calls"] = logprob_calls(measured)
             verdict = {c: ("ok" if e["ok"] else "FAIL") for c, e in row["clauses"].items()}
             logger.info("%s/%s: %.1f s, %s", name, layout.name, measured.wall_s, verdict)
-            if entry.supports_critic and not args.no_critic:
+            if entry.supports_critic and not args.no_critic and layout.fixture == "dense":
                 # PPO's critic (C1-C5), its own group of processes
                 try:
                     mc = critic.run_critic_group(

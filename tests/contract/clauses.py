@@ -8,6 +8,7 @@ like "clause 2 / gspo_k2_seq_mean_token_mean / metric pg_clipfrac: got ..., expe
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from tests.contract import fixtures, reference
+from tests.contract import fixture_sets, fixtures, moe_fixture, reference
 
 
 @attrs.frozen
@@ -158,6 +159,15 @@ class Measured:
     def dp_size(self) -> int:
         return self.ranks[0]["topology"]["dp_size"]
 
+    @property
+    def fixture(self) -> str:
+        return self.ranks[0].get("fixture", "dense")
+
+    @property
+    def variants(self) -> dict[str, dict[str, Any]]:
+        """The variants this group ran (its fixture's)."""
+        return fixture_sets.variants(self.fixture)
+
     def variant(self, name: str, rank: dict[str, Any] | None = None) -> dict[str, Any]:
         self.need(f"variant:{name}")
         return (rank or self.reporting)["variants"][name]
@@ -169,6 +179,16 @@ class Measured:
             for k, v in r["timings"].items():
                 out[k] = max(out.get(k, 0.0), v)
         return out
+
+
+def training_split(m: Measured, per_rank: Any) -> list[list[int]]:
+    """Every rank's training microbatches of one step (sample indices), each data-parallel rank
+    once (its TP / PP / CP / expert peers train on the same microbatches); ``per_rank``: a rank's
+    results to its list of microbatches."""
+    split: dict[int, list[list[int]]] = {}
+    for r in m.ranks:
+        split.setdefault(r["topology"]["dp_rank"], per_rank(r))
+    return [mb for dp_rank in sorted(split) for mb in split[dp_rank]]
 
 
 def merged_forward(
@@ -197,6 +217,8 @@ class ReferenceResults:
     logprobs: list[torch.Tensor]  # initial policy, per sample
     variants: dict[str, dict[str, Any]]  # name -> {"metrics", "weights", "clipped"}
     resume: dict[str, Any]  # {"metrics": [per step], "weights": final}
+    # MoE: routing replay {"logprobs": forced forward, "free_logprobs", "metrics", "weights"}
+    replay: dict[str, Any] | None = None
 
 
 def compute_reference(model_dir: str | Path, records: list[dict[str, Any]]) -> ReferenceResults:
@@ -204,8 +226,8 @@ def compute_reference(model_dir: str | Path, records: list[dict[str, Any]]) -> R
         return _compute_reference(model_dir, records)
 
 
-def _compute_reference(model_dir: str | Path, records: list[dict[str, Any]]) -> ReferenceResults:
-    base = fixtures.base_config(
+def _reference_base(model_dir: str | Path) -> dict[str, Any]:
+    return fixtures.base_config(
         backend="reference",
         model_dir=str(model_dir),
         world_size=1,
@@ -213,6 +235,10 @@ def _compute_reference(model_dir: str | Path, records: list[dict[str, Any]]) -> 
         dtype="fp32",
         run_dir="",
     )
+
+
+def _compute_reference(model_dir: str | Path, records: list[dict[str, Any]]) -> ReferenceResults:
+    base = _reference_base(model_dir)
     model = reference.load_model(model_dir)
     logprobs = reference.batch_logprobs(model, records, fixtures.TEMPERATURE)
     variants: dict[str, dict[str, Any]] = {}
@@ -238,6 +264,88 @@ def _compute_reference(model_dir: str | Path, records: list[dict[str, Any]]) -> 
     return ReferenceResults(
         logprobs=logprobs, variants=variants, resume={"metrics": steps, "weights": run.weights()}
     )
+
+
+class MoeReferences:
+    """The MoE fixture's reference for one group: its router term depends on the microbatch
+    split, so each step is computed for the split the group ran (`training_split`), and cached
+    by (step, split) across groups."""
+
+    def __init__(self, model_dir: str | Path, records: list[dict[str, Any]]) -> None:
+        self.model_dir = model_dir
+        self.records = records
+        self._cache: dict[Any, Any] = {}
+        with reference.single_thread():
+            self.model = reference.load_model(model_dir)
+            self.logprobs = reference.batch_logprobs(self.model, records, fixtures.TEMPERATURE)
+
+    def _base(self) -> dict[str, Any]:
+        return fixtures.merged(_reference_base(self.model_dir), moe_fixture.BASE)
+
+    def _cached(self, key: Any, compute: Any) -> Any:
+        if key not in self._cache:
+            with reference.single_thread():
+                self._cache[key] = compute()
+        return self._cache[key]
+
+    def _variant(self, name: str, split: list[list[int]]) -> dict[str, Any]:
+        variant = moe_fixture.VARIANTS[name]
+        cfg = fixtures.variant_config(self._base(), variant)
+        run = reference.ReferenceRun(self.model, cfg)
+        result = run.step(fixtures.select_fields(self.records, variant["data"]), split)
+        metrics = dict(result["metrics"])
+        metrics["old_logprobs/recompute"] = float(
+            variant["overrides"].get("old_logprobs") == "recompute"
+        )
+        return {**result, "metrics": metrics, "weights": run.weights()}
+
+    def _resume(self, splits: list[list[list[int]]]) -> dict[str, Any]:
+        cfg = fixtures.variant_config(self._base(), fixtures.RESUME)
+        run = reference.ReferenceRun(self.model, cfg)
+        data = fixtures.select_fields(self.records, fixtures.RESUME["data"])
+        steps = [run.step(data, split)["metrics"] for split in splits]
+        return {"metrics": steps, "weights": run.weights()}
+
+    def _replay(self, split: list[list[int]]) -> dict[str, Any]:
+        variant = moe_fixture.REPLAY
+        records = moe_fixture.with_routed_experts(self.records)
+        forced = {
+            tuple(r["prompt_tokens"] + r["response_tokens"]): r["routed_experts"] for r in records
+        }
+        cfg = fixtures.variant_config(self._base(), variant)
+        run = reference.ReferenceRun(self.model, cfg, forced=forced)
+        logprobs = reference.batch_logprobs(run.model, records, fixtures.TEMPERATURE)
+        result = run.step(fixtures.select_fields(records, variant["data"]), split)
+        return {**result, "logprobs": logprobs, "weights": run.weights()}
+
+    def for_group(self, m: Measured) -> ReferenceResults:
+        def key(split: list[list[int]]) -> tuple:
+            return tuple(tuple(mb) for mb in split)
+
+        variants = {}
+        for name in moe_fixture.VARIANTS:
+            m.need(f"variant:{name}")
+            split = training_split(m, lambda r, n=name: r["variants"][n]["splits"])
+            variants[name] = self._cached(
+                ("variant", name, key(split)), functools.partial(self._variant, name, split)
+            )
+        resume: dict[str, Any] = {}
+        if "resume:uninterrupted" not in m.errors:
+            splits = [
+                training_split(m, lambda r, s=s: r["resume"]["splits"][s])
+                for s in range(fixtures.RESUME_STEPS)
+            ]
+            resume = self._cached(
+                ("resume", tuple(key(x) for x in splits)), lambda: self._resume(splits)
+            )
+        replay = None
+        if "replay" not in m.errors and "build" not in m.errors:
+            split = training_split(m, lambda r: r["replay"]["splits"])
+            replay = self._cached(("replay", key(split)), lambda: self._replay(split))
+            replay = {**replay, "free_logprobs": self.logprobs}
+        return ReferenceResults(
+            logprobs=self.logprobs, variants=variants, resume=resume, replay=replay
+        )
 
 
 # -- the clauses ------------------------------------------------------------------------------
@@ -296,7 +404,7 @@ def clause2_metrics(m: Measured, ref: ReferenceResults, name: str, tol: Toleranc
             "2",
             f"{name}: old log-prob source",
             got["decision"],
-            expected_decision(fixtures.VARIANTS[name]),
+            expected_decision(m.variants[name]),
         )
     ]
     checks += close_dicts("2", f"{name}: metric", measured, expected, tol)
@@ -340,10 +448,21 @@ def clause3_update(m: Measured, ref: ReferenceResults, name: str, tol: Tolerance
     return checks
 
 
+# What an MoE step's router term makes depend on the microbatch split (its balance statistic is
+# per forward, `unirl.core.maths.losses.router`): compared with the reference computed for each
+# split (clauses 2-3), not between splits.
+SPLIT_DEPENDENT = ("router/aux_loss", "router/z_loss", "grad_norm")
+
+
+def _split_free(m: Measured, metrics: Mapping[str, float]) -> dict[str, float]:
+    return comparable(metrics, SPLIT_DEPENDENT if m.fixture == "moe" else ())
+
+
 def clause4_microbatching(m: Measured, name: str, tol: Tolerance) -> list[Check]:
     """The same step split into other microbatches gives the same metrics, gradient norm and
-    weights as the base split (each is also compared with the reference by clauses 2-3)."""
-    base_name = fixtures.VARIANTS[name]["same_as"]
+    weights as the base split (each is also compared with the reference by clauses 2-3). For
+    the MoE fixture: the metrics that do not depend on the split (`SPLIT_DEPENDENT`)."""
+    base_name = m.variants[name]["same_as"]
     got, base = m.variant(name), m.variant(base_name)
     checks = [
         holds(
@@ -356,10 +475,12 @@ def clause4_microbatching(m: Measured, name: str, tol: Tolerance) -> list[Check]
     checks += close_dicts(
         "4",
         f"{name} vs {base_name}: metric",
-        comparable(got["metrics"]),
-        comparable(base["metrics"]),
+        _split_free(m, got["metrics"]),
+        _split_free(m, base["metrics"]),
         tol,
     )
+    if m.fixture == "moe":
+        return checks
     checks += close_dicts(
         "4",
         f"{name} vs {base_name}: weight",
@@ -373,15 +494,17 @@ def clause4_microbatching(m: Measured, name: str, tol: Tolerance) -> list[Check]
 def compare_layouts(a: Measured, b: Measured, tol: Tolerance, label: str) -> list[Check]:
     """Two layouts of one backend give the same numbers for every variant (clause 4, dp size)."""
     checks = []
-    for name in fixtures.VARIANTS:
+    for name in a.variants:
         ga, gb = a.variant(name), b.variant(name)
         checks += close_dicts(
             "4",
             f"{label} {name}: metric",
-            comparable(ga["metrics"]),
-            comparable(gb["metrics"]),
+            _split_free(a, ga["metrics"]),
+            _split_free(a, gb["metrics"]),
             tol,
         )
+        if a.fixture == "moe":
+            continue  # the weights: against the reference of each split (clause 3)
         checks.append(
             close(
                 "4",
@@ -513,7 +636,7 @@ def _bars_checks(
 def clause6_progress(m: Measured) -> list[Check]:
     """Exactly one bar per phase, on the reporting rank only, advanced once per microbatch."""
     checks = []
-    for name, variant in fixtures.VARIANTS.items():
+    for name, variant in m.variants.items():
         rep = m.variant(name)
         phases = expected_phases(variant["overrides"], variant["data"], rep["decision"])
         # count mode: 12 samples over dp ranks in microbatches of micro_batch_size
@@ -548,7 +671,7 @@ def clause7_resume(m: Measured, ref: ReferenceResults, tol: Tolerance) -> list[C
             {"rl_step": k, "marker": "contract"},
         )
     ]
-    for name in list(fixtures.VARIANTS)[1:]:  # each variant restored the initial checkpoint
+    for name in list(m.variants)[1:]:  # each variant restored the initial checkpoint
         state = m.variant(name).get("client_state", {})
         checks.append(
             equal("7", f"{name}: client_state of the initial checkpoint", state.get("tag"), "init")
@@ -639,13 +762,116 @@ def all_checks(
             ]
 
     run("1", clause1_forward, m, ref, tol)
-    for name in fixtures.VARIANTS:
+    for name in m.variants:
         run(f"2:{name}", clause2_metrics, m, ref, name, tol)
         run(f"3:{name}", clause3_update, m, ref, name, tol)
-        if "same_as" in fixtures.VARIANTS[name] and name != "recompute":
+        if "same_as" in m.variants[name] and name != "recompute":
             run(f"4:{name}", clause4_microbatching, m, name, tol)
     run("5", clause5_reuse, m, tol)
     run("6", clause6_progress, m)
     run("7", clause7_resume, m, ref, tol)
     run("8", clause8_export, m, records, tol)
+    if m.fixture == "moe":
+        run("router", clause_router, m, ref, tol)
+        run("replay", clause_replay, m, ref, tol)
     return out
+
+
+# -- mixture of experts -------------------------------------------------------------------------
+
+
+ROUTER_METRICS = ("router/aux_loss", "router/z_loss")
+
+
+def _is_router_weight(name: str) -> bool:
+    return name.endswith(".mlp.gate.weight")
+
+
+def clause_router(m: Measured, ref: ReferenceResults, tol: Tolerance) -> list[Check]:
+    """The router's auxiliary losses: ``router/aux_loss`` and ``router/z_loss`` of every variant
+    equal the reference's (each for the split the group ran), and so do the gradient norm and the
+    routers' weights after each variant's step (`moe_fixture.ROUTER_COEFS`: the router term is
+    a visible part of the gradient)."""
+    coefs = moe_fixture.ROUTER_COEFS
+    checks = [
+        holds(
+            "router",
+            "the fixture's aux and z-loss coefficients are on",
+            coefs["router_aux_loss_coef"] > 0 and coefs["router_z_loss_coef"] > 0,
+            f"{coefs}",
+        )
+    ]
+    for name in m.variants:
+        got, want = m.variant(name), ref.variants[name]
+        for key in ROUTER_METRICS:
+            value = got["metrics"].get(key, math.nan)
+            checks.append(close("router", f"{name}: {key}", value, want["metrics"][key], tol))
+        checks.append(
+            close(
+                "router",
+                f"{name}: grad_norm",
+                got["metrics"].get("grad_norm", math.nan),
+                want["metrics"]["grad_norm"],
+                tol,
+            )
+        )
+        weights = load_export(got["export"])
+        routers = sorted(k for k in want["weights"] if _is_router_weight(k))
+        checks.append(holds("router", f"{name}: router weights", bool(routers), "none found"))
+        for key in routers:
+            checks.append(
+                close(
+                    "router",
+                    f"{name}: updated {key}",
+                    weights.get(key, torch.full((1,), math.nan)),
+                    want["weights"][key],
+                    tol,
+                )
+            )
+    return checks
+
+
+def clause_replay(m: Measured, ref: ReferenceResults, tol: Tolerance) -> list[Check]:
+    """Routing replay (``routing_replay: rollout``): the forward-only log-probs with the rollout's
+    ``routed_experts`` equal a transformers forward with the routing forced to them; one RL step
+    on them gives the forced reference's loss, metrics (``router/disagreement`` included),
+    gradient norm and updated weights; and the forcing matters (the free log-probs differ)."""
+    m.need("replay")
+    assert ref.replay is not None
+    checks = []
+    got, problems = merged_forward(m, "replay", "forward")
+    checks.append(holds("replay", "forward: every sample once", not problems, "; ".join(problems)))
+    if not problems:
+        values = [torch.tensor(got[i]) for i in range(fixtures.NUM_SAMPLES)]
+        checks.append(
+            close("replay", "forward log-probs (forced)", values, ref.replay["logprobs"], tol)
+        )
+        moved = max(
+            float((a - b).abs().max())
+            for a, b in zip(ref.replay["logprobs"], ref.replay["free_logprobs"])
+        )
+        checks.append(
+            holds(
+                "replay",
+                "forcing changes the log-probs",
+                moved > 1e3 * tol.atol,
+                f"only {moved:.3g}",
+            )
+        )
+    metrics = m.reporting["replay"]["metrics"]
+    checks += close_dicts(
+        "replay", "step: metric", comparable(metrics), comparable(ref.replay["metrics"]), tol
+    )
+    checks.append(
+        holds(
+            "replay", "step: the fixture clips the gradient", ref.replay["clipped"], "not clipped"
+        )
+    )
+    checks += close_dicts(
+        "replay",
+        "step: weight",
+        load_export(m.reporting["replay"]["export"]),
+        ref.replay["weights"],
+        tol,
+    )
+    return checks

@@ -1,5 +1,7 @@
-"""Session fixtures of the contract suite: the tiny model on disk, the rollout records, the
-independent reference (computed once), and one cached run per (backend, layout)."""
+"""Session fixtures of the contract suite: the tiny models on disk (dense and MoE, each built
+only when a layout of it runs), the rollout records, the independent references (the dense one
+computed once; the MoE one per microbatch split, `clauses.MoeReferences`), and one cached run per
+(backend, layout)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.contract import clauses, launch, multiturn
+from tests.contract import clauses, fixture_sets, launch, multiturn
 from tests.contract.backends import BackendEntry, Layout
 
 _TIMINGS: list[tuple[str, float, dict[str, float]]] = []
@@ -18,6 +20,19 @@ _TIMINGS: list[tuple[str, float, dict[str, float]]] = []
 def contract_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """(model folder, rollout records)."""
     return launch.prepare(tmp_path_factory.mktemp("contract-model"))
+
+
+@pytest.fixture(scope="session")
+def moe_contract_data(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, list[dict[str, Any]]]:
+    """(MoE model folder, rollout records of its log-probs)."""
+    return launch.prepare(tmp_path_factory.mktemp("contract-moe-model"), "moe")
+
+
+@pytest.fixture(scope="session")
+def moe_references(moe_contract_data: tuple[Path, list[dict[str, Any]]]) -> clauses.MoeReferences:
+    return clauses.MoeReferences(*moe_contract_data)
 
 
 @pytest.fixture(scope="session")
@@ -39,17 +54,17 @@ def contract_multiturn_reference(
 class GroupRuns:
     """Runs each (backend, layout) group once per session and keeps its results (or error)."""
 
-    def __init__(
-        self, tmp: pytest.TempPathFactory, data: tuple[Path, list[dict[str, Any]]]
-    ) -> None:
+    def __init__(self, tmp: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
         self._tmp = tmp
-        self._data = data
+        self._request = request
         self._done: dict[tuple[str, str], clauses.Measured | BaseException] = {}
 
     def get(self, entry: BackendEntry, layout: Layout) -> clauses.Measured:
         key = (entry.name, layout.name)
         if key not in self._done:
-            model_dir, records = self._data
+            model_dir, records = self._request.getfixturevalue(
+                fixture_sets.DATA_FIXTURES[layout.fixture]
+            )
             try:
                 measured = launch.run_group(
                     entry,
@@ -73,8 +88,10 @@ class GroupRuns:
 
 
 @pytest.fixture(scope="session")
-def contract_runs(tmp_path_factory: pytest.TempPathFactory, contract_data: Any) -> GroupRuns:
-    return GroupRuns(tmp_path_factory, contract_data)
+def contract_runs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> GroupRuns:
+    return GroupRuns(tmp_path_factory, request)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

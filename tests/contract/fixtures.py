@@ -145,7 +145,7 @@ def make_records(true_logprobs: list[torch.Tensor]) -> list[dict[str, Any]]:
 
 def select_fields(records: list[dict[str, Any]], data: tuple[str, ...]) -> list[dict[str, Any]]:
     """Records keeping only the optional per-token fields named in `data`."""
-    optional = {"rollout_logprobs", "ref_logprobs"}
+    optional = {"rollout_logprobs", "ref_logprobs", "routed_experts"}
     return [{k: v for k, v in rec.items() if k not in optional or k in data} for rec in records]
 
 

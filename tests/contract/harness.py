@@ -9,7 +9,12 @@ them with the reference. Order:
    (`load_checkpoint`), run one `RLStep`, record metrics, forward calls, progress bars, and export
    the updated weights (`export_hf`) for the weight comparison;
 3. the resume run: n RL steps saving after step k, export; the policy's forward-only log-probs
-   (for the export clause); then a fresh backend loads step k and runs to n, export.
+   (for the export clause); then a fresh backend loads step k and runs to n, export;
+4. the MoE fixture only: a backend built with ``routing_replay: rollout`` runs the forward-only
+   pass and one RL step with the rollout's ``routed_experts`` (the routing-replay clause).
+
+Every step records the sample indices of its training microbatches (`SplitSpy`): the MoE
+reference's router term depends on the split.
 
 A failing section records its traceback and the rest still runs (all ranks fail alike: the same
 code on the same data), so one broken clause does not hide the others.
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from tests.contract import fixtures, multiturn
+from tests.contract import fixture_sets, fixtures, moe_fixture, multiturn
 from tests.contract.backends import Layout
 
 if TYPE_CHECKING:
@@ -48,6 +53,7 @@ class Job:
     work_dir: str  # shared by the ranks: checkpoints and exports
     records: list[dict[str, Any]]
     dtype: str = "fp32"
+    fixture: str = "dense"  # `fixture_sets.FIXTURES`
 
 
 # -- spies ----------------------------------------------------------------------------------
@@ -157,12 +163,32 @@ def _delta(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int
     return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
 
 
+class SplitSpy:
+    """Records the sample indices of every training microbatch `forward_backward` is handed on
+    this rank: a mixture-of-experts step's router term depends on the split (the reference
+    computes it for the split the backend ran)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.splits: list[list[int]] = []
+        original = backend.forward_backward
+
+        def recorded(microbatches: Any, **kwargs: Any) -> Any:
+            self.splits.extend([int(i) for i in mb.sample_indices] for mb in microbatches)
+            return original(microbatches, **kwargs)
+
+        backend.forward_backward = recorded
+
+    def take(self) -> list[list[int]]:
+        out, self.splits = self.splits, []
+        return out
+
+
 def forward_only(
-    backend: Any, records: list[dict[str, Any]], role: str
+    backend: Any, records: list[dict[str, Any]], role: str, data: tuple[str, ...] = ()
 ) -> tuple[dict[int, list[float]], int]:
     """Per-sample response log-probs from `backend.forward_logprobs` over this rank's share
     (samples ``i`` with ``i % dp == dp_rank``, in microbatches of `FORWARD_MICROBATCH`), and the
-    number of microbatches."""
+    number of microbatches; ``data``: the optional per-token fields the microbatches carry."""
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.data.microbatch import build_microbatch
     from unirl.core.data.rollout import RolloutBatch
@@ -170,7 +196,7 @@ def forward_only(
     from unirl.core.run.progress import MicrobatchProgress
 
     topo = backend.topology
-    batch = RolloutBatch.from_records(fixtures.select_fields(records, ()))
+    batch = RolloutBatch.from_records(fixtures.select_fields(records, data))
     mine = [i for i in range(len(batch)) if i % topo.dp_size == topo.dp_rank]
     chunks = [mine[j : j + FORWARD_MICROBATCH] for j in range(0, len(mine), FORWARD_MICROBATCH)]
     packs = [batch.pack(c) for c in chunks]
@@ -226,7 +252,7 @@ class _GroupRun:
         self.job = job
         self.world_size = world_size
         self.work = Path(job.work_dir)
-        self.base = fixtures.base_config(
+        base = fixtures.base_config(
             backend=job.backend,
             model_dir=job.model_dir,
             world_size=world_size,
@@ -236,9 +262,16 @@ class _GroupRun:
             dtype=job.dtype,
             run_dir=str(self.work / "runs"),
         )
+        self.base = fixtures.merged(base, fixture_sets.base_overrides(job.fixture))
         self.errors: dict[str, str] = {}
         self.timings: dict[str, float] = {}
-        self.out: dict[str, Any] = {"rank": rank, "errors": self.errors, "timings": self.timings}
+        self.out: dict[str, Any] = {
+            "rank": rank,
+            "errors": self.errors,
+            "timings": self.timings,
+            "fixture": job.fixture,
+        }
+        self.variant_table = fixture_sets.variants(job.fixture)
         self.spy = BarSpy()
         self.paths = LogprobPathSpy()
         self.init_ckpt = self.work / "ckpt-init"
@@ -252,10 +285,13 @@ class _GroupRun:
         data = fixtures.variant_config(self.base, variant)
         return config_from_dict(data, world_size=self.world_size)
 
-    def batch_of(self, variant: Mapping[str, Any]) -> Any:
+    def batch_of(
+        self, variant: Mapping[str, Any], records: list[dict[str, Any]] | None = None
+    ) -> Any:
         from unirl.core.data.rollout import RolloutBatch
 
-        return RolloutBatch.from_records(fixtures.select_fields(self.job.records, variant["data"]))
+        records = self.job.records if records is None else records
+        return RolloutBatch.from_records(fixtures.select_fields(records, variant["data"]))
 
     def make_backend(self) -> Any:
         from unirl.core.backend_plugin import build_backend
@@ -288,10 +324,13 @@ class _GroupRun:
             # the suite's probes are declared by the instrumented protocol, not reached for
             assert isinstance(backend, InstrumentedBackend), type(backend)
             self.counter = ForwardCounter(backend.model)
+            self.split_spy = SplitSpy(backend)
             self.forward(backend)
             self.variants(backend)
             multiturn.measure(self, backend)  # the multi-turn batch (tests/contract/multiturn.py)
             self.resume(backend)
+            if self.job.fixture == "moe":
+                self.replay()
         self.timings["total"] = time.perf_counter() - t0
         self.out["logprob_calls"] = dict(self.paths.calls)
         compat = sys.modules.get("unirl.backends.megatron.cpu_compat")
@@ -326,7 +365,7 @@ class _GroupRun:
         with self.section("save_init"):
             backend.save_checkpoint(self.init_ckpt, {"tag": "init"})
         self.out["variants"] = {}
-        for i, (name, variant) in enumerate(fixtures.VARIANTS.items()):
+        for i, (name, variant) in enumerate(self.variant_table.items()):
             with self.section(f"variant:{name}"):
                 record: dict[str, Any] = {}
                 if i > 0:
@@ -334,10 +373,12 @@ class _GroupRun:
                 cfg, batch = self.cfg_of(variant), self.batch_of(variant)
                 self.spy.take()
                 self.counter.take()
+                self.split_spy.take()
                 calls = _calls(backend)
                 paths = dict(self.paths.calls)
                 result = RLStep(cfg, backend).run(batch, rl_step=0)
                 record.update(
+                    splits=self.split_spy.take(),
                     metrics=dict(result.metrics),
                     logprob_calls=_delta(self.paths.calls, paths),
                     decision=result.decision.source,
@@ -358,7 +399,7 @@ class _GroupRun:
         cfg, batch = self.cfg_of(fixtures.RESUME), self.batch_of(fixtures.RESUME)
         k, n = fixtures.RESUME_SAVE_AFTER, fixtures.RESUME_STEPS
         step_ckpt = self.work / f"ckpt-step{k}"
-        res: dict[str, Any] = {"uninterrupted": [], "bars": [], "hooks": []}
+        res: dict[str, Any] = {"uninterrupted": [], "bars": [], "hooks": [], "splits": []}
         self.out["resume"] = res
         with self.section("resume:uninterrupted"):
             backend.load_checkpoint(self.init_ckpt)
@@ -366,9 +407,11 @@ class _GroupRun:
             for s in range(n):
                 self.spy.take()
                 self.counter.take()
+                self.split_spy.take()
                 res["uninterrupted"].append(dict(step.run(batch, rl_step=s).metrics))
                 res["bars"].append(self.spy.take())
                 res["hooks"].append(self.counter.take())
+                res["splits"].append(self.split_spy.take())
                 if s + 1 == k:
                     backend.save_checkpoint(step_ckpt, {"rl_step": k, "marker": "contract"})
             export = self.work / "export" / "resume-uninterrupted"
@@ -393,3 +436,28 @@ class _GroupRun:
             fresh.export_hf(export)
             res["export_resumed"] = str(export)
             fresh.close()
+
+    def replay(self) -> None:
+        """Routing replay (R3): a backend built with ``routing_replay: rollout`` at the initial
+        weights; forward-only log-probs with the rollout's ``routed_experts`` replayed, then one
+        RL step on them (metrics, the split, the updated weights)."""
+        from unirl.core.backend_plugin import build_backend
+        from unirl.core.step import RLStep
+
+        variant = moe_fixture.REPLAY
+        records = moe_fixture.with_routed_experts(self.job.records)
+        res: dict[str, Any] = {}
+        self.out["replay"] = res
+        with self.section("replay"):
+            cfg = self.cfg_of(variant)
+            backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
+            spy = SplitSpy(backend)
+            res["forward"] = forward_only(backend, records, "policy", ("routed_experts",))[0]
+            spy.take()
+            result = RLStep(cfg, backend).run(self.batch_of(variant, records), rl_step=0)
+            res["metrics"] = dict(result.metrics)
+            res["splits"] = spy.take()
+            export = self.work / "export" / "replay"
+            backend.export_hf(export)
+            res["export"] = str(export)
+            backend.close()

@@ -8,16 +8,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.contract import clauses, fixtures, harness, reference
+from tests.contract import clauses, fixture_sets, fixtures, harness, reference
 from tests.contract.backends import BackendEntry, Layout
 from tests.spawn import run_distributed
 
 GROUP_TIMEOUT_S = 480.0
 
 
-def prepare(root: Path) -> tuple[Path, list[dict[str, Any]]]:
-    """Write the tiny model under `root` and build the rollout records from its log-probs."""
-    model_dir = fixtures.write_tiny_model(root / "tiny-llama")
+def prepare(root: Path, fixture: str = "dense") -> tuple[Path, list[dict[str, Any]]]:
+    """Write the fixture's tiny model under `root` and build the rollout records from its
+    log-probs."""
+    model_dir = fixture_sets.write_model(fixture, root)
     with reference.single_thread():
         model = reference.load_model(model_dir)
         stubs = [{"prompt_tokens": p, "response_tokens": r} for p, r in fixtures.token_ids()]
@@ -42,6 +43,7 @@ def run_group(
         work_dir=str(work_dir),
         records=records,
         dtype=dtype,
+        fixture=layout.fixture,
     )
     t0 = time.perf_counter()
     backend = "gloo" if device == "cpu" else "nccl"  # NCCL: one process per GPU

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.contract import moe_reference
 
 F32 = torch.float32
 GRPO_EPS = 1e-6  # the epsilon added to the group std (verl / TRL use the same)
@@ -53,9 +55,17 @@ def load_model(path: str | Path, attn_implementation: str | None = "eager") -> t
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if attn_implementation is not None and _model_type(path) == "qwen3_moe":
+        kwargs["experts_implementation"] = "eager"  # a loop over the experts, no fused kernel
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F32, **kwargs)
     model.train()  # dropout is 0: train and eval give the same numbers
     return model
+
+
+def _model_type(path: str | Path) -> str:
+    import json
+
+    return json.loads((Path(path) / "config.json").read_text())["model_type"]
 
 
 def sequence_logprobs(
@@ -155,6 +165,9 @@ class Settings:
         self.weight_decay = o["weight_decay"]
         self.grad_clip = o["grad_clip"]
         assert o["lr_schedule"] == "constant"
+        # a mixture-of-experts policy's router term (Qwen3-MoE's own aux coefficient by default)
+        self.router_aux_coef = a.get("router_aux_loss_coef", 0.001)
+        self.router_z_coef = a.get("router_z_loss_coef", 0.0)
 
 
 def step_loss(
@@ -302,12 +315,23 @@ def batch_metrics(records: list[Mapping[str, Any]]) -> dict[str, float]:
 
 
 class ReferenceRun:
-    """A policy (and a frozen copy as the reference model) stepping with AdamW, one process."""
+    """A policy (and a frozen copy as the reference model) stepping with AdamW, one process.
+    A mixture-of-experts policy adds the router term of the microbatch split it is given
+    (`moe_reference.router_term`); ``forced``: experts per sequence (by its token ids) that the
+    policy's routing is forced to (`moe_reference.ForcedRouting`; the reference model routes
+    freely)."""
 
-    def __init__(self, initial: torch.nn.Module, cfg: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        initial: torch.nn.Module,
+        cfg: Mapping[str, Any],
+        forced: Mapping[tuple[int, ...], Any] | None = None,
+    ) -> None:
         self.s = Settings(cfg)
         self.model = copy.deepcopy(initial)
         self.ref_model = copy.deepcopy(initial)
+        self.moe = moe_reference.is_moe(initial)
+        self.forced = None if forced is None else moe_reference.ForcedRouting(self.model, forced)
         # unirl's convention (Megatron-core's and the HF Trainer's too): weight decay on matrices
         # and embeddings only, never on 1-D parameters (norm weights, biases).
         matrices = [p for p in self.model.parameters() if p.dim() >= 2]
@@ -322,9 +346,11 @@ class ReferenceRun:
             eps=self.s.eps,
         )
 
-    def step(self, records: list[Mapping[str, Any]]) -> dict[str, Any]:
+    def step(
+        self, records: list[Mapping[str, Any]], splits: Sequence[Sequence[int]] | None = None
+    ) -> dict[str, Any]:
         """One RL step (one optimizer step): metrics, gradient norm (pre-clip) and whether the
-        clip was active."""
+        clip was active. ``splits``: an MoE policy's training microbatches (sample indices)."""
         s = self.s
         if "ref_logprobs" in records[0]:
             ref = [torch.tensor(r["ref_logprobs"], dtype=F32) for r in records]
@@ -333,7 +359,18 @@ class ReferenceRun:
         else:
             ref = None
         self.opt.zero_grad(set_to_none=False)
+        if self.forced is not None:
+            self.forced.take_disagreement()  # count this step's forwards only
         loss, metrics = step_loss(self.model, records, s, ref)
+        if self.moe:
+            assert splits is not None, "an MoE step's router term needs the microbatch split"
+            term, router_metrics = moe_reference.router_term(
+                self.model, records, splits, aux_coef=s.router_aux_coef, z_coef=s.router_z_coef
+            )
+            loss = loss + term  # trained on; the "loss" metric stays the policy's (unirl's)
+            metrics.update(router_metrics)
+            if self.forced is not None:
+                metrics["router/disagreement"] = self.forced.take_disagreement()
         loss.backward()
         params = [p for p in self.model.parameters()]
         norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params))
@@ -355,7 +392,9 @@ class ReferenceRun:
         return {"metrics": metrics, "clipped": coef < 1.0}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The weights in checkpoint names (the experts per expert)."""
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return moe_reference.per_expert(state) if self.moe else state
 
     def logprobs(self, records: list[Mapping[str, Any]]) -> list[torch.Tensor]:
         return batch_logprobs(self.model, records, self.s.temperature)

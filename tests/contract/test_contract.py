@@ -14,6 +14,12 @@ aggregation; 3 gradient norm and weights after one AdamW step; 4 independence of
 split and of the data-parallel size; 5 reuse == recompute and no forward-only pass with reuse;
 6 one progress bar per phase on the reporting rank, one update per microbatch; 7 checkpoint at
 step k + resume == uninterrupted; 8 the HF export loads into transformers with the same log-probs.
+
+The MoE layouts (``moe-*``: the tiny Qwen3-MoE of `tests.contract.moe_fixture`) run the same
+clauses on their own variants, with the router term in the loss (the reference computes it for
+the microbatch split each group ran), and two more: the router's auxiliary losses (value and
+gradient) and routing replay (``routing_replay: rollout`` against a transformers forward with
+the routing forced to the rollout's experts).
 """
 
 from __future__ import annotations
@@ -22,21 +28,22 @@ from collections.abc import Sequence
 
 import pytest
 
-from tests.contract import clauses, fixtures, multiturn
+from tests.contract import clauses, fixture_sets, multiturn
 from tests.contract.backends import REGISTRY, skip_reason
 
 TOL = clauses.TOLERANCES["fp32"]
 
 
 # Layouts in the slow tier (tests/conftest.py): variants whose parts each have a layout in the
-# default tier (tp2-sp, fused-tp2, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3,
-# full-dp2 and full-dp1-fused run there); each passed here once in the default tier.
+# default tier (tp2-sp, fused-tp2, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3
+# run there; moe-ep2 for expert parallel); each passed here once.
+# The two 4-rank MoE layouts took 210 s and 320 s on the shared 2-core machine.
 SLOW_LAYOUTS = {
     "megatron": (
         "padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2", "tp2-pp2", "dp2", "padded-pp2-vpp2",
+        "moe-ep2-etp2", "moe-pp2-ep2",
     ),
     "deepspeed": ("zero2-dp2",),
-    "fsdp2": ("full-dp1",),
 }  # fmt: skip
 
 
@@ -65,6 +72,29 @@ def group(case: tuple, contract_runs) -> clauses.Measured:
     return contract_runs.get(entry, layout)
 
 
+@pytest.fixture(scope="module")
+def layout_reference(
+    case: tuple, group, request: pytest.FixtureRequest
+) -> clauses.ReferenceResults:
+    """The reference of the layout's fixture: the dense one (computed once), or the MoE one for
+    the microbatch splits this group ran."""
+    _, layout = case
+    if layout.fixture == "moe":
+        return request.getfixturevalue("moe_references").for_group(group)
+    return request.getfixturevalue("contract_reference")
+
+
+@pytest.fixture(scope="module")
+def layout_records(case: tuple, request: pytest.FixtureRequest) -> list:
+    _, layout = case
+    return request.getfixturevalue(fixture_sets.DATA_FIXTURES[layout.fixture])[1]
+
+
+def in_fixture(group: clauses.Measured, variant: str) -> None:
+    if variant not in group.variants:
+        pytest.skip(f"variant {variant} is not one of the {group.fixture} fixture's")
+
+
 def assert_checks(checks: Sequence[clauses.Check]) -> None:
     failed = [c for c in checks if not c.ok]
     if failed:
@@ -83,26 +113,35 @@ def _run(fn, *args) -> list[clauses.Check]:
         pytest.fail(str(err), pytrace=False)
 
 
-VARIANTS = list(fixtures.VARIANTS)
-SPLITS = [n for n, v in fixtures.VARIANTS.items() if v.get("same_as") == "ppo_dual_k1_token_mean"]
+VARIANTS = fixture_sets.all_variant_names()
+SPLITS = [
+    n
+    for n in VARIANTS
+    for f in fixture_sets.FIXTURES
+    if fixture_sets.variants(f).get(n, {}).get("same_as") == "ppo_dual_k1_token_mean"
+]
+SPLITS = list(dict.fromkeys(SPLITS))
 
 
-def test_clause1_forward_logprobs(group, contract_reference):
-    assert_checks(_run(clauses.clause1_forward, group, contract_reference, TOL))
+def test_clause1_forward_logprobs(group, layout_reference):
+    assert_checks(_run(clauses.clause1_forward, group, layout_reference, TOL))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_clause2_loss_and_metrics(group, contract_reference, variant):
-    assert_checks(_run(clauses.clause2_metrics, group, contract_reference, variant, TOL))
+def test_clause2_loss_and_metrics(group, layout_reference, variant):
+    in_fixture(group, variant)
+    assert_checks(_run(clauses.clause2_metrics, group, layout_reference, variant, TOL))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_clause3_grad_norm_and_weights(group, contract_reference, variant):
-    assert_checks(_run(clauses.clause3_update, group, contract_reference, variant, TOL))
+def test_clause3_grad_norm_and_weights(group, layout_reference, variant):
+    in_fixture(group, variant)
+    assert_checks(_run(clauses.clause3_update, group, layout_reference, variant, TOL))
 
 
 @pytest.mark.parametrize("variant", SPLITS)
 def test_clause4_microbatch_split(group, variant):
+    in_fixture(group, variant)
     assert_checks(_run(clauses.clause4_microbatching, group, variant, TOL))
 
 
@@ -110,7 +149,7 @@ def test_clause4_data_parallel_size(case, group, contract_runs):
     """This layout gives the numbers of the backend's first layout (a different dp size or ZeRO
     stage), directly, on top of both matching the reference."""
     entry, layout = case
-    baseline = entry.layouts[0]
+    baseline = next(x for x in entry.layouts if x.fixture == layout.fixture)
     if layout == baseline:
         pytest.skip(
             f"{layout.name} is the baseline the other {entry.name} layouts are compared with"
@@ -128,13 +167,29 @@ def test_clause6_progress_bars(group):
     assert_checks(_run(clauses.clause6_progress, group))
 
 
-def test_clause7_checkpoint_resume(group, contract_reference):
-    assert_checks(_run(clauses.clause7_resume, group, contract_reference, TOL))
+def test_clause7_checkpoint_resume(group, layout_reference):
+    assert_checks(_run(clauses.clause7_resume, group, layout_reference, TOL))
 
 
-def test_clause8_hf_export(group, contract_data):
-    _, records = contract_data
-    assert_checks(_run(clauses.clause8_export, group, records, TOL))
+def test_clause8_hf_export(group, layout_records):
+    assert_checks(_run(clauses.clause8_export, group, layout_records, TOL))
+
+
+def test_clause_router_losses(case, group, layout_reference):
+    """MoE: the router's auxiliary and z-loss values and their gradient against the reference."""
+    _, layout = case
+    if layout.fixture != "moe":
+        pytest.skip(f"{layout.name} runs the dense fixture")
+    assert_checks(_run(clauses.clause_router, group, layout_reference, TOL))
+
+
+def test_clause_routing_replay(case, group, layout_reference):
+    """MoE: replayed log-probs and one replayed step against a forced-routing transformers
+    forward."""
+    _, layout = case
+    if layout.fixture != "moe":
+        pytest.skip(f"{layout.name} runs the dense fixture")
+    assert_checks(_run(clauses.clause_replay, group, layout_reference, TOL))
 
 
 def test_multiturn_batch(case, group, contract_multiturn_reference):

@@ -434,6 +434,7 @@ def _plugin_errors():
     from unirl.core.run.config import AlgorithmConfig, ModelConfig, ParallelConfig
 
     moe = {"model_type": "qwen3_moe", "num_experts": 8}
+    saved = {"model_type": "qwen3_moe", "num_local_experts": 8}
     dense = {"model_type": "qwen3"}
     cases = [
         (dense, {"ep": 2}, r"parallel\.ep=2.*dense"),
@@ -446,6 +447,9 @@ def _plugin_errors():
         ),
         (moe, {"ep": 2, "tp": 2, "sequence_parallel": True}, None),
         (moe, {"ep": 2, "etp": 2}, None),
+        # a folder saved by transformers 5 names the expert count num_local_experts
+        (saved, {"ep": 2}, None),
+        (saved, {"ep": 3}, r"parallel\.ep=3 does not divide .*num_experts=8"),
     ]
     out = []
     for hf, sizes, pattern in cases:

@@ -26,7 +26,8 @@ pytestmark = [
 
 from tests.contract.backends import REGISTRY  # noqa: E402
 
-LAYOUTS = {x.name: x.world_size for x in REGISTRY["megatron"].layouts}
+# the dense fixture's layouts (the MoE ones: benchmarks/contract_table.py --layouts moe-...)
+LAYOUTS = {x.name: x.world_size for x in REGISTRY["megatron"].layouts if x.fixture == "dense"}
 
 
 @pytest.fixture(scope="module")

@@ -70,13 +70,16 @@ class ContractLayout:
     """One parallel layout the contract suite runs a backend on: a name for test ids and tables,
     the process count, the config's ``parallel`` section (without ``world_size``, which is the
     process count), keys of the backend's own section (e.g. ``attention: padded``) and keys of the
-    ``model`` section (e.g. ``fused_head: true``)."""
+    ``model`` section (e.g. ``fused_head: true``), and which of the suite's fixture models it
+    runs: ``dense`` (a tiny Llama) or ``moe`` (a tiny Qwen3-MoE: expert-parallel layouts need
+    experts to split)."""
 
     name: str
     world_size: int
     parallel: tuple[tuple[str, Any], ...]
     options: tuple[tuple[str, Any], ...] = ()
     model: tuple[tuple[str, Any], ...] = ()
+    fixture: str = attrs.field(default="dense", validator=attrs.validators.in_(("dense", "moe")))
 
     @classmethod
     def of(
@@ -85,6 +88,7 @@ class ContractLayout:
         world_size: int,
         options: Mapping[str, Any] | None = None,
         model: Mapping[str, Any] | None = None,
+        fixture: str = "dense",
         **parallel: Any,
     ) -> ContractLayout:
         return cls(
@@ -93,6 +97,7 @@ class ContractLayout:
             parallel=tuple(sorted(parallel.items())),
             options=tuple(sorted((options or {}).items())),
             model=tuple(sorted((model or {}).items())),
+            fixture=fixture,
         )
 
     def with_model(self, suffix: str, **model: Any) -> ContractLayout:

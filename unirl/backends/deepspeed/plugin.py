@@ -62,5 +62,7 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("zero3-dp2", 2, zero_stage=3),
         # model.fused_head: the log-probs from the LM head's input (ZeRO-3 gathers its weight)
         ContractLayout.of("zero3-dp1-fused", 1, model={"fused_head": True}, zero_stage=3),
+        # the tiny Qwen3-MoE through transformers' own Qwen3MoeForCausalLM (no expert parallel)
+        ContractLayout.of("moe-zero1-dp2", 2, fixture="moe", zero_stage=1),
     ),
 )

@@ -11,6 +11,7 @@ import attrs
 
 from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
+from unirl.core.run.model_shape import MOE_SHAPES
 
 if TYPE_CHECKING:
     from unirl.core.run.config import UnirlConfig
@@ -110,13 +111,10 @@ def _check_experts(cfg: UnirlConfig) -> None:
     Megatron-LM refuse the combination too; a config key means what it says)."""
     p = cfg.parallel
     hf = _hf_config_fields(cfg)
-    # transformers >= 5 writes Qwen3-MoE's ``num_experts`` as ``num_local_experts`` (its
-    # attribute map); the published config.json files say ``num_experts``
-    experts = (
-        hf.get("num_experts", hf.get("num_local_experts"))
-        if hf.get("model_type") == "qwen3_moe"
-        else None
-    )
+    # core's reader of the family (it reads num_experts, or num_local_experts: what transformers
+    # 5 writes to a saved folder's config.json)
+    reader = MOE_SHAPES.find(str(hf.get("model_type")))
+    experts = reader(hf).num_experts if reader is not None else None
     if not hf:
         return  # the model is read at build time, where `model.check_hf_config` applies
     if experts is None and (p.ep > 1 or p.etp is not None):
@@ -210,5 +208,12 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("cp2", 2, cp=2),
         ContractLayout.of("zero1-dp2", 2, zero_stage=1),
         ContractLayout.of("tp2-pp2", 4, tp=2, pp=2),
+        # The tiny Qwen3-MoE (8 experts, top-2): expert parallel over the data ranks (ep2: each
+        # rank 4 experts, tokens exchanged all-to-all), each expert split over 2 ranks (etp2),
+        # and with the pipeline (one MoE layer per stage).
+        ContractLayout.of("moe-ep1", 1, fixture="moe"),
+        ContractLayout.of("moe-ep2", 2, fixture="moe", ep=2),
+        ContractLayout.of("moe-ep2-etp2", 4, fixture="moe", ep=2, etp=2),
+        ContractLayout.of("moe-pp2-ep2", 4, fixture="moe", pp=2, ep=2),
     ),
 )
