@@ -101,7 +101,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def pack_bucket(bucket: Bucket, device: torch.device | str) -> PackedBucket:
     """``bucket`` as one buffer on ``device``: each tensor's bytes (contiguous, row-major)
-    copied in, in the bucket's order: the layout of vLLM's ``pack_tensors``."""
+    copied in back to back, the layout of vLLM's ``pack_tensors``. The tensors go widest
+    element first (stable otherwise): the receiver views each slice of the uint8 buffer as its
+    dtype, which needs an offset divisible by the element size (a bf16 tensor of odd length
+    before a float32 one would break that)."""
+    bucket = sorted(bucket, key=lambda item: -item[1].element_size())
     flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
     sizes = [int(f.numel()) for f in flats]
     buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
