@@ -16,9 +16,10 @@ import torch
 
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import load_config
+from unirl.core.source_plugin import weight_receivers
 from unirl.rollouts.vllm import placement
 from unirl.rollouts.vllm.launch import plan_launch
-from unirl.rollouts.vllm.plugin import VllmOptions
+from unirl.rollouts.vllm.plugin import VllmOptions, describe
 from unirl.rollouts.vllm.sleep import SleepCycle
 from unirl.rollouts.vllm.transport import ipc_update_info, nccl_update_info, pack_bucket
 
@@ -69,6 +70,14 @@ def test_transport_choice(options, cuda, want):
 def test_transport_rules_name_the_key(options, cuda, needle):
     with pytest.raises(ConfigError, match=needle):
         placement.choose_transport(VllmOptions(**options), cuda=cuda)
+
+
+def test_several_engines_have_every_rank_receive_the_weights():
+    assert weight_receivers(load_config(EXAMPLE)) == "rank0"
+    two = load_config(EXAMPLE, ["rollout.vllm.engines=2"], world_size=2)
+    assert weight_receivers(two) == "every_rank"
+    described = describe(two)
+    assert "driven by global rank 0, 1" in described["engine"]
 
 
 def test_config_refuses_a_transport_its_placement_cannot_carry():

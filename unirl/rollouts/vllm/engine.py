@@ -150,6 +150,7 @@ class VllmEngine:
             raise RunError(
                 f"the vLLM engine did not start ({type(exc).__name__}: {exc}). Check "
                 f"rollout.vllm (dtype={dtype}, kv_cache_gb={options.kv_cache_gb}, "
+                f"gpu_memory_utilization={options.gpu_memory_utilization} on a GPU, "
                 f"max_model_len={max_model_len}, tensor_parallel_size="
                 f"{options.tensor_parallel_size}) and the model (its architecture must be one "
                 "vLLM supports); logging.level: DEBUG shows vLLM's own report"
