@@ -148,6 +148,9 @@ class VllmRolloutSource:
             self._exchange = RolloutExchange(self.options.generation_timeout_s)
         return rank, size, engine_of(rank, self.engines, size)
 
+    def _name(self, engine: int) -> str:
+        return "the vLLM engine" if self.engines == 1 else f"vLLM engine {engine}"
+
     def _tag(self, engine: int) -> str:
         return f"vLLM engine {engine}: " if self.engines > 1 else ""
 
@@ -168,7 +171,7 @@ class VllmRolloutSource:
                 error = self._tag(engine) + str(exc)
             except Exception as exc:
                 error = (
-                    f"the weight sync to vLLM engine {engine} failed ({type(exc).__name__}: "
+                    f"the weight sync to {self._name(engine)} failed ({type(exc).__name__}: "
                     f"{exc}); the newest complete checkpoint is intact: run again with --resume "
                     "(with logging.level: DEBUG to see the engine's report)"
                 )
@@ -272,7 +275,7 @@ class VllmRolloutSource:
             except Exception as exc:  # the engine died or refused the requests
                 logger.debug("vLLM generation failed", exc_info=True)
                 mine = (
-                    f"vLLM engine {engine} failed while generating rollout {rl_step} "
+                    f"{self._name(engine)} failed while generating rollout {rl_step} "
                     f"({type(exc).__name__}: {exc}); the newest complete checkpoint is intact: "
                     "run again with --resume (logging.level: DEBUG shows the engine's report)"
                 )
