@@ -18,7 +18,9 @@ picks, as backends do (`unirl.core.backend_plugin`), so adding a source edits no
   engine's own processes read their log level from; `unirl.log_setup` quiets both below DEBUG;
 - ``weights``: who receives the policy's weights after every step (`unirl.core.weight_stream`):
   ``"rank0"`` (an engine driven from global rank 0), ``"every_rank"`` (a sampler on every rank),
-  or ``"none"`` (a rollout file: the run streams nothing and pays nothing for it);
+  or ``"none"`` (a rollout file: the run streams nothing and pays nothing for it); or a function
+  of the config giving one of those (`weight_receivers`: vLLM with several engines needs every
+  rank);
 - ``top_p_logprobs``: which distribution its rollout log-probs describe under ``rollout.top_p < 1``
   (what ``unirl check`` says the mismatch metrics measure, `unirl.core.mismatch`).
 
@@ -42,6 +44,7 @@ from unirl.core.registry import Registry
 # checking: the config reads this registry when it is built (the source's options class, its
 # rules), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
 RunConfig = Any
+WeightReceivers = Literal["rank0", "every_rank", "none"]
 
 
 class SourceBuilder(Protocol):
@@ -88,7 +91,7 @@ class SourcePlugin:
     install_hint: str = ""
     loggers: tuple[str, ...] = ()
     log_level_env: str | None = None
-    weights: Literal["rank0", "every_rank", "none"] = "rank0"
+    weights: WeightReceivers | Callable[[RunConfig], WeightReceivers] = "rank0"
     # Under rollout.top_p < 1: "truncated", the renormalised distribution it sampled from (a
     # serving engine); "untruncated", the full softmax (the built-in sampler); None: not known.
     top_p_logprobs: Literal["truncated", "untruncated"] | None = None
@@ -97,6 +100,12 @@ class SourcePlugin:
 
 
 SOURCES: Registry[SourcePlugin] = Registry("rollout source", key="rollout.source")
+
+
+def weight_receivers(cfg: RunConfig) -> WeightReceivers:
+    """Who receives the weights of ``cfg``'s rollout source (``SourcePlugin.weights``)."""
+    weights = SOURCES.get(cfg.rollout.source).weights
+    return weights(cfg) if callable(weights) else weights
 
 
 def build_source(cfg: RunConfig, *, hf_model: Any = None, device: Any = None) -> Any:

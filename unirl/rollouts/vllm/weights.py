@@ -10,10 +10,10 @@ process boundary. On the CPU the cheapest crossing is a file in tmpfs (/dev/shm:
 disk): one safetensors write (a memcpy) and vLLM's in-place ``reload_weights(weights_path=...)``,
 which memory-maps it: 0.02 s on the tiny model, 1 s for 361 MB (benchmarks/README.md). The
 alternative, ``collective_rpc`` with the tensors as arguments, pickles every tensor through
-vLLM's message queue. On GPUs the same path works (the reload copies host -> device); vLLM's NCCL / CUDA-IPC weight-transfer
-engines (``weight_transfer_config``) would skip the host round trip and are the next step
-there, but vLLM cannot be installed on this project's GPU machine, so that path is untested
-and not offered.
+vLLM's message queue. On GPUs vLLM's weight-transfer engines skip the host round trip
+(transport.py: CUDA IPC for an engine on the trainer's GPU, NCCL for engines on other GPUs); the
+folder then holds only ``config.json`` (and the tokenizer), and this file path remains for the
+CPU and for colocated engines over several GPUs.
 
 The weights arrive as a stream of buckets (`unirl.core.weight_stream`): each bucket is written
 as its own safetensors file (``weights-00001.safetensors`` ...; vLLM loads every safetensors file

@@ -1,0 +1,307 @@
+"""The GPU weight sync to a vLLM engine, without vLLM (it cannot be installed on the GPU machine):
+time per GB of the CUDA IPC transport, and peak GPU memory of a weight stream at 7B shape.
+
+    # 1. IPC time per GB, Qwen2.5-1.5B and -7B shapes (random bf16 weights, 1 GiB buckets)
+    PYTHONPATH=$PWD python benchmarks/weight_transfer.py transfer \\
+        --out benchmarks/results/weight_transfer_h200.json
+    # 2. peak GPU memory of a sync at 7B shape, one GPU, against the trainer's own
+    PYTHONPATH=$PWD python benchmarks/weight_transfer.py memory --backend megatron \\
+        --out benchmarks/results/weight_stream_memory_h200_megatron.json
+    PYTHONPATH=$PWD python benchmarks/weight_transfer.py memory --backend fsdp2 \\
+        --out benchmarks/results/weight_stream_memory_h200_fsdp2.json
+
+``transfer``: `IpcTransport` (unirl/rollouts/vllm/transport.py) sends every bucket to a receiver
+process on the same GPU that does what vLLM's packed IPC consumer does (rebuild the buffer from
+the handle, cut it up, clone each tensor on the GPU) and answers each ``update_weights``; the time
+is the whole sync, start to finish, medians of ``--repeats``. Two cases: the buckets already on
+the GPU (the transport's own cost: one device copy into the shared buffer, the handle, the
+receiver's clone) and on the host, as `TrainingBackend.stream_weights` yields them today (one
+host -> device copy more per bucket).
+
+``memory``: builds the backend at Qwen2.5-7B's shape (bf16, one GPU), takes one RL step on a
+small batch so that the optimizer's state exists (if that runs out of memory, the run is
+repeated without the step and the JSON says so), then measures the peak GPU memory above the
+trainer's own (``torch.cuda.max_memory_allocated`` after a reset) of a sync: the stream to a
+receiving rank 0 with each bucket also packed into the IPC buffer, as `IpcTransport` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.megatron_throughput import MODELS  # noqa: E402
+from benchmarks.run_environment import run_environment  # noqa: E402
+
+logger = logging.getLogger("weight_transfer")
+GIB = 1 << 30
+
+
+# -- transfer ----------------------------------------------------------------------------------
+
+
+def hf_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The Hugging Face parameter names and shapes of ``model`` (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(MODELS[model])
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    return [(n, tuple(p.shape)) for n, p in net.named_parameters()]
+
+
+def random_buckets(
+    shapes: list[tuple[str, tuple[int, ...]]], bucket_bytes: int, device: str
+) -> list[list[tuple[str, torch.Tensor]]]:
+    from unirl.core.weight_stream import bucketed
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = (
+        (n, torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).to(device))
+        for n, s in shapes
+    )
+    return list(bucketed(tensors, bucket_bytes))
+
+
+def _receiver(inbox: Any, outbox: Any) -> None:
+    """vLLM's packed IPC consumer, in short: map, cut, clone (then drop: a real engine copies
+    the clones into its parameters)."""
+    import base64
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    torch.cuda.set_device(0)
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    while True:
+        kind, info = inbox.get()
+        if kind == "stop":
+            return
+        if kind == "update":
+            args = list(pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))[uuid])
+            args[6] = 0
+            buffer = rebuild_cuda_tensor(*args)
+            parts = buffer.split(info["tensor_sizes"])
+            clones = [
+                p.view(getattr(torch, d)).view(s).clone()
+                for p, d, s in zip(parts, info["dtype_names"], info["shapes"])
+            ]
+            torch.cuda.synchronize()
+            del buffer, parts, clones
+        outbox.put("ack")
+
+
+class _Client:
+    def __init__(self, inbox: Any, outbox: Any) -> None:
+        self.inbox, self.outbox = inbox, outbox
+
+    def _call(self, kind: str, info: Any = None) -> None:
+        self.inbox.put((kind, info))
+        assert self.outbox.get(timeout=120) == "ack"
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("update", update_info)
+
+    def finish_weight_update(self) -> None:
+        self._call("finish")
+
+
+def transfer(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    from unirl.rollouts.vllm.transport import IpcTransport
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    receiver = ctx.Process(target=_receiver, args=(inbox, outbox), daemon=True)
+    receiver.start()
+    out: dict[str, Any] = {}
+    try:
+        transport = IpcTransport(_Client(inbox, outbox), device)
+        for model in args.models:
+            shapes = hf_shapes(model)
+            row: dict[str, Any] = {}
+            for where in ("cuda", "cpu"):
+                buckets = random_buckets(shapes, args.bucket_mb << 20, where)
+                gb = sum(t.numel() * t.element_size() for b in buckets for _, t in b) / 1e9
+                times = []
+                for _ in range(args.warmup + args.repeats):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    transport.send(iter(buckets))
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                median = statistics.median(times[args.warmup :])
+                row[f"buckets_on_{where}"] = {
+                    "gb": gb,
+                    "buckets": len(buckets),
+                    "sync_s": times[args.warmup :],
+                    "s_per_gb": median / gb,
+                    "gb_per_s": gb / median,
+                }
+                logger.info("%s, buckets on %s: %.3f s/GB (%.1f GB)", model, where,
+                            median / gb, gb)  # fmt: skip
+                del buckets
+                torch.cuda.empty_cache()
+            out[model] = row
+        transport.close()
+    finally:
+        inbox.put(("stop", None))
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    return {
+        "what": "one sync through IpcTransport to a receiver process on the same GPU that maps, "
+        "cuts and clones every bucket (vLLM's packed IPC consumer); bf16 random weights",
+        "bucket_mb": args.bucket_mb,
+        "models": out,
+    }
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def _backend_config(backend: str, run_dir: str) -> dict[str, Any]:
+    from benchmarks.backend_throughput import engine_config
+
+    ns = argparse.Namespace(
+        attention="packed", max_len=512, recompute_activations=True, fused_head=False,
+        samples=8, group=4, tokens_per_microbatch=2048, tp=1, pp=1, vpp=None, cp=1,
+    )  # fmt: skip
+    data = engine_config(ns, dict(MODELS["qwen2.5-7b"]), backend, "reuse")
+    data["logging"] = {"run_dir": run_dir, "tensorboard": False}
+    data["progress"] = {"enabled": False}
+    return data
+
+
+def memory_child(args: argparse.Namespace) -> dict[str, Any]:
+    """In a fresh process: build, (step), sync once, report."""
+    from benchmarks.megatron_throughput import rollout_records
+    from unirl.backends import build_backend
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.run.config import config_from_dict
+    from unirl.core.step import RLStep
+    from unirl.core.weight_stream import MIB
+    from unirl.rollouts.vllm.transport import pack_bucket
+
+    cfg = config_from_dict(_backend_config(args.backend, tempfile.mkdtemp()))
+    t0 = time.perf_counter()
+    backend = build_backend(cfg, total_optimizer_steps=10, needs_reference=False)
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "optimizer_step": args.step}
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        if args.step:
+            vocab = MODELS["qwen2.5-7b"]["vocab_size"]
+            batch = RolloutBatch.from_records(rollout_records([256] * 8, vocab, 4, 0))
+            RLStep(cfg, backend).run(batch)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        own = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        sent = 0
+        for bucket in backend.stream_weights(args.bucket_mb * MIB, dst=0):
+            packed = pack_bucket(bucket, device)  # IpcTransport's staging buffer
+            sent += packed.buffer.numel()
+            del packed, bucket
+        torch.cuda.synchronize()
+        out.update(
+            trainer_gib=own / GIB,
+            sync_peak_above_trainer_gib=(torch.cuda.max_memory_allocated(device) - own) / GIB,
+            bucket_gib=args.bucket_mb / 1024,
+            model_gib=sent / GIB,
+            sync_s=time.perf_counter() - t0,
+        )
+    finally:
+        backend.close()
+    return out
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    runs = {}
+    start = time.perf_counter()
+    for step in (True, False) if args.step else (False,):
+        # the run with the step gets part of the budget, the fallback what is left
+        left = args.timeout_s - (time.perf_counter() - start)
+        timeout = min(left, 0.6 * args.timeout_s) if step else left
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "child.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "memory-child",
+                   "--backend", args.backend, "--bucket-mb", str(args.bucket_mb),
+                   "--out", str(result)] + ([] if step else ["--no-step"])  # fmt: skip
+            try:
+                proc = subprocess.run(cmd, timeout=timeout, check=False,
+                                      capture_output=True, text=True)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                runs[f"step={step}"] = f"timed out after {timeout:.0f} s"
+                logger.warning("memory run (step=%s) timed out", step)
+                continue
+            if proc.returncode == 0 and result.is_file():
+                runs["with_optimizer_state" if step else "without_optimizer_state"] = json.loads(
+                    result.read_text()
+                )
+                break
+            tail = proc.stderr[-1500:]
+            runs[f"step={step}"] = f"failed: {tail}"
+            logger.warning("memory run (step=%s) failed: %s", step, tail)
+    return {
+        "what": "peak GPU memory above the trainer's own of one weight sync (stream to rank 0 "
+        "and IpcTransport's staging buffer per bucket), Qwen2.5-7B shape, bf16, one GPU",
+        "backend": args.backend,
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["transfer", "memory", "memory-child"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    parser.add_argument("--bucket-mb", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--backend", choices=["megatron", "fsdp2"], default="megatron")
+    parser.add_argument("--no-step", dest="step", action="store_false")
+    parser.add_argument("--timeout-s", type=float, default=190, help="memory: both runs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("weight_transfer.py measures CUDA IPC and GPU memory: it needs a GPU")
+    if args.part == "memory-child":
+        args.out.write_text(json.dumps(memory_child(args)))
+        return
+    report = transfer(args) if args.part == "transfer" else memory(args)
+    report = {
+        "command": "PYTHONPATH=$PWD python benchmarks/weight_transfer.py " + " ".join(sys.argv[1:]),
+        "environment": run_environment(),
+        **report,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("written %s", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""The CPU-testable parts of getting weights to vLLM engines at scale: the placement rules
+(leaders, prompt shares, which transport, the fit check), the bucket -> message conversion checked
+against vLLM's own unpacking and message classes, and the sleep-mode call sequence against a fake
+engine that records its calls. The GPU side (CUDA IPC to another process) is
+tests/unit/test_ipc_transport_gpu.py."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from unirl.core.errors import ConfigError
+from unirl.core.run.config import load_config
+from unirl.core.source_plugin import weight_receivers
+from unirl.rollouts.vllm import placement
+from unirl.rollouts.vllm.launch import plan_launch
+from unirl.rollouts.vllm.plugin import VllmOptions, describe
+from unirl.rollouts.vllm.sleep import SleepCycle
+from unirl.rollouts.vllm.transport import ipc_update_info, nccl_update_info, pack_bucket
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"
+GIB = 1 << 30
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+
+def test_leaders_shares_and_engine_of_rank():
+    assert placement.leaders(1, 4) == (0,)
+    assert placement.leaders(2, 4) == (0, 2)
+    assert [placement.engine_of(r, 2, 4) for r in range(4)] == [0, None, 1, None]
+    # 5 prompts over 2 engines: 3 + 2, in order
+    assert placement.split_prompts(5, 2) == [range(0, 3), range(3, 5)]
+    assert placement.split_prompts(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.engines=3 does not divide the 4"):
+        placement.leaders(3, 4)
+    with pytest.raises(ConfigError, match=r"prompts_per_rollout=1 is fewer than"):
+        placement.split_prompts(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("options", "cuda", "want"),
+    [
+        ({}, False, "file"),
+        ({}, True, "ipc"),  # colocated, one GPU per engine
+        ({"tensor_parallel_size": 2}, True, "file"),  # colocated over 2 GPUs: no IPC, no NCCL
+        ({"devices": (4, 5)}, True, "nccl"),
+        ({"weight_transfer": "file"}, True, "file"),
+        ({"weight_transfer": "nccl", "devices": (4,)}, True, "nccl"),
+    ],
+)
+def test_transport_choice(options, cuda, want):
+    assert placement.choose_transport(VllmOptions(**options), cuda=cuda).value == want
+
+
+@pytest.mark.parametrize(
+    ("options", "cuda", "needle"),
+    [
+        ({"weight_transfer": "ipc"}, False, r"weight_transfer=ipc needs CUDA GPUs"),
+        ({"weight_transfer": "ipc", "devices": (2,)}, True, r"use nccl \(or auto\) there"),
+        ({"weight_transfer": "ipc", "tensor_parallel_size": 2}, True, r"several GPUs"),
+        ({"weight_transfer": "nccl"}, True, r"rollout\.vllm\.devices is null"),
+    ],
+)
+def test_transport_rules_name_the_key(options, cuda, needle):
+    with pytest.raises(ConfigError, match=needle):
+        placement.choose_transport(VllmOptions(**options), cuda=cuda)
+
+
+def test_several_engines_have_every_rank_receive_the_weights():
+    assert weight_receivers(load_config(EXAMPLE)) == "rank0"
+    two = load_config(EXAMPLE, ["rollout.vllm.engines=2"], world_size=2)
+    assert weight_receivers(two) == "every_rank"
+    described = describe(two)
+    assert "driven by global rank 0, 1" in described["engine"]
+
+
+def test_config_refuses_a_transport_its_placement_cannot_carry():
+    with pytest.raises(ConfigError, match=r"weight_transfer=nccl"):
+        load_config(EXAMPLE, ["rollout.vllm.weight_transfer=nccl"])
+    with pytest.raises(ConfigError, match=r"fewer than rollout\.vllm\.engines=32"):
+        load_config(EXAMPLE, ["rollout.vllm.engines=32"])  # the example has 16 prompts
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.gpu_memory_utilization"):
+        load_config(EXAMPLE, ["rollout.vllm.gpu_memory_utilization=1.5"])
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.devices"):
+        load_config(EXAMPLE, ["rollout.vllm.devices=[1, 1]"])
+
+
+@pytest.mark.parametrize(
+    ("options", "cuda", "needle"),
+    [
+        ({"sleep": "offload"}, False, r"sleep=offload needs vLLM's sleep mode.*CUDA"),
+        ({"devices": (1,)}, False, r"names GPUs, and this machine has none"),
+        ({"devices": (0, 3)}, True, r"includes GPUs of trainer ranks"),
+        ({"devices": (4,), "engines": 2}, True, r"need 2 GPUs"),
+        ({"tensor_parallel_size": 4, "engines": 2}, True, r"> the 2 trainer GPUs"),
+    ],
+)
+def test_startup_rules(options, cuda, needle):
+    with pytest.raises(ConfigError, match=needle):
+        placement.check_startup(VllmOptions(**options), cuda=cuda, local_world_size=4, world_size=4)
+
+
+def test_engine_devices_and_visible_devices():
+    colocated = VllmOptions(engines=2, tensor_parallel_size=2)
+    assert placement.engine_devices(
+        colocated, 1, leader_local_rank=2, world_size=4, local_world_size=4
+    ) == (2, 3)
+    reserved = VllmOptions(engines=2, tensor_parallel_size=2, devices=(4, 5, 6, 7))
+    # two engines per node: the second takes the second pair
+    assert placement.engine_devices(
+        reserved, 1, leader_local_rank=2, world_size=4, local_world_size=4
+    ) == (6, 7)
+    # 2 nodes x 4 ranks, one engine per node: each takes the first pair of its node
+    assert placement.engine_devices(
+        reserved, 1, leader_local_rank=0, world_size=8, local_world_size=4
+    ) == (4, 5)
+    assert placement.visible_devices((1, 2), "3,5,7") == "5,7"
+    assert placement.visible_devices((1, 2), None) == "1,2"
+
+
+def test_fit_check_names_the_knobs():
+    placement.check_fit(
+        free_bytes=80 * GIB, total_bytes=140 * GIB, utilization=0.5, device="cuda:0", sleep="off"
+    )
+    with pytest.raises(ConfigError) as err:
+        placement.check_fit(
+            free_bytes=40 * GIB, total_bytes=140 * GIB, utilization=0.5, device="cuda:0",
+            sleep="off",
+        )  # fmt: skip
+    msg = str(err.value)
+    # 40 / 140 = 0.286, less a 0.02 margin
+    assert "gpu_memory_utilization=0.5 asks for 70.0 GiB" in msg and "<= 0.27" in msg
+    assert "rollout.vllm.sleep" in msg and "rollout.vllm.devices" in msg
+
+
+def test_launch_on_the_cpu_is_the_file_reload():
+    launch = plan_launch(
+        VllmOptions(), engine=0, cuda=False, local_rank=0, world_size=2, local_world_size=2
+    )
+    assert launch.transport.value == "file" and launch.loads_from_folder
+    assert launch.llm_kwargs() == {} and launch.env == {}
+
+
+def test_launch_on_a_gpu_colocated_with_ipc():
+    launch = plan_launch(
+        VllmOptions(sleep="discard", gpu_memory_utilization=0.3),
+        engine=1, cuda=True, local_rank=1, world_size=2, local_world_size=2,
+    )  # fmt: skip
+    assert launch.transport.value == "ipc" and not launch.loads_from_folder
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    pytest.importorskip("vllm", reason="the weight-transfer config class is vLLM's")
+    kwargs = launch.llm_kwargs()
+    assert kwargs["gpu_memory_utilization"] == 0.3 and kwargs["enable_sleep_mode"] is True
+    assert kwargs["load_format"] == "dummy" and kwargs["weight_transfer_config"].backend == "ipc"
+
+
+# -- messages ----------------------------------------------------------------------------------
+
+
+def _bucket() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(7, 3, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(3, generator=g)),
+        # not contiguous: packed row-major, as .contiguous() lays it out
+        ("lm_head.weight", torch.randn(3, 5, generator=g).t()),
+        ("model.layers.0.mlp.gate.e_score_correction_bias", torch.randn(2, generator=g).half()),
+    ]
+
+
+def _unpack_by_hand(buffer, info):
+    """The receiver's reading of a packed bucket, written out: each tensor's bytes in order,
+    viewed as its dtype and shape."""
+    out, offset = {}, 0
+    for name, shape, dtype, size in zip(
+        info["names"], info["shapes"], info["dtype_names"], info["tensor_sizes"]
+    ):
+        raw = buffer[offset : offset + size]
+        out[name] = raw.view(getattr(torch, dtype)).reshape(shape)
+        offset += size
+    return out
+
+
+def test_packed_bucket_round_trips_bit_for_bit():
+    bucket = _bucket()
+    packed = pack_bucket(bucket, "cpu")
+    info = ipc_update_info(packed, ("handle", 1), "GPU-uuid")
+    assert packed.buffer.dtype == torch.uint8
+    # widest elements first, so that every slice's offset suits its dtype: 0, 12, 72, 114
+    assert info["names"] == [bucket[i][0] for i in (1, 2, 0, 3)]
+    assert info["tensor_sizes"] == [3 * 4, 15 * 4, 7 * 3 * 2, 2 * 2]
+    assert packed.buffer.numel() == sum(info["tensor_sizes"])
+    assert info["dtype_names"] == ["float32", "float32", "bfloat16", "float16"]
+    got = _unpack_by_hand(packed.buffer, info)
+    for name, tensor in bucket:
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+    handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+    assert handles == {"GPU-uuid": ("handle", 1)}
+    assert nccl_update_info(packed) == {k: info[k] for k in ("names", "dtype_names", "shapes")}
+
+
+def test_messages_are_what_vllm_reads():
+    """vLLM's own message classes accept the dicts, and its unpacking (the IPC consumer's and
+    the NCCL consumer's) gives back the bucket; its packer lays the bytes out as ours."""
+    pytest.importorskip("vllm", reason="compares with vLLM's own weight-transfer code")
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+
+    bucket = _bucket()
+    packed = pack_bucket(bucket, "cpu")
+    info = ipc_update_info(packed, ("handle", 1), "GPU-uuid")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        typed = IPCWeightTransferUpdateInfo(**info)
+    assert typed.ipc_handles == {"GPU-uuid": ("handle", 1)}
+    NCCLWeightTransferUpdateInfo(**nccl_update_info(packed))
+    dtypes = [getattr(torch, d) for d in info["dtype_names"]]
+    unpacked = unpack_tensor(
+        packed.buffer, info["names"], info["shapes"], dtypes, info["tensor_sizes"]
+    )
+    expected = dict(bucket)
+    assert [n for n, _ in unpacked] == info["names"]
+    for name, got in unpacked:
+        assert torch.equal(got, expected[name])
+    # NCCL: with the buffer of one bucket, vLLM packs the whole bucket (in our order) into one
+    # broadcast, byte for byte ours
+    ordered = [(n, expected[n]) for n in info["names"]]
+    theirs = pack_tensors(iter(ordered), lambda item: item[1], packed.buffer.numel())
+    assert theirs is not None and theirs.names == info["names"]
+    assert torch.equal(theirs.packed_tensor, packed.buffer)
+
+
+# -- sleep mode --------------------------------------------------------------------------------
+
+
+@attrs.define
+class FakeLlm:
+    calls: list = attrs.field(factory=list)
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def _two_steps(cycle: SleepCycle, llm: FakeLlm) -> list:
+    for _ in range(2):  # the RL loop: sync, generate, (the trainer trains)
+        cycle.before_sync()
+        llm.calls.append(("sync",))
+        cycle.before_generate()
+        llm.calls.append(("generate",))
+        cycle.after_generate()
+    return llm.calls
+
+
+@pytest.mark.parametrize(("mode", "level"), [("offload", 1), ("discard", 2)])
+def test_sleep_cycle_call_sequence(mode, level):
+    llm = FakeLlm()
+    calls = _two_steps(SleepCycle(llm, mode), llm)
+    assert calls == [
+        ("sync",), ("generate",), ("sleep", level),  # the engine starts awake
+        ("wake_up", ("weights",)), ("sync",),  # weights back before the sync writes them
+        ("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate",),
+        ("sleep", level),
+    ]  # fmt: skip
+
+
+def test_sleep_off_makes_no_calls():
+    llm = FakeLlm()
+    assert _two_steps(SleepCycle(llm, "off"), llm) == [("sync",), ("generate",)] * 2

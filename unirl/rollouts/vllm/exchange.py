@@ -1,0 +1,90 @@
+"""Python objects between the ranks of a vLLM run while the engines generate, on a gloo group of
+its own and with a bounded poll, so that a rank waiting for a long generation waits for
+``rollout.vllm.generation_timeout_s`` and then fails with a message, instead of inside a
+training collective (whose timeout, 30 minutes by default, kills the job with a stack trace).
+
+    exchange = RolloutExchange(timeout_s=3600)          # collective: every rank, same order
+    shares = exchange.all_gather(mine, what="the samples of rollout 3")
+    batch = exchange.broadcast(batch_or_none, src=0, what="rollout 3")
+
+Objects travel pickled as byte tensors: first their sizes (the wait that lasts as long as the
+generation), then the bytes. With one process nothing is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unirl.core.errors import RunError
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class RolloutExchange:
+    """See the module docstring."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.rank, self.world = world()
+        # gloo's own timeout stays above the poll's, so the poll is what reports
+        self.group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + 60))
+            if self.world > 1
+            else None
+        )
+
+    def _wait(self, work: Any, deadline: float, what: str) -> None:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RunError(
+                    f"rank {self.rank} waited more than rollout.vllm.generation_timeout_s="
+                    f"{self.timeout_s:g} s for {what}; raise it, or generate less per rollout "
+                    "(rollout.max_new_tokens, batch.prompts_per_rollout) or with more engines "
+                    "(rollout.vllm.engines)"
+                )
+            time.sleep(_POLL_S)
+        work.wait()
+
+    def all_gather(self, obj: Any, *, what: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if self.group is None:
+            return [obj]
+        deadline = time.monotonic() + self.timeout_s
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True), deadline, what)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
+        self._wait(dist.all_gather(out, padded, group=self.group, async_op=True), deadline, what)
+        return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes)]
+
+    def broadcast(self, obj: Any, *, src: int, what: str) -> Any:
+        """``src``'s ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        deadline = time.monotonic() + self.timeout_s
+        own = self.rank == src
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if own else None
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        self._wait(dist.broadcast(size, src=src, group=self.group, async_op=True), deadline, what)
+        buf = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
+        self._wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), deadline, what)
+        return obj if own else pickle.loads(buf.numpy().tobytes())
