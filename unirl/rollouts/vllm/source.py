@@ -45,6 +45,7 @@ from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
 from unirl.core.weight_stream import Bucket, drain
 from unirl.rollouts.build import build_task
+from unirl.rollouts.collectives import rollout_group
 from unirl.rollouts.stops import save_task_tokenizer, stop_ids
 from unirl.rollouts.tasks import Problem, Task, load_task_state, task_state
 from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine, require_vllm
@@ -72,7 +73,8 @@ def _broadcast(value: Any) -> Any:
     if world == 1:
         return value
     box = [value if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    # the rollout worker's own group under train.max_staleness > 0 (unirl/rollouts/collectives)
+    dist.broadcast_object_list(box, src=0, group=rollout_group())
     return box[0]
 
 
