@@ -17,6 +17,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.mismatch import mismatch_by_staleness
 from unirl.core.run.metrics_log import read_metrics
 from unirl.rollouts.async_source import RolloutsAhead, restore, staleness_metrics
+from unirl.rollouts.collectives import rollout_group
 
 
 class _RecordingSource:
@@ -64,6 +65,30 @@ def test_worker_generates_in_order_from_a_copy_of_the_weights():
     assert [float(g.batch.rewards[0]) for g in (first, second, third)] == [1.0, 1.0, 11.0]
     assert source.calls == [("sync", 0), ("generate", 0), ("sync", 0), ("generate", 1),
                             ("sync", 1), ("generate", 2)]  # fmt: skip
+
+
+def test_the_worker_thread_alone_sees_its_rollout_group(monkeypatch):
+    """A source called in the worker gets the workers' group, the trainer's thread the default
+    one (None), and close destroys the group (tests/distributed/test_async_ranks runs a real
+    group on two ranks)."""
+    import unirl.rollouts.async_source as async_source
+
+    group, destroyed, seen = object(), [], []
+    monkeypatch.setattr(async_source, "new_rollout_group", lambda: group)
+    monkeypatch.setattr(async_source.dist, "destroy_process_group", destroyed.append)
+
+    class Asking(_RecordingSource):
+        def next_rollout(self, rl_step: int, progress: Any = None) -> RolloutBatch:
+            seen.append(rollout_group())
+            return super().next_rollout(rl_step, progress)
+
+    ahead = RolloutsAhead(Asking(), max_staleness=1)
+    try:
+        ahead.submit(0, {"w": torch.tensor(1.0)}, 0)
+        ahead.take(0)
+    finally:
+        ahead.close()
+    assert seen == [group] and rollout_group() is None and destroyed == [group]
 
 
 def test_state_round_trips_the_rollouts_in_flight():
