@@ -3,6 +3,7 @@ weights the worker generates from, the metrics, and an exact resume through the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -13,8 +14,10 @@ from tests.unit.test_train import EXAMPLES, _run_train_in_subprocess
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.data.sample import RolloutSample
 from unirl.core.errors import ConfigError
+from unirl.core.mismatch import mismatch_by_staleness
 from unirl.core.run.metrics_log import read_metrics
 from unirl.rollouts.async_source import RolloutsAhead, restore, staleness_metrics
+from unirl.rollouts.collectives import rollout_group
 
 
 class _RecordingSource:
@@ -64,6 +67,30 @@ def test_worker_generates_in_order_from_a_copy_of_the_weights():
                             ("sync", 1), ("generate", 2)]  # fmt: skip
 
 
+def test_the_worker_thread_alone_sees_its_rollout_group(monkeypatch):
+    """A source called in the worker gets the workers' group, the trainer's thread the default
+    one (None), and close destroys the group (tests/distributed/test_async_ranks runs a real
+    group on two ranks)."""
+    import unirl.rollouts.async_source as async_source
+
+    group, destroyed, seen = object(), [], []
+    monkeypatch.setattr(async_source, "new_rollout_group", lambda: group)
+    monkeypatch.setattr(async_source.dist, "destroy_process_group", destroyed.append)
+
+    class Asking(_RecordingSource):
+        def next_rollout(self, rl_step: int, progress: Any = None) -> RolloutBatch:
+            seen.append(rollout_group())
+            return super().next_rollout(rl_step, progress)
+
+    ahead = RolloutsAhead(Asking(), max_staleness=1)
+    try:
+        ahead.submit(0, {"w": torch.tensor(1.0)}, 0)
+        ahead.take(0)
+    finally:
+        ahead.close()
+    assert seen == [group] and rollout_group() is None and destroyed == [group]
+
+
 def test_state_round_trips_the_rollouts_in_flight():
     source = _RecordingSource()
     ahead = RolloutsAhead(source, max_staleness=2)
@@ -90,6 +117,27 @@ def test_staleness_metrics_per_sample():
         "rollout/staleness_mean": pytest.approx(4 / 3),
         "rollout/staleness_max": 2.0,
     }
+
+
+def test_mismatch_split_by_staleness_by_hand():
+    proximal = torch.tensor([[-1.0, -2.0], [-0.5, 0.0], [-1.0, -1.0], [-3.0, 0.0]])
+    behaviour = torch.tensor([[-1.5, -2.0], [-0.3, 0.0], [-2.0, -1.0], [-1.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 0]])  # padding / loss-masked tokens: 0
+    got = mismatch_by_staleness(proximal, behaviour, mask, [0, 1, 1, None])  # None: left out
+
+    def k3(p: float, b: float) -> float:  # KL(behaviour || proximal) per token, k3
+        return math.exp(p - b) - (p - b) - 1
+
+    assert got.keys() == {f"mismatch/staleness_{s}/{m}" for s in (0, 1)
+                          for m in ("abs_diff", "kl", "tokens")}  # fmt: skip
+    # staleness 0: sample 0, tokens (-1 vs -1.5) and (-2 vs -2)
+    assert got["mismatch/staleness_0/tokens"] == 2
+    assert got["mismatch/staleness_0/abs_diff"] == pytest.approx((0.5 + 0.0) / 2)
+    assert got["mismatch/staleness_0/kl"] == pytest.approx((k3(-1, -1.5) + 0.0) / 2)
+    # staleness 1: sample 1's first token (-0.5 vs -0.3), sample 2's first (-1 vs -2)
+    assert got["mismatch/staleness_1/tokens"] == 2
+    assert got["mismatch/staleness_1/abs_diff"] == pytest.approx((0.2 + 1.0) / 2)
+    assert got["mismatch/staleness_1/kl"] == pytest.approx((k3(-0.5, -0.3) + k3(-1, -2)) / 2)
 
 
 def test_async_run_follows_the_schedule_and_resumes_exactly(tmp_path):

@@ -11,10 +11,24 @@ truncation, ``-log(kept probability mass)`` per token, on top of any numerics ga
 built-in sampler reports the untruncated log-probs (the trainer's distribution), so its
 mismatch holds no truncation, but the samples then come from a distribution those log-probs
 do not describe. Which one a source does, its plug-in declares (`SourcePlugin.top_p_logprobs`).
+
+Split by staleness (`mismatch_by_staleness`): under ``train.max_staleness > 0`` (or a rollout
+whose samples are older than the trained policy) the step also logs, for each staleness ``s``
+(policy versions the trained weights are ahead of the sample's) found among its samples, the
+same comparison over those samples' response tokens alone: ``mismatch/staleness_{s}/abs_diff``
+(mean ``|proximal - behaviour|``), ``mismatch/staleness_{s}/kl`` (KL(behaviour || proximal), k3)
+and ``mismatch/staleness_{s}/tokens``. At ``s = 0`` it is the numerics gap between trainer and
+engine; at ``s > 0`` it adds how far ``s`` versions of training moved the policy, which is what
+decoupled PPO's weight corrects.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+
+from unirl.core.maths.kl import kl_estimate
 from unirl.core.run.config import UnirlConfig
 from unirl.core.source_plugin import SOURCES
 
@@ -50,3 +64,30 @@ def mismatch_note(cfg: UnirlConfig, source: str) -> str:
             "those of the truncated distribution is not known"
         )
     return note
+
+
+def mismatch_by_staleness(
+    proximal_bl: torch.Tensor,
+    behaviour_bl: torch.Tensor,
+    mask_bl: torch.Tensor,
+    ages: Sequence[int | None],
+) -> dict[str, float]:
+    """The train/rollout mismatch per staleness (module docstring): ``proximal_bl`` and
+    ``behaviour_bl`` are the ``[B, L]`` old and rollout log-probs of the whole rollout,
+    ``mask_bl`` its trained response tokens, ``ages[b]`` sample ``b``'s staleness (None: its
+    version is not known, left out). Token means over each staleness' samples."""
+    out: dict[str, float] = {}
+    mask = mask_bl.to(torch.float64)
+    proximal, behaviour = proximal_bl.to(torch.float64), behaviour_bl.to(torch.float64)
+    abs_diff = (proximal - behaviour).abs()
+    kl = kl_estimate(behaviour, proximal, "k3")  # k3 of (logp=behaviour, ref=proximal)
+    for age in sorted({a for a in ages if a is not None}):
+        rows = torch.tensor([a == age for a in ages])
+        m = mask[rows]
+        tokens = float(m.sum())
+        key = f"mismatch/staleness_{age}"
+        out[f"{key}/tokens"] = tokens
+        if tokens:
+            out[f"{key}/abs_diff"] = float((abs_diff[rows] * m).sum()) / tokens
+            out[f"{key}/kl"] = float((kl[rows] * m).sum()) / tokens
+    return out

@@ -35,6 +35,7 @@ from unirl.core.maths.advantages import (
     rewards_for_estimator,
 )
 from unirl.core.maths.losses import LossInputs, Metric, compute_loss, critic_loss, reduce_metrics
+from unirl.core.mismatch import mismatch_by_staleness
 from unirl.core.moe_loss import RouterLossSettings, router_term
 from unirl.core.old_logprobs import (
     DecisionLog,
@@ -222,6 +223,11 @@ class RLStep:
             metrics.update(value_metrics(values_bl, adv.returns, response_mask))
             metrics["critic/warmup"] = float(warming_up)
         metrics.update(_batch_metrics(batch))
+        metrics.update(
+            self._mismatch_by_staleness(
+                batch, decision, policy_version, staleness, old_bl, response_mask, metrics
+            )
+        )
         metrics.update(timings)
         tokens = int(batch.lengths.sum()) * cfg.batch.epochs_per_rollout
         metrics["throughput/train_tokens_per_s"] = tokens / max(timings["time/train_s"], 1e-9)
@@ -230,6 +236,45 @@ class RLStep:
         return StepResult(metrics=metrics, decision=decision)
 
     # -- pieces ---------------------------------------------------------------------------
+
+    def _mismatch_by_staleness(
+        self,
+        batch: RolloutBatch,
+        decision: OldLogprobDecision,
+        policy_version: int | None,
+        staleness: int,
+        old_bl: torch.Tensor | None,
+        response_mask: torch.Tensor,
+        metrics: Mapping[str, float],
+    ) -> dict[str, float]:
+        """The train/rollout mismatch split by staleness (`unirl.core.mismatch`), logged by an
+        async run (``train.max_staleness > 0``) or for a stale rollout; empty otherwise, and
+        wherever the mismatch itself is not measured."""
+        if (
+            policy_version is None
+            or not (self.cfg.train.max_staleness or staleness > 0)
+            or not _compares_rollout(decision)
+            or not batch.has("rollout_logprobs")
+            or not self.topology.is_last_pipeline_stage()  # old_bl holds zeros elsewhere
+        ):
+            return {}
+        ages = [
+            None if s.policy_version is None else policy_version - s.policy_version
+            for s in batch.samples
+        ]
+        if old_bl is not None:  # the proximal log-probs of the whole rollout
+            behaviour_bl = batch.padded_responses().rollout_logprobs
+            assert behaviour_bl is not None
+            return mismatch_by_staleness(old_bl, behaviour_bl, response_mask, ages)
+        # reuse: the loss measured the proximal (training forward's) log-probs on every token,
+        # and the staleness need allows reuse only when no sample is stale
+        if any(a != 0 for a in ages) or "train_rollout_logprob_abs_diff" not in metrics:
+            return {}
+        return {
+            "mismatch/staleness_0/tokens": float(response_mask.sum()),
+            "mismatch/staleness_0/abs_diff": metrics["train_rollout_logprob_abs_diff"],
+            "mismatch/staleness_0/kl": metrics["train_rollout_kl"],
+        }
 
     def _check_data_for(self, decision: OldLogprobDecision, batch: RolloutBatch) -> None:
         users = []

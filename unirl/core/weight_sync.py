@@ -44,9 +44,10 @@ class WeightSync:
         return self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """The policy's weights in Hugging Face names, on the receiving rank (the rollouts
-        generated ahead, `unirl.rollouts.async_source`, which runs on one trainer process): the
-        stream gathered into one dict, non-finite weights refused before any bucket exists."""
+        """The policy's weights in Hugging Face names, on the receiving rank(s), for the
+        rollouts generated ahead (`unirl.rollouts.async_source`): the stream gathered into one
+        dict (empty on a rank that receives nothing), non-finite weights refused before any
+        bucket exists. Collective: every rank calls it, in the main thread."""
         return {name: t for bucket in self._stream() for name, t in bucket}
 
     def initial(self, version: int) -> float:

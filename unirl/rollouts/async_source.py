@@ -10,6 +10,14 @@ that train on it (``k x`` optimizer steps per rollout policy versions). The sche
 order on a copy of the weights taken at submission, so a seeded run gives the same rollouts and
 metrics for a given k whatever the timing.
 
+Several trainer processes (torchrun): every rank runs a worker and submits the same schedule. A
+source generates as in the synchronous loop (the built-in sampler on every rank, from its own full
+copy of the weights; the vLLM engine on global rank 0, which broadcasts each rollout), but its
+collectives run on a group of the workers' own (`unirl.rollouts.collectives`), never beside the
+trainer's on the default group. The weights a worker generates from are gathered by the trainer
+(a collective of the weight stream, in the main thread, at the start of each RL step); the worker
+syncs its copy into the engine while the trainer trains, so no rank waits for an engine reload.
+
 A checkpoint holds the rollouts in flight (``j + 1 .. j + k`` after step ``j``), finished and
 stored as records, and the source's state after them; resume continues from them exactly.
 """
@@ -24,10 +32,12 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
 from unirl.core.weight_stream import as_buckets
+from unirl.rollouts.collectives import bind_rollout_group, new_rollout_group
 from unirl.rollouts.source import RolloutSource
 
 logger = logging.getLogger(__name__)
@@ -69,7 +79,14 @@ class RolloutsAhead:
             raise ValueError(f"RolloutsAhead needs max_staleness >= 1, got {max_staleness}")
         self.source = source
         self.max_staleness = max_staleness
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unirl-rollouts")
+        # collective: every rank builds its RolloutsAhead at the same point of the run
+        self._group = new_rollout_group()
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="unirl-rollouts",
+            initializer=bind_rollout_group,
+            initargs=(self._group,),
+        )
         self._pending: dict[int, Future[Generated]] = {}
         self._last_done: float | None = None  # when the worker finished its previous rollout
 
@@ -123,6 +140,9 @@ class RolloutsAhead:
         for fut in self._pending.values():
             fut.cancel()
         self._pool.shutdown(wait=True)
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
 
 
 def restore(source: RolloutSource, ahead: RolloutsAhead | None, state: Mapping[str, Any]) -> None:

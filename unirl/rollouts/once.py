@@ -7,8 +7,10 @@ it returned over the default process group (``broadcast_object_list``, one objec
 A failure on rank 0 is broadcast too, so every rank raises it instead of waiting in a
 collective for a result that never comes. One process (or no process group): a plain call.
 
-The broadcast is a collective on the default group: every rank must call `on_rank0` at the
-same point of the job, from its main thread.
+The broadcast is a collective: every rank must call `on_rank0` at the same point of the job. It
+runs on the default group, or in the rollout worker (``train.max_staleness > 0``) on that
+thread's own group (`unirl.rollouts.collectives.rollout_group`), so it never interleaves with
+the trainer's collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from unirl.core.errors import RunError
+from unirl.rollouts.collectives import rollout_group
 
 T = TypeVar("T")
 
@@ -54,7 +57,7 @@ def on_rank0(fn: Callable[[], T], what: str) -> T:
         except Exception as exc:
             failure = exc
             box[0] = ("error", _portable(exc, what))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=rollout_group())
     status, value = box[0]  # type: ignore[misc]
     if failure is not None:
         raise failure  # rank 0: its own exception, traceback intact

@@ -231,14 +231,6 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             f"training, but rollout.source: {cfg.rollout.source} reads finished ones (their "
             "staleness is in their policy_version); set train.max_staleness: 0"
         )
-    if cfg.train.max_staleness and _world_size(cfg) > 1:
-        # The worker thread would call the source beside the trainer's collectives (the vLLM
-        # source broadcasts each rollout on the default group): one process for now.
-        raise ConfigError(
-            f"train.max_staleness={cfg.train.max_staleness} runs on one trainer process for now "
-            f"(world size {_world_size(cfg)}: a source's collectives in the rollout worker would "
-            "race the trainer's); set train.max_staleness: 0 or train on one process"
-        )
     # The chosen rollout source's own rules (what it needs, what its options must fit).
     SOURCES.get(cfg.rollout.source).check(cfg)
     _check_prompts(cfg)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.core.errors import RunError
+from unirl.rollouts.collectives import rollout_group
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,15 @@ class RolloutExchange:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.rank, self.world = world()
-        # gloo's own timeout stays above the poll's, so the poll is what reports
+        # In the rollout worker (train.max_staleness > 0) its own group, made by every rank at
+        # the same point (unirl/rollouts/collectives.py): a new_group here would be a collective
+        # on the default group from the worker thread, racing the trainer's. Otherwise a group of
+        # the exchange's own; gloo's timeout stays above the poll's, so the poll is what reports.
+        bound = rollout_group()
         self.group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + 60))
-            if self.world > 1
-            else None
+            bound
+            if bound is not None or self.world == 1
+            else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + 60))
         )
 
     def _wait(self, work: Any, deadline: float, what: str) -> None:
