@@ -20,8 +20,10 @@ Choices, and why:
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,6 +116,36 @@ def deepspeed_config(
     return deep_merge(generated, cfg.backend_options.extra)
 
 
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer module with its ``@compiler.compile()`` a no-op.
+
+    Under ZeRO, ``deepspeed.initialize`` checks the optimizer against its supported list
+    (``is_zero_supported_optimizer``), which first imports this module to add Muon to the list;
+    the module decorates its Newton-Schulz kernel with ``torch.compile`` at import, and that
+    decoration imports TorchInductor: about 4 s of CPU time per process, for an optimizer unirl
+    never uses (its optimizer is the client AdamW, `unirl.backends.hf.optim`). Imported once here
+    with ``deepspeed.runtime.compiler.compile`` returning DeepSpeed's own pass-through decorator
+    (the attribute restored right after), the check then finds it in ``sys.modules``. A DeepSpeed
+    without that module or attribute is left alone."""
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    if not hasattr(compiler, "dummy_decorator") or not hasattr(compiler, "compile"):
+        return
+    original = compiler.compile
+    compiler.compile = lambda: compiler.dummy_decorator
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:
+        pass
+    finally:
+        compiler.compile = original
+
+
 def initialize_trainable(
     model: torch.nn.Module,
     cfg: UnirlConfig,
@@ -128,6 +160,7 @@ def initialize_trainable(
     optimizer section and ZeRO stage; returns ``(engine, scheduler)``."""
     import deepspeed
 
+    import_muon_uncompiled()
     optimizer, schedule = adamw(model, opt, total_steps=total_steps, key=key)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,

@@ -14,12 +14,16 @@ optimizer, LR schedule), `checkpoint` (distributed checkpointing), `cpu_compat` 
 CUDA-only lines, patched on the CPU only), `te_compat` (names megatron-core reads but only TE
 binds, bound wherever TE is absent), `grouped_experts` (MoE experts on ``torch._grouped_mm``, or
 megatron's `SequentialMLP`), `critic` (the critic as core's `CriticModel`),
-`backend` (`MegatronBackend`).
+`backend` (`MegatronBackend`), `cpu_jit` (megatron's jit fuser off on a CPU-only process:
+installed here, before any file of the package imports megatron-core).
 """
 
 from __future__ import annotations
 
+from unirl.backends.megatron import cpu_jit
 from unirl.backends.megatron.plugin import PLUGIN
+
+cpu_jit.install()
 
 build_backend = PLUGIN.build
 

@@ -20,6 +20,7 @@ written under another parallel layout.
 from __future__ import annotations
 
 import logging
+import queue
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -123,6 +124,24 @@ def sharded_state(
     return state
 
 
+def in_process_write_results() -> None:
+    """Let megatron's torch_dist writer hand its write results over in this process.
+
+    megatron-core 0.16.1's `FileSystemWriterAsync` passes each save's write results to the
+    caller through one queue per process (``filesystem_async._get_write_results_queue``): a
+    ``multiprocessing.Manager`` queue, made for asynchronous saves (a forked process writes, the
+    trainer reads). Its first use starts the manager's server process, which imports torch to
+    unpickle the results: about 3 s of each process's first save on a CPU test runner. This
+    backend saves synchronously (``dist_checkpointing.save`` without ``async_sharded_save``),
+    which puts and reads the results in the calling process, so a `queue.Queue` carries them;
+    the files written are the same. Does nothing once a queue exists, or in a megatron-core
+    without that attribute."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 @attrs.frozen
 class ExtraModel:
     """Another trained model of the run (the critic), saved beside the policy under its name."""
@@ -154,6 +173,7 @@ def save_checkpoint(
         for name in extra:
             (partial / name).mkdir()
     dist.barrier()
+    in_process_write_results()
     with_optimizer = has_optimizer_state(optimizer)
     dist_checkpointing.save(
         sharded_state(ddp_chunks, optimizer, is_loading=False, with_optimizer=with_optimizer),
