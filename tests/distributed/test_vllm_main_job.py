@@ -50,6 +50,7 @@ def _left_over(marker: str) -> list[str]:
     return left
 
 
+@pytest.mark.slow  # tests/distributed/test_vllm_engines.py runs two ranks and the sync in CI
 def test_main_job_two_ranks(tmp_path):
     steps = 3
     run = tmp_path / "run"

@@ -195,6 +195,7 @@ def test_the_vllm_source_scores_a_rollout_in_one_call_and_evaluates_with_its_eng
     from unirl.rollouts.build import build_task
     from unirl.rollouts.eval import Evaluator
     from unirl.rollouts.vllm import VllmRolloutSource
+    from unirl.rollouts.vllm.sleep import SleepCycle
 
     log = tmp_path / "calls.txt"
     data = _data(tmp_path, reward="tests.unit.worker_rewards:counted_length",
@@ -205,6 +206,7 @@ def test_the_vllm_source_scores_a_rollout_in_one_call_and_evaluates_with_its_eng
     task = build_task(cfg)
     source = VllmRolloutSource(task, cfg, hf_config=None, vocab_size=32, seed=cfg.train.seed)
     source._engine = engine = _RecordingEngine(task.tokenizer.eos_id)
+    source._sleep = SleepCycle(None, "off")  # what the engine's start sets up
     for k in range(2):
         batch = source.next_rollout(k)
         # the response "5 <eos>" decodes to one character

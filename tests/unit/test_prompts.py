@@ -207,10 +207,12 @@ class _EchoEngine:
 def _vllm_source(cfg):
     """The vLLM source the plug-in builds, without starting vLLM (the engine is an echo)."""
     from unirl.rollouts.vllm import VllmRolloutSource
+    from unirl.rollouts.vllm.sleep import SleepCycle
 
     task = build_task(cfg)
     source = VllmRolloutSource(task, cfg, hf_config=None, vocab_size=32, seed=cfg.train.seed)
     source._engine = _EchoEngine(task.tokenizer.eos_id)
+    source._sleep = SleepCycle(None, "off")  # what the engine's start sets up
     return source
 
 

@@ -67,6 +67,13 @@ def staleness_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, fl
     }
 
 
+def _init_worker(group: Any, device: int | None) -> None:
+    """The rollout worker's thread: its collectives' group and the trainer's CUDA device."""
+    bind_rollout_group(group)
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
 class RolloutsAhead:
     """Generates up to ``max_staleness`` rollouts ahead of the one being trained (see module).
 
@@ -80,12 +87,19 @@ class RolloutsAhead:
         self.source = source
         self.max_staleness = max_staleness
         # collective: every rank builds its RolloutsAhead at the same point of the run
-        self._group = new_rollout_group()
+        wait_s = getattr(getattr(source, "options", None), "generation_timeout_s", None)
+        self._group = (
+            new_rollout_group()
+            if wait_s is None
+            else new_rollout_group(timeout_s=float(wait_s) + 60.0)
+        )
+        # a new thread starts on CUDA device 0: the worker uses the trainer's device
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._pool = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="unirl-rollouts",
-            initializer=bind_rollout_group,
-            initargs=(self._group,),
+            initializer=_init_worker,
+            initargs=(self._group, device),
         )
         self._pending: dict[int, Future[Generated]] = {}
         self._last_done: float | None = None  # when the worker finished its previous rollout

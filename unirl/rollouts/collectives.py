@@ -16,6 +16,7 @@ in the worker and None (the default group) anywhere else.
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -33,11 +34,15 @@ def bind_rollout_group(group: dist.ProcessGroup | None) -> None:
     _local.group = group
 
 
-def new_rollout_group() -> dist.ProcessGroup | None:
+def new_rollout_group(timeout_s: float | None = None) -> dist.ProcessGroup | None:
     """A group over every rank for the rollout worker, or None on one process. Collective:
     every rank calls it at the same point. Gloo: what travels on it is Python objects (finished
     rollouts, an error's text), which need no device memory and no stream ordering beside the
     trainer's kernels."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend="gloo")
+    if timeout_s is None:
+        return dist.new_group(backend="gloo")
+    # a source whose waits are bounded by their own poll (the vLLM exchange) needs the group's
+    # timeout above that bound, or gloo fails first
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

@@ -11,7 +11,6 @@ import attrs
 
 from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
-from unirl.core.run.model_shape import MOE_SHAPES
 
 if TYPE_CHECKING:
     from unirl.core.run.config import UnirlConfig
@@ -113,6 +112,8 @@ def _check_experts(cfg: UnirlConfig) -> None:
     hf = _hf_config_fields(cfg)
     # core's reader of the family (it reads num_experts, or num_local_experts: what transformers
     # 5 writes to a saved folder's config.json)
+    from unirl.core.run.model_shape import MOE_SHAPES  # here: it imports torch, the plug-in not
+
     reader = MOE_SHAPES.find(str(hf.get("model_type")))
     experts = reader(hf).num_experts if reader is not None else None
     if not hf:

@@ -20,11 +20,14 @@ module imports neither torch nor vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from unirl.core.errors import ConfigError
+
+if TYPE_CHECKING:  # plugin.py imports this module
+    from unirl.rollouts.vllm.plugin import VllmOptions
 
 _TRANSPORT_KEY = "rollout.vllm.weight_transfer"
 GIB = 1 << 30
@@ -78,7 +81,7 @@ def split_prompts(prompts: int, engines: int) -> list[range]:
     return out
 
 
-def choose_transport(options: Any, *, cuda: bool) -> Decision:
+def choose_transport(options: VllmOptions, *, cuda: bool) -> Decision:
     """How each sync reaches the engines, from ``rollout.vllm.weight_transfer`` (``options``:
     `VllmOptions`) and whether the engines run on CUDA GPUs."""
     want = options.weight_transfer
@@ -105,7 +108,7 @@ def choose_transport(options: Any, *, cuda: bool) -> Decision:
     return Decision(want, f"{_TRANSPORT_KEY}={want}")
 
 
-def check_transport(options: Any) -> None:
+def check_transport(options: VllmOptions) -> None:
     """The placement each explicit transport needs (also checked without a GPU, by the config)."""
     want, colocated = options.weight_transfer, options.devices is None
     if want == "ipc" and not colocated:
@@ -128,7 +131,9 @@ def check_transport(options: Any) -> None:
         )
 
 
-def check_startup(options: Any, *, cuda: bool, local_world_size: int, world_size: int) -> None:
+def check_startup(
+    options: VllmOptions, *, cuda: bool, local_world_size: int, world_size: int
+) -> None:
     """Rules that need the machine: sleep mode and reserved devices exist only on GPUs; reserved
     devices must not be the trainer's and must hold every engine of the node."""
     if options.sleep != "off" and not cuda:

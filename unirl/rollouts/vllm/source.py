@@ -62,6 +62,7 @@ from unirl.rollouts.environments.base import Environment
 from unirl.rollouts.episodes import EpisodeLimits
 from unirl.rollouts.stops import save_task_tokenizer, stop_ids
 from unirl.rollouts.tasks import (
+    BatchRewardTask,
     Problem,
     Task,
     close_task,
@@ -224,6 +225,9 @@ class VllmRolloutSource:
         assert self._transport is not None and self._sleep is not None
         self._sleep.before_sync()
         self._transport.send(buckets)
+        if self._transport.name != "file":  # the file reload resets it itself
+            # cached keys and values were computed under the old weights
+            self._engine.llm.reset_prefix_cache()
 
     def _start(self, buckets: Iterator[Bucket], engine: int) -> None:
         """Start this leader's engine: from the weights folder (file) or from dummy weights that
@@ -440,9 +444,12 @@ class VllmRolloutSource:
             EngineRequest(prompt_tokens=tuple(p), seed=sample_seed(seed, 0, i))
             for i, p in enumerate(prompts)
         ]
+        assert self._sleep is not None
+        self._sleep.before_generate()  # after a sync only the weights are awake
         samples = self._engine.generate(
             requests, temperature=temperature, max_new_tokens=max_new_tokens
         )
+        self._sleep.after_generate()
         return [(list(s.response_tokens), s.finished) for s in samples]
 
     def _check_length(self, problem: Problem, prompt_index: int) -> None:
@@ -458,17 +465,36 @@ class VllmRolloutSource:
             )
 
     def _rewards(self, problems: list[Problem], responses: list[list[int]]) -> list[float]:
-        """The rollout's rewards in one batched call (on rank 0, with the rollout)."""
-        try:
-            return [float(r) for r in task_rewards(self.task, problems, responses)]
-        except UnirlError:
-            raise
-        except Exception as exc:
-            raise RunError(
-                f"the reward of task {self.task.name!r} raised {type(exc).__name__}: {exc} on "
-                f"a rollout of {len(responses)} samples; fix the reward function (it must "
-                "return a number for every response, also an empty or cut-off one)"
-            ) from exc
+        """The rollout's rewards (on rank 0, with the rollout): one batched call for a task with
+        batched rewards (a prompt file's reward names a failing sample itself), else one call per
+        response, so that a raising reward names its sample."""
+        fix = (
+            "fix the reward function (it must return a number for every response, also an "
+            "empty or cut-off one)"
+        )
+        if isinstance(self.task, BatchRewardTask):
+            try:
+                return [float(r) for r in task_rewards(self.task, problems, responses)]
+            except UnirlError:
+                raise
+            except Exception as exc:
+                raise RunError(
+                    f"the reward of task {self.task.name!r} raised {type(exc).__name__}: {exc} "
+                    f"on a rollout of {len(responses)} samples; {fix}"
+                ) from exc
+        rewards = []
+        for i, (problem, response) in enumerate(zip(problems, responses, strict=True)):
+            try:
+                rewards.append(float(self.task.reward(problem, response)))
+            except UnirlError:
+                raise
+            except Exception as exc:
+                raise RunError(
+                    f"the reward of task {self.task.name!r} raised {type(exc).__name__}: {exc} "
+                    f"on sample {i} (prompt {problem.prompt_text!r}, response tokens "
+                    f"{response}); {fix}"
+                ) from exc
+        return rewards
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -502,16 +528,18 @@ class VllmRolloutSource:
         """Stop the engine (and every process it started) and remove the weight folder."""
         transport, self._transport = self._transport, None
         engine, self._engine = self._engine, None
+        folder, self._folder = self._folder, None
         try:
             if transport is not None:
                 transport.close()
         finally:
-            if engine is not None:
-                engine.close()
-        folder, self._folder = self._folder, None
-        if folder is not None:
-            folder.remove()
-        close_task(self.task)
+            try:
+                if engine is not None:
+                    engine.close()
+            finally:
+                if folder is not None:
+                    folder.remove()
+                close_task(self.task)
 
 
 def build_vllm_source(
