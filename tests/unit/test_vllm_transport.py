@@ -55,7 +55,8 @@ def test_leaders_shares_and_engine_of_rank():
     ],
 )
 def test_transport_choice(options, cuda, want):
-    assert placement.choose_transport(VllmOptions(**options), cuda=cuda).value == want
+    o = VllmOptions(**options)
+    assert placement.choose_transport(o.weight_transfer, o, cuda=cuda).value == want
 
 
 @pytest.mark.parametrize(
@@ -69,7 +70,8 @@ def test_transport_choice(options, cuda, want):
 )
 def test_transport_rules_name_the_key(options, cuda, needle):
     with pytest.raises(ConfigError, match=needle):
-        placement.choose_transport(VllmOptions(**options), cuda=cuda)
+        o = VllmOptions(**options)
+        placement.choose_transport(o.weight_transfer, o, cuda=cuda)
 
 
 def test_several_engines_have_every_rank_receive_the_weights():

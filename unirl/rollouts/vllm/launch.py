@@ -14,11 +14,14 @@ safetensors folder and reloads it after every sync.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from unirl.rollouts.vllm import placement, sleep
+
+if TYPE_CHECKING:  # plugin.py imports placement, not this module
+    from unirl.rollouts.vllm.plugin import VllmOptions
 
 
 @attrs.frozen(kw_only=True)
@@ -52,7 +55,7 @@ class EngineLaunch:
 
 
 def plan_launch(
-    options: Any,
+    options: VllmOptions,
     *,
     engine: int,
     cuda: bool,
@@ -64,7 +67,7 @@ def plan_launch(
     placement.check_startup(
         options, cuda=cuda, local_world_size=local_world_size, world_size=world_size
     )
-    transport = placement.choose_transport(options, cuda=cuda)
+    transport = placement.choose_transport(options.weight_transfer, options, cuda=cuda)
     env: dict[str, str] = {}
     devices = None
     if cuda:

@@ -3,7 +3,7 @@ the world size and the device, so `unirl check`, the start-up and the tests shar
 
     leaders(engines=2, world_size=4)            # (0, 2): engine k is driven by rank k*world/N
     split_prompts(prompts=5, engines=2)         # [range(0, 3), range(3, 5)]
-    choose_transport(options, cuda=True)        # Decision("ipc", "the engine shares ...")
+    choose_transport(options.weight_transfer, options, cuda=True)        # Decision("ipc", "the engine shares ...")
 
 Placement. Engine k runs beside global rank ``k * world_size / engines`` (its leader), which
 starts it, feeds it the weights and its share of the prompts. Colocated (``devices: null``) it
@@ -20,14 +20,11 @@ module imports neither torch nor vLLM.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from unirl.core.errors import ConfigError
-
-if TYPE_CHECKING:  # plugin.py imports this module
-    from unirl.rollouts.vllm.plugin import VllmOptions
 
 _TRANSPORT_KEY = "rollout.vllm.weight_transfer"
 GIB = 1 << 30
@@ -81,10 +78,9 @@ def split_prompts(prompts: int, engines: int) -> list[range]:
     return out
 
 
-def choose_transport(options: VllmOptions, *, cuda: bool) -> Decision:
-    """How each sync reaches the engines, from ``rollout.vllm.weight_transfer`` (``options``:
-    `VllmOptions`) and whether the engines run on CUDA GPUs."""
-    want = options.weight_transfer
+def choose_transport(want: str, options: Any, *, cuda: bool) -> Decision:
+    """How each sync reaches the engines, from ``want`` (``rollout.vllm.weight_transfer``), the
+    rest of ``options`` (`VllmOptions`) and whether the engines run on CUDA GPUs."""
     colocated = options.devices is None
     tp = options.tensor_parallel_size
     if want == "auto":
@@ -108,7 +104,7 @@ def choose_transport(options: VllmOptions, *, cuda: bool) -> Decision:
     return Decision(want, f"{_TRANSPORT_KEY}={want}")
 
 
-def check_transport(options: VllmOptions) -> None:
+def check_transport(options: Any) -> None:
     """The placement each explicit transport needs (also checked without a GPU, by the config)."""
     want, colocated = options.weight_transfer, options.devices is None
     if want == "ipc" and not colocated:
@@ -131,9 +127,7 @@ def check_transport(options: VllmOptions) -> None:
         )
 
 
-def check_startup(
-    options: VllmOptions, *, cuda: bool, local_world_size: int, world_size: int
-) -> None:
+def check_startup(options: Any, *, cuda: bool, local_world_size: int, world_size: int) -> None:
     """Rules that need the machine: sleep mode and reserved devices exist only on GPUs; reserved
     devices must not be the trainer's and must hold every engine of the node."""
     if options.sleep != "off" and not cuda:
