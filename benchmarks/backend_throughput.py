@@ -73,6 +73,7 @@ def engine_config(args: argparse.Namespace, hf: dict[str, Any], engine: str, mod
     data["parallel"] = {"zero_stage": 0}  # one GPU: no tp / pp / cp
     if backend != "megatron":
         del data["megatron"]  # the HF backends always run packed sequences
+        data["model"]["liger_kernels"] = args.liger_kernels
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
     # A/B knobs from the command line: the engine's own section, merged last
@@ -214,6 +215,11 @@ def main() -> None:
     parser.add_argument(
         "--fused-head", action="store_true", help="model.fused_head: log-probs without logits"
     )
+    parser.add_argument(
+        "--liger-kernels",
+        action="store_true",
+        help="model.liger_kernels on the HF engines: Liger's RMSNorm / rotary / SwiGLU kernels",
+    )
     parser.add_argument("--modes", default="reuse")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -264,6 +270,7 @@ def main() -> None:
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
+            "liger_kernels": args.liger_kernels,
             "fsdp2_options": args.fsdp2_options or None,
             "deepspeed_extra": args.deepspeed_extra or None,
         },
@@ -288,7 +295,11 @@ def main() -> None:
             cmd = _child_command(args, engine, out)
             logger.info("engine %s: %s", engine, " ".join(cmd))
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, timeout=args.timeout_s, check=False)
+            try:
+                proc = subprocess.run(cmd, env=env, timeout=args.timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                report["engines"][engine] = {"failed": f"timed out after {args.timeout_s:.0f} s"}
+                continue
             if proc.returncode != 0 or not out.is_file():
                 report["engines"][engine] = {"failed": f"exit code {proc.returncode}"}
                 continue

@@ -18,7 +18,9 @@ the GPU (the transport's own cost: one device copy into the shared buffer, the h
 receiver's clone) and on the host, as `TrainingBackend.stream_weights` yields them today (one
 host -> device copy more per bucket).
 
-``memory``: builds the backend at Qwen2.5-7B's shape (bf16, one GPU), takes one RL step on a
+``memory``: builds the backend at Qwen2.5-7B's shape (bf16, one GPU; from a folder of random bf16
+weights drawn on the GPU, `write_random_folder`, as the seeded fp32 CPU initialisation of 7B
+parameters takes minutes), takes one RL step on a
 small batch so that the optimizer's state exists (if that runs out of memory, the run is
 repeated without the step and the JSON says so), then measures the peak GPU memory above the
 trainer's own (``torch.cuda.max_memory_allocated`` after a reset) of a sync: the stream to a
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import statistics
 import subprocess
 import sys
@@ -183,7 +186,45 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
 # -- memory ------------------------------------------------------------------------------------
 
 
-def _backend_config(backend: str, run_dir: str) -> dict[str, Any]:
+def write_random_folder(
+    model: str, folder: Path, shard_bytes: int = 4 * GIB, device: str = "cuda"
+) -> Path:
+    """A Hugging Face folder of ``model``'s shape with random bf16 weights (std 0.02), drawn on
+    the GPU: loading it is much faster than the backends' seeded fp32 CPU initialisation of a 7B
+    model (which alone takes longer than a device call allows)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    hf = dict(MODELS[model])
+    AutoConfig.for_model(hf.pop("model_type"), **hf).save_pretrained(folder)
+    g = torch.Generator(device=device).manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    size, index, weight_map = 0, 0, {}
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        name = f"model-{index:05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, size, index = {}, 0, index + 1
+
+    for name, shape in hf_shapes(model):
+        t = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+        if "norm" in name:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        shard[name] = t.cpu()
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return folder
+
+
+def _backend_config(backend: str, run_dir: str, weights: str | None = None) -> dict[str, Any]:
     from benchmarks.backend_throughput import engine_config
 
     ns = argparse.Namespace(
@@ -194,6 +235,11 @@ def _backend_config(backend: str, run_dir: str) -> dict[str, Any]:
     data = engine_config(ns, dict(MODELS["qwen2.5-7b"]), backend, "reuse")
     data["logging"] = {"run_dir": run_dir, "tensorboard": False}
     data["progress"] = {"enabled": False}
+    if weights is not None:  # the random folder in place of the seeded CPU initialisation
+        data["model"] = {
+            k: v for k, v in data["model"].items() if k not in ("hf_config", "init_seed")
+        }
+        data["model"]["path"] = weights
     return data
 
 
@@ -207,7 +253,7 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
     from unirl.core.weight_stream import MIB
     from unirl.rollouts.vllm.transport import pack_bucket
 
-    cfg = config_from_dict(_backend_config(args.backend, tempfile.mkdtemp()))
+    cfg = config_from_dict(_backend_config(args.backend, tempfile.mkdtemp(), args.weights))
     t0 = time.perf_counter()
     backend = build_backend(cfg, total_optimizer_steps=10, needs_reference=False)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "optimizer_step": args.step}
@@ -241,7 +287,15 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def memory(args: argparse.Namespace) -> dict[str, Any]:
-    runs = {}
+    runs: dict[str, Any] = {}
+    # --weights DIR: keep the random folder there (made once, reused by the next backend's run)
+    folder = Path(args.weights or tempfile.mkdtemp(prefix="unirl-7b-"))
+    if not (folder / "model.safetensors.index.json").is_file():
+        t0 = time.perf_counter()
+        folder.mkdir(parents=True, exist_ok=True)
+        write_random_folder("qwen2.5-7b", folder)
+        torch.cuda.empty_cache()
+        runs["random_folder_s"] = time.perf_counter() - t0
     start = time.perf_counter()
     for step in (True, False) if args.step else (False,):
         # the run with the step gets part of the budget, the fallback what is left
@@ -251,6 +305,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
             result = Path(tmp) / "child.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "memory-child",
                    "--backend", args.backend, "--bucket-mb", str(args.bucket_mb),
+                   "--weights", str(folder),
                    "--out", str(result)] + ([] if step else ["--no-step"])  # fmt: skip
             try:
                 proc = subprocess.run(cmd, timeout=timeout, check=False,
@@ -267,6 +322,8 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
             tail = proc.stderr[-1500:]
             runs[f"step={step}"] = f"failed: {tail}"
             logger.warning("memory run (step=%s) failed: %s", step, tail)
+    if args.weights is None:
+        shutil.rmtree(folder, ignore_errors=True)
     return {
         "what": "peak GPU memory above the trainer's own of one weight sync (stream to rank 0 "
         "and IpcTransport's staging buffer per bucket), Qwen2.5-7B shape, bf16, one GPU",
@@ -287,6 +344,11 @@ def main() -> None:
     parser.add_argument("--backend", choices=["megatron", "fsdp2"], default="megatron")
     parser.add_argument("--no-step", dest="step", action="store_false")
     parser.add_argument("--timeout-s", type=float, default=190, help="memory: both runs")
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="memory: where the random 7B HF folder is (made if absent, kept)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("weight_transfer.py measures CUDA IPC and GPU memory: it needs a GPU")

@@ -30,6 +30,7 @@ from unirl.backends.hf import checkpoint
 from unirl.backends.hf.checkpoint import CheckpointFiles
 from unirl.backends.hf.critic import HFCritic
 from unirl.backends.hf.fused_head import FusedLMHead, install_fused_head
+from unirl.backends.hf.liger import apply_liger_kernels
 from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
 from unirl.backends.hf.model import PackedModule, TrainedModel, Training
 from unirl.backends.hf.moe import PolicyRouting, moe_routers
@@ -74,6 +75,7 @@ class HFBackend(EngineBackend):
         self.critic: HFCritic | None = None
         if critic_enabled(cfg):
             critic = load_critic(cfg.model, cfg.critic)
+            self._kernels(critic)
             self._use_attention(critic)
             steps = critic_optimizer_steps(cfg, total_optimizer_steps)
             training = Training("critic", cfg.critic.optimizer, "critic.optimizer", steps)
@@ -112,8 +114,14 @@ class HFBackend(EngineBackend):
         return self.policy.loss_scale(num_microbatches)
 
     def _prepare(self, model: Any) -> FusedLMHead | None:
+        self._kernels(model)
         self._use_attention(model)
         return install_fused_head(model) if self.cfg.model.fused_head else None
+
+    def _kernels(self, model: Any) -> None:
+        """``model.liger_kernels``: Liger's RMSNorm / rotary / SwiGLU kernels (`hf.liger`)."""
+        if self.cfg.model.liger_kernels:
+            apply_liger_kernels(model, self._dist.device.type)
 
     def _reference_model(self) -> PackedModule:
         if self._reference is None:

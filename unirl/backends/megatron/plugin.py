@@ -47,6 +47,11 @@ def check(cfg: UnirlConfig) -> None:
             f"critic.zero_stage={cfg.critic.zero_stage} with backend: megatron; the critic's "
             "optimizer is sharded by megatron's distributed optimizer: use 0 (off) or 1"
         )
+    if cfg.model.liger_kernels:
+        raise ConfigError(
+            "model.liger_kernels: true is for the Hugging Face backends (deepspeed, fsdp2); "
+            "Megatron builds its own layers: remove it or choose backend: deepspeed or fsdp2"
+        )
     _check_experts(cfg)
     _check_router_losses(cfg)
     if cfg.algorithm.routing_replay != "off" and cfg.model.gradient_checkpointing:

@@ -30,6 +30,10 @@ class ModelConfig:
     # log-probs 1.25x, in-process A/B, benchmarks/fused_head.py); turn it on when the logits cap
     # the microbatch length.
     fused_head: bool = False
+    # Liger's Triton kernels for RMSNorm, rotary embedding and SwiGLU in every decoder layer, on
+    # the Hugging Face backends (DeepSpeed, FSDP2) on a GPU (`unirl.backends.hf.liger`); the
+    # Megatron backend has its own fused layers and refuses it.
+    liger_kernels: bool = False
     max_seq_len: int = attrs.field(default=2048, validator=positive)
     # A local Hugging Face tokenizer folder for rollout.prompts text (and saved with the export);
     # None: model.path's tokenizer, else a character tokenizer over the prompt file.
