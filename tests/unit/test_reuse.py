@@ -334,13 +334,16 @@ def test_decoupled_auto_sets_the_loss_weight_only_when_on():
         ({}, 2, True, False, None),  # auto weights the stale tokens
         (FORCED_OFF, 2, True, True, "set algorithm.decoupled: true or auto"),
         ({}, 2, False, True, "give the rollout the engine's rollout_logprobs"),
+        ({"old_logprobs": "rollout"}, 1, True, True, "use old_logprobs: auto or recompute"),
         (DECOUPLED, 2, True, False, None),
         (TIS, 2, True, False, None),
         ({"algorithm__rollout_correction__mode": "icepop"}, 1, True, False, None),
     ],
 )
 def test_uncorrected_staleness_warning(overrides, staleness, behaviour, warns, fix):
-    warning = uncorrected_staleness(make("auto", **overrides), staleness, has_behaviour=behaviour)
+    overrides = dict(overrides)  # the parameter's dict is shared between runs
+    mode = overrides.pop("old_logprobs", "auto")
+    warning = uncorrected_staleness(make(mode, **overrides), staleness, has_behaviour=behaviour)
     assert (warning is not None) == warns
     if warns:
         assert fix in warning

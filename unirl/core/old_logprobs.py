@@ -335,13 +335,21 @@ def uncorrected_staleness(
     decoupled = decide_decoupled(cfg, staleness, has_behaviour=has_behaviour)
     if staleness <= 0 or decoupled.on or a.rollout_correction.mode != "none":
         return None
-    fix = (
-        "give the rollout the engine's rollout_logprobs (behaviour log-probs) so that "
-        "algorithm.decoupled: auto can weight each token by its proximal / behaviour ratio"
-        if not has_behaviour
-        else "set algorithm.decoupled: true or auto (decoupled PPO, weights each token by its "
-        "proximal / behaviour ratio) or algorithm.rollout_correction.mode: tis"
-    )
+    if not has_behaviour:
+        fix = (
+            "give the rollout the engine's rollout_logprobs (behaviour log-probs) so that "
+            "algorithm.decoupled: auto can weight each token by its proximal / behaviour ratio"
+        )
+    elif cfg.old_logprobs == "rollout":
+        fix = (
+            "use old_logprobs: auto or recompute, so that the proximal policy is the trained one "
+            "and algorithm.decoupled: auto weights each token by its proximal / behaviour ratio"
+        )
+    else:
+        fix = (
+            "set algorithm.decoupled: true or auto (decoupled PPO, weights each token by its "
+            "proximal / behaviour ratio) or algorithm.rollout_correction.mode: tis"
+        )
     return (
         f"the rollout is up to {staleness} policy version(s) stale and nothing corrects for it "
         f"({decoupled.explain()}): plain PPO treats it as on-policy; {fix}"
