@@ -142,10 +142,11 @@ def test_mismatch_split_by_staleness_by_hand():
 
 def test_async_run_follows_the_schedule_and_resumes_exactly(tmp_path):
     """k = 1: rollout r (0-based) comes from the weights after max(0, r - 1) RL steps (one
-    optimizer step each); a run cut at step 2 and resumed equals the uninterrupted run."""
+    optimizer step each); a run cut at step 2 and resumed equals the uninterrupted run.
+    algorithm.decoupled is left at auto: on for k > 0 (decoupled_weight_mean is logged)."""
     base = [str(EXAMPLES / "tiny_grpo.yaml"), "--set", "logging.tensorboard=false",
             "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=32",
-            "--set", "train.max_staleness=1", "--set", "algorithm.decoupled=true"]  # fmt: skip
+            "--set", "train.max_staleness=1"]  # fmt: skip
     full = _run_train_in_subprocess(
         [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
         tmp_path,

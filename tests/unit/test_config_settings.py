@@ -87,7 +87,12 @@ def test_a_key_has_the_type_of_the_settings_field_it_sets():
     assert len(fields) == 25  # 2 MoE router coefficients, 2 decoupled-PPO keys
     for cls, field, hint in fields:
         settings_cls, name = field.metadata[FEEDS]
-        assert hint == typing.get_type_hints(settings_cls)[name], f"{cls.__name__}.{field.name}"
+        want = typing.get_type_hints(settings_cls)[name]
+        if (cls, field.name) == (AlgorithmConfig, "decoupled"):
+            # the one key that takes more: 'auto', resolved to a bool before the settings exist
+            # (AlgorithmConfig.loss_settings); the settings field keeps the bool
+            want = bool | typing.Literal["auto"]
+        assert hint == want, f"{cls.__name__}.{field.name}"
 
 
 @pytest.mark.parametrize(

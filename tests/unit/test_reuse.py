@@ -286,30 +286,79 @@ def test_rollout_staleness_is_the_oldest_sample_against_the_trainer():
     assert rollout_staleness(_batch([5] * 4), None) == 0  # a caller without a version
 
 
+# -- algorithm.decoupled: auto (the default) resolved per rollout --------------------------------
+
+K1 = {"train__max_staleness": 1}
+FORCED_OFF = {"algorithm__decoupled": False}
+DECOUPLED_TABLE = [
+    # (mode, overrides, staleness, has rollout_logprobs, decoupled on, words of the reason)
+    ("auto", {}, 0, True, False, "auto: on-policy data"),  # k = 0: as before, number for number
+    ("recompute", {}, 0, True, False, "auto: on-policy data"),
+    ("auto", K1, 0, True, True, "auto: train.max_staleness=1"),  # k > 0: from the first rollout
+    ("auto", K1, 1, True, True, "auto: train.max_staleness=1"),
+    ("auto", {}, 2, True, True, "auto: samples up to 2 version(s) stale"),  # a stale file
+    ("auto", {}, 2, False, False, "auto: the rollout has no rollout_logprobs"),
+    ("auto", {**K1, **TIS}, 1, True, False, "auto: algorithm.rollout_correction.mode=tis"),
+    ("rollout", K1, 1, True, False, "auto: old_logprobs: rollout makes proximal = behaviour"),
+    ("auto", DECOUPLED, 0, True, True, "algorithm.decoupled: true"),  # forced, even on-policy
+    ("auto", {**K1, **FORCED_OFF}, 1, True, False, "algorithm.decoupled: false"),
+]
+
+
+@pytest.mark.parametrize("mode, overrides, staleness, behaviour, on, why", DECOUPLED_TABLE)
+def test_decoupled_rows(mode, overrides, staleness, behaviour, on, why):
+    decision = decide_old_logprobs(
+        make(mode, **overrides), staleness=staleness, has_behaviour=behaviour
+    )
+    assert decision.decoupled.on is on
+    assert decision.decoupled.reason.startswith(why)
+    assert f"decoupled PPO: {'on' if on else 'off'} ({why}" in decision.explain()
+    assert decision.to_dict()["decoupled"] == {"on": on, "reason": decision.decoupled.reason}
+
+
+def test_decoupled_auto_sets_the_loss_weight_only_when_on():
+    """The k = 0 loss settings are those of a config that never heard of decoupled PPO."""
+    assert (
+        make("auto").algorithm.loss_settings()
+        == make("auto", **FORCED_OFF).algorithm.loss_settings()
+    )
+    assert make("auto").algorithm.loss_settings(decoupled=True).decoupled is True
+    assert make("auto", **FORCED_OFF).algorithm.loss_settings(decoupled=True).decoupled is False
+    assert make("auto", **DECOUPLED).algorithm.loss_settings(decoupled=False).decoupled is True
+
+
 @pytest.mark.parametrize(
-    "overrides, staleness, warns",
+    "overrides, staleness, behaviour, warns, fix",
     [
-        ({}, 0, False),
-        ({}, 2, True),
-        (DECOUPLED, 2, False),
-        (TIS, 2, False),
-        ({"algorithm__rollout_correction__mode": "icepop"}, 1, False),
+        ({}, 0, True, False, None),
+        ({}, 2, True, False, None),  # auto weights the stale tokens
+        (FORCED_OFF, 2, True, True, "set algorithm.decoupled: true or auto"),
+        ({}, 2, False, True, "give the rollout the engine's rollout_logprobs"),
+        ({"old_logprobs": "rollout"}, 1, True, True, "use old_logprobs: auto or recompute"),
+        (DECOUPLED, 2, True, False, None),
+        (TIS, 2, True, False, None),
+        ({"algorithm__rollout_correction__mode": "icepop"}, 1, True, False, None),
     ],
 )
-def test_uncorrected_staleness_warning(overrides, staleness, warns):
-    warning = uncorrected_staleness(make("auto", **overrides), staleness)
+def test_uncorrected_staleness_warning(overrides, staleness, behaviour, warns, fix):
+    overrides = dict(overrides)  # the parameter's dict is shared between runs
+    mode = overrides.pop("old_logprobs", "auto")
+    warning = uncorrected_staleness(make(mode, **overrides), staleness, has_behaviour=behaviour)
     assert (warning is not None) == warns
     if warns:
-        assert "algorithm.decoupled: true" in warning
+        assert fix in warning
         assert f"up to {staleness} policy version(s) stale" in warning
 
 
 def test_roles_say_where_each_log_prob_comes_from():
     roles = logprob_roles(make("auto"), decide_old_logprobs(make("auto")))
     assert roles["proximal"].startswith("the training forward's own, detached")
+    assert "weights no token in this rollout (decoupled PPO: off (auto" in roles["behaviour"]
     cfg = make("auto", **DECOUPLED)
     roles = logprob_roles(cfg, decide_old_logprobs(cfg, staleness=1))
     assert roles["proximal"].startswith("a forward-only pass")
-    assert "weights the loss through algorithm.decoupled" in roles["behaviour"]
+    assert (
+        "weights the loss through decoupled PPO (algorithm.decoupled: true)" in roles["behaviour"]
+    )
     roles = logprob_roles(make("rollout"), decide_old_logprobs(make("rollout")))
     assert "behaviour = proximal" in roles["proximal"]

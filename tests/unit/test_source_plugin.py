@@ -113,6 +113,8 @@ def test_train_on_the_toy_source_records_each_rollouts_version(toys_registered, 
     assert [r["optimizer_steps"] for r in rows] == [1.0, 1.0, 1.0]
     assert [r["rollout/policy_version"] for r in rows] == [0.0, 0.0, 1.0]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    # algorithm.decoupled: auto, decided per rollout: off on-policy, on for the stale ones
+    assert ["decoupled_weight_mean" in r for r in rows] == [False, True, True]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
 
 

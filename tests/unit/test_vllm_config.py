@@ -75,10 +75,19 @@ def test_async_on_several_trainer_processes_is_accepted():
     assert cfg.train.max_staleness == 1
 
 
-def test_check_with_max_staleness_prints_roles_and_the_warning(capsys):
+def test_check_with_max_staleness_prints_roles_and_the_decoupled_default(capsys):
     assert main(["check", str(EXAMPLE), "--json", "--set", "train.max_staleness=1"]) == 0
     report = json.loads(capsys.readouterr().out)["old_logprobs"]
     assert report["source"] == "recompute"  # stale samples: the proximal pass runs
     assert [n["feature"] for n in report["needs"]] == ["stale_samples"]
     assert report["roles"]["proximal"].startswith("a forward-only pass")
-    assert "algorithm.decoupled: true" in report["staleness_warning"]
+    # algorithm.decoupled: auto turns decoupled PPO on for k > 0, so nothing warns
+    assert report["decoupled"]["on"] is True
+    assert "decoupled PPO: on (auto: train.max_staleness=1" in report["explanation"]
+    assert "weights the loss through decoupled PPO (auto" in report["roles"]["behaviour"]
+    assert report["staleness_warning"] is None
+    forced_off = ["--set", "train.max_staleness=1", "--set", "algorithm.decoupled=false"]
+    assert main(["check", str(EXAMPLE), "--json", *forced_off]) == 0
+    report = json.loads(capsys.readouterr().out)["old_logprobs"]
+    assert report["decoupled"] == {"on": False, "reason": "algorithm.decoupled: false"}
+    assert "set algorithm.decoupled: true or auto" in report["staleness_warning"]

@@ -187,29 +187,83 @@ def _policy_loss(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
     return None
 
 
+@attrs.frozen
+class DecoupledChoice:
+    """Whether decoupled PPO's behaviour weight is on for a rollout, with the reason in words."""
+
+    on: bool
+    reason: str
+
+    def explain(self) -> str:
+        return f"decoupled PPO: {'on' if self.on else 'off'} ({self.reason})"
+
+
+def decide_decoupled(
+    cfg: UnirlConfig, staleness: int = 0, *, has_behaviour: bool = True
+) -> DecoupledChoice:
+    """``algorithm.decoupled`` resolved for a rollout whose oldest sample is ``staleness`` policy
+    versions behind the trained policy; ``has_behaviour``: the rollout carries the engine's
+    log-probs. The one place its ``auto`` default is decided: on exactly when samples can be
+    stale (``train.max_staleness > 0``, or this rollout is) and the behaviour log-probs are
+    there, unless something else already accounts for the behaviour policy. On-policy data
+    keeps it off: its weight exp(proximal - behaviour) is 1 up to the trainer / engine
+    numerics, so a synchronous run stays number for number what it was."""
+    a = cfg.algorithm
+    if isinstance(a.decoupled, bool):
+        return DecoupledChoice(a.decoupled, f"algorithm.decoupled: {str(a.decoupled).lower()}")
+    k = cfg.train.max_staleness
+    if k == 0 and staleness <= 0:
+        return DecoupledChoice(
+            False, "auto: on-policy data (train.max_staleness: 0, no stale sample), weight 1"
+        )
+    if a.rollout_correction.mode != "none":
+        return DecoupledChoice(
+            False,
+            f"auto: algorithm.rollout_correction.mode={a.rollout_correction.mode} weights by the "
+            "proximal / behaviour ratio instead",
+        )
+    if cfg.old_logprobs == "rollout":
+        return DecoupledChoice(
+            False, "auto: old_logprobs: rollout makes proximal = behaviour (weight 1)"
+        )
+    if not has_behaviour:
+        return DecoupledChoice(
+            False, "auto: the rollout has no rollout_logprobs (the behaviour log-probs)"
+        )
+    why = f"train.max_staleness={k}" if k else f"samples up to {staleness} version(s) stale"
+    return DecoupledChoice(
+        True,
+        f"auto: {why}; each token weighted by min(exp(proximal - behaviour), "
+        f"algorithm.decoupled_cap={a.decoupled_cap})",
+    )
+
+
 @attrs.frozen(kw_only=True)
 class OldLogprobDecision:
     requested: str
     source: Source
     needs: tuple[Need, ...]
+    # Decoupled PPO's behaviour weight, decided with the proximal source (it divides by it).
+    decoupled: DecoupledChoice
 
     def explain(self) -> str:
         head = f"old log-probs: {self.source} (requested: {self.requested})"
+        tail = "\n" + self.decoupled.explain()
         if self.needs:
             lines = [f"  - {n.feature}: {n.reason}" for n in self.needs]
-            return head + "; needed before the first optimizer step by:\n" + "\n".join(lines)
-        if self.source == "reuse":
-            return (
-                head
-                + "; no feature needs them before the first step, the forward-only pass is skipped"
-            )
-        return head + "; no feature needs them before the first step (reuse would be valid)"
+            body = "; needed before the first optimizer step by:\n" + "\n".join(lines)
+        elif self.source == "reuse":
+            body = "; no feature needs them before the first step, the forward-only pass is skipped"
+        else:
+            body = "; no feature needs them before the first step (reuse would be valid)"
+        return head + body + tail
 
     def to_dict(self) -> dict[str, object]:
         return {
             "requested": self.requested,
             "source": self.source,
             "needs": [{"feature": n.feature, "reason": n.reason} for n in self.needs],
+            "decoupled": {"on": self.decoupled.on, "reason": self.decoupled.reason},
         }
 
 
@@ -232,10 +286,15 @@ def rollout_staleness(batch: RolloutBatch, policy_version: int | None) -> int:
 
 
 def decide_old_logprobs(
-    cfg: UnirlConfig, rollout_samples: int | None = None, *, staleness: int = 0
+    cfg: UnirlConfig,
+    rollout_samples: int | None = None,
+    *,
+    staleness: int = 0,
+    has_behaviour: bool = True,
 ) -> OldLogprobDecision:
     """Decide for a rollout of `rollout_samples` samples (default: the configured size) whose
-    oldest sample is `staleness` policy versions behind the trained policy."""
+    oldest sample is `staleness` policy versions behind the trained policy (and, with it,
+    decoupled PPO: `decide_decoupled`; `has_behaviour`: the rollout has rollout_logprobs)."""
     samples = rollout_samples if rollout_samples is not None else cfg.layout.rollout_samples
     per_step = cfg.batch.samples_per_optimizer_step
     steps = -(-samples // per_step) * cfg.batch.epochs_per_rollout
@@ -253,7 +312,12 @@ def decide_old_logprobs(
         source: Source = "recompute" if needs else "reuse"
     else:
         source = mode  # type: ignore[assignment]
-    return OldLogprobDecision(requested=mode, source=source, needs=needs)
+    return OldLogprobDecision(
+        requested=mode,
+        source=source,
+        needs=needs,
+        decoupled=decide_decoupled(cfg, staleness, has_behaviour=has_behaviour),
+    )
 
 
 def configured_staleness(cfg: UnirlConfig) -> int:
@@ -262,17 +326,33 @@ def configured_staleness(cfg: UnirlConfig) -> int:
     return cfg.train.max_staleness * cfg.layout.optimizer_steps_per_rollout
 
 
-def uncorrected_staleness(cfg: UnirlConfig, staleness: int) -> str | None:
+def uncorrected_staleness(
+    cfg: UnirlConfig, staleness: int, *, has_behaviour: bool = True
+) -> str | None:
     """A warning when stale samples train without any off-policy correction, naming the fix;
     None when the data is on-policy or something corrects it."""
     a = cfg.algorithm
-    if staleness <= 0 or a.decoupled or a.rollout_correction.mode != "none":
+    decoupled = decide_decoupled(cfg, staleness, has_behaviour=has_behaviour)
+    if staleness <= 0 or decoupled.on or a.rollout_correction.mode != "none":
         return None
+    if not has_behaviour:
+        fix = (
+            "give the rollout the engine's rollout_logprobs (behaviour log-probs) so that "
+            "algorithm.decoupled: auto can weight each token by its proximal / behaviour ratio"
+        )
+    elif cfg.old_logprobs == "rollout":
+        fix = (
+            "use old_logprobs: auto or recompute, so that the proximal policy is the trained one "
+            "and algorithm.decoupled: auto weights each token by its proximal / behaviour ratio"
+        )
+    else:
+        fix = (
+            "set algorithm.decoupled: true or auto (decoupled PPO, weights each token by its "
+            "proximal / behaviour ratio) or algorithm.rollout_correction.mode: tis"
+        )
     return (
-        f"the rollout is up to {staleness} policy version(s) stale and nothing corrects for it: "
-        "plain PPO treats it as on-policy; set algorithm.decoupled: true (decoupled PPO, "
-        "weights each token by its proximal / behaviour ratio) or "
-        "algorithm.rollout_correction.mode: tis"
+        f"the rollout is up to {staleness} policy version(s) stale and nothing corrects for it "
+        f"({decoupled.explain()}): plain PPO treats it as on-policy; {fix}"
     )
 
 
@@ -287,7 +367,7 @@ def logprob_roles(cfg: UnirlConfig, decision: OldLogprobDecision) -> dict[str, s
     users = [
         key
         for key, on in (
-            ("algorithm.decoupled", a.decoupled),
+            (f"decoupled PPO ({decision.decoupled.reason})", decision.decoupled.on),
             (f"algorithm.rollout_correction.mode={a.rollout_correction.mode}",
              a.rollout_correction.mode != "none"),
         )
@@ -297,7 +377,7 @@ def logprob_roles(cfg: UnirlConfig, decision: OldLogprobDecision) -> dict[str, s
     behaviour += (
         f"; weights the loss through {', '.join(users)}"
         if users
-        else "; weights no token in this run (a stale rollout would need algorithm.decoupled)"
+        else f"; weights no token in this rollout ({decision.decoupled.explain()})"
     )
     return {
         "current": "the training forward (with grad)",

@@ -75,6 +75,7 @@ class RLStep:
         self.cfg = cfg
         self.backend = backend
         self.topology = backend.topology
+        # decoupled PPO as for on-policy data; run() sets it per rollout (algorithm.decoupled)
         self.loss_settings = loss_settings(cfg)
         self.advantage_settings = advantage_settings(cfg)
         self.uses_reference = needs_reference(cfg)
@@ -114,10 +115,15 @@ class RLStep:
             moe=self.rollout_experts,
         )
         staleness = rollout_staleness(batch, policy_version)
-        decision = decide_old_logprobs(cfg, len(batch), staleness=staleness)
+        has_behaviour = batch.has("rollout_logprobs")
+        decision = decide_old_logprobs(
+            cfg, len(batch), staleness=staleness, has_behaviour=has_behaviour
+        )
+        # algorithm.decoupled: auto is decided per rollout, with the proximal source
+        self.loss_settings = attrs.evolve(self.loss_settings, decoupled=decision.decoupled.on)
         if topo.is_reporting_rank:
             self.decisions.update(decision)
-            warning = uncorrected_staleness(cfg, staleness)
+            warning = uncorrected_staleness(cfg, staleness, has_behaviour=has_behaviour)
             if warning is not None and not self._warned_stale:
                 logger.warning("%s", warning)
                 self._warned_stale = True
@@ -286,8 +292,8 @@ class RLStep:
             )
         if self.cfg.algorithm.mismatch_metrics:
             users.append("algorithm.mismatch_metrics: true")
-        if self.loss_settings.decoupled:
-            users.append("algorithm.decoupled: true (the behaviour log-probs)")
+        if decision.decoupled.on:
+            users.append(f"decoupled PPO ({decision.decoupled.reason}; the behaviour log-probs)")
         if users and not batch.has("rollout_logprobs"):
             raise RolloutDataError(
                 f"the rollout has no 'rollout_logprobs', but {', '.join(users)} needs them; give "

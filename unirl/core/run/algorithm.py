@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 
 def loss_settings(cfg: UnirlConfig) -> LossSettings:
-    """The loss settings of ``cfg.algorithm``; a bad value raises `ConfigError` with its key."""
+    """The loss settings of ``cfg.algorithm``, decoupled PPO as for on-policy data
+    (``algorithm.decoupled: auto`` is off there; the RL step turns it on per rollout from
+    `unirl.core.old_logprobs.decide_decoupled`); a bad value raises `ConfigError` with its key."""
     return cfg.algorithm.loss_settings()
 
 

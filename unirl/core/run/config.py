@@ -219,7 +219,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
             "nothing (the weight exp(old - rollout) is 1 when old log-probs are the rollout's); "
             "use old_logprobs: auto or recompute, or set rollout_correction.mode: none"
         )
-    if a.decoupled and cfg.old_logprobs == "rollout":
+    if a.decoupled is True and cfg.old_logprobs == "rollout":
         raise ConfigError(
             "algorithm.decoupled: true with old_logprobs: rollout makes the proximal policy the "
             "behaviour one (weight exp(0) = 1 everywhere); use old_logprobs: auto or recompute, "

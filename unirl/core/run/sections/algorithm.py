@@ -10,7 +10,7 @@ import attrs
 from unirl.core.maths.advantages.settings import AdvantageSettings
 from unirl.core.maths.losses.router import RouterCoefficients
 from unirl.core.maths.losses.settings import Aggregation, LossSettings, RolloutCorrection
-from unirl.core.run.sections.feeds import Feeding, build_settings
+from unirl.core.run.sections.feeds import FEEDS, Feeding, build_settings
 from unirl.core.run.sections.training import OptimizerConfig
 from unirl.core.run.validators import non_negative, positive
 
@@ -69,8 +69,15 @@ class AlgorithmConfig:
     kl_loss: KLConfig = attrs.field(factory=KLConfig)
     kl_in_reward: KLInRewardConfig = attrs.field(factory=KLInRewardConfig)
     rollout_correction: RolloutCorrectionConfig = attrs.field(factory=RolloutCorrectionConfig)
-    # Decoupled PPO (AReaL, unirl.core.maths.losses.decoupled): for stale (asynchronous) data.
-    decoupled: bool = LOSS.decoupled
+    # Decoupled PPO (AReaL, unirl.core.maths.losses.decoupled): each token's loss weighted by
+    # min(exp(proximal - behaviour), decoupled_cap), for stale (asynchronous) data. auto: on
+    # exactly when samples can be stale (train.max_staleness > 0, or a rollout older than the
+    # policy) and nothing else corrects for the behaviour policy, off for on-policy data
+    # (`unirl.core.old_logprobs.decide_decoupled`; `unirl check` prints the choice); true /
+    # false force it.
+    decoupled: bool | Literal["auto"] = attrs.field(
+        default="auto", metadata={FEEDS: (LossSettings, "decoupled")}
+    )
     decoupled_cap: float = LOSS.decoupled_cap
     gamma: float = ADVANTAGE.gamma
     lam: float = ADVANTAGE.lam
@@ -97,9 +104,12 @@ class AlgorithmConfig:
         self.advantage_settings()
         self.router_coefficients()
 
-    def loss_settings(self) -> LossSettings:
-        """The loss settings these keys set; a bad value raises `ConfigError` naming its key."""
-        return build_settings(self, LossSettings)
+    def loss_settings(self, *, decoupled: bool = False) -> LossSettings:
+        """The loss settings these keys set, with ``decoupled`` what ``algorithm.decoupled: auto``
+        resolved to (a forced true / false wins); a bad value raises `ConfigError` naming its
+        key."""
+        forced = self.decoupled if isinstance(self.decoupled, bool) else decoupled
+        return build_settings(self, LossSettings, decoupled=forced)
 
     def router_coefficients(self) -> RouterCoefficients:
         """The MoE router terms' coefficients these keys set (`ConfigError` naming the key)."""

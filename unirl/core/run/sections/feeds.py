@@ -59,11 +59,15 @@ def _read(section: Any, key: str) -> Any:
     return section
 
 
-def build_settings(section: Any, settings: type[_Settings]) -> _Settings:
+def build_settings(section: Any, settings: type[_Settings], **resolved: Any) -> _Settings:
     """``settings`` built from the values ``section`` feeds it (the other fields keep the
-    settings' defaults); an error names the key relative to ``section``."""
+    settings' defaults); ``resolved``: values the section's owner worked out for fields whose key
+    takes more than the settings field does (``algorithm.decoupled: auto``). An error names the
+    key relative to ``section``."""
     keys = fed_fields(type(section), settings)
     try:
-        return settings(**{field: _read(section, key) for field, key in keys.items()})
+        return settings(
+            **{field: resolved.get(field, _read(section, key)) for field, key in keys.items()}
+        )
     except KeyedConfigError as exc:
         raise exc.rekeyed(lambda field: keys[field]) from None
