@@ -181,6 +181,22 @@ def planned_buckets(
             del tensors
 
 
+def gather_rows(out: torch.Tensor, shard: torch.Tensor, group: Any) -> torch.Tensor:
+    """Fill ``out`` with every rank's equal ``shard`` of dim 0, in group-rank order (an
+    all-gather; collective over ``group``). On the CPU it is one broadcast per rank straight into
+    ``out``'s rows: gloo's all-gather stages the whole output in a buffer of its own first, which
+    would double the host memory of the largest tensors."""
+    if out.device.type != "cpu":
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+        return out
+    me = dist.get_rank(group)
+    for r, rows in enumerate(out.chunk(dist.get_world_size(group))):
+        if r == me:
+            rows.copy_(shard.view(rows.shape))
+        dist.broadcast(rows, src=dist.get_global_rank(group, r), group=group)
+    return out
+
+
 def as_buckets(state_dict: Mapping[str, torch.Tensor]) -> WeightBuckets:
     """A state dict already in memory (a test's, a single-process tool's) as one bucket."""
     yield list(state_dict.items())

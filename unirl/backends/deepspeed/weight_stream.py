@@ -27,6 +27,7 @@ from unirl.core.weight_stream import (
     agree_non_finite,
     checked_stream,
     first_non_finite_local,
+    gather_rows,
     planned_buckets,
     receives,
 )
@@ -81,7 +82,7 @@ def _gather_into(param: Any, out: torch.Tensor | None) -> torch.Tensor:
         flat = out.view(-1)
     else:
         flat = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
-    dist.all_gather_into_tensor(flat, shard, group=group)
+    gather_rows(flat, shard, group)
     return flat[:numel].view(param.ds_shape)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from unirl.core.weight_stream import (
@@ -25,6 +24,7 @@ from unirl.core.weight_stream import (
     agree_non_finite,
     checked_stream,
     first_non_finite_local,
+    gather_rows,
     planned_buckets,
     receives,
 )
@@ -84,7 +84,7 @@ def stream_weights(
             local = value.to_local().contiguous()
             whole = out is not None and out.dtype == local.dtype
             full = out if whole else torch.empty(value.shape, dtype=local.dtype)
-            dist.all_gather_into_tensor(full, local, group=value.device_mesh.get_group())
+            gather_rows(full, local, value.device_mesh.get_group())
             return [full]
         return [_full(value)]  # cast to the bucket's dtype by the copy into it
 

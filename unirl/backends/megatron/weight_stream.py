@@ -41,6 +41,7 @@ from unirl.core.weight_stream import (
     agree_non_finite,
     checked_stream,
     first_non_finite_local,
+    gather_rows,
     planned_buckets,
     receives,
 )
@@ -125,7 +126,7 @@ def _maker(topology: Topology, hf_config: Any) -> Any:
             )
             full = out if direct else param.new_empty((rows, *param.shape[1:]))
             assert full is not None
-            dist.all_gather_into_tensor(full, param.contiguous(), group=topology.groups.tp)
+            gather_rows(full, param, topology.groups.tp)
             return [full if direct else full[: hf_config.vocab_size]]
         return [t for _, t in _hf_of(unit, topology, hf_config, _all_gather)]
 
