@@ -142,6 +142,13 @@ def _plan(
         yield group
 
 
+def _fill(slot: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``tensor`` into its bucket slot, unless it was made there (a function, so that no local
+    name keeps a view of the bucket alive once it is handed out)."""
+    if tensor.data_ptr() != slot.data_ptr() or tensor.numel() == 0:
+        slot.copy_(tensor)
+
+
 def planned_buckets(
     units: Iterable[U],
     specs_of: Callable[[U], Sequence[TensorSpec]],
@@ -169,9 +176,7 @@ def planned_buckets(
                 whole = bucket is not None and count == 1
                 made, current = make(unit, bucket.slots[k] if whole else None), unit
             if bucket is not None:
-                slot, tensor = bucket.slots[k], made[index]
-                if tensor.data_ptr() != slot.data_ptr() or tensor.numel() == 0:
-                    slot.copy_(tensor)
+                _fill(bucket.slots[k], made[index])
             if index == count - 1:
                 made, current = None, None  # the unit's gathered tensors are freed here
         if bucket is not None:
@@ -192,7 +197,7 @@ def gather_rows(out: torch.Tensor, shard: torch.Tensor, group: Any) -> torch.Ten
     me = dist.get_rank(group)
     for r, rows in enumerate(out.chunk(dist.get_world_size(group))):
         if r == me:
-            rows.copy_(shard.view(rows.shape))
+            rows.copy_(shard.reshape(rows.shape))
         dist.broadcast(rows, src=dist.get_global_rank(group, r), group=group)
     return out
 

@@ -100,6 +100,17 @@ def _hf_of(
     return out
 
 
+def _gather(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+    """`convert._all_gather`; on the CPU the shards land in one buffer, a broadcast per rank
+    (`unirl.core.weight_stream.gather_rows`: no staging buffer of gloo's, no list of separate
+    allocations for the heap to keep)."""
+    if size == 1 or t.device.type != "cpu":
+        return _all_gather(t, size, group)
+    stacked = t.new_empty((size, *t.shape))
+    gather_rows(stacked, t, group)
+    return list(stacked.unbind(0))
+
+
 def _on_meta(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
     return [torch.empty_like(t, device="meta") for _ in range(size)]
 
@@ -128,7 +139,7 @@ def _maker(topology: Topology, hf_config: Any) -> Any:
             assert full is not None
             gather_rows(full, param, topology.groups.tp)
             return [full if direct else full[: hf_config.vocab_size]]
-        return [t for _, t in _hf_of(unit, topology, hf_config, _all_gather)]
+        return [t for _, t in _hf_of(unit, topology, hf_config, _gather)]
 
     return make
 
