@@ -117,8 +117,10 @@ class WeightFolder:
         replaced by a rename so the engine never reads half a file; files a previous sync left
         beyond this one's count are removed."""
         written: set[str] = set()
-        for index, bucket in enumerate(buckets, start=1):
-            name = f"weights-{index:05d}.safetensors"
+        # no enumerate(): its result tuple would keep the previous bucket alive while the
+        # stream makes the next one
+        for bucket in buckets:
+            name = f"weights-{len(written) + 1:05d}.safetensors"
             self._write_file(name, bucket)
             written.add(name)
             del bucket  # freed before the stream makes the next one
