@@ -12,13 +12,25 @@ rank (a sampler on every rank). Ranks that do not receive iterate too (they take
 gathers) and get no buckets. Before the first bucket is made, every rank scans its own shards
 for a NaN or an infinity and one all-reduce of a flag decides: a non-finite model never reaches
 an engine (`NonFiniteWeightsError`, naming the first such parameter).
+
+Host memory. A backend plans its buckets from the tensors' shapes before it gathers anything
+(`planned_buckets`): each bucket is one flat CPU buffer (`FlatBucket`, one allocation, which
+glibc maps and unmaps as a whole, so a freed bucket goes back to the OS instead of staying in
+the heap), and each gathered parameter is copied straight into its place in it (or, on the CPU,
+all-gathered straight into it) and dropped. So a rank holds its shards, the bucket being filled
+and one gathered parameter, never the next bucket's tensors while the previous one is still
+held. A consumer helps by dropping its bucket before it asks for the next (``del bucket`` at the
+end of the loop body: a ``for`` loop's variable keeps the previous bucket alive while the next
+one is being made). Tensors of one bucket are views of one buffer: keeping any of them keeps
+the whole bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -29,6 +41,9 @@ Bucket = list[tuple[str, torch.Tensor]]
 WeightBuckets = Iterator[Bucket]
 
 MIB = 1 << 20
+
+# one unit of a backend's stream: what it gathers in one go (a parameter, a fused qkv)
+U = TypeVar("U")
 
 
 class NonFiniteWeightsError(RunError):
@@ -60,6 +75,133 @@ def bucketed(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
         yield bucket
 
 
+@attrs.frozen
+class TensorSpec:
+    """A tensor a stream will hold, known before it is gathered."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * _element_size(self.dtype)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class FlatBucket:
+    """The tensors of one bucket as views of one flat buffer on ``device``, in ``specs`` order
+    (laid out largest element size first, so every view is aligned without padding)."""
+
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device | str = "cpu") -> None:
+        self.specs = list(specs)
+        layout = sorted(range(len(self.specs)), key=lambda i: -_element_size(self.specs[i].dtype))
+        offsets = [0] * len(self.specs)
+        total = 0
+        for i in layout:
+            offsets[i] = total
+            total += self.specs[i].nbytes
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        self.slots = [
+            self.buffer[o : o + s.nbytes].view(s.dtype).view(s.shape)
+            for o, s in zip(offsets, self.specs)
+        ]
+
+    def tensors(self) -> Bucket:
+        return [(s.name, t) for s, t in zip(self.specs, self.slots)]
+
+
+def _plan(
+    units: Iterable[U], specs_of: Callable[[U], Sequence[TensorSpec]], bucket_bytes: int
+) -> Iterator[list[tuple[U, int, int, TensorSpec]]]:
+    """`bucketed` on shapes alone: per bucket, (unit, index of the tensor in its unit, the unit's
+    tensor count, spec)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    group: list[tuple[U, int, int, TensorSpec]] = []
+    size = 0
+    for unit in units:
+        specs = specs_of(unit)
+        for index, spec in enumerate(specs):
+            if group and size + spec.nbytes > bucket_bytes:
+                yield group
+                group, size = [], 0
+            group.append((unit, index, len(specs), spec))
+            size += spec.nbytes
+    if group:
+        yield group
+
+
+def _fill(slot: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``tensor`` into its bucket slot, unless it was made there (a function, so that no local
+    name keeps a view of the bucket alive once it is handed out)."""
+    if tensor.data_ptr() != slot.data_ptr() or tensor.numel() == 0:
+        slot.copy_(tensor)
+
+
+def planned_buckets(
+    units: Iterable[U],
+    specs_of: Callable[[U], Sequence[TensorSpec]],
+    make: Callable[[U, torch.Tensor | None], Sequence[torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    keep: bool,
+    device: torch.device | str = "cpu",
+) -> WeightBuckets:
+    """A backend's stream from its units, bucketed on their shapes (`specs_of`, no gather)
+    before any tensor is made: each bucket is a `FlatBucket` on ``device``, filled unit by unit.
+
+    ``make(unit, out)`` gathers one unit (collective: every rank calls it for every unit, in
+    order) and returns its tensors, in `specs_of` order; ``out``, when not None, is where the
+    unit's single tensor goes in the bucket, and ``make`` may write it there itself (then it
+    returns ``[out]``) instead of returning a tensor to be copied in. Ranks that do not
+    ``keep`` take part in every ``make`` (``out`` is None) and get no buckets. A unit cut by a
+    bucket boundary is made once; its tensors wait for the next bucket."""
+    made: Sequence[torch.Tensor] | None = None
+    current: Any = None
+    for group in _plan(units, specs_of, bucket_bytes):
+        bucket = FlatBucket([spec for *_, spec in group], device) if keep else None
+        for k, (unit, index, count, _) in enumerate(group):
+            if made is None or current is not unit:
+                whole = bucket is not None and count == 1
+                made, current = make(unit, bucket.slots[k] if whole else None), unit
+            if bucket is not None:
+                _fill(bucket.slots[k], made[index])
+            if index == count - 1:
+                made, current = None, None  # the unit's gathered tensors are freed here
+        if bucket is not None:
+            tensors = bucket.tensors()
+            del bucket  # the consumer's list holds the buffer now, nothing else
+            yield tensors
+            del tensors
+
+
+def gather_rows(out: torch.Tensor, shard: torch.Tensor, group: Any) -> torch.Tensor:
+    """Fill ``out`` with every rank's equal ``shard`` of dim 0, in group-rank order (an
+    all-gather; collective over ``group``). On the CPU it is one broadcast per rank straight into
+    ``out``'s rows: gloo's all-gather stages the whole output in a buffer of its own first, which
+    would double the host memory of the largest tensors."""
+    if out.device.type != "cpu":
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+        return out
+    me = dist.get_rank(group)
+    for r, rows in enumerate(out.chunk(dist.get_world_size(group))):
+        if r == me:
+            rows.copy_(shard.reshape(rows.shape))
+        dist.broadcast(rows, src=dist.get_global_rank(group, r), group=group)
+    return out
+
+
 def as_buckets(state_dict: Mapping[str, torch.Tensor]) -> WeightBuckets:
     """A state dict already in memory (a test's, a single-process tool's) as one bucket."""
     yield list(state_dict.items())
@@ -75,9 +217,18 @@ def drain(buckets: Iterable[Bucket]) -> None:
 def first_non_finite_local(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first floating-point tensor holding a NaN or an infinity, or None."""
     for name, tensor in tensors:
-        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and tensor.numel() and not _all_finite(tensor):
             return name
     return None
+
+
+_CHECK_ELEMENTS = 1 << 22  # isfinite's bool mask of a chunk: 4 MiB, not the whole shard's
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    if not tensor.is_contiguous() or tensor.numel() <= _CHECK_ELEMENTS:
+        return bool(torch.isfinite(tensor).all())
+    return all(bool(torch.isfinite(c).all()) for c in tensor.view(-1).split(_CHECK_ELEMENTS))
 
 
 def agree_non_finite(local: str | None, device: torch.device, group: Any = None) -> str | None:

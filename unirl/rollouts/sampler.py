@@ -176,6 +176,7 @@ class Sampler:
             for name in _complete_experts(pending, own):
                 part[name] = pending.pop(name)
             self._load_part(part, own, loaded, unexpected)
+            bucket = part = t = None  # loaded: freed before the stream makes the next bucket
         self._load_part(pending, own, loaded, unexpected)  # incomplete experts: refused there
         given = {own[k].data_ptr() for k in loaded}
         untied = [k for k in own if k not in loaded and own[k].data_ptr() not in given]

@@ -1,26 +1,34 @@
 """A DeepSpeed-trained policy's weights as a stream of buckets (`unirl.core.weight_stream`).
 
 Under ZeRO 0-2 every rank holds the whole 16/32-bit module, so the receiving rank copies its own
-parameters bucket by bucket and the others do nothing. Under ZeRO-3 the parameters are gathered
-one module at a time (``deepspeed.zero.GatheredParameters``, collective), copied to the CPU on
-the receiving rank(s), and released before the next module: no rank holds more than one gathered
-module on the device and one bucket on the host. Names, order-independent values and dtypes are
-those of `unirl.backends.deepspeed.export.hf_state_dict`.
+parameters into each bucket and the others do nothing. Under ZeRO-3 the parameters are gathered
+one at a time and copied into their place in the bucket on the receiving rank(s); the buckets are
+planned from the parameters' full shapes (``ds_shape``) before anything is gathered. On a GPU the
+gather is DeepSpeed's (``deepspeed.zero.GatheredParameters``, on the device, released before the
+next parameter). On the CPU, where the "device" is host memory too, the partitions (``ds_tensor``:
+rank r holds elements [r * n, (r + 1) * n) of the flattened parameter) are all-gathered straight
+into the bucket, so no second host copy of a parameter exists. No rank holds more than one
+gathered parameter and one bucket. Names, values and dtypes are those of
+`unirl.backends.deepspeed.export.hf_state_dict`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
+import torch.distributed as dist
 
 from unirl.core.weight_stream import (
+    TensorSpec,
     WeightBuckets,
     agree_non_finite,
-    bucketed,
     checked_stream,
     first_non_finite_local,
+    gather_rows,
+    planned_buckets,
     receives,
 )
 
@@ -37,27 +45,62 @@ def non_finite_weight(engine: Any) -> str | None:
     return agree_non_finite(local, torch.device(engine.device))
 
 
-def _zero3_tensors(module: torch.nn.Module, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    import deepspeed
+@attrs.frozen(eq=False)
+class _Unit:
+    """One exported tensor: a ZeRO-3 parameter (``partitioned``) or a tensor held whole."""
 
-    def visit(mod: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-        params = list(mod.parameters(recurse=False))
-        copies: list[tuple[str, torch.Tensor]] = []
-        if params:
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                if keep:
-                    copies = [
-                        (prefix + n, p.detach().to("cpu", copy=True))
-                        for n, p in mod.named_parameters(recurse=False)
-                    ]
-        yield from copies
-        for name, buf in mod.named_buffers(recurse=False):
-            if keep and name not in mod._non_persistent_buffers_set:
-                yield prefix + name, buf.detach().to("cpu", copy=True)
-        for name, child in mod.named_children():
-            yield from visit(child, f"{prefix}{name}.")
+    name: str
+    tensor: torch.Tensor
+    partitioned: bool
 
-    yield from visit(module, "")
+    def spec(self) -> TensorSpec:
+        shape = self.tensor.ds_shape if self.partitioned else self.tensor.shape
+        return TensorSpec(self.name, tuple(shape), self.tensor.dtype)
+
+
+def _zero3_units(module: torch.nn.Module) -> Iterator[_Unit]:
+    """The export's tensors in its order: each module's parameters, then its persistent
+    buffers, then its children."""
+    for name, param in module.named_parameters(recurse=False):
+        yield _Unit(name, param, True)
+    for name, buf in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            yield _Unit(name, buf, False)
+    for child_name, child in module.named_children():
+        for unit in _zero3_units(child):
+            yield attrs.evolve(unit, name=f"{child_name}.{unit.name}")
+
+
+def _gather_into(param: Any, out: torch.Tensor | None) -> torch.Tensor:
+    """``param`` whole, all-gathered from the ZeRO-3 partitions on the CPU, into ``out`` when it
+    is given and no padding is in the way (collective over the parameter's group)."""
+    group = param.ds_process_group
+    shard = param.ds_tensor.detach().reshape(-1)
+    world = dist.get_world_size(group)
+    numel = int(param.ds_numel)
+    if out is not None and shard.numel() * world == numel and out.dtype == shard.dtype:
+        flat = out.view(-1)
+    else:
+        flat = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
+    gather_rows(flat, shard, group)
+    return flat[:numel].view(param.ds_shape)
+
+
+def _make(cpu: bool) -> Any:
+    def make(unit: _Unit, out: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        if not unit.partitioned:
+            return [unit.tensor.detach()]
+        if cpu:
+            return [_gather_into(unit.tensor, out)]
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([unit.tensor], modifier_rank=None):
+            if out is None:
+                return []
+            out.copy_(unit.tensor.detach())
+            return [out]
+
+    return make
 
 
 def stream_weights(engine: Any, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
@@ -67,12 +110,14 @@ def stream_weights(engine: Any, bucket_bytes: int, *, dst: int | None) -> Weight
     def make() -> WeightBuckets:
         module = engine.module
         if engine.zero_optimization_stage() == 3:
-            tensors = _zero3_tensors(module, keep)
-        elif keep:
-            # the module's own state dict order; one CPU copy at a time, as the buckets fill
-            tensors = ((k, v.detach().to("cpu", copy=True)) for k, v in module.state_dict().items())
-        else:
+            cpu = torch.device(engine.device).type == "cpu"
+            return planned_buckets(
+                _zero3_units(module), lambda u: [u.spec()], _make(cpu), bucket_bytes, keep=keep
+            )
+        if not keep:
             return iter(())
-        return bucketed(tensors, bucket_bytes)
+        # the module's own state dict order, each tensor copied into its bucket
+        units = [_Unit(k, v.detach(), False) for k, v in module.state_dict().items()]
+        return planned_buckets(units, lambda u: [u.spec()], _make(False), bucket_bytes, keep=True)
 
     return checked_stream(lambda: non_finite_weight(engine), make)

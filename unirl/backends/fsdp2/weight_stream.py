@@ -1,25 +1,31 @@
 """An FSDP2-trained policy's weights as a stream of buckets (`unirl.core.weight_stream`).
 
 One parameter is materialised at a time: its DTensor's ``full_tensor()`` (an all-gather over the
-shard mesh, every rank), cast to the model's dtype on the device, copied to the CPU on the
-receiving rank(s) and dropped. So the device holds one full parameter beyond the shards (not the
-full fp32 model `get_model_state_dict` gathers), the host one bucket. Names, values and dtypes
-are those of `unirl.backends.fsdp2.export.hf_state_dict`.
+shard mesh, every rank), copied into its place in the bucket on the receiving rank(s), cast to
+the model's dtype by that copy, and dropped. The buckets are planned from the DTensors' global
+shapes before anything is gathered. On the CPU, where the "device" is host memory too, a
+parameter evenly sharded on dim 0 of a one-dimensional mesh (FSDP2's layout) is all-gathered
+straight into the bucket when no cast is needed, so no second host copy of it exists. So the
+device holds one full parameter beyond the shards (not the full fp32 model
+`get_model_state_dict` gathers), the host one bucket. Names, values and dtypes are those of
+`unirl.backends.fsdp2.export.hf_state_dict`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from unirl.core.weight_stream import (
+    TensorSpec,
     WeightBuckets,
     agree_non_finite,
-    bucketed,
     checked_stream,
     first_non_finite_local,
+    gather_rows,
+    planned_buckets,
     receives,
 )
 
@@ -43,15 +49,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()
 
 
-def _tensors(
-    model: torch.nn.Module, dtype: torch.dtype, keep: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, value in model.state_dict().items():
-        full = _full(value.detach())
-        if keep:
-            cast = dtype if full.is_floating_point() else full.dtype
-            yield name, full.to(cast).to("cpu", copy=True)
-        del full
+def _evenly_sharded_on_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t``'s shards can be all-gathered straight into one CPU tensor: dim 0 split in
+    equal parts over a 1-D CPU mesh (decided from global facts only, the same on every rank)."""
+    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or t.device.type != "cpu":
+        return False
+    if t.device_mesh.device_type != "cpu" or tuple(t.placements) != (Shard(0),):
+        return False
+    return t.dim() > 0 and t.shape[0] % t.device_mesh.size() == 0
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return dtype if t.is_floating_point() else t.dtype
 
 
 def stream_weights(
@@ -64,7 +73,23 @@ def stream_weights(
 ) -> WeightBuckets:
     """See `unirl.core.backend.TrainingBackend.stream_weights`."""
     keep = receives(dst)
-    return checked_stream(
-        lambda: non_finite_weight(model, device),
-        lambda: bucketed(_tensors(model, dtype, keep), bucket_bytes),
-    )
+
+    def spec(item: tuple[str, torch.Tensor]) -> list[TensorSpec]:
+        name, value = item
+        return [TensorSpec(name, tuple(value.shape), _cast(value, dtype))]
+
+    def make(item: tuple[str, torch.Tensor], out: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        value = item[1].detach()
+        if _evenly_sharded_on_cpu(value):
+            local = value.to_local().contiguous()
+            whole = out is not None and out.dtype == local.dtype
+            full = out if whole else torch.empty(value.shape, dtype=local.dtype)
+            gather_rows(full, local, value.device_mesh.get_group())
+            return [full]
+        return [_full(value)]  # cast to the bucket's dtype by the copy into it
+
+    def make_stream() -> WeightBuckets:
+        items = list(model.state_dict().items())
+        return planned_buckets(items, spec, make, bucket_bytes, keep=keep)
+
+    return checked_stream(lambda: non_finite_weight(model, device), make_stream)

@@ -1,34 +1,53 @@
 """A Megatron policy's weights as a stream of buckets of Hugging Face tensors
 (`unirl.core.weight_stream`), made on the pipeline stage that owns them.
 
-Each stage converts its own layers (`convert.stage_hf_tensors`: TP shards, and expert shards
-over the expert-parallel group, all-gathered one parameter at a time) and fills buckets on the
-device. The stages then take turns in pipeline order: the owning stage broadcasts each bucket
-(its names and shapes, then its tensors) over the pipeline group, and the receiving rank copies
-it to the CPU. Pipeline groups without a receiving rank only run their stage's gathers (their TP
-peers need them). So a rank holds its shards, one gathered parameter and one bucket; nothing
-holds the model. Names, values and dtypes are those of `convert.export_hf_state_dict`.
+Each stage converts its own layers one Megatron parameter at a time (TP shards, and expert
+shards over the expert-parallel group, all-gathered; a fused qkv / gate-up split into its HF
+tensors), copying each HF tensor into its place in a bucket planned from the shapes beforehand
+(`unirl.core.weight_stream.planned_buckets`). A vocabulary-parallel embedding or head, the
+largest tensors, is all-gathered in one piece (rows in rank order); on the CPU, where the
+"device" is host memory too, straight into the bucket. With pipeline stages, the stages then
+take turns in pipeline order: the owning stage broadcasts each bucket (its tensors' specs, then
+the tensors) over the pipeline group, and the receiving rank copies it to the CPU (on the CPU it
+receives straight into its bucket). Pipeline groups without a receiving rank only run their
+stage's gathers (their TP peers need them). So a rank holds its shards, one gathered parameter
+and one bucket; nothing holds the model. Names, values and dtypes are those of
+`convert.export_hf_state_dict`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.backends.megatron.convert import check_export_names, chunk_entries, stage_hf_tensors
+from unirl.backends.megatron.convert import (
+    Entry,
+    _all_gather,
+    _expert_parallel_entries,
+    _hf_tensors,
+    check_export_names,
+    chunk_entries,
+)
 from unirl.core.topology import Topology
 from unirl.core.weight_stream import (
     Bucket,
+    FlatBucket,
+    TensorSpec,
     WeightBuckets,
     agree_non_finite,
-    bucketed,
     checked_stream,
     first_non_finite_local,
+    gather_rows,
+    planned_buckets,
     receives,
 )
+
+# (tensor, group size, group) -> the group's tensors in rank order
+Gather = Callable[[torch.Tensor, int, Any], list[torch.Tensor]]
 
 
 def non_finite_weight(chunks: Sequence[torch.nn.Module], hf_config: Any) -> str | None:
@@ -46,36 +65,124 @@ def non_finite_weight(chunks: Sequence[torch.nn.Module], hf_config: Any) -> str 
     return agree_non_finite(local, device)
 
 
-def _host(bucket: Bucket) -> Bucket:
-    return [(n, torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)) for n, t in bucket]
+@attrs.frozen(eq=False)
+class _Unit:
+    """One Megatron parameter of this stage and its conversion entry."""
+
+    entry: Entry
+    param: torch.Tensor
+
+
+def _units(chunks: Sequence[torch.nn.Module], hf_config: Any) -> Iterator[_Unit]:
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for entry in chunk_entries(chunk, hf_config):
+            if entry.megatron_name == "output_layer.weight" and hf_config.tie_word_embeddings:
+                continue  # the first stage's embedding is the one copy HF keeps
+            yield _Unit(entry, params[entry.megatron_name].detach())
+
+
+def _hf_of(
+    unit: _Unit, topology: Topology, hf_config: Any, gather: Gather
+) -> list[tuple[str, torch.Tensor]]:
+    """`convert.stage_hf_tensors` for one parameter, gathered by ``gather``."""
+    entry, param = unit.entry, unit.param
+    if entry.expert is None:
+        shards = gather(param, topology.tp_size, topology.groups.tp)
+        return list(_hf_tensors(entry, shards, hf_config))
+    # a routed expert: each expert-parallel rank holds another expert in this slot
+    dim = int(entry.kind == "row")
+    whole = torch.cat(gather(param, topology.etp_size, topology.groups.etp), dim=dim)
+    out: list[tuple[str, torch.Tensor]] = []
+    per_ep_rank = gather(whole, topology.ep_size, topology.groups.ep)
+    for ep_entry, tensor in zip(_expert_parallel_entries(entry, topology), per_ep_rank):
+        out.extend(_hf_tensors(ep_entry, list(tensor.chunk(topology.etp_size, dim=dim)), hf_config))
+    return out
+
+
+def _gather(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+    """`convert._all_gather`; on the CPU the shards land in one buffer, a broadcast per rank
+    (`unirl.core.weight_stream.gather_rows`: no staging buffer of gloo's, no list of separate
+    allocations for the heap to keep)."""
+    if size == 1 or t.device.type != "cpu":
+        return _all_gather(t, size, group)
+    stacked = t.new_empty((size, *t.shape))
+    gather_rows(stacked, t, group)
+    return list(stacked.unbind(0))
+
+
+def _on_meta(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+    return [torch.empty_like(t, device="meta") for _ in range(size)]
+
+
+def _specs(unit: _Unit, topology: Topology, hf_config: Any) -> list[TensorSpec]:
+    """The HF tensors ``unit`` makes, from the conversion run on meta tensors (no gather)."""
+    return [
+        TensorSpec(n, tuple(t.shape), t.dtype)
+        for n, t in _hf_of(unit, topology, hf_config, _on_meta)
+    ]
+
+
+def _maker(topology: Topology, hf_config: Any) -> Any:
+    def make(unit: _Unit, out: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        param, entry = unit.param, unit.entry
+        if entry.kind == "vocab" and entry.expert is None and topology.tp_size > 1:
+            # the largest tensors: one all-gather (rows in rank order), no list of shards + cat
+            rows = param.shape[0] * topology.tp_size
+            direct = (
+                out is not None
+                and out.device == param.device
+                and out.dtype == param.dtype
+                and out.shape[0] == rows
+            )
+            full = out if direct else param.new_empty((rows, *param.shape[1:]))
+            assert full is not None
+            gather_rows(full, param, topology.groups.tp)
+            return [full if direct else full[: hf_config.vocab_size]]
+        return [t for _, t in _hf_of(unit, topology, hf_config, _gather)]
+
+    return make
+
+
+def _on_host(specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]) -> Bucket:
+    if all(t.device.type == "cpu" for t in tensors):
+        return [(s.name, t) for s, t in zip(specs, tensors)]
+    host = FlatBucket(specs)
+    for slot, t in zip(host.slots, tensors):
+        slot.copy_(t)
+    return host.tensors()
 
 
 def _pipeline_buckets(
-    local: Iterator[Bucket], topology: Topology, device: torch.device, keep: bool
+    local: Callable[[], WeightBuckets], topology: Topology, device: torch.device, keep: bool
 ) -> WeightBuckets:
-    """Every stage's buckets in stage order, broadcast over the pipeline group."""
+    """Every stage's buckets in stage order, broadcast over the pipeline group; ``local()``: this
+    stage's buckets, on ``device``."""
     group = topology.groups.pp
     for stage in range(topology.pp_size):
         src = dist.get_global_rank(group, stage)
         own = stage == topology.pp_rank
+        mine = local() if own else None
         while True:
-            bucket = next(local, None) if own else None
+            bucket = next(mine, None) if mine is not None else None
             box: list[Any] = [
-                None if bucket is None else [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+                None
+                if bucket is None
+                else [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in bucket]
             ]
             dist.broadcast_object_list(box, src=src, group=group, device=device)
-            meta = box[0]
-            if meta is None:
+            specs = box[0]
+            if specs is None:
                 break
-            if own:
-                assert bucket is not None
-                tensors = [t.contiguous() for _, t in bucket]
-            else:
-                tensors = [torch.empty(s, dtype=d, device=device) for _, s, d in meta]
+            if bucket is not None:
+                tensors = [t for _, t in bucket]
+            else:  # received straight into a host bucket when the device is the CPU
+                where = "cpu" if keep and device.type == "cpu" else device
+                tensors = FlatBucket(specs, where).slots
             for t in tensors:
                 dist.broadcast(t, src=src, group=group)
             if keep:
-                yield _host([(m[0], t) for m, t in zip(meta, tensors)])
+                yield _on_host(specs, tensors)
             del bucket, tensors
 
 
@@ -91,20 +198,30 @@ def stream_weights(
     keep = receives(dst)
     device = next(chunks[0].parameters()).device
 
+    def stage(keep_here: bool, where: torch.device | str) -> WeightBuckets:
+        return planned_buckets(
+            _units(chunks, hf_config),
+            lambda u: _specs(u, topology, hf_config),
+            _maker(topology, hf_config),
+            bucket_bytes,
+            keep=keep_here,
+            device=where,
+        )
+
     def make() -> WeightBuckets:
-        local = bucketed(stage_hf_tensors(chunks, hf_config, topology), bucket_bytes)
         pipeline = topology.pp_size > 1 and (
             dst is None or dst in dist.get_process_group_ranks(topology.groups.pp)
         )
         names: set[str] = set()
         if pipeline:
-            buckets = _pipeline_buckets(local, topology, device, keep)
+            buckets = _pipeline_buckets(lambda: stage(True, device), topology, device, keep)
         else:
-            buckets = (_host(b) if keep else [] for b in local)
+            buckets = stage(keep, "cpu")
         for bucket in buckets:
             if keep:
                 names.update(n for n, _ in bucket)
                 yield bucket
+            del bucket
         if keep:
             check_export_names(names, hf_config)
 

@@ -197,7 +197,7 @@ class IpcTransport:
             torch.cuda.current_stream(self.device).synchronize()  # the bytes are in before
             info = ipc_update_info(packed, ipc_handle_args(packed.buffer), self.gpu_uuid)
             self.client.update_weights(info)
-            del packed
+            del packed, bucket  # the host bucket freed before the next is made
         self.client.finish_weight_update()
         torch.cuda.ipc_collect()  # buffers the engine released go back to the allocator
 
@@ -253,7 +253,7 @@ class NcclTransport:
                 future = pool.submit(self.client.update_weights, nccl_update_info(packed))
                 self.group.broadcast(packed.buffer, src=0, stream=torch.cuda.current_stream())
                 future.result()
-                del packed
+                del packed, bucket  # the host bucket freed before the next
         finally:
             # a failed broadcast leaves the engine's call waiting: do not join it
             pool.shutdown(wait=False)

@@ -17,11 +17,14 @@ CPU and for colocated engines over several GPUs.
 
 The weights arrive as a stream of buckets (`unirl.core.weight_stream`): each bucket is written
 as its own safetensors file (``weights-00001.safetensors`` ...; vLLM loads every safetensors file
-of a folder without an index), so the host never holds more than one bucket.
+of a folder without an index), written straight from the bucket's tensors (`write_safetensors`:
+no serialised copy, and the views of one flat bucket need no clone), so the host never holds
+more than one bucket.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -33,6 +36,52 @@ import torch
 
 from unirl.core.errors import RunError
 from unirl.core.weight_stream import Bucket
+
+# safetensors' dtype names
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors(path: str | Path, tensors: Bucket) -> None:
+    """``tensors`` as one safetensors file, each tensor's bytes written from its own memory
+    (a non-contiguous one is made contiguous first, alone): no serialised copy of the bucket,
+    and tensors that share storage (a flat bucket's views, tied embeddings) are written as they
+    are. The layout is safetensors' own: largest element size first, then by name, each
+    tensor's bytes in order without holes, the header padded to 8 bytes."""
+    items = sorted(tensors, key=lambda item: (-item[1].element_size(), item[0]))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in items:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for _, t in items:
+            if t.numel():
+                flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(flat.numpy()))
 
 
 def _default_root() -> str:
@@ -68,29 +117,21 @@ class WeightFolder:
         replaced by a rename so the engine never reads half a file; files a previous sync left
         beyond this one's count are removed."""
         written: set[str] = set()
-        for index, bucket in enumerate(buckets, start=1):
-            name = f"weights-{index:05d}.safetensors"
+        # no enumerate(): its result tuple would keep the previous bucket alive while the
+        # stream makes the next one
+        for bucket in buckets:
+            name = f"weights-{len(written) + 1:05d}.safetensors"
             self._write_file(name, bucket)
             written.add(name)
+            del bucket  # freed before the stream makes the next one
         for stale in self.path.glob("*.safetensors"):
             if stale.name not in written:
                 stale.unlink()
 
     def _write_file(self, name: str, bucket: Bucket) -> None:
-        from safetensors.torch import save_file
-
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for key, tensor in bucket:
-            t = tensor.detach().to("cpu").contiguous()
-            # safetensors refuses tensors that share memory (tied embeddings): copy the second.
-            if t.untyped_storage().data_ptr() in seen:
-                t = t.clone()
-            seen.add(t.untyped_storage().data_ptr())
-            tensors[key] = t
         tmp = self.path / (name + ".tmp")
         try:
-            save_file(tensors, str(tmp))
+            write_safetensors(tmp, bucket)
             os.replace(tmp, self.path / name)
         except OSError as exc:
             raise RunError(
