@@ -154,7 +154,6 @@ class ScheduleReplay:
             out.append(torch.stack([layers[c] for c in range(num_moe_layers)], dim=1).to(DTYPE))
         return out
 
-
     def _whole_rows(self) -> dict[int, dict[int, torch.Tensor]]:
         """The recorded indices of every router row of each microbatch: this rank's, or under
         sequence parallel the TP ranks' slices concatenated in rank order (collective over TP)."""
