@@ -91,6 +91,7 @@ def _worker(rank, world_size, ep, pp, tp):
     from unirl.backends.megatron import build_backend
     from unirl.backends.megatron.convert import load_hf_weights
     from unirl.core.maths.logprob_spec import LogprobSpec
+    from unirl.core.moe_loss import LossWithRouterTerm
     from unirl.core.run.config import config_from_dict
     from unirl.core.run.progress import MicrobatchProgress
 
@@ -110,8 +111,11 @@ def _worker(rank, world_size, ep, pp, tp):
                     [mb], role="policy", spec=spec, progress=bar
                 )
 
-            def loss_fn(mb, logprobs, entropy, /, *, router_logits=None):
+            def policy(mb, logprobs, entropy):
                 return (logprobs * mb.loss_mask).sum(), {}
+
+            # no router term (every pipeline stage reads the loss's router settings)
+            loss_fn = LossWithRouterTerm(policy=policy, router=None, global_tokens=mb.num_tokens)
 
             with MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
                 metrics = backend.forward_backward([mb], loss_fn=loss_fn, spec=spec, progress=bar)
