@@ -36,8 +36,9 @@ TOL = clauses.TOLERANCES["fp32"]
 
 # Layouts in the slow tier (tests/conftest.py): variants whose parts each have a layout in the
 # default tier (tp2-sp, fused-tp2, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3
-# run there; moe-ep2 for expert parallel); each passed here once.
-# The two 4-rank MoE layouts took 210 s and 320 s on the shared 2-core machine.
+# run there; for MoE, moe-ep2, moe-tp2-ep2-sp and moe-pp2 on 2 ranks); each passed here once.
+# The two 4-rank MoE layouts (expert TP 2; PP 2 x EP 2) cost 4 processes' megatron imports on
+# 2 cores: 39 s and 36 s on a quiet machine, 210 s and 320 s under other jobs' load.
 SLOW_LAYOUTS = {
     "megatron": (
         "padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2", "tp2-pp2", "dp2", "padded-pp2-vpp2",
