@@ -232,6 +232,7 @@ def test_head_loss_path(case, group, variant):
         pytest.skip(f"{layout.name} runs without model.fused_head")
     if not entry.supports_loss_in_head:
         pytest.skip(f"{entry.name} does not take the loss into its fused head")
+    in_fixture(group, variant)
     calls = [r["variants"][variant]["logprob_calls"] for r in group.ranks if "variants" in r]
     assert calls, group.ranks[0]["errors"]
     in_head = sum(c.get("head_loss", 0) for c in calls)
