@@ -37,8 +37,9 @@ TOL = clauses.TOLERANCES["fp32"]
 # Layouts in the slow tier (tests/conftest.py): variants whose parts each have a layout in the
 # default tier (tp2-sp, fused-tp2, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3
 # run there; for MoE, moe-ep2, moe-tp2-ep2-sp and moe-pp2 on 2 ranks); each passed here once.
-# The two 4-rank MoE layouts (expert TP 2; PP 2 x EP 2) cost 4 processes' megatron imports on
-# 2 cores: 39 s and 36 s on a quiet machine, 210 s and 320 s under other jobs' load.
+# The two 4-rank MoE layouts (expert TP 2; PP 2 x EP 2) cost 4 processes' start-up (megatron's
+# imports: most of their build section) on 2 cores: 27 s and 32 s at load ~3, 210 s and 320 s
+# under other jobs' load; their 2-rank twins moe-tp2-ep2-sp and moe-pp2 took 10.5 s and 13.2 s.
 SLOW_LAYOUTS = {
     "megatron": (
         "padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2", "tp2-pp2", "dp2", "padded-pp2-vpp2",
