@@ -16,7 +16,8 @@ router-loss and routing-replay clauses; the critic's clauses run on the dense fi
 
     PYTHONPATH=$PWD python benchmarks/contract_table.py --device cuda --dtype fp32 \\
         --backends megatron,deepspeed,fsdp2 \\
-        --layouts moe-ep1,moe-ep2,moe-ep2-etp2,moe-pp2-ep2,moe-zero1-dp2,moe-full-dp2 \\
+        --layouts moe-ep1,moe-ep2,moe-tp2-ep2-sp,moe-pp2,moe-ep2-etp2,moe-pp2-ep2,\\
+moe-zero1-dp2,moe-full-dp2 \\
         --no-critic --out benchmarks/results/contract_h200_moe_fp32.json
 
 ``--fused-head on`` runs every layout with ``model.fused_head: true`` (log-probs from the hidden

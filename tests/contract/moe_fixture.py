@@ -6,15 +6,15 @@ experts a rollout engine "used" for the routing-replay section.
   splits it). The routers are drawn with a larger std (`ROUTER_STD`) than the rest so that each
   token's top-2 is decided by a clear margin: a near tie between the 2nd and 3rd expert would let
   summation order flip a routing decision between a backend and the reference.
-- Router coefficients (`ROUTER_COEFS`, for the backend the group builds and every variant): large
-  (aux 0.5, z-loss 0.05), so the router term moves every variant's gradient well above the
-  tolerance (at the default aux 0.001 and no z-loss its share of the gradient norm is ~1e-6, below
-  it). They are fixture-wide because Megatron under pp > 1 applies the coefficients of the config
-  it was built with (its stages add their router shares themselves), where the other paths take
-  the step's: one value for both keeps the comparison about the numbers.
+- Router coefficients (`ROUTER_COEFS`, for the backend the group builds and every variant but
+  one): large (aux 0.5, z-loss 0.05), so the router term moves every variant's gradient well above
+  the tolerance (at the default aux 0.001 and no z-loss its share of the gradient norm is ~1e-6,
+  below it).
 - Variants: the policy-loss path once (PPO dual-clip, token-mean, k1 KL, entropy), its microbatch
-  split (clause 4) and reuse / recompute (clause 5); the loss the backends train on includes the
-  router term, and so does the reference.
+  split (clause 4), reuse / recompute (clause 5), and the policy-loss path with other router
+  coefficients than the build's (`STEP_ROUTER_COEFS`: the step's config is what counts, also on
+  Megatron's pipeline stages, which add their layers' router share themselves); the loss the
+  backends train on includes the router term, and so does the reference.
 - Replay (`REPLAY`): ``routing_replay: rollout`` with `routed_experts` drawn at random (seeded,
   distinct experts per row), so the forced routing differs from the router's own almost
   everywhere and a backend that ignored the given experts fails by far.
@@ -86,12 +86,18 @@ _PPO_DUAL = fixtures.VARIANTS["ppo_dual_k1_token_mean"]["overrides"]
 ROUTER_COEFS = {"router_aux_loss_coef": 0.5, "router_z_loss_coef": 0.05}
 # What the fixture adds to `fixtures.base_config` (the build's config and every variant's).
 BASE = {"algorithm": ROUTER_COEFS}
+# One variant's step: coefficients other than the build's (both still large).
+STEP_ROUTER_COEFS = {"router_aux_loss_coef": 0.2, "router_z_loss_coef": 0.15}
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "ppo_dual_k1_token_mean": fixtures.VARIANTS["ppo_dual_k1_token_mean"],
     "ppo_dual_mbs1": fixtures.VARIANTS["ppo_dual_mbs1"],
     "reuse": fixtures.VARIANTS["reuse"],
     "recompute": fixtures.VARIANTS["recompute"],
+    "ppo_dual_step_router_coefs": {
+        "overrides": fixtures.merged(_PPO_DUAL, {"algorithm": STEP_ROUTER_COEFS}),
+        "data": fixtures.BOTH,
+    },
 }
 
 # The replay step: the base variant with the rollout's experts replayed in every forward (R3).

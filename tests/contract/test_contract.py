@@ -36,8 +36,10 @@ TOL = clauses.TOLERANCES["fp32"]
 
 # Layouts in the slow tier (tests/conftest.py): variants whose parts each have a layout in the
 # default tier (tp2-sp, fused-tp2, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3
-# run there; moe-ep2 for expert parallel); each passed here once.
-# The two 4-rank MoE layouts took 210 s and 320 s on the shared 2-core machine.
+# run there; for MoE, moe-ep2, moe-tp2-ep2-sp and moe-pp2 on 2 ranks); each passed here once.
+# The two 4-rank MoE layouts (expert TP 2; PP 2 x EP 2) cost 4 processes' start-up (megatron's
+# imports: most of their build section) on 2 cores: 27 s and 32 s at load ~3, 210 s and 320 s
+# under other jobs' load; their 2-rank twins moe-tp2-ep2-sp and moe-pp2 took 10.5 s and 13.2 s.
 SLOW_LAYOUTS = {
     "megatron": (
         "padded-tp2-sp", "fused-tp2-sp", "fused-pp2-vpp2", "tp2-pp2", "dp2", "padded-pp2-vpp2",
@@ -231,6 +233,7 @@ def test_head_loss_path(case, group, variant):
         pytest.skip(f"{layout.name} runs without model.fused_head")
     if not entry.supports_loss_in_head:
         pytest.skip(f"{entry.name} does not take the loss into its fused head")
+    in_fixture(group, variant)
     calls = [r["variants"][variant]["logprob_calls"] for r in group.ranks if "variants" in r]
     assert calls, group.ranks[0]["errors"]
     in_head = sum(c.get("head_loss", 0) for c in calls)

@@ -100,7 +100,7 @@ def _config(attention, pp):
 def _worker(rank, world_size, attention, pp):
     from unirl.backends.megatron import build_backend
     from unirl.core.maths.logprob_spec import LogprobSpec
-    from unirl.core.moe_loss import RouterLossSettings, router_term
+    from unirl.core.moe_loss import LossWithRouterTerm, RouterLossSettings
     from unirl.core.run.config import config_from_dict
     from unirl.core.run.model_shape import moe_shape
     from unirl.core.run.progress import MicrobatchProgress
@@ -112,14 +112,12 @@ def _worker(rank, world_size, attention, pp):
     mbs = [_microbatch(lengths, seed=i) for i, lengths in enumerate(LENGTHS)]
     global_tokens = sum(mb.num_tokens for mb in mbs)
 
-    def loss_fn(mb, logprobs, entropy, /, *, router_logits=None):
-        lp = (_weights(mb.num_tokens) * mb.loss_mask * logprobs).sum()
-        if pp > 1:  # each stage backpropagates its layers' share: no logits for the loss
-            assert router_logits is None
-            return lp, {}
-        assert router_logits is not None, "the backend hands the router logits"
-        term = router_term(router_logits, mb, settings, global_tokens=global_tokens)
-        return lp + term.loss, term.metrics
+    def policy(mb, logprobs, entropy):
+        return (_weights(mb.num_tokens) * mb.loss_mask * logprobs).sum(), {}
+
+    # pp = 1: the backend hands the router logits to the loss, which adds the term; pp > 1: each
+    # stage backpropagates its layers' share with the loss's settings
+    loss_fn = LossWithRouterTerm(policy=policy, router=settings, global_tokens=global_tokens)
 
     spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
     with MicrobatchProgress("test", len(mbs), backend.topology, enabled=False) as bar:

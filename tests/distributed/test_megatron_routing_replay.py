@@ -8,9 +8,11 @@ conversion). R3: a packed microbatch of two sequences with forced experts (one t
 backend's weights whose sparse blocks route to the forced experts, computed by hand
 (`tests.unit.test_hf_router_replay.hand_forced`), each sequence run alone. R2: the recorded
 experts of a forward-only pass equal the top-k of HF's own router probabilities. On EP1 and EP2
-(each expert-parallel rank holds 3 experts; tokens reach them by all-to-all), and PP2 (4 layers,
+(each expert-parallel rank holds 3 experts; tokens reach them by all-to-all), PP2 (4 layers,
 the second dense: each stage replays its own layers, the records are gathered over the pipeline,
-the disagreement counts summed over it).
+the disagreement counts summed over it) and TP2 x EP2 with sequence parallel on two ranks (each
+TP rank replays and records its slice of the 11-token stream, padded to 12; the slices are
+gathered over TP, the counts summed over it).
 """
 
 import importlib.util
@@ -35,8 +37,11 @@ EXPERTS, TOP_K = MOE_HF["num_experts"], MOE_HF["num_experts_per_tok"]
 FOUR_LAYERS = {**MOE_HF, "num_hidden_layers": 4}
 
 
-def _hf_fields(pp):
-    return dict(FOUR_LAYERS if pp > 1 else MOE_HF)
+def _hf_fields(pp, tp=1):
+    fields = dict(FOUR_LAYERS if pp > 1 else MOE_HF)
+    if tp > 1:  # whole key / value heads on each TP rank
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    return fields
 
 
 def _moe_layers(hf):
@@ -52,10 +57,10 @@ def _forced(hf):
     return forced
 
 
-def _config(mode, ep, pp):
+def _config(mode, ep, pp, tp=1):
     return {
         "backend": "megatron",
-        "model": {"hf_config": _hf_fields(pp), "init_seed": 5, "max_seq_len": 16},
+        "model": {"hf_config": _hf_fields(pp, tp), "init_seed": 5, "max_seq_len": 16},
         "optimizer": {"lr": 1e-3},
         "batch": {
             "prompts_per_rollout": 2,
@@ -63,7 +68,9 @@ def _config(mode, ep, pp):
             "samples_per_optimizer_step": 4,
             "micro_batch_size": 2,
         },
-        "parallel": {"ep": ep, "pp": pp},
+        "parallel": {"ep": ep, "pp": pp}
+        if tp == 1
+        else {"ep": ep, "pp": pp, "tp": tp, "etp": 1, "sequence_parallel": True},
         "algorithm": {"routing_replay": mode},
         "train": {"seed": 0},
         "logging": {"tensorboard": False},
@@ -80,30 +87,35 @@ def _decisive(state):
     return out
 
 
-def _worker(rank, world_size, ep, pp):
+def _worker(rank, world_size, ep, pp, tp):
     from unirl.backends.megatron import build_backend
     from unirl.backends.megatron.convert import load_hf_weights
     from unirl.core.maths.logprob_spec import LogprobSpec
+    from unirl.core.moe_loss import LossWithRouterTerm
     from unirl.core.run.config import config_from_dict
     from unirl.core.run.progress import MicrobatchProgress
 
     out = {}
     for mode in ("rollout", "record"):
-        cfg = config_from_dict(_config(mode, ep, pp), world_size=world_size)
+        cfg = config_from_dict(_config(mode, ep, pp, tp), world_size=world_size)
         backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
         state = _decisive(backend.hf_state_dict())
         load_hf_weights(backend.model, state, backend.hf_config, backend.topology)
         spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
         vocab = MOE_HF["vocab_size"]
         if mode == "rollout":
-            mb = _microbatch(LENGTHS, seed=1, vocab=vocab, routed_experts=_forced(_hf_fields(pp)))
+            forced = _forced(_hf_fields(pp, tp))
+            mb = _microbatch(LENGTHS, seed=1, vocab=vocab, routed_experts=forced)
             with MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
                 out["replayed"] = backend.forward_logprobs(
                     [mb], role="policy", spec=spec, progress=bar
                 )
 
-            def loss_fn(mb, logprobs, entropy, /, *, router_logits=None):
+            def policy(mb, logprobs, entropy):
                 return (logprobs * mb.loss_mask).sum(), {}
+
+            # no router term (every pipeline stage reads the loss's router settings)
+            loss_fn = LossWithRouterTerm(policy=policy, router=None, global_tokens=mb.num_tokens)
 
             with MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
                 metrics = backend.forward_backward([mb], loss_fn=loss_fn, spec=spec, progress=bar)
@@ -129,19 +141,22 @@ def _hf(state, hf):
 
 
 @pytest.mark.parametrize(
-    ("ep", "pp"),
+    ("ep", "pp", "tp"),
     [
-        pytest.param(1, 1, id="ep1"),
-        # the slow tier (tests/conftest.py): about 80 s and 55 s on two cores
-        pytest.param(2, 1, id="ep2", marks=pytest.mark.slow),
-        pytest.param(1, 2, id="pp2", marks=pytest.mark.slow),
+        pytest.param(1, 1, 1, id="ep1"),
+        # the slow tier (tests/conftest.py): about 80 s and 55 s on two cores; R3 under TP x SP
+        # also runs in the contract's moe-tp2-ep2-sp layout (default tier)
+        pytest.param(2, 1, 1, id="ep2", marks=pytest.mark.slow),
+        pytest.param(1, 2, 1, id="pp2", marks=pytest.mark.slow),
+        pytest.param(2, 1, 2, id="tp2-ep2-sp", marks=pytest.mark.slow),
     ],
 )
-def test_replay_and_record_match_hugging_face(ep, pp):
+def test_replay_and_record_match_hugging_face(ep, pp, tp):
     from tests.unit.test_hf_router_replay import hand_forced
 
-    hf = _hf_fields(pp)
-    results = run_distributed(_worker, ep * pp, ep, pp)
+    hf = _hf_fields(pp, tp)
+    world = max(ep, tp) * pp  # tp x ep: the experts over the TP ranks (etp 1)
+    results = run_distributed(_worker, world, ep, pp, tp)
     model = _hf(results[0]["state"], hf)
     mb = _microbatch(LENGTHS, seed=1, vocab=MOE_HF["vocab_size"])
     forced = _forced(hf)
@@ -167,7 +182,7 @@ def test_replay_and_record_match_hugging_face(ep, pp):
     want, free_topk = torch.cat(want), torch.cat(free_topk)
     valid = mb.loss_mask.bool()
     last = [r for r in results if r["replayed"]]  # the ranks of the last pipeline stage
-    assert len(last) == ep
+    assert len(last) == world // pp
     for r in last:
         (replayed,) = r["replayed"]
         torch.testing.assert_close(replayed.double()[valid], want[valid], atol=1e-5, rtol=0)

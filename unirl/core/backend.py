@@ -26,6 +26,7 @@ from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.logprobs import logprobs_from_logits
 from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
 from unirl.core.maths.losses import Metric
+from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
 from unirl.core.weight_stream import WeightBuckets
@@ -50,7 +51,12 @@ class LossFn(Protocol):
     metrics)``; the loss is this microbatch's share of the step objective (core normalises
     globally). A mixture-of-experts backend also passes ``router_logits``: each MoE layer's
     router logits ``[rows, num_experts]`` of this forward (with their gradient), from which core
-    adds the router's auxiliary losses (`unirl.core.moe_loss`)."""
+    adds the router's auxiliary losses (`unirl.core.moe_loss`). ``router``: the settings of that
+    term (the step's coefficients; None: no term), for a backend that cannot hand some layers'
+    logits to the loss and adds their share itself (core's `LossWithRouterTerm` is one)."""
+
+    @property
+    def router(self) -> RouterLossSettings | None: ...
 
     def __call__(
         self,

@@ -11,12 +11,15 @@ the microbatch's tokens over the step's (the plan's counts: no collective for th
 
 The coefficients are ``algorithm.router_aux_loss_coef`` and ``algorithm.router_z_loss_coef``
 (`RouterLossSettings.from_config`), read by every backend through this module; Hugging Face's own
-auxiliary loss (``output_router_logits`` with labels) is never added.
+auxiliary loss (``output_router_logits`` with labels) is never added. The step hands a backend
+one loss, `LossWithRouterTerm`, which holds the step's settings: it adds the term from the router
+logits a backend passes, and a backend that cannot pass them (the layers of Megatron's earlier
+pipeline stages) reads its ``router`` to add their share with the same coefficients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.data.routed_experts import MoeShape
+from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.router import (
     RouterCoefficients,
     router_loss_shares,
@@ -113,3 +117,37 @@ def router_term(
         global_tokens=global_tokens,
         part=stats.rows / max(total_rows, 1),
     )
+
+
+# policy(microbatch, log-probs [T], entropy [T] or None) -> (loss, metrics), router term excluded
+PolicyTermFn = Callable[
+    [TrainMicrobatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, Mapping[str, Metric]]
+]
+
+
+@attrs.frozen(kw_only=True)
+class LossWithRouterTerm:
+    """A `unirl.core.backend.LossFn`: ``policy``'s loss of a microbatch plus, for an MoE policy
+    (``router`` set) whose forward's router logits the backend hands, the microbatch's router
+    term (`router_term`). ``router`` is the step's settings (its ``algorithm`` section): one
+    source for the term added here and for the shares a backend adds itself where it cannot hand
+    the logits (Megatron under pp > 1, `unirl.backends.megatron.router_stages`)."""
+
+    policy: PolicyTermFn
+    router: RouterLossSettings | None
+    global_tokens: int  # the step's tokens, every microbatch of every rank
+
+    def __call__(
+        self,
+        mb: TrainMicrobatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        /,
+        *,
+        router_logits: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
+        loss, metrics = self.policy(mb, logprobs, entropy)
+        if self.router is None or router_logits is None:
+            return loss, metrics
+        term = router_term(router_logits, mb, self.router, global_tokens=self.global_tokens)
+        return loss + term.loss, {**metrics, **term.metrics}

@@ -36,7 +36,7 @@ from unirl.core.maths.advantages import (
 )
 from unirl.core.maths.losses import LossInputs, Metric, compute_loss, critic_loss, reduce_metrics
 from unirl.core.mismatch import mismatch_by_staleness
-from unirl.core.moe_loss import RouterLossSettings, router_term
+from unirl.core.moe_loss import LossWithRouterTerm, RouterLossSettings
 from unirl.core.old_logprobs import (
     DecisionLog,
     OldLogprobDecision,
@@ -450,16 +450,9 @@ class RLStep:
         mbs = [
             self._microbatch(p, advantages_bl, old_bl, ref_bl, keep_experts=replay) for p in packs
         ]
-        step_tokens = sum(step.rank_tokens)
-        router = self.router_settings
 
-        def loss_fn(
-            mb: TrainMicrobatch,
-            logprobs: torch.Tensor,
-            entropy: torch.Tensor | None,
-            /,
-            *,
-            router_logits: Sequence[torch.Tensor] | None = None,
+        def policy_loss(
+            mb: TrainMicrobatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
         ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
             device = logprobs.device
 
@@ -484,11 +477,12 @@ class RLStep:
                 settings,
                 validate=False,  # the batch was validated once, before anything ran
             )
-            if router is None or router_logits is None:
-                return out.loss, out.metrics
-            term = router_term(router_logits, mb, router, global_tokens=step_tokens)
-            return out.loss + term.loss, {**out.metrics, **term.metrics}
+            return out.loss, out.metrics
 
+        # an MoE policy's router term joins the loss (this step's coefficients)
+        loss_fn = LossWithRouterTerm(
+            policy=policy_loss, router=self.router_settings, global_tokens=sum(step.rank_tokens)
+        )
         spec = train_logprob_spec(self.cfg, self.backend.vocab_size)
         with MicrobatchProgress(
             "actor train", len(mbs), topo, enabled=self.show_bars, log_summary=self.log_phases

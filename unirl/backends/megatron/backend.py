@@ -53,7 +53,6 @@ from unirl.backends.process_group import destroy_process_group, init_process_gro
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
-from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.run.model_shape import moe_shape
 from unirl.core.weight_stream import WeightBuckets
@@ -115,7 +114,10 @@ class MegatronBackend(EngineBackend):
         source = policy_source(cfg)
         self.vocab_size = int(source.hf_config.vocab_size)
         self.policy = self._lm_model(source, plan, recompute=cfg.model.gradient_checkpointing)
-        self._router_losses = self._router_settings(cfg, source.hf_config)
+        # an MoE policy's routers record their logits with autograd for the router losses,
+        # unless megatron's full recompute is on (its first forward runs them without autograd;
+        # the plug-in's check refuses non-zero coefficients then)
+        self._router_logits = is_moe(source.hf_config) and not cfg.model.gradient_checkpointing
         self._router_shape = moe_shape(cfg.model) if is_moe(source.hf_config) else None
         self._records = cfg.algorithm.routing_replay == "record"
         self._recorded: list[torch.Tensor] | None = None
@@ -223,6 +225,7 @@ class MegatronBackend(EngineBackend):
     def _train(
         self, run: TrainingPass, replay: ScheduleReplay | None
     ) -> list[Mapping[str, Metric]]:
+        staged = self.topology.pp_size > 1
         return self.loop.train(
             self.policy,
             run.microbatches,
@@ -230,19 +233,12 @@ class MegatronBackend(EngineBackend):
             spec=run.spec,
             on_forward=lambda: self._count_forward("policy"),
             progress=run.progress,
-            router=self._router_losses,
+            router_logits=self._router_logits and not staged,
+            # under pp > 1 each stage adds its layers' share itself, with the coefficients of
+            # the step's loss (its config, not the one this backend was built with)
+            stage_router=run.loss_fn.router if self._router_logits and staged else None,
             replay=replay,
         )
-
-    @staticmethod
-    def _router_settings(cfg: UnirlConfig, hf_config: Any) -> RouterLossSettings | None:
-        """An MoE policy's router losses (core's coefficients and the model's routing shape),
-        unless megatron's full recompute is on: its first forward runs the routers without
-        autograd (the plug-in's check refuses non-zero coefficients then)."""
-        if not is_moe(hf_config) or cfg.model.gradient_checkpointing:
-            return None
-        shape = moe_shape(cfg.model)
-        return None if shape is None else RouterLossSettings.from_config(cfg, shape)
 
     def optimizer_step(self) -> OptimizerStepStats:
         return self.policy.optimizer_step()

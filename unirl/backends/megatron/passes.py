@@ -112,15 +112,17 @@ class MicrobatchLoop:
         spec: LogprobSpec | None,
         on_forward: Callable[[], None],
         progress: MicrobatchProgress,
-        router: RouterLossSettings | None = None,
+        router_logits: bool = False,
+        stage_router: RouterLossSettings | None = None,
         replay: ScheduleReplay | None = None,
     ) -> list[Mapping[str, Metric]]:
         """Accumulate the gradients of one optimizer step; its metrics per microbatch ([] off the
         last stage). One schedule call: megatron reduces the gradients at its end, so all
-        microbatches of one optimizer step come in one call. ``router``: an MoE policy's router
-        losses; with one pipeline stage ``loss_fn`` gets each MoE layer's router logits of the
-        microbatch (core adds the term), under pp > 1 each stage backpropagates its layers'
-        share (`unirl.backends.megatron.router_stages`). ``replay``: routing replay of
+        microbatches of one optimizer step come in one call. An MoE policy's router losses: with
+        ``router_logits`` (one pipeline stage) ``loss_fn`` gets each MoE layer's router logits
+        of the microbatch (core adds the term); with ``stage_router`` (pp > 1: the step's
+        settings) each stage backpropagates its layers' share
+        (`unirl.backends.megatron.router_stages`). ``replay``: routing replay of
         ``mb.routed_experts`` and ``router/disagreement`` per microbatch."""
         # the caller's interface refused an empty list (`unirl.backends.base`, core's plan)
         assert microbatches, "a training pass needs at least one microbatch"
@@ -133,10 +135,10 @@ class MicrobatchLoop:
         items, rows, seq_len = self._items(microbatches)
         scale = self.loss_scale(len(items))
         metrics: dict[int, Mapping[str, Metric]] = {}
-        router_logits = router is not None and self.topology.pp_size == 1
+        assert not (router_logits and self.topology.pp_size > 1), "pp > 1: stage_router"
         stages = None
-        if router is not None and not router_logits:
-            stages = self._stage_router_losses(model, router, microbatches, len(items))
+        if stage_router is not None:
+            stages = self._stage_router_losses(model, stage_router, microbatches, len(items))
 
         def stage_loss(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
             # output: the last stage's logits, hidden states (fused head) or values

@@ -144,13 +144,6 @@ def _check_experts(cfg: UnirlConfig) -> None:
             "parallel.sequence_parallel: true, or parallel.tp: 1 and split the experts with "
             "parallel.ep / parallel.etp"
         )
-    if p.tp > 1 and cfg.algorithm.routing_replay != "off":
-        raise ConfigError(
-            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r} with parallel.tp={p.tp} "
-            "(sequence parallel) on a mixture-of-experts model: the Megatron backend replays and "
-            "records experts for whole sequences, not per-rank sequence slices; set "
-            "algorithm.routing_replay: off or parallel.tp: 1"
-        )
 
 
 def _check_sequence_parallel(cfg: UnirlConfig) -> None:
@@ -219,6 +212,13 @@ PLUGIN = BackendPlugin(
         # and with the pipeline (one MoE layer per stage).
         ContractLayout.of("moe-ep1", 1, fixture="moe"),
         ContractLayout.of("moe-ep2", 2, fixture="moe", ep=2),
+        # attention TP 2 with sequence parallel, the experts over the same two ranks (ep 2,
+        # etp 1: megatron's expert layout folds EP into the TP ranks), each rank routing its
+        # slice of the sequence; and one MoE layer per pipeline stage
+        ContractLayout.of(
+            "moe-tp2-ep2-sp", 2, fixture="moe", tp=2, ep=2, etp=1, sequence_parallel=True
+        ),
+        ContractLayout.of("moe-pp2", 2, fixture="moe", pp=2),
         ContractLayout.of("moe-ep2-etp2", 4, fixture="moe", ep=2, etp=2),
         ContractLayout.of("moe-pp2-ep2", 4, fixture="moe", pp=2, ep=2),
     ),

@@ -14,6 +14,13 @@ over the pipeline stages (one all-reduce, every stage reaches it) for ``router/d
 the last stage, and recorded indices are gathered over the pipeline group into
 ``[T, moe_layers, top_k]`` per microbatch (the microbatch's real tokens, packed order).
 
+Under sequence parallel (``parallel.sequence_parallel``, tp > 1) each TP rank's router sees its
+own contiguous slice of the router's rows (megatron splits ``[S, B]`` along ``S``; flattened
+sequence-major, rank ``r`` holds rows ``r * n / tp`` to ``(r + 1) * n / tp``): it replays that
+slice of the experts (`ScheduleReplay.local_rows`), its counts are summed over the TP group as
+well, and the slices it records are gathered over the TP group (rank order) before the
+microbatch's rows are picked.
+
 Not with megatron's full activation recompute: the recompute reruns a router in the backward,
 after later microbatches set their own experts (the plug-in's check refuses it).
 """
@@ -53,6 +60,8 @@ class ScheduleReplay:
         self.hf_config = hf_config
         self.topology = topology
         self.record = record
+        # every router of a model shares one TransformerConfig
+        self.split = bool(self.routers) and bool(self.routers[0].config.sequence_parallel)
         self.counts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.recorded: dict[int, dict[int, torch.Tensor]] = {}
         self.batches: dict[int, Any] = {}
@@ -66,7 +75,18 @@ class ScheduleReplay:
         stream = None if experts is None else stream_experts(experts, item.batch)
         for router in routers([chunk]):
             column = moe_layer_index(self.hf_config, router.layer_number)
-            router.replay_experts = None if stream is None else stream[:, column]
+            router.replay_experts = None if stream is None else self.local_rows(stream[:, column])
+
+    def local_rows(self, rows_nk: torch.Tensor) -> torch.Tensor:
+        """The rows of ``rows_nk`` (the router's rows of the whole microbatch) this rank's router
+        sees: all of them, or under sequence parallel this TP rank's slice."""
+        if not self.split:
+            return rows_nk
+        tp, rank = self.topology.tp_size, self.topology.tp_rank
+        # the model input is padded to a multiple of tp (`sequence_parallel.sequence_multiple`)
+        assert rows_nk.shape[0] % tp == 0, (rows_nk.shape, tp)
+        size = rows_nk.shape[0] // tp
+        return rows_nk[rank * size : (rank + 1) * size]
 
     def after_forward(
         self, index: int, mb: Any, batch: Any, chunk: torch.nn.Module, vp_stage: Any, output: Any
@@ -93,12 +113,15 @@ class ScheduleReplay:
             router.replay_counts = []
 
     def disagreement(self, num_microbatches: int, device: torch.device) -> list[Metric]:
-        """``router/disagreement`` per microbatch, counts summed over the pipeline stages."""
+        """``router/disagreement`` per microbatch, counts summed over the pipeline stages (and
+        the TP ranks' sequence slices under sequence parallel)."""
         counts = torch.zeros(num_microbatches, 2, dtype=torch.int64, device=device)
         for index, pairs in self.counts.items():
             for differing, decisions in pairs:
                 counts[index, 0] += differing.to(device)
                 counts[index, 1] += decisions.to(device)
+        if self.split:
+            dist.all_reduce(counts, group=self.topology.groups.tp)
         group = self.topology.groups.pp
         if group is not None and self.topology.pp_size > 1:
             dist.all_reduce(counts, group=group)
@@ -106,13 +129,15 @@ class ScheduleReplay:
 
     def recorded_routing(self, microbatches: Sequence[Any], num_moe_layers: int) -> list[Any]:
         """Per microbatch ``[T, moe_layers, top_k]`` int32 of the free top-k (every stage's
-        layers gathered over the pipeline group), in the microbatch's packed token order."""
+        layers gathered over the pipeline group, and the TP ranks' sequence slices under
+        sequence parallel), in the microbatch's packed token order."""
+        recorded = self._whole_rows()
         mine = {
             index: {
                 column: _real_rows(t, self.batches[index], mb.num_tokens).cpu()
                 for column, t in layers.items()
             }
-            for index, layers in self.recorded.items()
+            for index, layers in recorded.items()
             for mb in (microbatches[index],)
         }
         group = self.topology.groups.pp
@@ -128,6 +153,19 @@ class ScheduleReplay:
                 raise RuntimeError(f"routing record: MoE layers {missing} did not run")
             out.append(torch.stack([layers[c] for c in range(num_moe_layers)], dim=1).to(DTYPE))
         return out
+
+    def _whole_rows(self) -> dict[int, dict[int, torch.Tensor]]:
+        """The recorded indices of every router row of each microbatch: this rank's, or under
+        sequence parallel the TP ranks' slices concatenated in rank order (collective over TP)."""
+        if not self.split:
+            return self.recorded
+        local = {i: {c: t.cpu() for c, t in layers.items()} for i, layers in self.recorded.items()}
+        parts: list[Any] = [None] * self.topology.tp_size
+        dist.all_gather_object(parts, local, group=self.topology.groups.tp)
+        return {
+            index: {column: torch.cat([p[index][column] for p in parts]) for column in layers}
+            for index, layers in local.items()
+        }
 
 
 def _real_rows(indices_nk: torch.Tensor, batch: Any, num_tokens: int) -> torch.Tensor:
