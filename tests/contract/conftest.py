@@ -51,13 +51,40 @@ def contract_multiturn_reference(
     return multiturn.reference_step(*contract_data)
 
 
+def _critic_cases_collected(session: pytest.Session) -> set[tuple[str, str]]:
+    """(backend, layout) of every critic case (tests/contract/test_critic.py) this session runs."""
+    found = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        if (
+            item.path.name == "test_critic.py"
+            and callspec is not None
+            and "case" in callspec.params
+            and item.get_closest_marker("skip") is None
+        ):
+            entry, layout = callspec.params["case"]
+            found.add((entry.name, layout.name))
+    return found
+
+
 class GroupRuns:
-    """Runs each (backend, layout) group once per session and keeps its results (or error)."""
+    """Runs each (backend, layout) group once per session and keeps its results (or error). A
+    layout the session's critic tests also run gets the critic's job in the same processes
+    (`launch.run_group_with_critic`); `critic` hands its results to those tests."""
 
     def __init__(self, tmp: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
         self._tmp = tmp
         self._request = request
         self._done: dict[tuple[str, str], clauses.Measured | BaseException] = {}
+        self._critic: dict[tuple[str, str], clauses.Measured | BaseException] = {}
+        self._with_critic = _critic_cases_collected(request.session)
+
+    def critic(
+        self, entry: BackendEntry, layout: Layout
+    ) -> clauses.Measured | BaseException | None:
+        """The critic's measurements of a layout run together with its contract group, or
+        None (then the critic tests start a group of their own)."""
+        return self._critic.get((entry.name, layout.name))
 
     def get(self, entry: BackendEntry, layout: Layout) -> clauses.Measured:
         key = (entry.name, layout.name)
@@ -65,20 +92,30 @@ class GroupRuns:
             model_dir, records = self._request.getfixturevalue(
                 fixture_sets.DATA_FIXTURES[layout.fixture]
             )
+            work_dir = self._tmp.mktemp(f"{entry.name}-{layout.name}")
             try:
-                measured = launch.run_group(
-                    entry,
-                    layout,
-                    model_dir=model_dir,
-                    records=records,
-                    work_dir=self._tmp.mktemp(f"{entry.name}-{layout.name}"),
-                )
-                _TIMINGS.append(
-                    (f"{entry.name}/{layout.name}", measured.wall_s, measured.timings())
-                )
+                if key in self._with_critic and layout.fixture == "dense":
+                    measured, critic = launch.run_group_with_critic(
+                        entry,
+                        layout,
+                        model_dir=model_dir,
+                        records=records,
+                        work_dir=work_dir,
+                        critic_work_dir=self._tmp.mktemp(f"critic-{entry.name}-{layout.name}"),
+                    )
+                    self._critic[key] = critic
+                    name = f"{entry.name}/{layout.name} (+ critic)"
+                else:
+                    measured = launch.run_group(
+                        entry, layout, model_dir=model_dir, records=records, work_dir=work_dir
+                    )
+                    name = f"{entry.name}/{layout.name}"
+                _TIMINGS.append((name, measured.wall_s, measured.timings()))
                 self._done[key] = measured
             except BaseException as err:  # a hang or crash: every test of the group reports it
                 self._done[key] = err
+                if key in self._with_critic:
+                    self._critic[key] = err
         result = self._done[key]
         if isinstance(result, BaseException):
             pytest.fail(

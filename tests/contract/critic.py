@@ -194,6 +194,46 @@ def run_critic_job(rank: int, world_size: int, job: CriticJob) -> dict[str, Any]
     return out
 
 
+CRITIC_GROUP_TIMEOUT_S = 480.0
+
+# The layouts CI runs, to keep its added time near a minute and a half (the first of each backend
+# is the baseline of the layout comparison); every other layout passed once by hand and runs in
+# the GPU runners. Each is also a contract layout: when both suites run, one group of processes
+# runs both jobs (`contract_then_critic`), so the critic adds no process start-up of its own.
+CPU_LAYOUTS = {
+    "deepspeed": ("zero0-dp1", "zero3-dp2"),
+    "megatron": ("tp2", "pp2-vpp2"),
+    "fsdp2": ("sp2",),
+}
+
+
+def critic_job(
+    entry: BackendEntry, layout: Layout, *, model_dir: Path, records: list[dict[str, Any]],
+    work_dir: Path, dtype: str = "fp32",
+) -> CriticJob:  # fmt: skip
+    return CriticJob(
+        backend=entry.name,
+        layout=layout,
+        model_dir=str(model_dir),
+        work_dir=str(work_dir),
+        records=records,
+        dtype=dtype,
+    )
+
+
+def contract_then_critic(rank: int, world_size: int, jobs: tuple[Any, CriticJob]) -> dict:
+    """The contract job (`tests.contract.harness.run_job`), then the critic's, in the same
+    processes: the second job builds its own backend (the harness builds and closes several per
+    group already), only the process start and the imports are shared."""
+    from tests.contract import harness
+
+    contract, critic = jobs
+    return {
+        "contract": harness.run_job(rank, world_size, contract),
+        "critic": run_critic_job(rank, world_size, critic),
+    }
+
+
 def run_critic_group(
     entry: BackendEntry,
     layout: Layout,
@@ -204,20 +244,15 @@ def run_critic_group(
     device: str = "cpu",
     dtype: str = "fp32",
 ) -> Measured:
-    job = CriticJob(
-        backend=entry.name,
-        layout=layout,
-        model_dir=str(model_dir),
-        work_dir=str(work_dir),
-        records=records,
-        dtype=dtype,
+    job = critic_job(
+        entry, layout, model_dir=model_dir, records=records, work_dir=work_dir, dtype=dtype
     )
     t0 = time.perf_counter()
     ranks = run_distributed(
         run_critic_job,
         layout.world_size,
         job,
-        timeout=480.0,
+        timeout=CRITIC_GROUP_TIMEOUT_S,
         backend="gloo" if device == "cpu" else "nccl",
     )
     return Measured(ranks, wall_s=time.perf_counter() - t0)

@@ -51,3 +51,40 @@ def run_group(
         harness.run_job, layout.world_size, job, timeout=GROUP_TIMEOUT_S, backend=backend
     )
     return clauses.Measured(ranks, wall_s=time.perf_counter() - t0)
+
+
+def run_group_with_critic(
+    entry: BackendEntry,
+    layout: Layout,
+    *,
+    model_dir: Path,
+    records: list[dict[str, Any]],
+    work_dir: Path,
+    critic_work_dir: Path,
+) -> tuple[clauses.Measured, clauses.Measured]:
+    """`run_group` and `tests.contract.critic.run_critic_group` of one layout in one group of
+    processes (CPU, fp32): (the contract's measurements, the critic's)."""
+    from tests.contract import critic
+
+    job = harness.Job(
+        backend=entry.name,
+        layout=layout,
+        model_dir=str(model_dir),
+        work_dir=str(work_dir),
+        records=records,
+        dtype="fp32",
+        fixture=layout.fixture,
+    )
+    cjob = critic.critic_job(
+        entry, layout, model_dir=model_dir, records=records, work_dir=critic_work_dir
+    )
+    t0 = time.perf_counter()
+    ranks = run_distributed(
+        critic.contract_then_critic, layout.world_size, (job, cjob),
+        timeout=GROUP_TIMEOUT_S + critic.CRITIC_GROUP_TIMEOUT_S,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    return (
+        clauses.Measured([r["contract"] for r in ranks], wall_s=wall),
+        clauses.Measured([r["critic"] for r in ranks], wall_s=wall),
+    )

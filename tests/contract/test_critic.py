@@ -18,14 +18,7 @@ from tests.contract.backends import REGISTRY, skip_reason
 
 TOL = clauses.TOLERANCES["fp32"]
 
-# The layouts CI runs, to keep its added time near a minute and a half (the first of each backend
-# is the baseline of the layout comparison); every other layout passed once by hand and runs in
-# the GPU runners.
-CPU_LAYOUTS = {
-    "deepspeed": ("zero0-dp1", "zero3-dp2"),
-    "megatron": ("tp2", "pp2-vpp2"),
-    "fsdp2": ("sp2",),
-}
+CPU_LAYOUTS = critic.CPU_LAYOUTS  # the layouts CI runs (why: there)
 
 
 def _cases() -> list:
@@ -45,13 +38,18 @@ def _cases() -> list:
 
 
 class CriticRuns:
-    def __init__(self, tmp: pytest.TempPathFactory, data: Any) -> None:
-        self._tmp, self._data = tmp, data
+    """Each layout's critic group once per session: the one run with the layout's contract group
+    when the contract tests ran it (tests/contract/conftest.py), else a group of its own."""
+
+    def __init__(self, tmp: pytest.TempPathFactory, data: Any, contract_runs: Any) -> None:
+        self._tmp, self._data, self._contract_runs = tmp, data, contract_runs
         self._done: dict[tuple[str, str], Any] = {}
 
     def get(self, entry: Any, layout: Any) -> clauses.Measured:
         key = (entry.name, layout.name)
         if key not in self._done:
+            self._done[key] = self._contract_runs.critic(entry, layout)
+        if self._done[key] is None:
             model_dir, records = self._data
             try:
                 self._done[key] = critic.run_critic_group(
@@ -70,8 +68,10 @@ class CriticRuns:
 
 
 @pytest.fixture(scope="session")
-def critic_runs(tmp_path_factory: pytest.TempPathFactory, contract_data: Any) -> CriticRuns:
-    return CriticRuns(tmp_path_factory, contract_data)
+def critic_runs(
+    tmp_path_factory: pytest.TempPathFactory, contract_data: Any, contract_runs: Any
+) -> CriticRuns:
+    return CriticRuns(tmp_path_factory, contract_data, contract_runs)
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,16 @@
 of its own samples equal the trainer's log-probs of the same tokens to 1e-4, for the DeepSpeed
 and the Megatron model definitions; a skipped sync shows in the mismatch metrics; log-probs are
 those of the distribution sampled at temperature 0.7 (checked against a plain Hugging Face fp32
-forward written here); the same seed gives the same rollouts.
+forward written here); vLLM honours rollout.stop and rollout.stop_token_ids as the built-in
+sampler does (no stop before a response's last token, a response that holds one ends with it);
+the same seed gives the same rollouts.
 
 One engine serves the whole module (its start takes most of the time on a 2-core machine): the
 trainers of both backends use the same model shape and send it their weights in Hugging Face
-names. The engine runs in processes vLLM spawns; the test process is their parent.
+names. Its source is built with a stop string and a stop id, so the engine also decodes text
+(stop strings are matched on text); the runs through the ``unirl`` command
+(test_vllm_main_job.py, test_vllm_engines.py) cover the engine on ids alone. The engine runs in
+processes vLLM spawns; the test process is their parent.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"
 TEMPERATURE = 0.7
 TOL = 1e-4
 MISMATCH = "train_rollout_logprob_abs_diff_max"
+STOP_STRING, STOP_ID = "5", 10  # the digit 5; id 10 is the digit 6 (4 special ids first)
+STOPS = {"rollout.stop": f'["{STOP_STRING}"]', "rollout.stop_token_ids": f"[{STOP_ID}]"}
 
 
 def _config(tmp: Path, backend: str = "deepspeed", **extra: str):
@@ -57,7 +64,7 @@ def _config(tmp: Path, backend: str = "deepspeed", **extra: str):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    cfg = _config(tmp_path_factory.mktemp("vllm"))
+    cfg = _config(tmp_path_factory.mktemp("vllm"), **STOPS)
     src = build_rollout_source(cfg)
     assert isinstance(src, VllmRolloutSource)
     yield src
@@ -109,16 +116,26 @@ def test_engine_follows_megatron_trainer(source, tmp_path):
     _check_follows(_follow(source, _config(tmp_path, backend="megatron"), first_rl_step=10))
 
 
-def test_logprobs_are_the_tempered_distribution(source, tmp_path):
+def test_logprobs_are_the_tempered_distribution_and_stops_end_responses(source, tmp_path):
     """Against a Hugging Face fp32 forward written here: log softmax(logits / T) at every
-    sampled token, and the sampled tokens themselves are far from what T = 1 would report."""
+    sampled token (so a stop's cut leaves the right tokens behind), and the sampled tokens
+    themselves are far from what T = 1 would report. No stop (eos, the stop id, the stop
+    string) before a response's last token; a response that holds one ends with it, and both
+    the string and the id ended some."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(source.hf_config).float().eval()
     source.sync_weights(as_buckets(model.state_dict()), policy_version=0)
     batch = source.next_rollout(20)
+    tok = source.task.tokenizer
+
+    def text(ids):  # ids beyond the tokenizer (the model has spare rows) decode to nothing
+        return tok.decode([t for t in ids if t < tok.vocab_size])
+
+    stops = {tok.eos_id, STOP_ID}
     worst, worst_t1 = 0.0, 0.0
+    by_string = by_id = 0
     for s in batch.samples:
         prompt, response = list(s.prompt_tokens), s.response_tokens.tolist()
         ids = torch.tensor([prompt + response])
@@ -130,11 +147,15 @@ def test_logprobs_are_the_tempered_distribution(source, tmp_path):
         got = s.rollout_logprobs.double()
         worst = max(worst, (got - ref).abs().max().item())
         worst_t1 = max(worst_t1, (got - ref_t1).abs().max().item())
-        eos = source.task.tokenizer.eos_id
-        assert s.metadata["finished"] == (response[-1] == eos)
-        assert eos not in response[:-1]
+        assert not stops & set(response[:-1])
+        assert STOP_STRING not in text(response[:-1])
+        ended = response[-1] in stops or text(response).endswith(STOP_STRING)
+        assert s.metadata["finished"] == ended
+        by_string += response[-1] not in stops and ended
+        by_id += response[-1] == STOP_ID
     assert worst < TOL, worst
     assert worst_t1 > 100 * TOL  # T = 0.7 is not T = 1: the mode matters
+    assert by_string >= 1 and by_id >= 1, (by_string, by_id)
 
 
 def test_same_seed_same_rollouts(source):

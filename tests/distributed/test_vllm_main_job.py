@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -24,6 +25,7 @@ pytest.importorskip(
 pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
 import psutil
 
+from unirl.core.run import checkpointing
 from unirl.core.run.metrics_log import read_metrics
 
 ROOT = Path(__file__).parents[2]
@@ -88,10 +90,13 @@ def test_engine_that_cannot_start_stops_the_run_cleanly(tmp_path):
 
 def test_resume_on_a_prompt_file_reproduces_the_uninterrupted_run(tmp_path):
     """Issue 28: with a prompt file, --resume restarted the vLLM source's prompts from the
-    file's first line. One process: two RL steps in one go, against one step and a resume for
-    the second; the second step's numbers (loss, entropy, rewards, response lengths: all depend
-    on which prompts were drawn) are the same. 5 prompts and 3 per rollout: the second rollout
-    spans two epochs of the file, so a restarted file gives other prompts."""
+    file's first line. One process: two RL steps in one go, with a checkpoint after each; then
+    the run as if it had crashed before step 2's checkpoint was complete (that checkpoint gone)
+    resumes from step 1's and runs step 2 again: its numbers (loss, entropy, rewards, response
+    lengths: all depend on which prompts were drawn) are those of the uninterrupted step 2. The
+    uninterrupted run's own step-1 checkpoint is the one a run stopped after step 1 writes (same
+    code, same config), so two engine starts cover what three did. 5 prompts and 3 per rollout:
+    the second rollout spans two epochs of the file, so a restarted file gives other prompts."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(
@@ -115,12 +120,16 @@ def test_resume_on_a_prompt_file_reproduces_the_uninterrupted_run(tmp_path):
         assert not _left_over(marker)
         return proc
 
-    train(tmp_path / "full", 2)
-    train(tmp_path / "stopped", 1)
-    train(tmp_path / "stopped", 2, "--resume")
-    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    resumed = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [1, 2]
+    run = tmp_path / "run"
+    train(run, 2, "--set", "checkpoint.every=1")
+    full = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in full] == [1, 2]
+    assert [step for step, _ in checkpointing.complete_checkpoints(run / "checkpoints")] == [1, 2]
+    shutil.rmtree(checkpointing.step_dir(run / "checkpoints", 2))
+    proc = train(run, 2, "--resume")
+    assert "(RL step 1)" in proc.stderr, proc.stderr[-4000:]  # "resumed from ... (RL step 1)"
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2]  # step 2 dropped and written again
 
     def numbers(row: dict) -> dict:
         return {

@@ -20,6 +20,7 @@ counts as read where the settings field is read (``settings.clip_low`` on a para
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import typing
 from collections import defaultdict
@@ -58,8 +59,10 @@ def sections() -> dict[type, set[str]]:
     return found
 
 
+@functools.cache
 def key_paths() -> dict[str, tuple[type, str]]:
-    """Every full key path of the core config -> (its section class, its field)."""
+    """Every full key path of the core config -> (its section class, its field); computed once
+    (every scanned module's visitor asks)."""
     paths: dict[str, tuple[type, str]] = {}
 
     def walk(cls: type, prefix: str) -> None:
@@ -226,21 +229,28 @@ def helper_reads(path: Path, visitor_args: tuple) -> dict[str, set[tuple[type, s
     return helpers
 
 
-def called_helpers(tree: ast.AST, module: str, helpers: dict[str, set]) -> set[str]:
-    """Names of `module`'s helpers that `tree` imports from it and calls."""
+class ImportsAndCalls:
+    """What a module imports by name (``from m import f as g``) and the plain names it calls,
+    from one walk of its tree (a walk per declaring module took most of the test's time)."""
+
+    def __init__(self, tree: ast.AST) -> None:
+        self.imports: dict[str, list[ast.alias]] = defaultdict(list)
+        self.calls: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                self.imports[node.module].extend(node.names)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                self.calls.add(node.func.id)
+
+
+def called_helpers(found: ImportsAndCalls, module: str, helpers: dict[str, set]) -> set[str]:
+    """Names of `module`'s helpers that the scanned module imports from it and calls."""
     imported = {
         alias.asname or alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module == module
-        for alias in node.names
+        for alias in found.imports.get(module, ())
         if alias.name in helpers
     }
-    return {
-        node.func.id
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-        and node.func.id in imported
-    }  # fmt: skip
+    return imported & found.calls
 
 
 def unread_keys(root: Path = UNIRL) -> list[str]:
@@ -269,8 +279,9 @@ def unread_keys(root: Path = UNIRL) -> list[str]:
         visitor.visit(tree)
         for read in visitor.reads:
             reads[read].add(path.resolve())
+        imports_and_calls = ImportsAndCalls(tree)
         for module, module_helpers in helpers.items():
-            for name in called_helpers(tree, module, module_helpers):
+            for name in called_helpers(imports_and_calls, module, module_helpers):
                 for read in module_helpers[name]:
                     reads[read].add(path.resolve())
     unread = []
