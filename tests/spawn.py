@@ -43,7 +43,7 @@ def free_port() -> int:
 # would run with the server's, so the call gets fresh interpreters instead.
 _IMPORT_TIME_ENV = (
     "TRITON_", "OMP_", "MKL_", "KMP_", "GOMP_", "DS_", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_",
-    "CUDA_", "NVIDIA_", "MEGATRON", "NVTE_",
+    "CUDA_", "NVIDIA_", "MEGATRON", "NVTE_", "PYTHONHASHSEED",
 )  # fmt: skip
 _server_env: dict[str, str] | None = None  # those variables when this process's server started
 
@@ -77,6 +77,14 @@ def _worker(
     if env is not None:  # forked from the server: the caller's environment, not the server's
         os.environ.clear()
         os.environ.update(env)
+        # and fresh unseeded random streams, as a spawned interpreter has (forked ranks would all
+        # share the server's); torch's is seeded by every test that relies on it
+        import random
+        import sys
+
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
     import torch
     import torch.distributed as dist
 
@@ -124,30 +132,35 @@ def run_distributed(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
     import time
 
-    deadline = time.monotonic() + timeout
-    while len(results) + len(errors) < world_size:
-        if time.monotonic() > deadline:
-            break
-        if queue.empty():
-            if not any(p.is_alive() for p in procs) and queue.empty():
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < world_size:
+            if time.monotonic() > deadline:
                 break
-            time.sleep(0.02)
-            continue
-        rank, status, payload = queue.get()
-        if status == "ok":
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-        else:
-            errors.append(f"rank {rank} failed:\n{payload}")
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+            if queue.empty():
+                if not any(p.is_alive() for p in procs) and queue.empty():
+                    break
+                time.sleep(0.02)
+                continue
+            rank, status, payload = queue.get()
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+    finally:  # also on a pytest timeout or ^C: no rank outlives its test
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
     if errors:
         raise AssertionError("\n".join(errors))
     if len(results) != world_size:

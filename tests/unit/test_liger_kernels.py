@@ -56,6 +56,20 @@ def test_refused_for_other_model_types():
         )
 
 
+@pytest.mark.parametrize("fields", [{"hidden_act": "gelu"}, {"mlp_bias": True}])
+def test_refused_for_an_mlp_liger_would_change(fields):
+    """Liger's SwiGLU MLP is SiLU without biases: any other MLP would be silently replaced."""
+    from transformers import AutoConfig
+
+    from unirl.backends.hf.liger import apply_liger_kernels
+
+    model = type("M", (), {"config": AutoConfig.for_model("llama", **TINY, **fields)})()
+    with pytest.raises(
+        ConfigError, match=r"Liger's SwiGLU \(SiLU, no bias\).*liger_kernels: false"
+    ):
+        apply_liger_kernels(model, "cuda")
+
+
 def test_megatron_refuses_the_key():
     from unirl.core.run.config import config_from_dict
 

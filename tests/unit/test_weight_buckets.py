@@ -5,11 +5,11 @@ safetensors' own loader."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from unirl.core import weight_stream
 from unirl.core.weight_stream import FlatBucket, TensorSpec, planned_buckets
 from unirl.rollouts.vllm.weights import write_safetensors
 
@@ -43,7 +43,7 @@ def test_flat_bucket_views_are_aligned_and_disjoint():
     assert [n for n, _ in bucket.tensors()] == ["a", "b", "c", "d", "e"]
 
 
-def test_planned_buckets_fill_by_unit_and_drop_the_previous_bucket():
+def test_planned_buckets_fill_by_unit_and_drop_the_previous_bucket(monkeypatch):
     # units: a fused pair ("qk": 2 tensors of 16 bytes), singles of 40, 8 and 16 bytes
     weights = {
         "e": torch.arange(10, dtype=torch.float32),  # 40 B: larger than a bucket, alone
@@ -54,18 +54,24 @@ def test_planned_buckets_fill_by_unit_and_drop_the_previous_bucket():
     }
     units = [("e",), ("q", "k"), ("n",), ("m",)]
     calls: list[tuple[tuple[str, ...], bool]] = []
-    alive: list[weakref.ref] = []
+    alive: list[StorageWeakRef] = []
 
     def make(unit: tuple[str, ...], out: torch.Tensor | None) -> list[torch.Tensor]:
         # the consumer dropped every bucket it was given before this one is being made (freed by
         # reference count: nothing else may hold one)
-        assert all(r() is None for r in alive[:-1]), unit
+        assert all(r.expired() for r in alive[:-1]), unit  # [-1]: the bucket being filled
         calls.append((unit, out is not None))
         if out is not None:  # a single tensor may be written in place
             out.copy_(weights[unit[0]])
             return [out]
         return [weights[n] for n in unit]
 
+    class Recorded(weight_stream.FlatBucket):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            alive.append(StorageWeakRef(self.buffer.untyped_storage()))  # its one buffer's memory
+
+    monkeypatch.setattr(weight_stream, "FlatBucket", Recorded)
     got: dict[str, torch.Tensor] = {}
     sizes = []
     stream = planned_buckets(
@@ -74,7 +80,6 @@ def test_planned_buckets_fill_by_unit_and_drop_the_previous_bucket():
     for bucket in stream:
         sizes.append([n for n, _ in bucket])
         got.update((n, t.clone()) for n, t in bucket)
-        alive.append(weakref.ref(bucket[0][1]))
         del bucket
     # 24-byte buckets: e alone (40 > 24); q; k + n (the pair cut by the boundary); m
     assert sizes == [["e"], ["q"], ["k", "n"], ["m"]]

@@ -145,6 +145,11 @@ def _plan(
 def _fill(slot: torch.Tensor, tensor: torch.Tensor) -> None:
     """``tensor`` into its bucket slot, unless it was made there (a function, so that no local
     name keeps a view of the bucket alive once it is handed out)."""
+    if tuple(tensor.shape) != tuple(slot.shape):
+        raise RuntimeError(
+            f"weight stream: a tensor of shape {tuple(tensor.shape)} was made for a bucket slot "
+            f"planned as {tuple(slot.shape)}; the backend's planned shapes and its gathers disagree"
+        )
     if tensor.data_ptr() != slot.data_ptr() or tensor.numel() == 0:
         slot.copy_(tensor)
 

@@ -172,7 +172,10 @@ class Sampler:
             part: dict[str, torch.Tensor] = {}
             for name, t in bucket:
                 m = _EXPERT.match(name)
-                (pending if m and f"{m.group(1)}.down_proj" in own else part)[name] = t
+                if m and f"{m.group(1)}.down_proj" in own:
+                    pending[name] = t.clone()  # a view would keep its whole bucket alive
+                else:
+                    part[name] = t
             for name in _complete_experts(pending, own):
                 part[name] = pending.pop(name)
             self._load_part(part, own, loaded, unexpected)

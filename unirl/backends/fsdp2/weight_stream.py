@@ -86,7 +86,9 @@ def stream_weights(
             full = out if whole else torch.empty(value.shape, dtype=local.dtype)
             gather_rows(full, local, value.device_mesh.get_group())
             return [full]
-        return [_full(value)]  # cast to the bucket's dtype by the copy into it
+        # cast on the device: a device -> host copy that also casts stages the whole fp32
+        # parameter in host memory first
+        return [_full(value).to(_cast(value, dtype))]
 
     def make_stream() -> WeightBuckets:
         items = list(model.state_dict().items())

@@ -39,6 +39,14 @@ def apply_liger_kernels(model: Any, device_type: str) -> None:
             f"model.liger_kernels: true supports model types {', '.join(SUPPORTED)}; this model "
             f"is {model_type!r}: set model.liger_kernels: false"
         )
+    # Liger's SwiGLU MLP is SiLU without biases whatever the config says
+    act = getattr(model.config, "hidden_act", "silu")
+    if act not in ("silu", "swish") or getattr(model.config, "mlp_bias", False):
+        raise ConfigError(
+            f"model.liger_kernels: true replaces the MLP with Liger's SwiGLU (SiLU, no bias); "
+            f"this model has hidden_act={act!r}, mlp_bias="
+            f"{getattr(model.config, 'mlp_bias', False)}: set model.liger_kernels: false"
+        )
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError as err:

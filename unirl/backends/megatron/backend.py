@@ -236,9 +236,21 @@ class MegatronBackend(EngineBackend):
             router_logits=self._router_logits and not staged,
             # under pp > 1 each stage adds its layers' share itself, with the coefficients of
             # the step's loss (its config, not the one this backend was built with)
-            stage_router=run.loss_fn.router if self._router_logits and staged else None,
+            stage_router=self._stage_router(run) if self._router_logits and staged else None,
             replay=replay,
         )
+
+    def _stage_router(self, run: TrainingPass) -> Any:
+        """The step's router settings (`unirl.core.moe_loss.LossWithRouterTerm.router`); a loss
+        without them is refused, not trained without its router term."""
+        router = getattr(run.loss_fn, "router", None)
+        if router is None:
+            raise ConfigError(
+                "forward_backward on a mixture-of-experts policy with parallel.pp > 1 needs the "
+                "loss as unirl.core.moe_loss.LossWithRouterTerm (its .router holds the step's "
+                "router-loss coefficients); wrap the loss function in it"
+            )
+        return router
 
     def optimizer_step(self) -> OptimizerStepStats:
         return self.policy.optimizer_step()
