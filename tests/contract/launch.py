@@ -26,6 +26,21 @@ def prepare(root: Path, fixture: str = "dense") -> tuple[Path, list[dict[str, An
     return model_dir, fixtures.make_records(true)
 
 
+def contract_job(
+    entry: BackendEntry, layout: Layout, *, model_dir: Path, records: list[dict[str, Any]],
+    work_dir: Path, dtype: str = "fp32",
+) -> harness.Job:  # fmt: skip
+    return harness.Job(
+        backend=entry.name,
+        layout=layout,
+        model_dir=str(model_dir),
+        work_dir=str(work_dir),
+        records=records,
+        dtype=dtype,
+        fixture=layout.fixture,
+    )
+
+
 def run_group(
     entry: BackendEntry,
     layout: Layout,
@@ -36,15 +51,8 @@ def run_group(
     device: str = "cpu",
     dtype: str = "fp32",
 ) -> clauses.Measured:
-    job = harness.Job(
-        backend=entry.name,
-        layout=layout,
-        model_dir=str(model_dir),
-        work_dir=str(work_dir),
-        records=records,
-        dtype=dtype,
-        fixture=layout.fixture,
-    )
+    job = contract_job(entry, layout, model_dir=model_dir, records=records, work_dir=work_dir,
+                       dtype=dtype)  # fmt: skip
     t0 = time.perf_counter()
     backend = "gloo" if device == "cpu" else "nccl"  # NCCL: one process per GPU
     ranks = run_distributed(
@@ -66,15 +74,7 @@ def run_group_with_critic(
     processes (CPU, fp32): (the contract's measurements, the critic's)."""
     from tests.contract import critic
 
-    job = harness.Job(
-        backend=entry.name,
-        layout=layout,
-        model_dir=str(model_dir),
-        work_dir=str(work_dir),
-        records=records,
-        dtype="fp32",
-        fixture=layout.fixture,
-    )
+    job = contract_job(entry, layout, model_dir=model_dir, records=records, work_dir=work_dir)
     cjob = critic.critic_job(
         entry, layout, model_dir=model_dir, records=records, work_dir=critic_work_dir
     )
