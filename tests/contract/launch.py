@@ -69,9 +69,10 @@ def run_group_with_critic(
     records: list[dict[str, Any]],
     work_dir: Path,
     critic_work_dir: Path,
-) -> tuple[clauses.Measured, clauses.Measured]:
+) -> tuple[clauses.Measured, clauses.Measured | RuntimeError]:
     """`run_group` and `tests.contract.critic.run_critic_group` of one layout in one group of
-    processes (CPU, fp32): (the contract's measurements, the critic's)."""
+    processes (CPU, fp32): (the contract's measurements, the critic's, or the critic job's
+    error: its tests fail with it, the contract's do not)."""
     from tests.contract import critic
 
     job = contract_job(entry, layout, model_dir=model_dir, records=records, work_dir=work_dir)
@@ -84,7 +85,10 @@ def run_group_with_critic(
         timeout=GROUP_TIMEOUT_S + critic.CRITIC_GROUP_TIMEOUT_S,
     )  # fmt: skip
     wall = time.perf_counter() - t0
-    return (
-        clauses.Measured([r["contract"] for r in ranks], wall_s=wall),
-        clauses.Measured([r["critic"] for r in ranks], wall_s=wall),
-    )
+    contract = clauses.Measured([r["contract"] for r in ranks], wall_s=wall)
+    failed = [f"rank {i}:\n{r['critic_error']}" for i, r in enumerate(ranks) if "critic_error" in r]
+    if failed:
+        return contract, RuntimeError(
+            "the critic job failed after the contract's\n" + "\n".join(failed)
+        )
+    return contract, clauses.Measured([r["critic"] for r in ranks], wall_s=wall)
