@@ -211,13 +211,12 @@ def critic_job(
     entry: BackendEntry, layout: Layout, *, model_dir: Path, records: list[dict[str, Any]],
     work_dir: Path, dtype: str = "fp32",
 ) -> CriticJob:  # fmt: skip
+    from tests.contract.launch import job_fields
+
     return CriticJob(
-        backend=entry.name,
-        layout=layout,
-        model_dir=str(model_dir),
-        work_dir=str(work_dir),
-        records=records,
-        dtype=dtype,
+        **job_fields(
+            entry, layout, model_dir=model_dir, records=records, work_dir=work_dir, dtype=dtype
+        )
     )
 
 

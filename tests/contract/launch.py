@@ -26,19 +26,23 @@ def prepare(root: Path, fixture: str = "dense") -> tuple[Path, list[dict[str, An
     return model_dir, fixtures.make_records(true)
 
 
-def contract_job(
+def job_fields(
     entry: BackendEntry, layout: Layout, *, model_dir: Path, records: list[dict[str, Any]],
     work_dir: Path, dtype: str = "fp32",
-) -> harness.Job:  # fmt: skip
-    return harness.Job(
-        backend=entry.name,
-        layout=layout,
-        model_dir=str(model_dir),
-        work_dir=str(work_dir),
-        records=records,
-        dtype=dtype,
-        fixture=layout.fixture,
-    )
+) -> dict[str, Any]:  # fmt: skip
+    """What a contract job and a critic job of one layout share."""
+    return {
+        "backend": entry.name,
+        "layout": layout,
+        "model_dir": str(model_dir),
+        "work_dir": str(work_dir),
+        "records": records,
+        "dtype": dtype,
+    }
+
+
+def contract_job(entry: BackendEntry, layout: Layout, **fields: Any) -> harness.Job:
+    return harness.Job(**job_fields(entry, layout, **fields), fixture=layout.fixture)
 
 
 def run_group(
