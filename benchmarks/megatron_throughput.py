@@ -240,12 +240,21 @@ def profiled(fn: Any, name: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     table = prof.key_averages()
-    text = table.table(sort_by="cuda_time_total", row_limit=45)
+    # GPU busy share: kernel time of the step against its wall time (idle gaps are host-bound)
+    kernels = sum(e.self_device_time_total for e in table if e.device_type.name == "CUDA") / 1e6
+    text = f"step wall {wall:.3f} s, kernel time {kernels:.3f} s ({100 * kernels / wall:.1f}% busy)\n"
+    text += table.table(sort_by="cuda_time_total", row_limit=60)
     text += "\n\n" + table.table(sort_by="cpu_time_total", row_limit=45)
-    (Path(PROFILE["dir"]) / f"profile_{name}.txt").write_text(text)
+    out = Path(PROFILE["dir"])
+    (out / f"profile_{name}.txt").write_text(text)
+    if PROFILE.get("trace"):
+        prof.export_chrome_trace(str(out / f"trace_{name}.json"))
 
 
 def timed(fn: Any, warmup: int, steps: int) -> tuple[list[float], Any]:
@@ -476,6 +485,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-dir", type=Path, default=None, help="profile one more step")
     parser.add_argument(
+        "--profile-trace", action="store_true", help="--profile-dir: also a chrome trace"
+    )
+    parser.add_argument(
         "--fused-head",
         action="store_true",
         help="model.fused_head: no logits; PPO-clip's loss inside the head (3 head matmuls)",
@@ -503,6 +515,7 @@ def main() -> None:
             "pass --modes reuse,recompute"
         )
     PROFILE["dir"] = args.profile_dir
+    PROFILE["trace"] = args.profile_trace
     # host ops here are small: many intra-op threads only contend with the thread that
     # launches the GPU work (torchrun sets 1 per process for the same reason)
     if "OMP_NUM_THREADS" not in os.environ:
