@@ -29,7 +29,7 @@ from unirl.core.maths.losses import Metric
 from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.run.progress import MicrobatchProgress
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import WeightBuckets
+from unirl.core.weight_stream import HOST, WeightBuckets
 
 __all__ = [
     "CriticModel",
@@ -273,12 +273,16 @@ class TrainingBackend(Protocol):
         For tools and tests; a training step syncs with `stream_weights`."""
         ...
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
         """The policy weights as `hf_state_dict` holds them (same names, dtypes, values), in
-        buckets of at most ``bucket_bytes`` made by the ranks that own them, CPU tensors on
-        global rank ``dst`` (None: every rank); see `unirl.core.weight_stream`. Collective:
-        every rank calls it and runs the iterator to its end. Raises `NonFiniteWeightsError` on
-        every rank, before any bucket, when a weight is not finite."""
+        buckets of at most ``bucket_bytes`` made by the ranks that own them, on global rank
+        ``dst`` (None: every rank), each bucket a `FlatBucket` on ``device`` (the CPU, or the
+        receiving rank's GPU: gathered there, no host copy of any weight); see
+        `unirl.core.weight_stream`. Collective: every rank calls it and runs the iterator to its
+        end. Raises `NonFiniteWeightsError` on every rank, before any bucket, when a weight is
+        not finite."""
         ...
 
     def non_finite_weight(self) -> str | None:

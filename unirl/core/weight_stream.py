@@ -1,28 +1,33 @@
 """The policy's weights on their way to a rollout source: Hugging Face-named tensors in buckets,
 made by the ranks that own them, so that no rank ever holds the whole model for a sync.
 
-    buckets = backend.stream_weights(bucket_bytes, dst=0)   # collective; refuses non-finite weights
-    for bucket in buckets:                                  # every rank iterates to the end
-        for name, tensor in bucket:                         # CPU tensors, on the receiving rank(s)
-            ...
+    buckets = backend.stream_weights(bucket_bytes, dst=0, device=d)  # collective; refuses
+    for bucket in buckets:                                           # non-finite weights; every
+        for name, tensor in bucket:                                  # rank iterates to the end
+            ...                                                      # tensors on ``d`` (dst)
 
 A bucket holds at most ``bucket_bytes`` unless a single tensor is larger (it then travels
 alone). ``dst``: the global rank that receives (the one running the engine), or None for every
 rank (a sampler on every rank). Ranks that do not receive iterate too (they take part in the
-gathers) and get no buckets. Before the first bucket is made, every rank scans its own shards
-for a NaN or an infinity and one all-reduce of a flag decides: a non-finite model never reaches
-an engine (`NonFiniteWeightsError`, naming the first such parameter).
+gathers) and get no buckets. ``device``: where the receiving rank's buckets live, the CPU
+(`HOST`, the default: a file reload, a sampler) or the rank's GPU (the IPC / NCCL transports,
+which then send each bucket's memory as it is: no copy through the host). Before the first bucket
+is made, every rank scans its own shards for a NaN or an infinity and one all-reduce of a flag
+decides: a non-finite model never reaches an engine (`NonFiniteWeightsError`, naming the first
+such parameter).
 
-Host memory. A backend plans its buckets from the tensors' shapes before it gathers anything
-(`planned_buckets`): each bucket is one flat CPU buffer (`FlatBucket`, one allocation, which
-glibc maps and unmaps as a whole, so a freed bucket goes back to the OS instead of staying in
-the heap), and each gathered parameter is copied straight into its place in it (or, on the CPU,
-all-gathered straight into it) and dropped. So a rank holds its shards, the bucket being filled
-and one gathered parameter, never the next bucket's tensors while the previous one is still
-held. A consumer helps by dropping its bucket before it asks for the next (``del bucket`` at the
-end of the loop body: a ``for`` loop's variable keeps the previous bucket alive while the next
-one is being made). Tensors of one bucket are views of one buffer: keeping any of them keeps
-the whole bucket.
+Memory. A backend plans its buckets from the tensors' shapes before it gathers anything
+(`planned_buckets`): each bucket is one flat buffer on ``device`` (`FlatBucket`, one allocation;
+on the host glibc maps and unmaps it as a whole, so a freed bucket goes back to the OS instead of
+staying in the heap), laid out as vLLM's packed weight transfer reads it (`packed_layout`, the
+one layout function, which the transports check with `flat_buffer`), and each gathered parameter
+is copied straight into its place in it (or all-gathered straight into it) and dropped. So a rank
+holds its shards, the bucket being filled and one gathered parameter, never the next bucket's
+tensors while the previous one is still held: about one bucket above the trainer's own memory,
+on the GPU for ``device`` a GPU, on the host for the CPU. A consumer helps by dropping its bucket
+before it asks for the next (``del bucket`` at the end of the loop body: a ``for`` loop's
+variable keeps the previous bucket alive while the next one is being made). Tensors of one bucket
+are views of one buffer: keeping any of them keeps the whole bucket.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ Bucket = list[tuple[str, torch.Tensor]]
 WeightBuckets = Iterator[Bucket]
 
 MIB = 1 << 20
+
+# Where a stream's buckets live unless the consumer asks for its GPU: the one default of every
+# backend's ``stream_weights(device=...)``.
+HOST = torch.device("cpu")
 
 # one unit of a backend's stream: what it gathers in one go (a parameter, a fused qkv)
 U = TypeVar("U")
@@ -99,26 +108,85 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class FlatBucket:
-    """The tensors of one bucket as views of one flat buffer on ``device``, in ``specs`` order
-    (laid out largest element size first, so every view is aligned without padding)."""
+@attrs.frozen
+class PackedLayout:
+    """Where each tensor of a bucket lies in its one flat byte buffer."""
 
-    def __init__(self, specs: Sequence[TensorSpec], device: torch.device | str = "cpu") -> None:
+    order: tuple[int, ...]  # the tensors' indices in buffer order
+    offsets: tuple[int, ...]  # each tensor's first byte, in the bucket's order
+    nbytes: int  # the buffer's size: the tensors' bytes, no padding
+
+
+def packed_layout(specs: Sequence[TensorSpec]) -> PackedLayout:
+    """The bytes of ``specs``' tensors back to back (each contiguous, row-major), widest element
+    first and otherwise in bucket order: every offset is then a multiple of its tensor's element
+    size (a bf16 tensor of odd length before a float32 one would break that), so each slice of
+    the buffer can be viewed as its dtype. This is vLLM's packed layout (``pack_tensors``: the
+    bytes in the order of the names it is sent); a `FlatBucket` is laid out by it and the
+    transports pack by it, so a flat bucket is already the packed buffer."""
+    order = tuple(sorted(range(len(specs)), key=lambda i: -_element_size(specs[i].dtype)))
+    offsets = [0] * len(specs)
+    total = 0
+    for i in order:
+        offsets[i] = total
+        total += specs[i].nbytes
+    return PackedLayout(order=order, offsets=tuple(offsets), nbytes=total)
+
+
+class FlatBucket:
+    """The tensors of one bucket as views of one flat uint8 buffer on ``device``, in ``specs``
+    order, laid out by `packed_layout`."""
+
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device | str = HOST) -> None:
         self.specs = list(specs)
-        layout = sorted(range(len(self.specs)), key=lambda i: -_element_size(self.specs[i].dtype))
-        offsets = [0] * len(self.specs)
-        total = 0
-        for i in layout:
-            offsets[i] = total
-            total += self.specs[i].nbytes
-        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        self.layout = packed_layout(self.specs)
+        self.buffer = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.slots = [
             self.buffer[o : o + s.nbytes].view(s.dtype).view(s.shape)
-            for o, s in zip(offsets, self.specs)
+            for o, s in zip(self.layout.offsets, self.specs)
         ]
 
     def tensors(self) -> Bucket:
         return [(s.name, t) for s, t in zip(self.specs, self.slots)]
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, tuple(tensor.shape), tensor.dtype)
+
+
+def flat_buffer(bucket: Bucket) -> torch.Tensor | None:
+    """The one uint8 buffer that ``bucket``'s tensors are views of, when they lie in it exactly
+    as `packed_layout` puts them (a `FlatBucket`'s tensors: a stream's buckets), else None (a
+    state dict's separate tensors, `as_buckets`). The buffer shares the bucket's memory: no copy.
+    Checked from the tensors themselves (one storage, its size, each tensor's place), so a
+    bucket that is not laid out so is never sent as if it were."""
+    if not bucket:
+        return None
+    storage = bucket[0][1].untyped_storage()
+    layout = packed_layout([spec_of(n, t) for n, t in bucket])
+    if storage.nbytes() != layout.nbytes or layout.nbytes == 0:
+        return None
+    base = storage.data_ptr()
+    for (_, t), offset in zip(bucket, layout.offsets):
+        if not t.is_contiguous() or t.device != storage.device:
+            return None
+        if t.untyped_storage().data_ptr() != base or t.data_ptr() - base != offset:
+            return None
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether ``a`` and ``b`` are one device ("cuda" is the current GPU; any "cpu" the host)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    return _cuda_index(a) == _cuda_index(b)
+
+
+def _cuda_index(d: torch.device) -> int:
+    return torch.cuda.current_device() if d.index is None else d.index
 
 
 def _plan(
@@ -161,7 +229,7 @@ def planned_buckets(
     bucket_bytes: int,
     *,
     keep: bool,
-    device: torch.device | str = "cpu",
+    device: torch.device | str,
 ) -> WeightBuckets:
     """A backend's stream from its units, bucketed on their shapes (`specs_of`, no gather)
     before any tensor is made: each bucket is a `FlatBucket` on ``device``, filled unit by unit.

@@ -41,14 +41,19 @@ class WeightSync:
         return self.receiver != "none"
 
     def _stream(self) -> WeightBuckets:
-        return self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
+        """The stream for a sync, its buckets where the source wants them (its transport's
+        device: a GPU for vLLM's IPC / NCCL transports, the host otherwise)."""
+        device = self.source.weights_device
+        return self.backend.stream_weights(self.bucket_bytes, dst=self.dst, device=device)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The policy's weights in Hugging Face names, on the receiving rank(s), for the
         rollouts generated ahead (`unirl.rollouts.async_source`): the stream gathered into one
-        dict (empty on a rank that receives nothing), non-finite weights refused before any
-        bucket exists. Collective: every rank calls it, in the main thread."""
-        return {name: t for bucket in self._stream() for name, t in bucket}
+        dict on the host (empty on a rank that receives nothing; it is kept while the trainer
+        trains, so not on the GPU), non-finite weights refused before any bucket exists.
+        Collective: every rank calls it, in the main thread."""
+        stream = self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
+        return {name: t for bucket in stream for name, t in bucket}
 
     def initial(self, version: int) -> float:
         """The weights the run starts from, to the source (seconds it took; 0 without a sync)."""

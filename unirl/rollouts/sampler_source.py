@@ -21,7 +21,7 @@ import torch
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.run.progress import GenerationProgress
-from unirl.core.weight_stream import Bucket
+from unirl.core.weight_stream import HOST, Bucket
 from unirl.rollouts.environments.base import Environment
 from unirl.rollouts.episode_batch import episode_rollout, observation_encoder
 from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
@@ -132,6 +132,10 @@ class SamplerRolloutSource:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def weights_device(self) -> torch.device:
+        return HOST  # loaded into the sampler's model by load_state_dict, from the host
 
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
         """Load the stream bucket by bucket into the sampler's model (every rank has one)."""

@@ -26,10 +26,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.run.progress import GenerationProgress
-from unirl.core.weight_stream import Bucket, drain
+from unirl.core.weight_stream import HOST, Bucket, drain
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +51,13 @@ class RolloutSource(Protocol):
     generation bar the training loop opens, `GenerationProgress`) when one is given.
 
     Weights. ``sync_weights`` gets the policy's weights as a stream of buckets of Hugging
-    Face-named CPU tensors (`unirl.core.weight_stream`; on the ranks the plug-in's ``weights``
+    Face-named tensors (`unirl.core.weight_stream`; on the ranks the plug-in's ``weights``
     names, an empty stream elsewhere) and must run it to its end on every rank, also when it
-    fails (`unirl.core.weight_stream.drain`): the stream's gathers are collective.
+    fails (`unirl.core.weight_stream.drain`): the stream's gathers are collective. The tensors
+    are on ``weights_device``, which the source names (the training loop asks the backend for
+    buckets there): the host (`unirl.core.weight_stream.HOST`) for a file reload or a sampler,
+    the GPU for a transport that sends GPU memory as it is. A source must also take buckets on
+    the host from elsewhere (`as_buckets` of a snapshot, `unirl.rollouts.async_source`).
 
     Policy versions. ``sync_weights`` hands over the policy's weights with their
     ``policy_version`` (the optimizer steps the policy has taken); every sample a source hands
@@ -67,6 +73,9 @@ class RolloutSource(Protocol):
 
     @property
     def vocab_size(self) -> int | None: ...
+
+    @property
+    def weights_device(self) -> torch.device: ...
 
     def next_rollout(
         self, rl_step: int, progress: GenerationProgress | None = None
@@ -254,6 +263,10 @@ class FileRolloutSource:
         if progress is not None:  # samples read (a file generates no tokens)
             progress.update(samples=len(samples))
         return RolloutBatch(tuple(samples), origins=tuple(origins))
+
+    @property
+    def weights_device(self) -> torch.device:
+        return HOST  # never streamed to (the plug-in needs no weights)
 
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
         """Nothing to update: the file's samples are fixed (their versions are the records').

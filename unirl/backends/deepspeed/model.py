@@ -23,7 +23,7 @@ from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.packed import forward_packed
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.run.config import UnirlConfig
-from unirl.core.weight_stream import WeightBuckets
+from unirl.core.weight_stream import HOST, WeightBuckets
 
 
 def _runner(device: torch.device):
@@ -96,9 +96,11 @@ class DeepSpeedModel(PackedModule):
         """Collective under ZeRO-3."""
         return export.hf_state_dict(self.engine)
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
-        """Collective under ZeRO-3 (one gathered module at a time)."""
-        return weight_stream.stream_weights(self.engine, bucket_bytes, dst=dst)
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """Collective under ZeRO-3 (one gathered parameter at a time)."""
+        return weight_stream.stream_weights(self.engine, bucket_bytes, dst=dst, device=device)
 
     def non_finite_weight(self) -> str | None:
         return weight_stream.non_finite_weight(self.engine)

@@ -7,8 +7,10 @@ planned from the parameters' full shapes (``ds_shape``) before anything is gathe
 gather is DeepSpeed's (``deepspeed.zero.GatheredParameters``, on the device, released before the
 next parameter). On the CPU, where the "device" is host memory too, the partitions (``ds_tensor``:
 rank r holds elements [r * n, (r + 1) * n) of the flattened parameter) are all-gathered straight
-into the bucket, so no second host copy of a parameter exists. No rank holds more than one
-gathered parameter and one bucket. Names, values and dtypes are those of
+into the bucket, so no second host copy of a parameter exists. The buckets are on the ``device``
+the consumer asks for (the GPU for the IPC / NCCL transports: each gathered parameter is then
+copied device to device into its place; the host for the file transport). No rank holds more
+than one gathered parameter and one bucket. Names, values and dtypes are those of
 `unirl.backends.deepspeed.export.hf_state_dict`.
 """
 
@@ -30,6 +32,7 @@ from unirl.core.weight_stream import (
     gather_rows,
     planned_buckets,
     receives,
+    same_device,
 )
 
 
@@ -78,7 +81,13 @@ def _gather_into(param: Any, out: torch.Tensor | None) -> torch.Tensor:
     shard = param.ds_tensor.detach().reshape(-1)
     world = dist.get_world_size(group)
     numel = int(param.ds_numel)
-    if out is not None and shard.numel() * world == numel and out.dtype == shard.dtype:
+    fits = shard.numel() * world == numel
+    if (
+        out is not None
+        and fits
+        and out.dtype == shard.dtype
+        and same_device(out.device, shard.device)
+    ):
         flat = out.view(-1)
     else:
         flat = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
@@ -103,7 +112,9 @@ def _make(cpu: bool) -> Any:
     return make
 
 
-def stream_weights(engine: Any, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+def stream_weights(
+    engine: Any, bucket_bytes: int, *, dst: int | None, device: torch.device
+) -> WeightBuckets:
     """See `unirl.core.backend.TrainingBackend.stream_weights`."""
     keep = receives(dst)
 
@@ -112,12 +123,19 @@ def stream_weights(engine: Any, bucket_bytes: int, *, dst: int | None) -> Weight
         if engine.zero_optimization_stage() == 3:
             cpu = torch.device(engine.device).type == "cpu"
             return planned_buckets(
-                _zero3_units(module), lambda u: [u.spec()], _make(cpu), bucket_bytes, keep=keep
+                _zero3_units(module),
+                lambda u: [u.spec()],
+                _make(cpu),
+                bucket_bytes,
+                keep=keep,
+                device=device,
             )
         if not keep:
             return iter(())
         # the module's own state dict order, each tensor copied into its bucket
         units = [_Unit(k, v.detach(), False) for k, v in module.state_dict().items()]
-        return planned_buckets(units, lambda u: [u.spec()], _make(False), bucket_bytes, keep=True)
+        return planned_buckets(
+            units, lambda u: [u.spec()], _make(False), bucket_bytes, keep=True, device=device
+        )
 
     return checked_stream(lambda: non_finite_weight(engine), make)

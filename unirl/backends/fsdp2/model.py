@@ -33,7 +33,7 @@ from unirl.backends.hf.optim import ScheduledLR, adamw
 from unirl.backends.hf_model import torch_dtype
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.run.config import ModelConfig
-from unirl.core.weight_stream import WeightBuckets
+from unirl.core.weight_stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,14 @@ class Fsdp2Model(PackedModule):
         """The full weights in the model's dtype (collective)."""
         return export.hf_state_dict(self.module, torch_dtype(self._model_cfg))
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
         """One full parameter at a time in the model's dtype (collective)."""
         dtype = torch_dtype(self._model_cfg)
-        return weight_stream.stream_weights(self.module, dtype, self.device, bucket_bytes, dst=dst)
+        return weight_stream.stream_weights(
+            self.module, dtype, self.device, bucket_bytes, dst=dst, device=device
+        )
 
     def non_finite_weight(self) -> str | None:
         return weight_stream.non_finite_weight(self.module, self.device)

@@ -42,7 +42,7 @@ from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import WeightBuckets
+from unirl.core.weight_stream import HOST, WeightBuckets
 
 
 class HFBackend(EngineBackend):
@@ -212,8 +212,10 @@ class HFBackend(EngineBackend):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.policy.hf_state_dict()
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
-        return self.policy.stream_weights(bucket_bytes, dst=dst)
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        return self.policy.stream_weights(bucket_bytes, dst=dst, device=device)
 
     def non_finite_weight(self) -> str | None:
         return self.policy.non_finite_weight()

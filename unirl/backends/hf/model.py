@@ -17,7 +17,7 @@ from unirl.backends.hf.loop import TrainedPackedModel
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.run.config import OptimizerConfig
-from unirl.core.weight_stream import WeightBuckets
+from unirl.core.weight_stream import HOST, WeightBuckets
 
 # run(module, microbatch) -> the model's ``.logits[0]``: the engine's packed forward
 PackedForward = Callable[[Any, TrainMicrobatch], torch.Tensor]
@@ -81,8 +81,11 @@ class TrainedModel(TrainedPackedModel, Protocol):
         """The full weights in Hugging Face names, on the CPU, on every rank (collective)."""
         ...
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
-        """`hf_state_dict`'s tensors in buckets (`unirl.core.weight_stream`; collective)."""
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """`hf_state_dict`'s tensors in buckets on ``device`` (`unirl.core.weight_stream`;
+        collective)."""
         ...
 
     def non_finite_weight(self) -> str | None:

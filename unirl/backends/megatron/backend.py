@@ -55,7 +55,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.run.model_shape import moe_shape
-from unirl.core.weight_stream import WeightBuckets
+from unirl.core.weight_stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -292,10 +292,12 @@ class MegatronBackend(EngineBackend):
         (collective: TP all-gathers and PP broadcasts)."""
         return self.policy.hf_state_dict()
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
-        """The policy's weights in buckets from their pipeline stages (collective: TP / EP
-        all-gathers per parameter, a pipeline broadcast per bucket)."""
-        return self.policy.stream_weights(bucket_bytes, dst=dst)
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """The policy's weights in buckets on ``device`` from their pipeline stages (collective:
+        TP / EP all-gathers per parameter, a pipeline broadcast per bucket)."""
+        return self.policy.stream_weights(bucket_bytes, dst=dst, device=device)
 
     def non_finite_weight(self) -> str | None:
         return self.policy.non_finite_weight()

@@ -32,7 +32,7 @@ from unirl.core.backend import OptimizerStepStats
 from unirl.core.run.config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import WeightBuckets
+from unirl.core.weight_stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -181,10 +181,13 @@ class MegatronModel:
         """The full weights in Hugging Face names, on the CPU, on every rank (collective)."""
         return export_hf_state_dict(self.chunks, self.hf_config, self.topology)
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
-        """`hf_state_dict`'s tensors in buckets, from the stages that own them (collective)."""
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """`hf_state_dict`'s tensors in buckets on ``device``, from the stages that own them
+        (collective)."""
         return weight_stream.stream_weights(
-            self.chunks, self.hf_config, self.topology, bucket_bytes, dst=dst
+            self.chunks, self.hf_config, self.topology, bucket_bytes, dst=dst, device=device
         )
 
     def non_finite_weight(self) -> str | None:

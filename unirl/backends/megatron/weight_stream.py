@@ -4,15 +4,18 @@
 Each stage converts its own layers one Megatron parameter at a time (TP shards, and expert
 shards over the expert-parallel group, all-gathered; a fused qkv / gate-up split into its HF
 tensors), copying each HF tensor into its place in a bucket planned from the shapes beforehand
-(`unirl.core.weight_stream.planned_buckets`). A vocabulary-parallel embedding or head, the
-largest tensors, is all-gathered in one piece (rows in rank order); on the CPU, where the
-"device" is host memory too, straight into the bucket. With pipeline stages, the stages then
-take turns in pipeline order: the owning stage broadcasts each bucket (its tensors' specs, then
-the tensors) over the pipeline group, and the receiving rank copies it to the CPU (on the CPU it
-receives straight into its bucket). Pipeline groups without a receiving rank only run their
-stage's gathers (their TP peers need them). So a rank holds its shards, one gathered parameter
-and one bucket; nothing holds the model. Names, values and dtypes are those of
-`convert.export_hf_state_dict`.
+(`unirl.core.weight_stream.planned_buckets`), on the ``device`` the consumer asks for (the GPU
+for the IPC / NCCL transports, the host for the file transport). A vocabulary-parallel embedding
+or head, the largest tensors, is all-gathered in one piece (rows in rank order), straight into
+its bucket slot when the slot is on the parameter's device. With pipeline stages, the stages
+then take turns in pipeline order: the owning stage broadcasts each bucket over the pipeline
+group, its tensors' specs and then its flat buffer in one broadcast, and the others receive it
+into a bucket of the same layout (`unirl.core.weight_stream.FlatBucket`), on the trainer's device
+(which the pipeline group broadcasts on); a receiving rank that asked for the host copies it
+there. Pipeline groups without a receiving rank only run their stage's gathers (their TP peers
+need them). So a rank holds its shards, one gathered parameter and one bucket (two, device and
+host, when a GPU trainer streams to the host under pipeline stages); nothing holds the model.
+Names, values and dtypes are those of `convert.export_hf_state_dict`.
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ from unirl.core.weight_stream import (
     agree_non_finite,
     checked_stream,
     first_non_finite_local,
+    flat_buffer,
     gather_rows,
     planned_buckets,
     receives,
+    same_device,
+    spec_of,
 )
 
 # (tensor, group size, group) -> the group's tensors in rank order
@@ -131,7 +137,7 @@ def _maker(topology: Topology, hf_config: Any) -> Any:
             rows = param.shape[0] * topology.tp_size
             direct = (
                 out is not None
-                and out.device == param.device
+                and same_device(out.device, param.device)
                 and out.dtype == param.dtype
                 and out.shape[0] == rows
             )
@@ -144,46 +150,49 @@ def _maker(topology: Topology, hf_config: Any) -> Any:
     return make
 
 
-def _on_host(specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]) -> Bucket:
-    if all(t.device.type == "cpu" for t in tensors):
-        return [(s.name, t) for s, t in zip(specs, tensors)]
-    host = FlatBucket(specs)
-    for slot, t in zip(host.slots, tensors):
+def _moved(specs: Sequence[TensorSpec], bucket: Bucket, device: torch.device) -> Bucket:
+    """``bucket`` copied into a bucket of the same layout on ``device``."""
+    moved = FlatBucket(specs, device)
+    for slot, (_, t) in zip(moved.slots, bucket):
         slot.copy_(t)
-    return host.tensors()
+    return moved.tensors()
 
 
 def _pipeline_buckets(
-    local: Callable[[], WeightBuckets], topology: Topology, device: torch.device, keep: bool
+    local: Callable[[torch.device], WeightBuckets],
+    topology: Topology,
+    transit: torch.device,
+    keep: bool,
+    device: torch.device,
 ) -> WeightBuckets:
-    """Every stage's buckets in stage order, broadcast over the pipeline group; ``local()``: this
-    stage's buckets, on ``device``."""
+    """Every stage's buckets in stage order, each one broadcast (its flat buffer) over the
+    pipeline group from its stage; ``local(where)``: this stage's buckets, made on ``where``.
+    ``transit``: the trainer's device, which the group broadcasts on; kept buckets end on
+    ``device``."""
     group = topology.groups.pp
+    here = device if keep and same_device(device, transit) else transit
     for stage in range(topology.pp_size):
         src = dist.get_global_rank(group, stage)
-        own = stage == topology.pp_rank
-        mine = local() if own else None
+        mine = local(here) if stage == topology.pp_rank else None
         while True:
             bucket = next(mine, None) if mine is not None else None
-            box: list[Any] = [
-                None
-                if bucket is None
-                else [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in bucket]
-            ]
-            dist.broadcast_object_list(box, src=src, group=group, device=device)
+            box: list[Any] = [None if bucket is None else [spec_of(n, t) for n, t in bucket]]
+            dist.broadcast_object_list(box, src=src, group=group, device=transit)
             specs = box[0]
             if specs is None:
                 break
             if bucket is not None:
-                tensors = [t for _, t in bucket]
-            else:  # received straight into a host bucket when the device is the CPU
-                where = "cpu" if keep and device.type == "cpu" else device
-                tensors = FlatBucket(specs, where).slots
-            for t in tensors:
-                dist.broadcast(t, src=src, group=group)
+                buffer = flat_buffer(bucket)
+                assert buffer is not None, "planned_buckets makes flat buckets"
+            else:  # the same layout as the stage's, from the same specs
+                received = FlatBucket(specs, here)
+                buffer, bucket = received.buffer, received.tensors()
+                del received
+            dist.broadcast(buffer, src=src, group=group)
+            del buffer
             if keep:
-                yield _on_host(specs, tensors)
-            del bucket, tensors
+                yield bucket if same_device(here, device) else _moved(specs, bucket, device)
+            del bucket
 
 
 def stream_weights(
@@ -193,12 +202,13 @@ def stream_weights(
     bucket_bytes: int,
     *,
     dst: int | None,
+    device: torch.device,
 ) -> WeightBuckets:
     """See `unirl.core.backend.TrainingBackend.stream_weights`."""
     keep = receives(dst)
-    device = next(chunks[0].parameters()).device
+    transit = next(chunks[0].parameters()).device
 
-    def stage(keep_here: bool, where: torch.device | str) -> WeightBuckets:
+    def stage(keep_here: bool, where: torch.device) -> WeightBuckets:
         return planned_buckets(
             _units(chunks, hf_config),
             lambda u: _specs(u, topology, hf_config),
@@ -214,9 +224,11 @@ def stream_weights(
         )
         names: set[str] = set()
         if pipeline:
-            buckets = _pipeline_buckets(lambda: stage(True, device), topology, device, keep)
+            buckets = _pipeline_buckets(
+                lambda where: stage(True, where), topology, transit, keep, device
+            )
         else:
-            buckets = stage(keep, "cpu")
+            buckets = stage(keep, device)
         for bucket in buckets:
             if keep:
                 names.update(n for n, _ in bucket)

@@ -77,6 +77,7 @@ from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.placement import (
     check_engine_count,
     check_fit,
+    choose_transport,
     engine_of,
     split_prompts,
 )
@@ -86,6 +87,7 @@ from unirl.rollouts.vllm.transport import (
     FileTransport,
     IpcTransport,
     NcclTransport,
+    bucket_device,
     make_transport,
 )
 from unirl.rollouts.vllm.weights import WeightFolder
@@ -185,6 +187,19 @@ class VllmRolloutSource:
 
     def _tag(self, engine: int) -> str:
         return f"vLLM engine {engine}: " if self.engines > 1 else ""
+
+    @property
+    def weights_device(self) -> torch.device:
+        """Where the buckets of a sync should be: the transport's ``bucket_device`` (this rank's
+        GPU for ipc / nccl, which then send each bucket as it is; the host for the file reload).
+        Before the engine starts (the first sync) the transport it will have says, and so on the
+        ranks that drive no engine, which only drain the stream (a GPU bucket dropped costs no
+        host copy)."""
+        if self._transport is not None:
+            return self._transport.bucket_device
+        cuda = torch.cuda.is_available()
+        kind = choose_transport(self.options.weight_transfer, self.options, cuda=cuda).value
+        return bucket_device(kind, _device())
 
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
         """Each leader sends the weights to its engine bucket by bucket (the first call starts

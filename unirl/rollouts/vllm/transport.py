@@ -9,15 +9,15 @@
 - ``file`` (`FileTransport`): each bucket one safetensors file in tmpfs, then vLLM's in-place
   ``reload_weights`` (the CPU's transport; weights.py).
 - ``ipc`` (`IpcTransport`): vLLM's ``WeightTransferConfig(backend="ipc")`` in its packed mode:
-  each bucket is copied into one uint8 GPU buffer, shared through a CUDA IPC handle
+  each bucket is one uint8 GPU buffer (`pack_bucket`), shared through a CUDA IPC handle
   (``torch.multiprocessing.reductions.reduce_tensor``) keyed by the GPU's UUID, and announced
   with ``update_weights`` (names, dtype names, shapes, byte sizes); the engine's worker on the
   same GPU maps the buffer, splits it, clones each tensor and loads it
   (vllm/distributed/weight_transfer/ipc_engine.py, packed_tensor.py `packed_ipc_consumer`).
 - ``nccl`` (`NcclTransport`): ``backend="nccl"``, packed with a buffer of one bucket: the
   leader announces a bucket's tensors with ``update_weights`` (on a side thread: the workers
-  wait inside the broadcast) and broadcasts the bucket's packed buffer as rank 0 of a group with
-  the engine's workers (vllm/distributed/weight_transfer/nccl_engine.py).
+  wait inside the broadcast) and broadcasts the bucket's packed buffer (`pack_bucket`) as rank 0
+  of a group with the engine's workers (vllm/distributed/weight_transfer/nccl_engine.py).
 
 Every sync is ``start_weight_update`` -> ``update_weights`` per bucket -> ``finish_weight_update``
 (vLLM's layerwise reload then processes the loaded weights). The messages are plain data built by
@@ -25,10 +25,16 @@ Every sync is ``start_weight_update`` -> ``update_weights`` per bucket -> ``fini
 unpacking; the IPC handles travel pickled (``ipc_handles_pickled``, which the engine reads with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: vLLM's msgpack channel carries no torch types).
 
-The stream's buckets are on the CPU (every backend copies them there), so ``ipc`` and ``nccl``
-copy each bucket to the GPU: one bucket of GPU memory beyond the trainer's, plus the engine's
-clone of it. The trainer side imports torch only (no vLLM), except the NCCL group, which is
-vLLM's own (`StatelessProcessGroup` + `PyNcclCommunicator`) so that both ends agree.
+Where the buckets are. Each transport says where it wants the stream's buckets
+(``bucket_device``, which the rollout source hands to ``TrainingBackend.stream_weights``): the
+host for ``file``, the transport's GPU for ``ipc`` and ``nccl``. A stream's bucket is one flat
+buffer laid out by `unirl.core.weight_stream.packed_layout`, which is vLLM's packed layout, so
+`pack_bucket` sends that buffer itself (`flat_buffer`: no copy, no staging buffer); a bucket that
+is not flat (a state dict's tensors, `as_buckets`; a host bucket) is copied into a new buffer on
+the GPU, in the same layout. So a GPU sync holds one bucket of GPU memory beyond the trainer's
+(plus the engine's clone of it), and no weight passes through the host. The trainer side
+imports torch only (no vLLM), except the NCCL group, which is vLLM's own
+(`StatelessProcessGroup` + `PyNcclCommunicator`) so that both ends agree.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from unirl.core.weight_stream import Bucket
+from unirl.core.weight_stream import HOST, Bucket, flat_buffer, packed_layout, same_device, spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -100,25 +106,26 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def pack_bucket(bucket: Bucket, device: torch.device | str) -> PackedBucket:
-    """``bucket`` as one buffer on ``device``: each tensor's bytes (contiguous, row-major)
-    copied in back to back, the layout of vLLM's ``pack_tensors``. The tensors go widest
-    element first (stable otherwise): the receiver views each slice of the uint8 buffer as its
-    dtype, which needs an offset divisible by the element size (a bf16 tensor of odd length
-    before a float32 one would break that)."""
-    bucket = sorted(bucket, key=lambda item: -item[1].element_size())
-    flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-    sizes = [int(f.numel()) for f in flats]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    offset = 0
-    for flat, size in zip(flats, sizes):
-        buffer[offset : offset + size].copy_(flat, non_blocking=True)
-        offset += size
+    """``bucket`` as one buffer on ``device`` in vLLM's packed layout (each tensor's bytes,
+    contiguous and row-major, back to back in the order of the names sent:
+    `unirl.core.weight_stream.packed_layout`, widest element first). A stream's bucket already
+    is that buffer on ``device`` (`flat_buffer`): it is sent as it is, no byte copied. Any other
+    bucket is copied into a new buffer, in the same layout."""
+    specs = [spec_of(n, t) for n, t in bucket]
+    layout = packed_layout(specs)
+    buffer = flat_buffer(bucket)
+    if buffer is None or not same_device(buffer.device, device):
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        for (_, t), offset, spec in zip(bucket, layout.offsets, specs):
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset : offset + spec.nbytes].copy_(flat, non_blocking=True)
+    ordered = [specs[i] for i in layout.order]
     return PackedBucket(
         buffer=buffer,
-        names=[n for n, _ in bucket],
-        shapes=[list(t.shape) for _, t in bucket],
-        dtype_names=[dtype_name(t.dtype) for _, t in bucket],
-        tensor_sizes=sizes,
+        names=[s.name for s in ordered],
+        shapes=[list(s.shape) for s in ordered],
+        dtype_names=[dtype_name(s.dtype) for s in ordered],
+        tensor_sizes=[s.nbytes for s in ordered],
     )
 
 
@@ -166,6 +173,7 @@ class FileTransport:
     """Safetensors in a tmpfs folder, reloaded by the engine in place (weights.py)."""
 
     name = "file"
+    bucket_device = HOST  # safetensors are written from host memory
 
     def __init__(self, engine: Any, folder: Any) -> None:
         self.engine, self.folder = engine, folder
@@ -187,6 +195,7 @@ class IpcTransport:
     def __init__(self, client: WeightClient, device: torch.device) -> None:
         self.client = client
         self.device = device
+        self.bucket_device = device  # a stream's bucket on this GPU is shared as it is
         self.gpu_uuid = str(torch.cuda.get_device_properties(device).uuid)
         client.init_weight_transfer_engine({"packed": True})
 
@@ -197,7 +206,7 @@ class IpcTransport:
             torch.cuda.current_stream(self.device).synchronize()  # the bytes are in before
             info = ipc_update_info(packed, ipc_handle_args(packed.buffer), self.gpu_uuid)
             self.client.update_weights(info)
-            del packed, bucket  # the host bucket freed before the next is made
+            del packed, bucket  # the bucket freed before the next is made
         self.client.finish_weight_update()
         torch.cuda.ipc_collect()  # buffers the engine released go back to the allocator
 
@@ -224,6 +233,7 @@ class NcclTransport:
 
         self.client = client
         self.device = device
+        self.bucket_device = device  # a stream's bucket on this GPU is broadcast as it is
         port = free_port()
         buffer = nccl_buffer_bytes(bucket_bytes)
         worker_info = {
@@ -253,7 +263,7 @@ class NcclTransport:
                 future = pool.submit(self.client.update_weights, nccl_update_info(packed))
                 self.group.broadcast(packed.buffer, src=0, stream=torch.cuda.current_stream())
                 future.result()
-                del packed, bucket  # the host bucket freed before the next
+                del packed, bucket  # the bucket freed before the next
         finally:
             # a failed broadcast leaves the engine's call waiting: do not join it
             pool.shutdown(wait=False)
@@ -263,6 +273,12 @@ class NcclTransport:
         group, self.group = self.group, None
         if group is not None:
             group.destroy()
+
+
+def bucket_device(kind: str, device: torch.device) -> torch.device:
+    """Where transport ``kind`` wants a sync's buckets, before it exists (the transports'
+    ``bucket_device``): ``device`` (this rank's GPU) for ipc / nccl, the host for file."""
+    return FileTransport.bucket_device if kind == FileTransport.name else device
 
 
 def make_transport(
