@@ -5,6 +5,10 @@ Llama). For DeepSpeed ZeRO 0 / 3, FSDP2 (full sharding, Ulysses SP) and Megatron
   path the Hugging Face folder is written from): same names, dtypes and bits; rank 1 receives
   nothing; streamed to every rank, each rank gets them all;
 - no bucket is above the limit unless it is a single tensor larger than the limit;
+- asked for buckets on a device (``device=``, as the IPC / NCCL transports ask for their GPU),
+  every bucket rank 0 gets is a flat buffer (`flat_buffer`: what the transports send without a
+  copy) made on that device, with the same tensors: the device is ``cpu:0``, which no default
+  spells, so it can only have been passed down to where each backend allocates its buckets;
 - a NaN in one local shard of rank 1 only is refused on every rank when the stream is asked
   for, before any bucket exists, with the parameter's name.
 """
@@ -53,6 +57,37 @@ def _poison_local_shard(backend: Any, name: str) -> str:
     return hf
 
 
+# a device no default spells (torch.device("cpu") has no index): it reaches a FlatBucket only by
+# being passed along
+MARK = torch.device("cpu", 0)
+
+
+def _stream_to_mark(
+    backend: Any, backend_name: str
+) -> list[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """The stream to rank 0 on ``MARK``; per bucket, whether it is one flat buffer made by a
+    `FlatBucket` asked for ``MARK`` (every FlatBucket the backends make is recorded)."""
+    from unirl.core import weight_stream
+
+    made: dict[int, torch.device] = {}  # buffer address -> the device it was asked for
+
+    class Recorded(weight_stream.FlatBucket):
+        def __init__(self, specs: Any, device: Any = weight_stream.HOST) -> None:
+            super().__init__(specs, device)
+            made[self.buffer.data_ptr()] = torch.device(device)
+
+    out = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weight_stream, "FlatBucket", Recorded)
+        if backend_name == "megatron":  # its pipeline's receive buffers
+            mp.setattr("unirl.backends.megatron.weight_stream.FlatBucket", Recorded)
+        for bucket in backend.stream_weights(BUCKET_BYTES, dst=0, device=MARK):
+            flat = weight_stream.flat_buffer(bucket)  # checked now: addresses are reused later
+            out.append((bucket, flat is not None and made.get(flat.data_ptr()) == MARK))
+            del bucket, flat
+    return out
+
+
 def _worker(rank: int, world_size: int, backend_name: str, layout: ContractLayout, model_dir: str,
             run_dir: str) -> dict[str, Any]:  # fmt: skip
     from unirl.core.backend_plugin import build_backend
@@ -74,6 +109,7 @@ def _worker(rank: int, world_size: int, backend_name: str, layout: ContractLayou
         out: dict[str, Any] = {"full": backend.hf_state_dict()}
         out["to_rank0"] = list(backend.stream_weights(BUCKET_BYTES, dst=0))
         out["to_all"] = list(backend.stream_weights(BUCKET_BYTES, dst=None))
+        out["to_rank0_on_mark"] = _stream_to_mark(backend, backend_name)
         expected = _poison_local_shard(backend, backend_name) if rank == 1 else None
         try:
             backend.stream_weights(BUCKET_BYTES, dst=0)  # refused here: no bucket is ever made
@@ -128,6 +164,10 @@ def test_stream_equals_full_export(case, tmp_path):
     _same_tensors(ranks[0]["to_rank0"], full)
     _check_buckets(ranks[0]["to_rank0"])
     assert ranks[1]["to_rank0"] == []  # rank 1 only took part in the gathers
+    marked = ranks[0]["to_rank0_on_mark"]
+    assert marked and all(flat for _, flat in marked)
+    _same_tensors([bucket for bucket, _ in marked], full)
+    assert ranks[1]["to_rank0_on_mark"] == []
     poisoned = ranks[1]["poisoned"]
     for out in ranks:
         assert out["refused"] is not None and poisoned in out["refused"], out["refused"]

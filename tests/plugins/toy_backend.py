@@ -27,6 +27,7 @@ from unirl.core.maths.losses import Metric
 from unirl.core.run.config import UnirlConfig
 from unirl.core.topology import Topology
 from unirl.core.weight_stream import (
+    HOST,
     WeightBuckets,
     bucketed,
     checked_stream,
@@ -158,10 +159,14 @@ class ToyBackend(EngineBackend):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None) -> WeightBuckets:
-        return checked_stream(
-            self.non_finite_weight, lambda: bucketed(self.hf_state_dict().items(), bucket_bytes)
-        )
+    def stream_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        def stream() -> WeightBuckets:
+            weights = self.hf_state_dict().items()
+            return bucketed(((k, v.to(device)) for k, v in weights), bucket_bytes)
+
+        return checked_stream(self.non_finite_weight, stream)
 
     def non_finite_weight(self) -> str | None:
         return first_non_finite_local(self.model.named_parameters())

@@ -27,7 +27,7 @@ from unirl.core.run.config import UnirlConfig
 from unirl.core.run.progress import GenerationProgress
 from unirl.core.run.validators import non_negative, positive
 from unirl.core.source_plugin import SourcePlugin
-from unirl.core.weight_stream import Bucket
+from unirl.core.weight_stream import HOST, Bucket
 from unirl.rollouts.build import build_task
 from unirl.rollouts.tasks import Task, load_task_state, task_rewards, task_state
 
@@ -96,6 +96,10 @@ class ToyRolloutSource:
     @property
     def vocab_size(self) -> int | None:
         return int(self._weights[-1][1]["head.bias"].numel()) if self._weights else None
+
+    @property
+    def weights_device(self) -> torch.device:
+        return HOST  # the toy engine generates on the CPU
 
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
         weights = {k: v.detach().clone() for bucket in buckets for k, v in bucket}

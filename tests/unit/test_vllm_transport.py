@@ -17,11 +17,27 @@ import torch
 from unirl.core.errors import ConfigError
 from unirl.core.run.config import load_config
 from unirl.core.source_plugin import weight_receivers
-from unirl.rollouts.vllm import placement
+from unirl.core.weight_stream import (
+    HOST,
+    FlatBucket,
+    TensorSpec,
+    as_buckets,
+    flat_buffer,
+    packed_layout,
+)
+from unirl.rollouts.vllm import placement, transport
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import VllmOptions, describe
 from unirl.rollouts.vllm.sleep import SleepCycle
-from unirl.rollouts.vllm.transport import ipc_update_info, nccl_update_info, pack_bucket
+from unirl.rollouts.vllm.transport import (
+    FileTransport,
+    IpcTransport,
+    NcclTransport,
+    bucket_device,
+    ipc_update_info,
+    nccl_update_info,
+    pack_bucket,
+)
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"
 GIB = 1 << 30
@@ -237,6 +253,205 @@ def test_messages_are_what_vllm_reads():
     theirs = pack_tensors(iter(ordered), lambda item: item[1], packed.buffer.numel())
     assert theirs is not None and theirs.names == info["names"]
     assert torch.equal(theirs.packed_tensor, packed.buffer)
+
+
+# -- a stream's bucket is the packed buffer ----------------------------------------------------
+
+# Six tensors and, worked out by hand, where vLLM's packed layout puts them: widest element first
+# (int64; then float32; then the 2-byte bf16 / fp16; then bool), otherwise in bucket order.
+SPECS = [
+    TensorSpec("a", (3,), torch.bfloat16),  # 6 bytes
+    TensorSpec("b", (2, 2), torch.float32),  # 16
+    TensorSpec("c", (), torch.int64),  # 8
+    TensorSpec("d", (5,), torch.bool),  # 5
+    TensorSpec("e", (1, 3), torch.float16),  # 6
+    TensorSpec("f", (0, 4), torch.float32),  # 0
+]
+# c at 0 (8 B), b at 8 (16 B), f at 24 (0 B), a at 24 (6 B), e at 30 (6 B), d at 36 (5 B): 41 B
+BUFFER_ORDER = ["c", "b", "f", "a", "e", "d"]
+OFFSETS = {"a": 24, "b": 8, "c": 0, "d": 36, "e": 30, "f": 24}
+SIZES = {"a": 6, "b": 16, "c": 8, "d": 5, "e": 6, "f": 0}
+TOTAL = 41
+
+
+def _values() -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+        "b": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+        "c": torch.tensor(-12345678901, dtype=torch.int64),
+        "d": torch.tensor([True, False, True, True, False]),
+        "e": torch.tensor([[0.5, -1.0, 7.0]], dtype=torch.float16),
+        "f": torch.zeros(0, 4),
+    }
+
+
+def _flat() -> FlatBucket:
+    bucket = FlatBucket(SPECS)
+    for slot, value in zip(bucket.slots, _values().values()):
+        slot.copy_(value)
+    return bucket
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def test_flat_bucket_and_pack_share_one_layout_the_hand_computed_one():
+    layout = packed_layout(SPECS)
+    assert [SPECS[i].name for i in layout.order] == BUFFER_ORDER
+    assert dict(zip((s.name for s in SPECS), layout.offsets)) == OFFSETS
+    assert layout.nbytes == TOTAL
+    flat = _flat()
+    assert flat.buffer.numel() == TOTAL
+    for spec, slot in zip(SPECS, flat.slots):
+        assert slot.storage_offset() * slot.element_size() == OFFSETS[spec.name], spec.name
+        assert slot.untyped_storage().data_ptr() == flat.buffer.data_ptr()
+    # separate tensors (a state dict's) are copied into a new buffer laid out the same way
+    values = _values()
+    packed = pack_bucket(list(values.items()), "cpu")
+    assert packed.names == BUFFER_ORDER
+    assert packed.tensor_sizes == [SIZES[n] for n in BUFFER_ORDER]
+    assert packed.buffer.numel() == TOTAL
+    for name, value in values.items():
+        at = OFFSETS[name]
+        assert _bytes(packed.buffer[at : at + SIZES[name]]) == _bytes(value), name
+    assert torch.equal(packed.buffer, flat.buffer)  # byte for byte the flat bucket's
+
+
+def test_a_flat_bucket_is_packed_as_it_is():
+    flat = _flat()
+    packed = pack_bucket(flat.tensors(), "cpu")
+    assert packed.buffer.data_ptr() == flat.buffer.data_ptr()  # no new buffer...
+    assert packed.buffer.untyped_storage().data_ptr() == flat.buffer.untyped_storage().data_ptr()
+    flat.buffer[0] ^= 0xFF  # ... and no copy: the same memory
+    assert packed.buffer[0] == flat.buffer[0]
+    assert packed.names == BUFFER_ORDER and packed.tensor_sizes == [SIZES[n] for n in BUFFER_ORDER]
+
+
+@pytest.mark.parametrize(
+    "variant", ["reordered", "one-left-out", "one-replaced", "one-strided", "on-another-device"]
+)
+def test_a_bucket_not_laid_out_as_packed_is_copied(variant):
+    """Views of one buffer that do not sit where the packed layout puts them are packed anew
+    (sending the buffer as it is would cut it wrongly at the receiver)."""
+    flat = _flat()
+    bucket = flat.tensors()
+    device = "cpu"
+    if variant == "reordered":  # e now comes before a in the layout, not in the buffer
+        bucket = [bucket[5], bucket[1], *bucket[2:5], bucket[0]]
+    elif variant == "one-left-out":  # the buffer holds bytes no tensor names
+        bucket = bucket[:3]
+    elif variant == "one-replaced":
+        bucket[1] = ("b", bucket[1][1].clone())
+    elif variant == "one-strided":  # in its place in the buffer, but transposed
+        bucket[1] = ("b", bucket[1][1].t())
+    else:
+        device = "meta"  # the transport's device is not the bucket's
+    packed = pack_bucket(bucket, device)
+    if device == "meta":
+        assert flat_buffer(bucket) is not None and packed.buffer.device.type == "meta"
+        return
+    assert flat_buffer(bucket) is None
+    assert packed.buffer.data_ptr() != flat.buffer.data_ptr()
+    for name, t in bucket:  # each tensor's bytes, row-major, where the message says
+        i = packed.names.index(name)
+        at = sum(packed.tensor_sizes[:i])
+        assert _bytes(packed.buffer[at : at + packed.tensor_sizes[i]]) == _bytes(t), name
+
+
+class _RecordingClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self):
+        self.calls.append(("start", None))
+
+    def update_weights(self, update_info):
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self):
+        self.calls.append(("finish", None))
+
+
+class _NoCudaStream:
+    def synchronize(self) -> None:
+        pass
+
+
+def _without_cuda(monkeypatch) -> None:
+    """The transports' few CUDA calls, made harmless, so that they run on the CPU here."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoCudaStream())
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: type("P", (), {"uuid": "GPU-x"})()
+    )
+
+
+def test_ipc_transport_shares_a_flat_buckets_own_buffer(monkeypatch):
+    _without_cuda(monkeypatch)
+    shared: list[int] = []
+    monkeypatch.setattr(transport, "ipc_handle_args", lambda b: shared.append(b.data_ptr()) or ())
+    flat = _flat()
+    values = _values()
+    client = _RecordingClient()
+    ipc = IpcTransport(client, torch.device("cpu"))
+    assert ipc.bucket_device == torch.device("cpu")
+    ipc.send(iter([flat.tensors(), *as_buckets(values)]))
+    assert shared[0] == flat.buffer.data_ptr()  # the stream's bucket: its own memory, shared
+    assert shared[1] not in {t.data_ptr() for t in values.values()}  # a dict's: packed anew
+    updates = [info for kind, info in client.calls if kind == "update"]
+    assert [u["names"] for u in updates] == [BUFFER_ORDER, BUFFER_ORDER]
+    assert [k for k, _ in client.calls] == ["init", "start", "update", "update", "finish"]
+
+
+def test_nccl_transport_broadcasts_a_flat_buckets_own_buffer(monkeypatch):
+    _without_cuda(monkeypatch)
+    sent: list[int] = []
+
+    class Group:
+        def broadcast(self, buffer, *, src, stream):
+            sent.append(buffer.data_ptr())
+
+    nccl = object.__new__(NcclTransport)  # its __init__ opens vLLM's NCCL group
+    nccl.client, nccl.device, nccl.group = _RecordingClient(), torch.device("cpu"), Group()
+    flat = _flat()
+    nccl.send(iter([flat.tensors()]))
+    assert sent == [flat.buffer.data_ptr()]
+    [(_, info)] = [c for c in nccl.client.calls if c[0] == "update"]
+    assert info["names"] == BUFFER_ORDER
+
+
+def test_each_transport_says_where_it_wants_the_buckets():
+    gpu = torch.device("cuda", 3)
+    assert bucket_device("file", gpu) == HOST == FileTransport.bucket_device
+    assert bucket_device("ipc", gpu) == gpu and bucket_device("nccl", gpu) == gpu
+
+
+@pytest.mark.parametrize(
+    ("sets", "cuda", "want"),
+    [
+        ([], False, HOST),  # the CPU: file
+        ([], True, torch.device("cuda", 3)),  # colocated, one GPU per engine: ipc
+        (["rollout.vllm.weight_transfer=file"], True, HOST),
+        (["rollout.vllm.tensor_parallel_size=2"], True, HOST),  # auto picks file
+    ],
+)
+def test_the_vllm_source_asks_for_its_transports_device(monkeypatch, sets, cuda, want):
+    """Before the engine starts (the first sync streams to it) the source already names the
+    device its transport will want; afterwards the transport itself says."""
+    from unirl.rollouts.build import build_task
+    from unirl.rollouts.vllm import source as vllm_source
+
+    cfg = load_config(EXAMPLE, sets, world_size=2)
+    src = vllm_source.VllmRolloutSource(build_task(cfg), cfg, hf_config=None, vocab_size=32, seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(vllm_source, "_device", lambda: torch.device("cuda", 3))
+    assert src.weights_device == want
+    src._transport = FileTransport(None, None)
+    assert src.weights_device == HOST
 
 
 # -- sleep mode --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from unirl.core import weight_stream
-from unirl.core.weight_stream import FlatBucket, TensorSpec, planned_buckets
+from unirl.core.weight_stream import HOST, FlatBucket, TensorSpec, planned_buckets
 from unirl.rollouts.vllm.weights import write_safetensors
 
 
@@ -75,7 +75,7 @@ def test_planned_buckets_fill_by_unit_and_drop_the_previous_bucket(monkeypatch):
     got: dict[str, torch.Tensor] = {}
     sizes = []
     stream = planned_buckets(
-        units, lambda u: [_spec(n, weights[n]) for n in u], make, 24, keep=True
+        units, lambda u: [_spec(n, weights[n]) for n in u], make, 24, keep=True, device=HOST
     )
     for bucket in stream:
         sizes.append([n for n, _ in bucket])
@@ -97,6 +97,7 @@ def test_planned_buckets_on_a_rank_that_does_not_receive():
         lambda u, out: made.append((u, out)) or [torch.zeros(2)],
         8,
         keep=False,
+        device=HOST,
     )
     assert list(stream) == []
     assert made == [(1, None), (2, None), (3, None)]  # every gather still taken part in

@@ -14,7 +14,7 @@ import torch
 from unirl.core.errors import RunError
 from unirl.core.run.config import load_config
 from unirl.core.run.divergence import DivergenceGuard
-from unirl.core.weight_stream import MIB, NonFiniteWeightsError, bucketed, checked_stream
+from unirl.core.weight_stream import HOST, MIB, NonFiniteWeightsError, bucketed, checked_stream
 from unirl.core.weight_sync import WeightSync
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -37,6 +37,7 @@ class SpyBackend:
 
     def __init__(self, bad: str | None = None) -> None:
         self.streams: list[tuple[int, int | None]] = []
+        self.devices: list[torch.device] = []
         self.checks = 0
         self.bad = bad
 
@@ -44,14 +45,16 @@ class SpyBackend:
         self.checks += 1
         return self.bad
 
-    def stream_weights(self, bucket_bytes: int, *, dst: int | None):
+    def stream_weights(self, bucket_bytes: int, *, dst: int | None, device=HOST):
         self.streams.append((bucket_bytes, dst))
+        self.devices.append(device)
         return checked_stream(self.non_finite_weight, lambda: iter([[("w", torch.ones(2))]]))
 
 
 class SpySource:
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = HOST) -> None:
         self.received: list[list[str]] = []
+        self.weights_device = device
 
     def sync_weights(self, buckets: Any, *, policy_version: int) -> None:
         self.received.append([n for b in buckets for n, _ in b])
@@ -76,6 +79,19 @@ def test_sources_say_who_receives(source, dst):
     sync.after_step(1, {}, DivergenceGuard(0), 1)
     assert backend.streams == [(3 * MIB, dst), (3 * MIB, dst)]
     assert spy.received == [["w"], ["w"]]
+
+
+def test_syncs_ask_for_buckets_where_the_source_wants_them():
+    # a device no default spells (cpu:0 is not torch.device("cpu")): it can only arrive by
+    # being passed along
+    wanted = torch.device("cpu", 0)
+    backend, spy = SpyBackend(), SpySource(wanted)
+    sync = WeightSync(_cfg("sampler"), backend, spy)
+    sync.initial(0)
+    sync.after_step(1, {}, DivergenceGuard(0), 1)
+    snapshot = sync.snapshot()  # kept while the trainer trains: on the host, whatever the source
+    assert backend.devices == [wanted, wanted, HOST]
+    assert backend.devices[0] != HOST and list(snapshot) == ["w"]
 
 
 def test_file_source_gets_no_stream():

@@ -170,7 +170,10 @@ def flat_buffer(bucket: Bucket) -> torch.Tensor | None:
     for (_, t), offset in zip(bucket, layout.offsets):
         if not t.is_contiguous() or t.device != storage.device:
             return None
-        if t.untyped_storage().data_ptr() != base or t.data_ptr() - base != offset:
+        if t.untyped_storage().data_ptr() != base:
+            return None
+        # the element offset, not data_ptr(): a tensor without elements has none
+        if t.storage_offset() * t.element_size() != offset:
             return None
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
