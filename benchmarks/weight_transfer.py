@@ -13,18 +13,24 @@ time per GB of the CUDA IPC transport, and peak GPU memory of a weight stream at
 ``transfer``: `IpcTransport` (unirl/rollouts/vllm/transport.py) sends every bucket to a receiver
 process on the same GPU that does what vLLM's packed IPC consumer does (rebuild the buffer from
 the handle, cut it up, clone each tensor on the GPU) and answers each ``update_weights``; the time
-is the whole sync, start to finish, medians of ``--repeats``. Two cases: the buckets already on
-the GPU (the transport's own cost: one device copy into the shared buffer, the handle, the
-receiver's clone) and on the host, as `TrainingBackend.stream_weights` yields them today (one
-host -> device copy more per bucket).
+is the whole sync, start to finish, medians of ``--repeats``. Three cases:
+
+- ``flat_on_cuda``: each bucket one flat GPU buffer in the packed layout, as
+  ``stream_weights(device=cuda)`` makes them for the IPC / NCCL transports: the buffer itself is
+  shared (no copy; the handle and the receiver's clone are the cost);
+- ``buckets_on_cuda``: separate GPU tensors (not flat): one device copy into a new buffer more;
+- ``buckets_on_cpu``: host tensors, as the stream yields them for the file transport: one
+  host -> device copy per bucket more.
 
 ``memory``: builds the backend at Qwen2.5-7B's shape (bf16, one GPU; from a folder of random bf16
 weights drawn on the GPU, `write_random_folder`, as the seeded fp32 CPU initialisation of 7B
 parameters takes minutes), takes one RL step on a
 small batch so that the optimizer's state exists (if that runs out of memory, the run is
-repeated without the step and the JSON says so), then measures the peak GPU memory above the
-trainer's own (``torch.cuda.max_memory_allocated`` after a reset) of a sync: the stream to a
-receiving rank 0 with each bucket also packed into the IPC buffer, as `IpcTransport` does.
+repeated without the step and the JSON says so), then measures a sync as `IpcTransport` makes it:
+the stream to a receiving rank 0 with its buckets on the GPU (``stream_weights(device=cuda)``),
+each packed for IPC (`pack_bucket`: a flat bucket is its own packed buffer). It reports the peak
+GPU memory above the trainer's own (``torch.cuda.max_memory_allocated`` after a reset),
+``sync_s`` and how many buckets went as they were (``buckets_sent_as_is`` of ``buckets``).
 """
 
 from __future__ import annotations
@@ -68,16 +74,29 @@ def hf_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def random_buckets(
-    shapes: list[tuple[str, tuple[int, ...]]], bucket_bytes: int, device: str
+    shapes: list[tuple[str, tuple[int, ...]]], bucket_bytes: int, where: str
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    from unirl.core.weight_stream import bucketed
+    """Random bf16 buckets: ``where`` "flat" (one `FlatBucket` on the GPU per bucket, as the
+    stream makes them for the GPU transports), "cuda" (separate GPU tensors) or "cpu"."""
+    from unirl.core.weight_stream import FlatBucket, TensorSpec, bucketed
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    tensors = (
-        (n, torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).to(device))
-        for n, s in shapes
+    planned = bucketed(
+        ((n, torch.empty(s, dtype=torch.bfloat16, device="meta")) for n, s in shapes), bucket_bytes
     )
-    return list(bucketed(tensors, bucket_bytes))
+    out = []
+    for group in planned:
+        if where == "flat":
+            flat = FlatBucket([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in group], "cuda")
+            for slot in flat.slots:
+                slot.normal_(generator=g)
+            out.append(flat.tensors())
+        else:
+            out.append([
+                (n, torch.randn(t.shape, generator=g, device="cuda", dtype=t.dtype).to(where))
+                for n, t in group
+            ])  # fmt: skip
+    return out
 
 
 def _receiver(inbox: Any, outbox: Any) -> None:
@@ -146,7 +165,7 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
         for model in args.models:
             shapes = hf_shapes(model)
             row: dict[str, Any] = {}
-            for where in ("cuda", "cpu"):
+            for where in ("flat", "cuda", "cpu"):
                 buckets = random_buckets(shapes, args.bucket_mb << 20, where)
                 gb = sum(t.numel() * t.element_size() for b in buckets for _, t in b) / 1e9
                 times = []
@@ -157,15 +176,15 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - t0)
                 median = statistics.median(times[args.warmup :])
-                row[f"buckets_on_{where}"] = {
+                key = "flat_on_cuda" if where == "flat" else f"buckets_on_{where}"
+                row[key] = {
                     "gb": gb,
                     "buckets": len(buckets),
                     "sync_s": times[args.warmup :],
                     "s_per_gb": median / gb,
                     "gb_per_s": gb / median,
                 }
-                logger.info("%s, buckets on %s: %.3f s/GB (%.1f GB)", model, where,
-                            median / gb, gb)  # fmt: skip
+                logger.info("%s, %s: %.4f s/GB (%.1f GB)", model, key, median / gb, gb)
                 del buckets
                 torch.cuda.empty_cache()
             out[model] = row
@@ -250,7 +269,7 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
     from unirl.core.data.rollout import RolloutBatch
     from unirl.core.run.config import config_from_dict
     from unirl.core.step import RLStep
-    from unirl.core.weight_stream import MIB
+    from unirl.core.weight_stream import MIB, flat_buffer
     from unirl.rollouts.vllm.transport import pack_bucket
 
     cfg = config_from_dict(_backend_config(args.backend, tempfile.mkdtemp(), args.weights))
@@ -268,17 +287,23 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
         own = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        sent = 0
-        for bucket in backend.stream_weights(args.bucket_mb * MIB, dst=0):
-            packed = pack_bucket(bucket, device)  # IpcTransport's staging buffer
+        sent = buckets = as_is = 0
+        # what IpcTransport.send does with the stream it asks for (its bucket_device: the GPU)
+        for bucket in backend.stream_weights(args.bucket_mb * MIB, dst=0, device=device):
+            flat = flat_buffer(bucket)
+            packed = pack_bucket(bucket, device)  # the bucket's own buffer when flat
+            as_is += flat is not None and packed.buffer.data_ptr() == flat.data_ptr()
             sent += packed.buffer.numel()
-            del packed, bucket
+            buckets += 1
+            del packed, bucket, flat
         torch.cuda.synchronize()
         out.update(
             trainer_gib=own / GIB,
             sync_peak_above_trainer_gib=(torch.cuda.max_memory_allocated(device) - own) / GIB,
             bucket_gib=args.bucket_mb / 1024,
             model_gib=sent / GIB,
+            buckets=buckets,
+            buckets_sent_as_is=as_is,
             sync_s=time.perf_counter() - t0,
         )
     finally:
@@ -325,8 +350,9 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     if args.weights is None:
         shutil.rmtree(folder, ignore_errors=True)
     return {
-        "what": "peak GPU memory above the trainer's own of one weight sync (stream to rank 0 "
-        "and IpcTransport's staging buffer per bucket), Qwen2.5-7B shape, bf16, one GPU",
+        "what": "peak GPU memory above the trainer's own and time of one weight sync as "
+        "IpcTransport makes it (stream_weights to rank 0 with its buckets on the GPU, each "
+        "packed for IPC: a flat bucket is sent as it is), Qwen2.5-7B shape, bf16, one GPU",
         "backend": args.backend,
         "runs": runs,
     }

@@ -8,7 +8,15 @@ tensors from the seed itself and compares bit for bit, over two syncs (the secon
 first's buffers were released). vLLM cannot be installed on the GPU machine, so the engine side
 is this receiver.
 
-    PYTHONPATH=$PWD python -m pytest -q tests/unit/test_ipc_transport_gpu.py
+A real backend's stream too (FSDP2 and Megatron, one GPU, an 11.5M-parameter Llama in bf16):
+``stream_weights(device=cuda)``, as the vLLM source asks for it, sent by `IpcTransport`, arrives
+equal bit for bit to the backend's full export (``hf_state_dict``, saved for the receiver);
+every bucket is a flat GPU buffer that the transport shares as it is (its handle is the
+bucket's own memory), and the sync's peak GPU memory above the trainer's stays within the
+largest bucket plus an fp32 copy of the largest tensor (one gathered parameter before its cast
+into the bucket) plus 1 MiB of slack (the model is 3x that).
+
+    PYTHONPATH=$PWD python -m pytest -q -m gpu tests/unit/test_ipc_transport_gpu.py
 """
 
 from __future__ import annotations
@@ -45,8 +53,9 @@ def make_buckets(seed: int, sync: int) -> list[list[tuple[str, torch.Tensor]]]:
     ]
 
 
-def _receive(inbox: Any, outbox: Any, seed: int) -> None:
-    """The engine's side: rebuild every announced bucket and compare it with the expected one."""
+def _receive(inbox: Any, outbox: Any, seed: int, expected_path: str | None = None) -> None:
+    """The engine's side: rebuild every announced bucket and compare it with the expected one
+    (``make_buckets(seed, sync)``, or the state dict saved at ``expected_path``)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     torch.cuda.set_device(0)
@@ -62,7 +71,10 @@ def _receive(inbox: Any, outbox: Any, seed: int) -> None:
                 problems.append(f"init info {info}")
         elif kind == "start":
             sync += 1
-            expected = {n: t for b in make_buckets(seed, sync) for n, t in b}
+            if expected_path is None:
+                expected = {n: t for b in make_buckets(seed, sync) for n, t in b}
+            else:
+                expected = torch.load(expected_path)
         elif kind == "update":
             handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
             args = list(handles[uuid])
@@ -141,3 +153,123 @@ def test_ipc_transport_to_a_receiver_process_bit_for_bit():
     assert received == SYNCS * sum(len(b) for b in make_buckets(SEED, 0))
     # the buffers the receiver released went back: nothing of the syncs stays allocated
     assert torch.cuda.memory_allocated(device) == before
+
+
+# -- a real backend's stream, on the GPU -----------------------------------------------------
+
+# 11.5M parameters (bf16: 22 MiB); the largest tensors (embedding, head): 2 MiB bf16, 4 MiB fp32
+MODEL = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+STREAM_BUCKET = 1 << 20  # 1 MiB: about 20 buckets; the embedding and head travel alone
+MIB = 1 << 20
+
+
+def _backend_sync(rank: int, world_size: int, backend_name: str, tmp: str) -> dict[str, Any]:
+    """In a fresh process with an NCCL group of one: build the backend, save its full export
+    for the receiver, then stream to ``device=cuda`` through `IpcTransport`."""
+    import torch.multiprocessing as mp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.contract import fixtures
+    from unirl.core.backend_plugin import build_backend
+    from unirl.core.run.config import config_from_dict
+    from unirl.core.weight_stream import flat_buffer
+    from unirl.rollouts.vllm import transport as transport_module
+    from unirl.rollouts.vllm.transport import IpcTransport
+
+    torch.manual_seed(0)
+    model_dir = f"{tmp}/model"
+    LlamaForCausalLM(LlamaConfig(**MODEL, initializer_range=0.02)).save_pretrained(model_dir)
+    data = fixtures.base_config(
+        backend=backend_name, model_dir=model_dir, world_size=1, parallel={}, dtype="bf16",
+        run_dir=f"{tmp}/run",
+    )  # fmt: skip
+    backend = build_backend(config_from_dict(data, world_size=1), total_optimizer_steps=1)
+    device = torch.device("cuda", torch.cuda.current_device())
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    receiver = None
+    try:
+        expected = backend.hf_state_dict()
+        torch.save(expected, f"{tmp}/expected.pt")
+        receiver = ctx.Process(
+            target=_receive, args=(inbox, outbox, SEED, f"{tmp}/expected.pt"), daemon=True
+        )
+        receiver.start()
+        shared: list[int] = []
+        handle_args = transport_module.ipc_handle_args
+
+        def recording(buffer: torch.Tensor) -> tuple:
+            shared.append(buffer.data_ptr())
+            return handle_args(buffer)
+
+        transport_module.ipc_handle_args = recording
+        flat: list[tuple[int | None, int]] = []  # per bucket: its flat buffer's address, bytes
+
+        def watched(stream: Any) -> Any:
+            for bucket in stream:
+                buffer = flat_buffer(bucket)
+                on_gpu = buffer is not None and buffer.device == device
+                flat.append(
+                    (buffer.data_ptr() if on_gpu else None, buffer.numel() if on_gpu else 0)
+                )
+                del buffer
+                yield bucket
+                del bucket  # held by nothing while the next bucket is made
+
+        transport = IpcTransport(QueueClient(inbox, outbox), device)
+        torch.cuda.synchronize()
+        own = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        transport.send(watched(backend.stream_weights(STREAM_BUCKET, dst=0, device=device)))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device) - own
+        transport.close()
+        inbox.put(("stop", None))
+        received, problems = outbox.get(timeout=120)
+        receiver.join(timeout=30)
+    finally:
+        if receiver is not None and receiver.is_alive():
+            receiver.kill()
+        backend.close()
+    sizes = {n: t.numel() * t.element_size() for n, t in expected.items()}
+    return {
+        "problems": problems,
+        "received": received,
+        "tensors": len(expected),
+        "flat": flat,
+        "shared": shared,
+        "peak": peak,
+        "model_bytes": sum(sizes.values()),
+        "largest_fp32": max(t.numel() for t in expected.values()) * 4,
+    }
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC)")
+@pytest.mark.parametrize("backend_name", ["fsdp2", "megatron"])
+def test_a_backend_stream_on_the_gpu_arrives_bit_for_bit(backend_name, tmp_path):
+    pytest.importorskip("transformers")
+    if backend_name == "megatron":
+        pytest.importorskip("megatron.core")
+    from tests.spawn import run_distributed
+
+    [out] = run_distributed(
+        _backend_sync, 1, backend_name, str(tmp_path), backend="nccl", timeout=500
+    )
+    assert out["problems"] == []
+    assert out["received"] == out["tensors"]  # every tensor of the export, once
+    # every bucket a flat buffer on the GPU, and that very memory is what the handle shared
+    assert out["flat"] and all(address is not None for address, _ in out["flat"])
+    assert out["shared"] == [address for address, _ in out["flat"]]
+    largest_bucket = max(size for _, size in out["flat"])
+    bound = largest_bucket + out["largest_fp32"] + MIB
+    assert out["peak"] <= bound, (out["peak"] / MIB, bound / MIB)
+    assert bound < out["model_bytes"] / 2  # the bound is not "the model"
