@@ -156,6 +156,7 @@ def _run_layout(sizes, cases, world):
     from unirl.backends.megatron.weight_stream import stream_weights
     from unirl.core.run.config import ParallelConfig
     from unirl.core.topology import Topology
+    from unirl.core.weight_stream import HOST
 
     cpu_compat.install()
     parallel = ParallelConfig(world_size=world, **sizes)
@@ -189,7 +190,7 @@ def _run_layout(sizes, cases, world):
             # issue 28: the weight stream to rank 0, small buckets (experts over EP / etp)
             "stream": [
                 (n, t)
-                for bucket in stream_weights(chunks, config, topo, 2048, dst=0)
+                for bucket in stream_weights(chunks, config, topo, 2048, dst=0, device=HOST)
                 for n, t in bucket
             ],
             "logprobs": _pipeline_logprobs(chunks, topo, ids[topo.dp_rank]),

@@ -278,8 +278,9 @@ class TrainingBackend(Protocol):
     ) -> WeightBuckets:
         """The policy weights as `hf_state_dict` holds them (same names, dtypes, values), in
         buckets of at most ``bucket_bytes`` made by the ranks that own them, on global rank
-        ``dst`` (None: every rank), each bucket a `FlatBucket` on ``device`` (the CPU, or the
-        receiving rank's GPU: gathered there, no host copy of any weight); see
+        ``dst`` (None: every rank), the tensors on ``device`` (the host, or the receiving rank's
+        GPU: gathered there, no host copy of any weight; the built-in backends make each bucket
+        one `FlatBucket` there, which the GPU transports send as it is); see
         `unirl.core.weight_stream`. Collective: every rank calls it and runs the iterator to its
         end. Raises `NonFiniteWeightsError` on every rank, before any bucket, when a weight is
         not finite."""
