@@ -171,3 +171,35 @@ def test_stream_equals_full_export(case, tmp_path):
     poisoned = ranks[1]["poisoned"]
     for out in ranks:
         assert out["refused"] is not None and poisoned in out["refused"], out["refused"]
+
+
+def _fsdp2_paths(rank: int, world_size: int) -> dict[str, Any]:
+    """A module with an odd and an even dim 0 under `fully_shard` (gloo), streamed in bf16 to
+    rank 0 on ``MARK``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unirl.backends.fsdp2.weight_stream import stream_weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 6, bias=False))
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    cpu = torch.device("cpu")
+    buckets = list(stream_weights(model, torch.bfloat16, cpu, 40, dst=0, device=MARK))
+    return {"before": before, "buckets": buckets}
+
+
+def test_fsdp2_stream_casts_uneven_and_even_shards_into_the_bucket(tmp_path):
+    """The device path of the FSDP2 stream, on the CPU: a parameter whose dim 0 does not split
+    evenly (3 rows on 2 ranks) is gathered whole (``full_tensor``) and cast by its copy into
+    the bf16 slot, as on a GPU; an even one (6 rows) is gathered rank by rank, then cast. Both
+    equal the weights before sharding, cast to bf16 by plain torch."""
+    ranks = run_distributed(_fsdp2_paths, 2, timeout=200)
+    before = ranks[0]["before"]
+    got = {n: t for bucket in ranks[0]["buckets"] for n, t in bucket}
+    assert set(got) == set(before) == {"0.weight", "0.bias", "1.weight"}
+    for name, tensor in before.items():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+    assert ranks[1]["buckets"] == []

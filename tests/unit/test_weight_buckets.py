@@ -10,7 +10,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from unirl.core import weight_stream
-from unirl.core.weight_stream import HOST, FlatBucket, TensorSpec, planned_buckets
+from unirl.core.weight_stream import HOST, FlatBucket, TensorSpec, planned_buckets, same_device
 from unirl.rollouts.vllm.weights import write_safetensors
 
 
@@ -131,3 +131,10 @@ def test_safetensors_written_from_a_flat_bucket_read_back_bit_for_bit(tmp_path):
         assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
         bits = t.contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(back[name].reshape(-1).view(torch.uint8), bits), name
+
+
+def test_same_device():
+    assert same_device("cpu", torch.device("cpu", 0)) and same_device(HOST, "cpu")
+    assert same_device("cuda:1", torch.device("cuda", 1))
+    assert not same_device("cuda:1", "cuda:2") and not same_device("cpu", "cuda:0")
+    assert not same_device("cpu", "meta") and same_device("meta", "meta")

@@ -164,7 +164,7 @@ def flat_buffer(bucket: Bucket) -> torch.Tensor | None:
         return None
     storage = bucket[0][1].untyped_storage()
     layout = packed_layout([spec_of(n, t) for n, t in bucket])
-    if storage.nbytes() != layout.nbytes or layout.nbytes == 0:
+    if storage.nbytes() != layout.nbytes:
         return None
     base = storage.data_ptr()
     for (_, t), offset in zip(bucket, layout.offsets):
@@ -179,13 +179,14 @@ def flat_buffer(bucket: Bucket) -> torch.Tensor | None:
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
-    """Whether ``a`` and ``b`` are one device ("cuda" is the current GPU; any "cpu" the host)."""
+    """Whether ``a`` and ``b`` are one device ("cuda" is the current GPU; any "cpu" the host:
+    a tensor made on "cpu:0" is on "cpu")."""
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False
-    if a.type != "cuda":
-        return True
-    return _cuda_index(a) == _cuda_index(b)
+    if a.type == "cuda":
+        return _cuda_index(a) == _cuda_index(b)
+    return a.type == "cpu" or a.index == b.index
 
 
 def _cuda_index(d: torch.device) -> int:
