@@ -38,6 +38,7 @@ from unirl.core.run.resume import check_resume_fits
 from unirl.core.run.wandb_log import WandbLog
 from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
+from unirl.core.weight_stream import MIB
 from unirl.core.weight_sync import WeightSync
 from unirl.log_setup import apply_log_level
 
@@ -163,7 +164,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         _barrier()
         start, resumed_from, client = 0, None, None
         if cfg.train.max_staleness:
-            ahead = RolloutsAhead(source, cfg.train.max_staleness)
+            bucket_bytes = int(cfg.rollout.weight_bucket_mb) * MIB
+            ahead = RolloutsAhead(source, cfg.train.max_staleness, bucket_bytes=bucket_bytes)
         if resume:
             if found is not None:
                 resumed_from, path = found

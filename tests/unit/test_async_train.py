@@ -67,6 +67,30 @@ def test_worker_generates_in_order_from_a_copy_of_the_weights():
                             ("sync", 1), ("generate", 2)]  # fmt: skip
 
 
+def test_the_snapshot_reaches_the_source_in_buckets_of_the_sync_size():
+    """A transport's buffers are sized by ``rollout.weight_bucket_mb``: the copy the worker
+    syncs goes in buckets of at most that size (a tensor larger than it alone), not as one."""
+
+    class Buckets(_RecordingSource):
+        def sync_weights(self, buckets, *, policy_version: int) -> None:
+            self.sizes = [[name for name, _ in bucket] for bucket in buckets]
+
+        def next_rollout(self, rl_step: int, progress: Any = None) -> RolloutBatch:
+            return RolloutBatch([RolloutSample(prompt_tokens=[1], response_tokens=[2], reward=0.0,
+                                               group_id=rl_step, policy_version=0)])  # fmt: skip
+
+    source = Buckets()
+    # fp32: 16 + 16 bytes fit a 40-byte bucket, the next 16 do not; 64 bytes travel alone
+    weights = {"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(4), "d": torch.zeros(16)}
+    ahead = RolloutsAhead(source, max_staleness=1, bucket_bytes=40)
+    try:
+        ahead.submit(0, weights, 0)
+        ahead.take(0)
+    finally:
+        ahead.close()
+    assert source.sizes == [["a", "b"], ["c"], ["d"]]
+
+
 def test_the_worker_thread_alone_sees_its_rollout_group(monkeypatch):
     """A source called in the worker gets the workers' group, the trainer's thread the default
     one (None), and close destroys the group (tests/distributed/test_async_ranks runs a real

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
-from unirl.core.weight_stream import as_buckets
+from unirl.core.weight_stream import MIB, bucketed
 from unirl.rollouts.collectives import bind_rollout_group, new_rollout_group
 from unirl.rollouts.source import RolloutSource
 
@@ -81,11 +81,16 @@ class RolloutsAhead:
     waits for them first.
     """
 
-    def __init__(self, source: RolloutSource, max_staleness: int) -> None:
+    def __init__(
+        self, source: RolloutSource, max_staleness: int, *, bucket_bytes: int = 1024 * MIB
+    ) -> None:
         if max_staleness < 1:
             raise ValueError(f"RolloutsAhead needs max_staleness >= 1, got {max_staleness}")
         self.source = source
         self.max_staleness = max_staleness
+        # the snapshot goes to the source in buckets of the sync's size (a transport's buffers
+        # are sized by it), not as one bucket holding the whole model
+        self.bucket_bytes = bucket_bytes
         # collective: every rank builds its RolloutsAhead at the same point of the run
         wait_s = getattr(getattr(source, "options", None), "generation_timeout_s", None)
         self._group = (
@@ -113,7 +118,9 @@ class RolloutsAhead:
     def _generate(self, rl_step: int, weights: dict[str, torch.Tensor], version: int) -> Generated:
         t0 = time.perf_counter()
         idle = 0.0 if self._last_done is None else max(0.0, t0 - self._last_done)
-        self.source.sync_weights(as_buckets(weights), policy_version=version)
+        self.source.sync_weights(
+            bucketed(weights.items(), self.bucket_bytes), policy_version=version
+        )
         t1 = time.perf_counter()
         batch = self.source.next_rollout(rl_step)
         self._last_done = time.perf_counter()
