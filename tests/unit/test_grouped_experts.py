@@ -385,7 +385,7 @@ def _main_grad_check(rank, world, device_name, dtype_name, tol):
     DDP's hook skips (the flag set), and an expert with no token adds nothing."""
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     counts = [[3, 0, 5, 1, 0, 7, 2, 4, 6, 1, 0, 3, 2, 5, 1, 1, 2, 3], [0, 4] * 9]
-    num_experts = len(counts[0])  # more experts than one _foreach_add_ chunk (16)
+    num_experts = len(counts[0])
     _, grouped = _build_pair(num_experts, dtype, device)
     fc1, fc2 = _weights(grouped)
     weights = fc1 + fc2

@@ -16,8 +16,9 @@ distributed optimizer and the Hugging Face conversion see no difference. The cos
 layout: each forward stacks the per-expert weights into one ``[E, out, in]`` tensor (a copy,
 freed after the matmul, made again in backward; ``benchmarks/moe_experts.py`` measures it).
 The weight gradient of the stacked tensor goes, under megatron's DDP, straight into the
-experts' ``main_grad`` in a few multi-tensor kernels (megatron's gradient-accumulation-fusion
-protocol, `_into_main_grad`), not through one AccumulateGrad and one DDP add per expert weight.
+experts' ``main_grad`` from one ``_foreach_add_`` (megatron's gradient-accumulation-fusion
+protocol, `_into_main_grad`), not through an AccumulateGrad copy and a Python DDP hook's add per
+expert weight.
 
 Where it runs fast: ``torch._grouped_mm`` has a grouped kernel for bf16 on CUDA compute
 capability 9.0 / 10.0 (H100, H200, B200); other CUDA dtypes (fp32, fp16) and devices, and the CPU,
@@ -58,24 +59,19 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-# Experts whose weight gradients are cast and added into ``main_grad`` per `_foreach_add_` call:
-# bounds the fp32 copy of the stacked gradient (16 x 2F x H of Qwen3-30B-A3B: 200 MB).
-_MAIN_GRAD_CHUNK = 16
-
-
 def _into_main_grad(dw_eoi: torch.Tensor, weights_oi: Sequence[torch.Tensor]) -> tuple:
     """megatron's gradient-accumulation-fusion protocol for the experts' weights: add the stacked
-    weight gradient into each weight's ``main_grad`` (megatron DDP's buffer) in a few
-    multi-tensor kernels, mark ``grad_added_to_main_grad`` and hand autograd an uninitialised
-    gradient per weight (as megatron's own linear layers do), which DDP's hook then drops
-    without adding it again. Without this each expert weight got its own AccumulateGrad and
-    DDP ``main_grad.add_``: one elementwise kernel per expert weight per microbatch. Numbers:
-    ``main_grad += dw_e`` as DDP's hook computes it (the gradient upcast exactly, then added)."""
-    main_grads = [w.main_grad for w in weights_oi]
-    for start in range(0, len(main_grads), _MAIN_GRAD_CHUNK):
-        mains = main_grads[start : start + _MAIN_GRAD_CHUNK]
-        part = dw_eoi[start : start + _MAIN_GRAD_CHUNK].to(mains[0].dtype)
-        torch._foreach_add_(mains, list(part.unbind(0)))
+    weight gradient into each weight's ``main_grad`` (megatron DDP's buffer) in one
+    ``_foreach_add_``, mark ``grad_added_to_main_grad`` and hand autograd an uninitialised
+    gradient per weight (as megatron's own linear layers do, tensor_parallel/layers.py:581-610),
+    which AccumulateGrad keeps without a copy and DDP's hook then drops without adding it again.
+    Before, each expert weight's gradient slice went through AccumulateGrad and DDP's hook
+    (``main_grad.add_`` from Python, one launch each, per microbatch). Numbers: ``main_grad +=
+    dw_e`` as DDP's hook computes it (the bf16 gradient upcast exactly, then added). The bytes
+    moved stay those of one add per weight: a bf16 gradient into an fp32 ``main_grad`` takes
+    torch's per-tensor loop inside ``_foreach_add_`` (its multi-tensor kernels need one dtype),
+    a bf16 ``main_grad`` its multi-tensor kernels."""
+    torch._foreach_add_([w.main_grad for w in weights_oi], list(dw_eoi.unbind(0)))
     for w in weights_oi:
         w.grad_added_to_main_grad = True
     # DDP (overlap_grad_reduce) counts each weight ready in its hook: a gradient for every one
