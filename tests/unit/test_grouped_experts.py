@@ -424,13 +424,21 @@ def test_weight_gradients_go_into_main_grad_under_megatron_ddp_cuda():
 
 # -- the all-to-all dispatcher of grouped experts (ep x tp = 1) -----------------------------
 
-# ops that read a device value back to the host (a host sync on CUDA)
-_SYNCING_OPS = ("nonzero", "masked_select", "_local_scalar_dense", "bincount", "item")
+# ops that read a device value back to the host (a host sync on CUDA), as dispatched from
+# Python; boolean-mask indexing too (it runs nonzero inside its kernel, below the mode)
+_SYNCING_OPS = ("nonzero", "masked_select", "_local_scalar_dense", "item", "is_nonzero")
+_SYNCING_PREFIXES = ("bincount", "unique", "_unique")
+
+
+def _bool_indexed(name, args):
+    if name not in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
 def _syncing_ops(fn):
-    """Run ``fn`` and return the names of the syncing ops it dispatched (boolean-mask
-    indexing included: it runs ``nonzero``)."""
+    """Run ``fn`` and return the names of the syncing ops it dispatched."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = []
@@ -438,13 +446,32 @@ def _syncing_ops(fn):
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
-            if name in _SYNCING_OPS:
+            if (
+                name in _SYNCING_OPS
+                or name.startswith(_SYNCING_PREFIXES)
+                or _bool_indexed(name, args)
+            ):
                 seen.append(name)
             return func(*args, **(kwargs or {}))
 
     with Record():
         fn()
     return seen
+
+
+def test_the_syncing_op_record_sees_what_it_looks_for():
+    # each of these reads a device value back on CUDA: the record must name it
+    x = torch.tensor([0.0, 2.0, 0.0, 3.0])
+    cases = [
+        (lambda: x[x > 1], "index"),
+        (lambda: x.nonzero(), "nonzero"),
+        (lambda: torch.bincount(x.long()), "bincount"),
+        (lambda: x.sum().item(), "_local_scalar_dense"),
+        (lambda: bool((x > 2).any()), "_local_scalar_dense"),  # is_nonzero decomposes
+    ]
+    for fn, name in cases:
+        assert name in _syncing_ops(fn), name
+    assert _syncing_ops(lambda: torch.argsort(x, stable=True) % 3) == []
 
 
 def _dispatch_check(rank, world, device_name, dtype_name, tol):
