@@ -474,13 +474,9 @@ def test_the_syncing_op_record_sees_what_it_looks_for():
     assert _syncing_ops(lambda: torch.argsort(x, stable=True) % 3) == []
 
 
-def _dispatch_check(rank, world, device_name, dtype_name, tol):
-    """megatron's MoELayer (its all-to-all dispatcher, SequentialMLP) against `GroupedMoELayer`
-    (`LocalAlltoAllDispatcher`, GroupedExperts), same weights, both with unirl's recording
-    router: the same output, input gradient and gradient of every parameter, with free routing
-    and with a replayed routing that gives one token an expert twice (the fallback to
-    megatron's permute); the free forward + backward of the grouped layer dispatches no op
-    that reads a device value back (megatron's does)."""
+def _layer_pair(device, dtype, num_experts):
+    """megatron's MoELayer (its all-to-all dispatcher, SequentialMLP) and `GroupedMoELayer`
+    (GroupedExperts), same weights, both with unirl's recording router."""
     import dataclasses
 
     from megatron.core import parallel_state as ps
@@ -493,14 +489,12 @@ def _dispatch_check(rank, world, device_name, dtype_name, tol):
     from unirl.backends.megatron.grouped_experts import ExpertsChoice, GroupedExperts, experts_spec
     from unirl.backends.megatron.moe import RecordingTopKRouter
 
-    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     if device.type == "cpu":
         cpu_compat.install()
     ps.initialize_model_parallel(1, 1)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     te_compat.install()
-    num_experts = 6
     config = _config(
         num_experts,
         dtype,
@@ -522,6 +516,19 @@ def _dispatch_check(rank, world, device_name, dtype_name, tol):
     assert type(layers[0].token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
     assert isinstance(layers[1].token_dispatcher, LocalAlltoAllDispatcher)
     layers[1].load_state_dict(layers[0].state_dict())
+    return config, layers
+
+
+def _dispatch_check(rank, world, device_name, dtype_name, tol):
+    """megatron's MoELayer (its all-to-all dispatcher, SequentialMLP) against `GroupedMoELayer`
+    (`LocalAlltoAllDispatcher`, GroupedExperts), same weights: the same output, input gradient
+    and gradient of every parameter, with free routing and with a replayed routing that gives
+    one token an expert twice (the fallback to megatron's permute); the free forward +
+    backward of the grouped layer dispatches no op that reads a device value back (megatron's
+    does)."""
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    num_experts = 6
+    _, layers = _layer_pair(device, dtype, num_experts)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
     grad_out = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
@@ -560,6 +567,47 @@ def _layer_step(layer, x, grad_out, given):
     layer.router.recorded_logits = []
     grads = {n: p.grad for n, p in layer.named_parameters()}
     return outs[0], x_in.grad, grads, syncs
+
+
+def _ddp_check(rank, world, device_name, dtype_name, tol):
+    """`GroupedMoELayer` wrapped in megatron's DDP (distributed-optimizer buffers, overlapped
+    gradient reduction: every weight must reach DDP's hook), two microbatches: each
+    parameter's ``main_grad`` equals the two microbatches' gradients of megatron's plain
+    MoELayer with SequentialMLP summed by autograd, and no ``.grad`` is left behind."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    config, (sequential, grouped) = _layer_pair(device, dtype, 18)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True
+    )
+    ddp = DistributedDataParallel(config, ddp_config, grouped)
+    ddp.zero_grad_buffer()
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x = torch.randn(16, 2, HIDDEN, generator=g).to(device, dtype)
+        grad_out = torch.randn(16, 2, HIDDEN, generator=g).to(device, dtype)
+        for layer in (sequential, ddp):
+            out, _ = layer(x)
+            out.backward(grad_out)
+        for router in (sequential.router, grouped.router):
+            router.recorded_logits = []
+    ddp.finish_grad_sync()
+    want = dict(sequential.named_parameters())
+    for name, param in grouped.named_parameters():
+        assert param.grad is None, name
+        _assert_close(param.main_grad, want[name].grad.double(), tol)
+    return True
+
+
+def test_grouped_layer_gradients_in_megatron_ddp_main_grad_cpu():
+    assert run_distributed(_ddp_check, 1, "cpu", "float32", 1e-5) == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_layer_gradients_in_megatron_ddp_main_grad_cuda():
+    assert run_distributed(_ddp_check, 1, "cuda", "bfloat16", 3e-2, backend="nccl") == [True]
 
 
 def test_grouped_dispatch_equals_megatrons_and_reads_nothing_back_cpu():
