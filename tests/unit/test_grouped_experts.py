@@ -1,7 +1,10 @@
 """`unirl.backends.megatron.grouped_experts`: `GroupedExperts` against a per-expert Python loop
 written here (fp64) and against megatron's `SequentialMLP` with the same weights, forward and
 gradients of the input, the router probabilities and every expert weight, with experts that get
-no token; the selector's choices and reasons. The CUDA bf16 path: the `gpu` test at the end."""
+no token; the selector's choices and reasons; the weight gradients under megatron DDP's
+``main_grad`` protocol (emulated, and inside megatron's DDP) against SequentialMLP's summed over
+microbatches; `GroupedMoELayer`'s dispatcher against megatron's layer, and that it dispatches
+no op that reads a device value back. The CUDA paths: the `gpu` tests."""
 
 from __future__ import annotations
 
