@@ -5,17 +5,17 @@ identity sort, no atomics.
 What megatron-core 0.16.1's `MoEAlltoAllTokenDispatcher` does there without TE's permute fusion,
 and what each costs (one H200 profile of the Qwen3-30B-A3B layer shape, 8 layers, 9 microbatches):
 
-- ``permute`` (moe_utils.py:368, :371) picks the routed rows with two ``masked_select`` calls:
+- ``permute`` (moe_utils.py:369, :372) picks the routed rows with two ``masked_select`` calls:
   each reads the output size back to the host (``nonzero``), a host sync per layer and
   microbatch that waits for the router's kernels (392 ms of the step's 509 ms of syncs).
 - ``_maybe_dtoh_and_synchronize`` (token_dispatcher.py:862) copies the tokens per expert to the
   host and waits for them before "permutation 2" (token_dispatcher.py:584), which then sorts
   the rows by local expert with ``sort_chunks_by_idxs`` (token_dispatcher.py:732, :767): a split
   into one chunk per expert and a ``cat``, in the order ``sort_input_by_local_experts``, which is
-  the identity when ep x tp = 1 (token_dispatcher.py:405-410). `GroupedExperts` takes the tokens
+  the identity when ep x tp = 1 (token_dispatcher.py:405-416). `GroupedExperts` takes the tokens
   per expert on the device.
-- the permute's backward (``index_select``: ``index_add_`` with atomics, 160 ms) and the
-  un-permute (``scatter_add_``, 72 ms; backward a ``gather``) move every row one at a time.
+- the permute's backward (``index_select``'s: ``index_add_``, 160 ms) and the un-permute
+  (``scatter_add_``, moe_utils.py:464, 72 ms) add the ``k`` rows of each token with atomics.
 
 `LocalAlltoAllDispatcher` keeps megatron's preprocessing (the token counts, computed on the
 device) and replaces those steps: when every row of the routing map holds exactly ``top_k``
