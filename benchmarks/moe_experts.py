@@ -197,11 +197,13 @@ def bench_experts(args: argparse.Namespace, shape: dict[str, int], dtype, device
 
 
 def bench_layer(args: argparse.Namespace, shape: dict[str, int], dtype, device) -> dict:
-    """One megatron-core MoELayer (router, all-to-all dispatcher, experts) per variant."""
+    """One megatron-core MoELayer (router, all-to-all dispatcher, experts) per variant; the
+    grouped one is `GroupedMoELayer` (its dispatcher without host syncs), as in the model."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from unirl.backends.megatron.grouped_experts import experts_spec
+    from unirl.backends.megatron.grouped_dispatch import GroupedMoELayer
+    from unirl.backends.megatron.grouped_experts import GroupedExperts, experts_spec
 
     if device.type != "cuda":
         return {"skipped": "megatron-core's router and all-to-all dispatcher need CUDA"}
@@ -221,6 +223,8 @@ def bench_layer(args: argparse.Namespace, shape: dict[str, int], dtype, device) 
     for name, choice in _variants().items():
         spec = dataclasses.replace(
             mlp_spec,
+            # as the model's spec (`moe_block_spec`): grouped experts in a GroupedMoELayer
+            module=GroupedMoELayer if choice.module is GroupedExperts else mlp_spec.module,
             submodules=dataclasses.replace(mlp_spec.submodules, experts=experts_spec(choice)),
         )
         torch.manual_seed(0)

@@ -1,7 +1,10 @@
 """`unirl.backends.megatron.grouped_experts`: `GroupedExperts` against a per-expert Python loop
 written here (fp64) and against megatron's `SequentialMLP` with the same weights, forward and
 gradients of the input, the router probabilities and every expert weight, with experts that get
-no token; the selector's choices and reasons. The CUDA bf16 path: the `gpu` test at the end."""
+no token; the selector's choices and reasons; the weight gradients under megatron DDP's
+``main_grad`` protocol (emulated, and inside megatron's DDP) against SequentialMLP's summed over
+microbatches; `GroupedMoELayer`'s dispatcher against megatron's layer, and that it dispatches
+no op that reads a device value back. The CUDA paths: the `gpu` tests."""
 
 from __future__ import annotations
 
@@ -372,3 +375,249 @@ def test_the_moe_spec_uses_grouped_experts_on_cuda():
         pytest.skip("this torch has no torch._grouped_mm")
     got = run_distributed(_moe_spec_experts, 1, "cuda", backend="nccl")
     assert got == [["GroupedExperts"]]
+
+
+# -- the gradient into megatron DDP's main_grad --------------------------------------------
+
+
+def _main_grad_check(rank, world, device_name, dtype_name, tol):
+    """`GroupedExperts` under megatron DDP's protocol (each weight with a ``main_grad`` and
+    ``grad_added_to_main_grad``, as distributed_data_parallel.py:119 sets them): after two
+    microbatches' backward each expert's fp32 ``main_grad`` holds the sum of the two
+    microbatches' gradients of the fp64 per-expert loop, its ``.grad`` is a placeholder that
+    DDP's hook skips (the flag set), and an expert with no token adds nothing."""
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    counts = [[3, 0, 5, 1, 0, 7, 2, 4, 6, 1, 0, 3, 2, 5, 1, 1, 2, 3], [0, 4] * 9]
+    num_experts = len(counts[0])
+    _, grouped = _build_pair(num_experts, dtype, device)
+    fc1, fc2 = _weights(grouped)
+    weights = fc1 + fc2
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+        w.grad_added_to_main_grad = False
+    want = [torch.zeros(w.shape, dtype=torch.float64) for w in weights]
+    for seed, tokens_per_expert in enumerate(counts):
+        x, probs, grad_out = _inputs(tokens_per_expert, dtype, device, seed=seed + 3)
+        ref = _reference_grads(x, tokens_per_expert, probs, grad_out, fc1, fc2)
+        for acc, g in zip(want, ref[3] + ref[4]):
+            acc += g.cpu()
+        out, _ = grouped(x, torch.tensor(tokens_per_expert, device=device), probs)
+        out.backward(grad_out)
+        for w in weights:
+            assert w.grad_added_to_main_grad and w.grad is not None
+            assert w.grad.shape == w.shape
+            w.grad = None  # what DDP's hook does after reading the flag
+    for w, acc in zip(weights, want):
+        _assert_close(w.main_grad.cpu(), acc, tol)
+    for e in range(num_experts):  # expert 1 has no token in either microbatch
+        if counts[0][e] == counts[1][e] == 0:
+            assert not fc1[e].main_grad.any() and not fc2[e].main_grad.any()
+    return True
+
+
+def test_weight_gradients_go_into_main_grad_under_megatron_ddp_cpu():
+    assert run_distributed(_main_grad_check, 1, "cpu", "float32", 1e-5) == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_weight_gradients_go_into_main_grad_under_megatron_ddp_cuda():
+    assert run_distributed(_main_grad_check, 1, "cuda", "bfloat16", 3e-2, backend="nccl") == [True]
+
+
+# -- the all-to-all dispatcher of grouped experts (ep x tp = 1) -----------------------------
+
+# ops that read a device value back to the host (a host sync on CUDA), as dispatched from
+# Python; boolean-mask indexing too (it runs nonzero inside its kernel, below the mode)
+_SYNCING_OPS = ("nonzero", "masked_select", "_local_scalar_dense", "item", "is_nonzero")
+_SYNCING_PREFIXES = ("bincount", "unique", "_unique")
+
+
+def _bool_indexed(name, args):
+    if name not in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+def _syncing_ops(fn):
+    """Run ``fn`` and return the names of the syncing ops it dispatched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if (
+                name in _SYNCING_OPS
+                or name.startswith(_SYNCING_PREFIXES)
+                or _bool_indexed(name, args)
+            ):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def test_the_syncing_op_record_sees_what_it_looks_for():
+    # each of these reads a device value back on CUDA: the record must name it
+    x = torch.tensor([0.0, 2.0, 0.0, 3.0])
+    cases = [
+        (lambda: x[x > 1], "index"),
+        (lambda: x.nonzero(), "nonzero"),
+        (lambda: torch.bincount(x.long()), "bincount"),
+        (lambda: x.sum().item(), "_local_scalar_dense"),
+        (lambda: bool((x > 2).any()), "_local_scalar_dense"),  # is_nonzero decomposes
+    ]
+    for fn, name in cases:
+        assert name in _syncing_ops(fn), name
+    assert _syncing_ops(lambda: torch.argsort(x, stable=True) % 3) == []
+
+
+def _layer_pair(device, dtype, num_experts):
+    """megatron's MoELayer (its all-to-all dispatcher, SequentialMLP) and `GroupedMoELayer`
+    (GroupedExperts), same weights, both with unirl's recording router."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from unirl.backends.megatron import cpu_compat, te_compat
+    from unirl.backends.megatron.grouped_dispatch import GroupedMoELayer, LocalAlltoAllDispatcher
+    from unirl.backends.megatron.grouped_experts import ExpertsChoice, GroupedExperts, experts_spec
+    from unirl.backends.megatron.moe import RecordingTopKRouter
+
+    if device.type == "cpu":
+        cpu_compat.install()
+    ps.initialize_model_parallel(1, 1)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    te_compat.install()
+    config = _config(
+        num_experts,
+        dtype,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        use_cpu_initialization=True,
+    )
+    mlp_spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    mlp_spec = mlp_spec.submodules.mlp
+    layers = []
+    for layer_cls, module in ((mlp_spec.module, _sequential()), (GroupedMoELayer, GroupedExperts)):
+        choice = ExpertsChoice(module=module, name=module.__name__, reason="test")
+        sub = dataclasses.replace(
+            mlp_spec.submodules, experts=experts_spec(choice), router=RecordingTopKRouter
+        )
+        spec = dataclasses.replace(mlp_spec, module=layer_cls, submodules=sub)
+        torch.manual_seed(0)
+        layers.append(build_module(spec, config=config, layer_number=1).to(device))
+    assert type(layers[0].token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
+    assert isinstance(layers[1].token_dispatcher, LocalAlltoAllDispatcher)
+    layers[1].load_state_dict(layers[0].state_dict())
+    return config, layers
+
+
+def _dispatch_check(rank, world, device_name, dtype_name, tol):
+    """megatron's MoELayer (its all-to-all dispatcher, SequentialMLP) against `GroupedMoELayer`
+    (`LocalAlltoAllDispatcher`, GroupedExperts), same weights: the same output, input gradient
+    and gradient of every parameter, with free routing and with a replayed routing that gives
+    one token an expert twice (the fallback to megatron's permute); the free forward +
+    backward of the grouped layer dispatches no op that reads a device value back (megatron's
+    does)."""
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    num_experts = 6
+    _, layers = _layer_pair(device, dtype, num_experts)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
+    grad_out = torch.randn(11, 2, HIDDEN, generator=g).to(device, dtype)
+    replay = torch.randint(0, num_experts, (22, 2), generator=g)
+    replay[5] = torch.tensor([3, 3])  # an expert given twice: that token's row holds one
+    replay[7, 1] = (replay[7, 0] + 1) % num_experts
+    for given in (None, replay):
+        results = [_layer_step(layer, x, grad_out, given) for layer in layers]
+        (out_s, dx_s, grads_s, syncs_s), (out_g, dx_g, grads_g, syncs_g) = results
+        _assert_close(out_g, out_s.double(), tol)
+        _assert_close(dx_g, dx_s.double(), tol)
+        assert grads_s.keys() == grads_g.keys()
+        for name, grad in grads_s.items():
+            _assert_close(grads_g[name], grad.double(), tol)
+        if given is None:
+            assert syncs_g == [], syncs_g
+            assert "masked_select" in syncs_s, syncs_s  # the check can fail
+    return True
+
+
+def _layer_step(layer, x, grad_out, given):
+    """One forward + backward of ``layer`` (routing ``given`` replayed, or free): output,
+    input gradient, parameter gradients and the syncing ops it dispatched."""
+    layer.zero_grad(set_to_none=True)
+    layer.router.replay_experts = None if given is None else given.to(x.device)
+    x_in = x.clone().requires_grad_()
+    outs = []
+
+    def step():
+        out, _ = layer(x_in)
+        out.backward(grad_out)
+        outs.append(out.detach())
+
+    syncs = _syncing_ops(step)
+    layer.router.replay_experts = None
+    layer.router.recorded_logits = []
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    return outs[0], x_in.grad, grads, syncs
+
+
+def _ddp_check(rank, world, device_name, dtype_name, tol):
+    """`GroupedMoELayer` wrapped in megatron's DDP (distributed-optimizer buffers, overlapped
+    gradient reduction: every weight must reach DDP's hook), two microbatches: each
+    parameter's ``main_grad`` equals the two microbatches' gradients of megatron's plain
+    MoELayer with SequentialMLP summed by autograd, and no ``.grad`` is left behind."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    config, (sequential, grouped) = _layer_pair(device, dtype, 18)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True
+    )
+    ddp = DistributedDataParallel(config, ddp_config, grouped)
+    ddp.zero_grad_buffer()
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x = torch.randn(16, 2, HIDDEN, generator=g).to(device, dtype)
+        grad_out = torch.randn(16, 2, HIDDEN, generator=g).to(device, dtype)
+        for layer in (sequential, ddp):
+            out, _ = layer(x)
+            out.backward(grad_out)
+        for router in (sequential.router, grouped.router):
+            router.recorded_logits = []
+    ddp.finish_grad_sync()
+    want = dict(sequential.named_parameters())
+    for name, param in grouped.named_parameters():
+        assert param.grad is None, name
+        _assert_close(param.main_grad, want[name].grad.double(), tol)
+    return True
+
+
+def test_grouped_layer_gradients_in_megatron_ddp_main_grad_cpu():
+    assert run_distributed(_ddp_check, 1, "cpu", "float32", 1e-5) == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_layer_gradients_in_megatron_ddp_main_grad_cuda():
+    assert run_distributed(_ddp_check, 1, "cuda", "bfloat16", 3e-2, backend="nccl") == [True]
+
+
+def test_grouped_dispatch_equals_megatrons_and_reads_nothing_back_cpu():
+    assert run_distributed(_dispatch_check, 1, "cpu", "float32", 1e-5) == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_dispatch_equals_megatrons_and_reads_nothing_back_cuda():
+    assert run_distributed(_dispatch_check, 1, "cuda", "bfloat16", 3e-2, backend="nccl") == [True]

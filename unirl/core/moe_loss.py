@@ -63,6 +63,17 @@ def real_rows(mb: TrainMicrobatch) -> torch.Tensor:
     return mb.position_ids < lengths[mb.seq_ids.to(mb.position_ids.device)]
 
 
+def real_logits(router_logits: Sequence[torch.Tensor], mb: TrainMicrobatch) -> list[torch.Tensor]:
+    """Each MoE layer's router logits at `real_rows`: without context parallel the microbatch's
+    first ``num_tokens`` rows, a slice (a boolean mask per layer would read its count back to
+    the host, twice per layer with the backward); under CP the real rows' index is found once
+    per microbatch (one host sync) and taken from every layer."""
+    if mb.global_cu_seqlens is None or mb.cp_group is None:
+        return [lg[: mb.num_tokens] for lg in router_logits]
+    index = real_rows(mb).nonzero().squeeze(1)
+    return [lg[: mb.num_tokens].index_select(0, index.to(lg.device)) for lg in router_logits]
+
+
 def microbatch_tokens(mb: TrainMicrobatch) -> int:
     """The tokens of the whole microbatch (every CP piece): the routed rows it weighs."""
     if mb.global_cu_seqlens is not None:
@@ -88,9 +99,9 @@ def router_term(
             f"router_term: {len(router_logits)} router logits for a model with "
             f"{shape.num_moe_layers} MoE layers; the backend hands one per MoE layer"
         )
-    keep = real_rows(mb)
-    logits = [lg[: mb.num_tokens][keep.to(lg.device)] for lg in router_logits]
-    stats = router_statistics(logits, top_k=shape.top_k, num_experts=shape.num_experts)
+    stats = router_statistics(
+        real_logits(router_logits, mb), top_k=shape.top_k, num_experts=shape.num_experts
+    )
     tokens = microbatch_tokens(mb)
     group = mb.cp_group
     if group is None or dist.get_world_size(group) == 1:

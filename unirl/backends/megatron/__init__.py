@@ -13,7 +13,9 @@ frozen), `passes` (the microbatch loop, once for every model and pass), `optimiz
 optimizer, LR schedule), `checkpoint` (distributed checkpointing), `cpu_compat` (megatron-core's
 CUDA-only lines, patched on the CPU only), `te_compat` (names megatron-core reads but only TE
 binds, bound wherever TE is absent), `grouped_experts` (MoE experts on ``torch._grouped_mm``, or
-megatron's `SequentialMLP`), `critic` (the critic as core's `CriticModel`),
+megatron's `SequentialMLP`), `grouped_dispatch` (the MoE layer of grouped experts: its
+all-to-all dispatcher without host syncs at ep x etp = 1), `multi_tensor` (megatron's gradient
+norm without TE / Apex in foreach kernels, CUDA), `critic` (the critic as core's `CriticModel`),
 `backend` (`MegatronBackend`), `cpu_jit` (megatron's jit fuser off on a CPU-only process:
 installed here, before any file of the package imports megatron-core).
 """

@@ -14,8 +14,11 @@ Same parameters as `SequentialMLP` (``local_experts.{i}.linear_fc1.weight`` ``[2
 ``linear_fc2.weight`` ``[H, F/tp]``, the same ``sharded_state_dict``), so checkpoints, the
 distributed optimizer and the Hugging Face conversion see no difference. The cost of keeping that
 layout: each forward stacks the per-expert weights into one ``[E, out, in]`` tensor (a copy,
-freed after the matmul, made again in backward; ``benchmarks/moe_experts.py`` measures it), and
-the weight gradient of the stacked tensor is handed back to each expert as a view.
+freed after the matmul, made again in backward; ``benchmarks/moe_experts.py`` measures it).
+The weight gradient of the stacked tensor goes, under megatron's DDP, straight into the
+experts' ``main_grad`` from one ``_foreach_add_`` (megatron's gradient-accumulation-fusion
+protocol, `_into_main_grad`), not through an AccumulateGrad copy and a Python DDP hook's add per
+expert weight.
 
 Where it runs fast: ``torch._grouped_mm`` has a grouped kernel for bf16 on CUDA compute
 capability 9.0 / 10.0 (H100, H200, B200); other CUDA dtypes (fp32, fp16) and devices, and the CPU,
@@ -31,6 +34,7 @@ spec (``MoESubmodules.experts``)::
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -55,11 +59,42 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+def _into_main_grad(dw_eoi: torch.Tensor, weights_oi: Sequence[torch.Tensor]) -> tuple:
+    """megatron's gradient-accumulation-fusion protocol for the experts' weights: add the stacked
+    weight gradient into each weight's ``main_grad`` (megatron DDP's buffer) in one
+    ``_foreach_add_``, mark ``grad_added_to_main_grad`` and hand autograd an uninitialised
+    gradient per weight (as megatron's own linear layers do, tensor_parallel/layers.py:581-610),
+    which AccumulateGrad keeps without a copy and DDP's hook then drops without adding it again.
+    Before, each expert weight's gradient slice went through AccumulateGrad and DDP's hook
+    (``main_grad.add_`` from Python, one launch each, per microbatch). Numbers: ``main_grad +=
+    dw_e`` as DDP's hook computes it (the bf16 gradient upcast exactly, then added). The bytes
+    moved stay those of one add per weight: a bf16 gradient into an fp32 ``main_grad`` takes
+    torch's per-tensor loop inside ``_foreach_add_`` (its multi-tensor kernels need one dtype),
+    a bf16 ``main_grad`` its multi-tensor kernels."""
+    torch._foreach_add_([w.main_grad for w in weights_oi], list(dw_eoi.unbind(0)))
+    for w in weights_oi:
+        w.grad_added_to_main_grad = True
+    # DDP (overlap_grad_reduce) counts each weight ready in its hook: a gradient for every one
+    return tuple(torch.empty_like(w) for w in weights_oi)
+
+
+def _fuses_into_main_grad(weights_oi: Sequence[torch.Tensor]) -> bool:
+    """Whether megatron's DDP wraps these weights: it gives each a ``main_grad`` and the
+    ``grad_added_to_main_grad`` flag its backward hook reads (distributed_data_parallel.py:119,
+    :438 in megatron-core 0.16.1)."""
+    return all(
+        hasattr(w, "grad_added_to_main_grad") and hasattr(w, "main_grad") for w in weights_oi
+    )
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ W_e^T`` for every expert ``e`` at once.
 
     The weights come in as the experts' own parameters (one input each), so each keeps its own
     gradient; their stacked copy lives only inside forward and backward, never saved between.
+    Under megatron's DDP the stacked weight gradient goes straight into the weights'
+    ``main_grad`` (`_into_main_grad`); elsewhere (a bare module, tests) each weight gets its
+    slice of it as ``.grad``.
     """
 
     @staticmethod
@@ -79,7 +114,11 @@ class _GroupedLinear(torch.autograd.Function):
         if any(ctx.needs_input_grad[2:]):
             # [E, out, in]: per expert dy_e^T @ x_e, the rows of expert e the contracted dim;
             # an expert with no rows gets zeros
-            dws = tuple(torch._grouped_mm(dy_to.t(), x_ti, offs=offs_e).unbind(0))
+            dw_eoi = torch._grouped_mm(dy_to.t(), x_ti, offs=offs_e)
+            if _fuses_into_main_grad(weights_oi):
+                dws = _into_main_grad(dw_eoi, weights_oi)
+            else:
+                dws = tuple(dw_eoi.unbind(0))
         return dx_ti, None, *dws
 
 

@@ -48,9 +48,15 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from unirl.backends.megatron import te_compat, wgrad_fusion
+from unirl.backends.megatron import multi_tensor, te_compat, wgrad_fusion
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
-from unirl.backends.megatron.grouped_experts import ExpertsChoice, experts_spec, select_experts
+from unirl.backends.megatron.grouped_dispatch import GroupedMoELayer
+from unirl.backends.megatron.grouped_experts import (
+    ExpertsChoice,
+    GroupedExperts,
+    experts_spec,
+    select_experts,
+)
 from unirl.backends.megatron.moe import (
     RecordingTopKRouter,
     check_moe_config,
@@ -431,7 +437,8 @@ def moe_block_spec(
     ``unfused_attention`` or TE), routers that record their logits (`RecordingTopKRouter`) and,
     without TE, the experts `select_experts` picks for ``device`` (`GroupedExperts` on CUDA with
     ``torch._grouped_mm``, megatron's `SequentialMLP` on the CPU: same parameters, so checkpoints
-    and the Hugging Face conversion do not depend on the choice)."""
+    and the Hugging Face conversion do not depend on the choice); with grouped experts the layer
+    is `GroupedMoELayer` (its dispatcher keeps the token counts on the device)."""
     te = use_te if use_te is not None else te_available()
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
@@ -445,6 +452,9 @@ def moe_block_spec(
             mlp.submodules.router = RecordingTopKRouter
             if experts is not None:
                 mlp.submodules.experts = experts_spec(experts)
+                if experts.module is GroupedExperts:
+                    # the all-to-all dispatcher without host syncs where no token leaves the rank
+                    mlp.module = GroupedMoELayer
     return block
 
 
@@ -492,6 +502,8 @@ def build_gpt_model(
         # weight gradients added straight into DDP's fp32 main_grad (wgrad_fusion's docstring);
         # a frozen model's weights need no gradient, so the flag changes nothing there
         overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
+    if model_device().type == "cuda":
+        multi_tensor.install()  # the gradient norm without a host sync per gradient
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):

@@ -46,7 +46,7 @@ from unirl.core.maths.losses.router import (
     router_loss_term,
     router_statistics,
 )
-from unirl.core.moe_loss import RouterLossSettings, real_rows
+from unirl.core.moe_loss import RouterLossSettings, real_logits
 
 _EXCHANGE_GROUPS: dict[tuple[int, ...], Any] = {}
 
@@ -180,9 +180,9 @@ class StageRouterLosses:
             return RouterStatistics(
                 assignments_e=zeros, prob_sum_e=zeros, lse_sq_sum=zeros.sum(), rows=0
             )
-        keep = real_rows(mb)
-        real = [lg[: mb.num_tokens][keep.to(lg.device)] for lg in logits]
-        return router_statistics(real, top_k=shape.top_k, num_experts=shape.num_experts)
+        return router_statistics(
+            real_logits(logits, mb), top_k=shape.top_k, num_experts=shape.num_experts
+        )
 
     def metrics(self) -> dict[int, Mapping[str, Metric]]:
         """Per microbatch index: ``router/aux_loss`` and ``router/z_loss`` of the pooled values

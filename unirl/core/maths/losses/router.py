@@ -116,9 +116,12 @@ def router_statistics(
         logits_re = logits.reshape(-1, num_experts).float()
         probs_re = torch.softmax(logits_re, dim=-1)
         chosen = torch.topk(probs_re, top_k, dim=-1).indices  # top-k of the probabilities, as HF
-        assignments_e = assignments_e + torch.bincount(
-            chosen.reshape(-1), minlength=num_experts
-        ).to(torch.float32)
+        # counts by scatter_add (exact in fp32 below 2**24 rows), not bincount: on CUDA
+        # bincount reads the largest index back to the host, a sync per MoE layer
+        flat = chosen.reshape(-1)
+        assignments_e = assignments_e.scatter_add(
+            0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device)
+        )
         prob_sum_e = prob_sum_e + probs_re.sum(dim=0)
         lse_sq_sum = lse_sq_sum + torch.logsumexp(logits_re, dim=-1).square().sum()
         rows += logits_re.shape[0]
