@@ -252,6 +252,7 @@ def profiled(fn: Any, name: str) -> None:
     text += table.table(sort_by="cuda_time_total", row_limit=60)
     text += "\n\n" + table.table(sort_by="cpu_time_total", row_limit=45)
     out = Path(PROFILE["dir"])
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"profile_{name}.txt").write_text(text)
     if PROFILE.get("trace"):
         prof.export_chrome_trace(str(out / f"trace_{name}.json"))
