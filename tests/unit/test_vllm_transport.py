@@ -417,11 +417,34 @@ def test_nccl_transport_broadcasts_a_flat_buckets_own_buffer(monkeypatch):
 
     nccl = object.__new__(NcclTransport)  # its __init__ opens vLLM's NCCL group
     nccl.client, nccl.device, nccl.group = _RecordingClient(), torch.device("cpu"), Group()
+    nccl.buffer_bytes = 1 << 20
     flat = _flat()
     nccl.send(iter([flat.tensors()]))
     assert sent == [flat.buffer.data_ptr()]
     [(_, info)] = [c for c in nccl.client.calls if c[0] == "update"]
     assert info["names"] == BUFFER_ORDER
+
+
+def test_nccl_cuts_a_bucket_larger_than_the_engines_buffer(monkeypatch):
+    """vLLM's consumer closes a broadcast once its tensors pass the buffer size: a bucket of
+    several tensors over it goes as several broadcasts of at most the buffer (a single larger
+    tensor alone), each announced by its own update."""
+    _without_cuda(monkeypatch)
+    sent: list[int] = []
+
+    class Group:
+        def broadcast(self, buffer, *, src, stream):
+            sent.append(buffer.numel())
+
+    nccl = object.__new__(NcclTransport)
+    nccl.client, nccl.device, nccl.group = _RecordingClient(), torch.device("cpu"), Group()
+    nccl.buffer_bytes = 40
+    # fp32: a, b (16 + 16 bytes) fit 40; c starts the next; d (64 bytes) alone; e fits after
+    whole = {n: torch.zeros(k) for n, k in [("a", 4), ("b", 4), ("c", 4), ("d", 16), ("e", 2)]}
+    nccl.send(as_buckets(whole))
+    updates = [info["names"] for kind, info in nccl.client.calls if kind == "update"]
+    assert updates == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert sent == [32, 16, 64, 8]
 
 
 def test_each_transport_says_where_it_wants_the_buckets():

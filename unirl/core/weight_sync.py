@@ -20,7 +20,12 @@ import torch
 from unirl.core.backend import TrainingBackend
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.source_plugin import weight_receivers
-from unirl.core.weight_stream import MIB, NonFiniteWeightsError, WeightBuckets
+from unirl.core.weight_stream import (
+    HOST,
+    MIB,
+    NonFiniteWeightsError,
+    WeightBuckets,
+)
 
 RunConfig = Any  # `unirl.core.run.config.UnirlConfig`
 
@@ -43,7 +48,10 @@ class WeightSync:
     def _stream(self) -> WeightBuckets:
         """The stream for a sync, its buckets where the source wants them (its transport's
         device: a GPU for vLLM's IPC / NCCL transports, the host otherwise)."""
-        device = self.source.weights_device
+        # a source or backend written before ``weights_device`` existed: host buckets
+        device = getattr(self.source, "weights_device", HOST)
+        if device == HOST:
+            return self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
         return self.backend.stream_weights(self.bucket_bytes, dst=self.dst, device=device)
 
     def snapshot(self) -> dict[str, torch.Tensor]:

@@ -90,18 +90,18 @@ def stream_weights(
         value = item[1].detach()
         if _evenly_sharded(value):
             local = value.to_local().contiguous()
-            group = value.device_mesh.get_group()
-            if (
-                out is not None
-                and out.dtype == local.dtype
-                and same_device(out.device, local.device)
-            ):
-                gather_rows(out, local, group)
-                return [out]
-            if local.device.type == "cpu":
-                full = local.new_empty(tuple(value.shape))
-                gather_rows(full, local, group)
-                return [full]  # cast into its slot by the copy
+            # the branch (the collective) is chosen from facts equal on every rank; only where
+            # the gather lands differs (the receiving rank's slot, or a tensor of its own)
+            if local.dtype == _cast(value, dtype) or local.device.type == "cpu":
+                into = (
+                    out
+                    if out is not None
+                    and out.dtype == local.dtype
+                    and same_device(out.device, local.device)
+                    else local.new_empty(tuple(value.shape))
+                )
+                gather_rows(into, local, value.device_mesh.get_group())
+                return [into]  # not the slot: cast / moved into it by the copy
         whole = _full(value)
         if out is not None and same_device(out.device, whole.device):
             out.copy_(whole)  # cast into the slot on the device: no second gathered copy

@@ -183,15 +183,18 @@ def _pipeline_buckets(
                 break
             if bucket is not None:
                 buffer = flat_buffer(bucket)
-                assert buffer is not None, "planned_buckets makes flat buckets"
+                if buffer is None:  # never under -O either: the peers wait in the broadcast
+                    raise RuntimeError("weight stream: a stage's bucket is not flat")
             else:  # the same layout as the stage's, from the same specs
                 received = FlatBucket(specs, here)
                 buffer, bucket = received.buffer, received.tensors()
                 del received
             dist.broadcast(buffer, src=src, group=group)
             del buffer
+            if keep and not same_device(here, device):
+                bucket = _moved(specs, bucket, device)  # the GPU bucket is dropped here
             if keep:
-                yield bucket if same_device(here, device) else _moved(specs, bucket, device)
+                yield bucket
             del bucket
 
 

@@ -32,7 +32,9 @@ buffer laid out by `unirl.core.weight_stream.packed_layout`, which is vLLM's pac
 `pack_bucket` sends that buffer itself (`flat_buffer`: no copy, no staging buffer); a bucket that
 is not flat (a state dict's tensors, `as_buckets`; a host bucket) is copied into a new buffer on
 the GPU, in the same layout. So a GPU sync holds one bucket of GPU memory beyond the trainer's
-(plus the engine's clone of it), and no weight passes through the host. The trainer side
+for ``nccl`` and two for ``ipc`` (vLLM's importer keeps the previous bucket's mapping until the
+next one arrives, so the freed bucket waits in torch's IPC limbo until then), plus the engine's
+clone, and no weight passes through the host. The trainer side
 imports torch only (no vLLM), except the NCCL group, which is vLLM's own
 (`StatelessProcessGroup` + `PyNcclCommunicator`) so that both ends agree.
 """
@@ -43,14 +45,22 @@ import base64
 import logging
 import pickle
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import attrs
 import torch
 
-from unirl.core.weight_stream import HOST, Bucket, flat_buffer, packed_layout, same_device, spec_of
+from unirl.core.weight_stream import (
+    HOST,
+    Bucket,
+    bucketed,
+    flat_buffer,
+    packed_layout,
+    same_device,
+    spec_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +246,7 @@ class NcclTransport:
         self.bucket_device = device  # a stream's bucket on this GPU is broadcast as it is
         port = free_port()
         buffer = nccl_buffer_bytes(bucket_bytes)
+        self.buffer_bytes = buffer
         worker_info = {
             "master_address": "127.0.0.1",
             "master_port": port,
@@ -258,7 +269,7 @@ class NcclTransport:
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
-            for bucket in buckets:
+            for bucket in self._within_buffer(buckets):
                 packed = pack_bucket(bucket, self.device)
                 future = pool.submit(self.client.update_weights, nccl_update_info(packed))
                 self.group.broadcast(packed.buffer, src=0, stream=torch.cuda.current_stream())
@@ -268,6 +279,21 @@ class NcclTransport:
             # a failed broadcast leaves the engine's call waiting: do not join it
             pool.shutdown(wait=False)
         self.client.finish_weight_update()
+
+    def _within_buffer(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
+        """``buckets``, each cut to the engine's buffer: vLLM's consumer ends a broadcast once
+        its tensors pass ``packed_buffer_size_bytes``, so a larger bucket of several tensors
+        (a state dict sent as one, `as_buckets`) would leave the two sides waiting on different
+        broadcasts. A single tensor larger than the buffer goes alone, as vLLM expects."""
+        for bucket in buckets:
+            if (
+                len(bucket) > 1
+                and sum(t.numel() * t.element_size() for _, t in bucket) > self.buffer_bytes
+            ):
+                yield from bucketed(bucket, self.buffer_bytes)
+            else:
+                yield bucket
+            del bucket
 
     def close(self) -> None:
         group, self.group = self.group, None
