@@ -48,7 +48,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from unirl.backends.megatron import te_compat, wgrad_fusion
+from unirl.backends.megatron import gpu_fusions, te_compat, wgrad_fusion
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
 from unirl.backends.megatron.grouped_experts import ExpertsChoice, experts_spec, select_experts
 from unirl.backends.megatron.moe import (
@@ -492,6 +492,8 @@ def build_gpt_model(
         # weight gradients added straight into DDP's fp32 main_grad (wgrad_fusion's docstring);
         # a frozen model's weights need no gradient, so the flag changes nothing there
         overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
+    if model_device().type == "cuda":
+        gpu_fusions.install()  # Triton packed RoPE and SwiGLU backward (a no-op with TE)
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):
