@@ -443,6 +443,13 @@ def wgrad_fusion_state() -> bool | None:
     return wgrad_fusion._state["installed"]
 
 
+def triton_fusions_state() -> str:
+    """``"on"`` or ``"off: <why>"`` for the Triton RoPE / SwiGLU kernels (after the build)."""
+    from unirl.backends.megatron import gpu_fusions
+
+    return gpu_fusions.status()
+
+
 def force_experts(choice: str) -> str:
     """``--experts``: leave `select_experts` to decide (auto) or make the MoE layers' spec use
     one module for this A/B (a benchmark-only override of
@@ -564,6 +571,8 @@ def main() -> None:
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
             "wgrad_fusion": bool(wgrad_fusion_state()),
+            # Triton packed RoPE + SwiGLU backward (unirl.backends.megatron.gpu_fusions)
+            "triton_fusions": triton_fusions_state(),
             # the training forward's head path (`unirl check`): with --fused-head, PPO-clip's
             # loss inside the head (3 head matmuls)
             "head_path": head_path(cfgs["reuse"]).reason,

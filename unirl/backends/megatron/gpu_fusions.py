@@ -64,7 +64,52 @@ PATCHES: tuple[FusionPatch, ...] = (
     ),
 )
 
-_state: dict[str, bool | None] = {"installed": None}
+_state: dict[str, Any] = {"installed": None, "why": None}
+
+
+def probe(device: torch.device) -> str | None:
+    """None when both kernels, compiled on ``device``, give megatron's results on a small
+    input (RoPE forward and gradient in bf16 bit for bit, two packed sequences; the SwiGLU
+    gradient within one bf16 rounding), else what differed or failed."""
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.models.common.embeddings import rope_utils
+
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 24, 64], dtype=torch.int32)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    angles = torch.outer(torch.arange(40, dtype=torch.float32), inv)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :].to(device)
+    x = torch.randn(64, 3, 16, generator=gen).to(device, torch.bfloat16)
+    g = torch.randn(64, 3, 16, generator=gen).to(device, torch.bfloat16)
+    group = _OneRank()
+    try:
+        outs = []
+        for rope in (rope_utils._apply_rotary_pos_emb_thd, fused_rope.apply_rotary_pos_emb_thd):
+            t = x.clone().requires_grad_()
+            out = rope(t, cu, freqs, cp_group=group)
+            outs.append((out, torch.autograd.grad(out, t, g)[0]))
+        y = torch.randn(32, 2 * 40, generator=gen).to(device, torch.bfloat16)
+        dy = torch.randn(32, 40, generator=gen).to(device, torch.bfloat16)
+        want = fused_bias_swiglu.swiglu_back(dy, y).float()
+        got = fused_swiglu.swiglu_back(dy, y).float()
+    except Exception as exc:  # a kernel that does not compile or launch here
+        return f"probe failed: {type(exc).__name__}: {exc}"
+    (want_out, want_grad), (got_out, got_grad) = outs
+    if not (torch.equal(want_out, got_out) and torch.equal(want_grad, got_grad)):
+        return "probe: the Triton RoPE differs from megatron's unfused RoPE"
+    if not ((got - want).abs() <= want.abs() * 2.0**-7 + 1e-6).all():
+        return "probe: the Triton SwiGLU backward differs from megatron's by more than a rounding"
+    return None
+
+
+class _OneRank:
+    """A context-parallel group of one (what megatron's THD RoPE asks of it)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
 
 
 def refusal() -> str | None:
@@ -88,13 +133,23 @@ def refusal() -> str | None:
 
 
 def install() -> bool:
-    """Apply `PATCHES` (idempotent); True when applied. Call before running a model."""
+    """Apply `PATCHES` (idempotent) where `refusal` allows and `probe` passes; True when
+    applied. Call before running a model. Why not, if not: `status`."""
     if _state["installed"] is not None:
         return bool(_state["installed"])
     why = refusal()
-    if why is not None:
+    if why is None:
+        for patch in PATCHES:  # the probe compares against these
+            patch.originals.setdefault(
+                patch.name, getattr(importlib.import_module(patch.module), patch.name)
+            )
+        why = probe(torch.device("cuda", torch.cuda.current_device()))
+        if why is not None:  # a kernel that should run here and does not: say so loudly
+            logger.warning("megatron Triton fusions off: %s", why)
+    elif not why.startswith("no CUDA"):
         logger.info("megatron Triton fusions off: %s", why)
-        _state["installed"] = False
+    if why is not None:
+        _state.update(installed=False, why=why)
         return False
     for patch in PATCHES:
         module = importlib.import_module(patch.module)
@@ -104,5 +159,12 @@ def install() -> bool:
         "megatron Triton fusions on: %s (unirl.backends.megatron.gpu_fusions)",
         ", ".join(f"{p.module}.{p.name}" for p in PATCHES),
     )
-    _state["installed"] = True
+    _state.update(installed=True, why=None)
     return True
+
+
+def status() -> str:
+    """``"on"``, ``"off: <why>"``, or ``"not installed"`` (no model built yet)."""
+    if _state["installed"] is None:
+        return "not installed"
+    return "on" if _state["installed"] else f"off: {_state['why']}"
