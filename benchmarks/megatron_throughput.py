@@ -248,7 +248,9 @@ def profiled(fn: Any, name: str) -> None:
     table = prof.key_averages()
     # GPU busy share: kernel time of the step against its wall time (idle gaps are host-bound)
     kernels = sum(e.self_device_time_total for e in table if e.device_type.name == "CUDA") / 1e6
-    text = f"step wall {wall:.3f} s, kernel time {kernels:.3f} s ({100 * kernels / wall:.1f}% busy)\n"
+    text = (
+        f"step wall {wall:.3f} s, kernel time {kernels:.3f} s ({100 * kernels / wall:.1f}% busy)\n"
+    )
     text += table.table(sort_by="cuda_time_total", row_limit=60)
     text += "\n\n" + table.table(sort_by="cpu_time_total", row_limit=45)
     out = Path(PROFILE["dir"])
