@@ -99,7 +99,9 @@ def _cached_tables(
     mscale: float,
     tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (id(freqs), tuple(bounds), cp_size, cp_rank, dtype, float(mscale))
+    # tables made under inference mode cannot be saved for a later backward: kept apart
+    inference = torch.is_inference_mode_enabled()
+    key = (id(freqs), tuple(bounds), cp_size, cp_rank, dtype, float(mscale), inference)
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is freqs:  # the entry holds freqs, so its id is not reused
         _TABLES.move_to_end(key)
