@@ -1,6 +1,5 @@
-"""megatron-core's unfused packed RoPE and SwiGLU backward, and torch's RMSNorm, against unirl's
-Triton kernels (`unirl.backends.megatron.gpu_fusions`), at the shapes of the 1.5B throughput
-benchmark.
+"""megatron-core's unfused packed RoPE and SwiGLU backward against unirl's Triton kernels
+(`unirl.backends.megatron.gpu_fusions`), at the shapes of the 1.5B throughput benchmark.
 
     PYTHONPATH=$PWD python benchmarks/megatron_kernels.py \\
         --out benchmarks/results/megatron_kernels_h200.json
@@ -13,9 +12,6 @@ benchmark.
 - **swiglu_back**: ``g [T, F]``, ``y [T, 2F]`` bf16 (F = 8,960): megatron's compiled
   ``swiglu_back`` against `fused_swiglu.swiglu_back`; megatron's compiled forward ``swiglu`` for
   scale (it moves 3/5 of the backward's bytes), and each one's effective bandwidth.
-- **rmsnorm**: ``[T, 1, 1536]`` bf16, forward and backward (input and weight gradients):
-  ``torch.nn.functional.rms_norm`` (what the local spec's norms run) against
-  `fused_rmsnorm.RMSNormFunction`; per step ``--norms`` (2 x 28 + 1) per microbatch.
 
 ``per_step_saving_ms`` multiplies each per-layer saving by ``--layers x --microbatches`` (28 x 9
 on the benchmark: one forward and one backward per layer and microbatch). Times are medians of
@@ -143,31 +139,6 @@ def bench_swiglu(args: argparse.Namespace, fused_swiglu: Any) -> dict[str, Any]:
     return out
 
 
-def bench_rmsnorm(args: argparse.Namespace, fused_rmsnorm: Any) -> dict[str, Any]:
-    dev = torch.device("cuda")
-    x = torch.randn(args.tokens, 1, args.hidden, device=dev, dtype=torch.bfloat16)
-    x.requires_grad_()
-    w = torch.ones(args.hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    out: dict[str, Any] = {}
-    for name, norm in (
-        ("torch", lambda: torch.nn.functional.rms_norm(x, (args.hidden,), w, 1e-6)),
-        ("unirl", lambda: fused_rmsnorm.RMSNormFunction.apply(x, w, 1e-6)),
-    ):
-        y = norm()
-        out[name] = {
-            "forward_ms": cuda_ms(norm, args.warmup, args.iters),
-            "backward_ms": cuda_ms(
-                lambda y=y: torch.autograd.grad(y, (x, w), dy, retain_graph=True),
-                args.warmup,
-                args.iters,
-            ),
-        }
-    # backward floor: read x and dy, write dx (the weight gradient's partial sums are small)
-    out["bytes_backward"] = 3 * 2 * args.tokens * args.hidden
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -176,8 +147,6 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=8960)
-    parser.add_argument("--hidden", type=int, default=1536)
-    parser.add_argument("--norms", type=int, default=57, help="RMSNorms per microbatch: 2L + 1")
     parser.add_argument("--min-len", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=28)
@@ -189,13 +158,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("megatron_kernels.py times CUDA kernels: run it on a GPU")
 
-    from unirl.backends.megatron import fused_rmsnorm, fused_rope, fused_swiglu, gpu_fusions
+    from unirl.backends.megatron import fused_rope, fused_swiglu, gpu_fusions
 
     if not gpu_fusions.install():
         raise SystemExit(f"unirl's megatron fusions are {gpu_fusions.status()}")
     rope = bench_rope(args, fused_rope)
     swiglu = bench_swiglu(args, fused_swiglu)
-    rmsnorm = bench_rmsnorm(args, fused_rmsnorm)
     calls = args.layers * args.microbatches
     saving = {
         "rope_ms": calls
@@ -203,16 +171,12 @@ def main() -> None:
         - args.microbatches * rope["unirl"]["tables_ms"],
         "swiglu_back_ms": calls
         * (swiglu["megatron_backward"]["ms"] - swiglu["unirl_backward"]["ms"]),
-        "rmsnorm_ms": args.norms
-        * args.microbatches
-        * sum(rmsnorm["torch"][k] - rmsnorm["unirl"][k] for k in ("forward_ms", "backward_ms")),
     }
     report = {
         "environment": run_environment(("megatron-core", "triton")),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rope": rope,
         "swiglu": swiglu,
-        "rmsnorm": rmsnorm,
         "per_step_saving_ms": saving,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,9 @@ megatron's function, on CUDA only) does the same maths in one kernel per tensor:
   tensor's dtype (megatron's ``(cos(freqs) * mscale).to(t.dtype)``) are built once per
   microbatch and shared by q, k and every layer (`rope_tables`, cached on the boundaries);
 - the kernel reads each element of ``t`` once and writes the output once; the backward kernel
-  does the same for the gradient (``dt = g * cos + rotate_half^T(g * sin)``);
+  does the same for the gradient (``dt = g * cos + rotate_half^T(g * sin)``). q and k of one
+  layer at 16,384 tokens (12 / 2 heads of 128, one H200): 0.135 ms forward against megatron's
+  0.80 ms (`benchmarks/megatron_kernels.py`);
 - in bf16 each product is rounded to bf16 before the sum, as megatron's eager bf16 ops round
   them, so bf16 outputs and gradients equal megatron's bit for bit (fp32: up to the last bit,
   where the compiler fuses a multiply-add; fp16 goes to megatron's function).

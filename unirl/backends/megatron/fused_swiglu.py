@@ -1,19 +1,19 @@
-"""The SwiGLU backward of megatron's ``bias_activation_fusion`` in one pass at the bandwidth floor.
+"""The SwiGLU backward of megatron's ``bias_activation_fusion`` in one pass near the bandwidth
+floor.
 
 megatron-core 0.16.1's ``fused_bias_swiglu.swiglu_back(g, y)`` returns
 ``cat(g * sigmoid(y1) * (1 + y1 * (1 - sigmoid(y1))) * y2, g * silu(y1))``, compiled by
-``torch.compile``. Inductor fuses the ``cat`` into one kernel over the ``[N, 2F]`` output, but
-each output element then loads its own operands: every ``y1`` and ``g`` is read twice, 7 element
-passes per row instead of the 5 the maths needs (read ``g``, ``y1``, ``y2``; write both halves).
-On the 1.5B benchmark (16,384 x 2 x 8,960 bf16, one H200) it took 0.61 ms per layer and
-microbatch against 0.20 ms for the forward, which moves 3/5 of the bytes.
+``torch.compile``. In the 1.5B benchmark's profile (16,384 x 2 x 8,960 bf16, one H200) its
+compiled kernel took 0.61 ms per layer and microbatch, about 2.4 TB/s for the 1.47 GB it must
+move (read ``g``, ``y1``, ``y2``; write both halves), while the forward ran at 4.5 TB/s.
 
 `swiglu_back` (installed by `unirl.backends.megatron.gpu_fusions` in place of megatron's, on
 CUDA only) computes both halves of a column block from one load of ``g``, ``y1``, ``y2``, in
-fp32 with one rounding at the store (as the compiled region does). CPU tensors, mixed dtypes
-and a missing Triton go to megatron's own function. The biased and the weighted variants
-(``bias_swiglu_back``, ``weighted_swiglu_back``) call it too: it is excluded from their
-``torch.compile`` graph, which breaks there and runs it eagerly.
+fp32 with one rounding at the store (as the compiled region does): 0.40 ms (3.7 TB/s) at that
+shape on the H200 (`benchmarks/megatron_kernels.py`), equal to megatron's result there. CPU
+tensors, mixed dtypes and a missing Triton go to megatron's own function. The biased and the
+weighted variants (``bias_swiglu_back``, ``weighted_swiglu_back``) call it too: it is excluded
+from their ``torch.compile`` graph, which breaks there and runs it eagerly.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from unirl.backends.megatron import fused_rmsnorm, gpu_fusions, te_compat, wgrad_fusion
+from unirl.backends.megatron import gpu_fusions, te_compat, wgrad_fusion
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
 from unirl.backends.megatron.grouped_experts import ExpertsChoice, experts_spec, select_experts
 from unirl.backends.megatron.moe import (
@@ -492,9 +492,9 @@ def build_gpt_model(
         # weight gradients added straight into DDP's fp32 main_grad (wgrad_fusion's docstring);
         # a frozen model's weights need no gradient, so the flag changes nothing there
         overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
-    # Triton packed RoPE, SwiGLU backward and RMSNorm (off with TE, on the CPU, or where the
-    # install probe fails)
-    fusions = model_device().type == "cuda" and gpu_fusions.install()
+    if model_device().type == "cuda":
+        # Triton packed RoPE and SwiGLU backward (off with TE, or where the install probe fails)
+        gpu_fusions.install()
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):
@@ -530,8 +530,6 @@ def build_gpt_model(
         vp_stage=vp_stage,
         **rope,
     )
-    if fusions:
-        fused_rmsnorm.swap_norms(model)
     # torch norms are created in fp32 on the CPU whatever params_dtype / use_cpu_initialization
     # say: one dtype and one device for every parameter (as Float16Module / get_model would do)
     return model.to(device=model_device(), dtype=dtype)
