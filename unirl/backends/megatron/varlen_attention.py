@@ -85,17 +85,18 @@ def _takes_gqa(q: torch.Tensor) -> bool:
 def _native_gqa_probe(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when `_varlen_attn` with 2 key/value heads for 4 query heads gives the output and
     gradients of the same call with the key/value heads repeated, else why not."""
-    gen = torch.Generator().manual_seed(0)
-    cu = torch.tensor([0, 5, 24], dtype=torch.int32, device=device)
-    q, k, v, grad = (
-        torch.randn(24, heads, 16, generator=gen).to(device, dtype) for heads in (4, 2, 2, 4)
-    )
     kwargs: dict[str, Any] = {"window_size": CAUSAL_WINDOW}
     if "scale" in _VARLEN_PARAMS:
         kwargs["scale"] = 0.25
     results = []
     try:
+        # the first packed call may come from a forward-only pass: autograd on here
         with torch.inference_mode(False), torch.enable_grad():
+            gen = torch.Generator().manual_seed(0)
+            cu = torch.tensor([0, 5, 24], dtype=torch.int32, device=device)
+            q, k, v, grad = (
+                torch.randn(24, h, 16, generator=gen).to(device, dtype) for h in (4, 2, 2, 4)
+            )
             for repeat in (1, 2):
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 kv = [t.repeat_interleave(repeat, dim=1) for t in leaves[1:]]
