@@ -138,6 +138,28 @@ def test_patch_lines_call_the_patched_names():
             assert f"{patch.name}(" in text, (line, text)
 
 
+def test_kernels_in_the_triton_interpreter():
+    """The Triton kernels' maths on the CPU (Triton's interpreter, in a subprocess: it must be
+    on before the kernels are decorated): bf16 and fp32 RoPE bit for bit megatron's, context
+    parallel and a strided input included, and the SwiGLU gradient against float64. About 5 s."""
+    pytest.importorskip("triton", reason="needs Triton (its interpreter runs the kernels)")
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).with_name("triton_interpret_fusions.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("identical forward and gradient") == 4, done.stdout
+    assert "swiglu_back fp32: matches float64 autograd" in done.stdout
+
+
 # --- on a GPU -------------------------------------------------------------------------------
 
 
