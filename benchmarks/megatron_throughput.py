@@ -248,7 +248,9 @@ def profiled(fn: Any, name: str) -> None:
     table = prof.key_averages()
     # GPU busy share: kernel time of the step against its wall time (idle gaps are host-bound)
     kernels = sum(e.self_device_time_total for e in table if e.device_type.name == "CUDA") / 1e6
-    text = f"step wall {wall:.3f} s, kernel time {kernels:.3f} s ({100 * kernels / wall:.1f}% busy)\n"
+    text = (
+        f"step wall {wall:.3f} s, kernel time {kernels:.3f} s ({100 * kernels / wall:.1f}% busy)\n"
+    )
     text += table.table(sort_by="cuda_time_total", row_limit=60)
     text += "\n\n" + table.table(sort_by="cpu_time_total", row_limit=45)
     out = Path(PROFILE["dir"])
@@ -444,6 +446,13 @@ def wgrad_fusion_state() -> bool | None:
     return wgrad_fusion._state["installed"]
 
 
+def triton_fusions_state() -> str:
+    """``"on"`` or ``"off: <why>"`` for the Triton RoPE / SwiGLU kernels (after the build)."""
+    from unirl.backends.megatron import gpu_fusions
+
+    return gpu_fusions.status()
+
+
 def force_experts(choice: str) -> str:
     """``--experts``: leave `select_experts` to decide (auto) or make the MoE layers' spec use
     one module for this A/B (a benchmark-only override of
@@ -565,6 +574,8 @@ def main() -> None:
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
             "wgrad_fusion": bool(wgrad_fusion_state()),
+            # Triton packed RoPE + SwiGLU backward (unirl.backends.megatron.gpu_fusions)
+            "triton_fusions": triton_fusions_state(),
             # the training forward's head path (`unirl check`): with --fused-head, PPO-clip's
             # loss inside the head (3 head matmuls)
             "head_path": head_path(cfgs["reuse"]).reason,

@@ -152,6 +152,10 @@ def test_packed_batch_padding_sequences_by_hand():
     assert batch.schedule_tokens == 614
     own = to_packed_batch(mb, cp_size=1, cp_rank=0, device="cpu")
     assert own.total_tokens == 14 and own.inputs.layout.num_seqs == 3
+    # nothing padded: the logits' gradient flows back through a view, no [1, T, V] copy
+    leaf = torch.randn(1, 14, 3, requires_grad=True)
+    rows = own.real_logits(leaf)
+    assert rows.shape == (14, 3) and rows.grad_fn.name() == "ViewBackward0"
     with pytest.raises(ValueError, match="cannot be padded"):
         to_packed_batch(mb, cp_size=1, cp_rank=0, device="cpu", total_tokens=13)
     # an empty microbatch (a data-parallel rank with no samples left) still runs: one padding

@@ -184,6 +184,33 @@ def test_varlen_call_adapts_to_the_torch_signature(monkeypatch, takes, scale):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("groups_right", [True, False])
+def test_grouped_heads_passed_as_they_are_where_the_kernel_groups_them(monkeypatch, groups_right):
+    """torch 2.11 (no ``enable_gqa``): key/value heads go to the kernel unrepeated once a probe
+    has found that it groups them as Megatron does (h -> h // (Hq / Hkv)); a kernel grouping
+    them otherwise (h -> h % Hkv) is found out and gets repeated heads. The result is the fp64
+    reference's either way."""
+    heads_seen = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        heads_seen.append(k.shape[1])
+        if not groups_right and k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            order = torch.arange(q.shape[1]) % k.shape[1]  # interleaved: wrong for Megatron
+            k, v = k[:, order], v[:, order]
+            assert group > 1
+        return bottom_right_causal_kernel(q, k, v, cu_q, cu_k, max_q, max_k, kw["scale"])
+
+    monkeypatch.setattr(va, "_varlen_attn", varlen_attn)
+    monkeypatch.setattr(va, "_VARLEN_PARAMS", frozenset({"scale", "window_size"}))
+    q, k, v = make_qkv(LENGTHS)
+    cu = cu_of(LENGTHS)
+    out = va._varlen_kernel(q, k, v, cu, cu, 8, 8, 0.3)
+    torch.testing.assert_close(out, reference(q, k, v, LENGTHS, scale=0.3), rtol=1e-10, atol=1e-10)
+    # the probe's two calls (2 and 4 heads), then the real one
+    assert heads_seen == [2, 4, HKV if groups_right else HQ]
+
+
 def test_bad_shapes_raise():
     q, k, v = make_qkv([3])
     with pytest.raises(LossInputError, match="cu_seqlens"):

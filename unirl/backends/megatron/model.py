@@ -48,7 +48,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from unirl.backends.megatron import multi_tensor, te_compat, wgrad_fusion
+from unirl.backends.megatron import gpu_fusions, multi_tensor, te_compat, wgrad_fusion
 from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
 from unirl.backends.megatron.grouped_dispatch import GroupedMoELayer
 from unirl.backends.megatron.grouped_experts import (
@@ -504,6 +504,8 @@ def build_gpt_model(
         overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
     if model_device().type == "cuda":
         multi_tensor.install()  # the gradient norm without a host sync per gradient
+        # Triton packed RoPE and SwiGLU backward (off with TE, or where the install probe fails)
+        gpu_fusions.install()
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):

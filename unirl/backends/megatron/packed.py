@@ -178,8 +178,14 @@ class PackedBatch:
         }
 
     def real_logits(self, logits_1tv: torch.Tensor) -> torch.Tensor:
-        """``[T, V_local]``: the logits of the microbatch's own tokens (a view, no copy)."""
-        return logits_1tv[0, : self.real_tokens]
+        """``[T, V_local]``: the logits of the microbatch's own tokens (a view, no copy).
+
+        A view of the ``[1, T, V]`` logits, not ``logits[0]``: the backward of a select writes
+        a zero ``[1, T, V]`` tensor and copies the gradient into it (3.7 ms per 16k-token
+        microbatch at V = 151,936 on an H200), a view's is free. Sliced only when padding
+        follows (a slice's backward makes the same zero tensor, even for the whole length)."""
+        rows = logits_1tv.view(logits_1tv.shape[1:])
+        return rows if rows.shape[0] == self.real_tokens else rows[: self.real_tokens]
 
 
 def to_packed_batch(

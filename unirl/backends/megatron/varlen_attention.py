@@ -64,6 +64,57 @@ def varlen_available(q: torch.Tensor) -> bool:
     )
 
 
+# Whether this torch's varlen_attn (no ``enable_gqa``) takes fewer key/value heads than query
+# heads as they are, by kernel function and device type: `_takes_gqa` checks it once.
+_NATIVE_GQA: dict[tuple[Any, str], bool] = {}
+
+
+def _takes_gqa(q: torch.Tensor) -> bool:
+    """torch 2.11's varlen_attn has no ``enable_gqa`` argument but hands k / v unchanged to the
+    flash kernel, which serves query head ``h`` from key/value head ``h // (Hq / Hkv)`` itself
+    (Megatron's grouping) and sums their gradients back: no repeated k / v (two ``[T, Hq, D]``
+    copies per layer in the forward, kept for the backward, and their reduction after it).
+    Checked once per process against the repeated heads, forward and backward; an error or a
+    difference keeps the repeat."""
+    key = (_varlen_attn, q.device.type)
+    if key not in _NATIVE_GQA:
+        _NATIVE_GQA[key] = _native_gqa_probe(q.device, q.dtype) is None
+    return _NATIVE_GQA[key]
+
+
+def _native_gqa_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when `_varlen_attn` with 2 key/value heads for 4 query heads gives the output and
+    gradients of the same call with the key/value heads repeated, else why not."""
+    kwargs: dict[str, Any] = {"window_size": CAUSAL_WINDOW}
+    if "scale" in _VARLEN_PARAMS:
+        kwargs["scale"] = 0.25
+    results = []
+    try:
+        # the first packed call may come from a forward-only pass: autograd on here
+        with torch.inference_mode(False), torch.enable_grad():
+            gen = torch.Generator().manual_seed(0)
+            cu = torch.tensor([0, 5, 24], dtype=torch.int32, device=device)
+            q, k, v, grad = (
+                torch.randn(24, h, 16, generator=gen).to(device, dtype) for h in (4, 2, 2, 4)
+            )
+            for repeat in (1, 2):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                kv = [t.repeat_interleave(repeat, dim=1) for t in leaves[1:]]
+                out = _varlen_attn(leaves[0], *kv, cu, cu, 19, 19, **kwargs)
+                results.append((out, *torch.autograd.grad(out, leaves, grad)))
+    except Exception as exc:  # a torch whose kernel refuses (or mis-shapes) grouped heads
+        return f"{type(exc).__name__}: {exc}"
+    for native, repeated in zip(*results):
+        if native.shape != repeated.shape or not torch.allclose(
+            native.float(),
+            repeated.float(),
+            rtol=2e-2,
+            atol=2e-2,  # bf16: a few ulp
+        ):
+            return "grouped heads differ from repeated heads"
+    return None
+
+
 def _varlen_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,7 +130,7 @@ def _varlen_kernel(
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in _VARLEN_PARAMS:
             kwargs["enable_gqa"] = True
-        else:  # one key/value head per query head, Megatron's grouping (h -> h // group)
+        elif not _takes_gqa(q):  # one key/value head per query head, Megatron's grouping
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if "scale" in _VARLEN_PARAMS:

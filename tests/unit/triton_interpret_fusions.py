@@ -1,0 +1,79 @@
+"""Run by `test_megatron_gpu_fusions.test_kernels_in_the_triton_interpreter` with
+``TRITON_INTERPRET=1`` (set before Triton decorates the kernels): the RoPE and SwiGLU kernels on
+CPU tensors against megatron-core's own functions. Prints one line per check; exits non-zero on
+the first mismatch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings import rope_utils
+
+from unirl.backends.megatron import fused_rope, fused_swiglu
+
+
+class Group:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def rope_checks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    dim = 16
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), inv)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    for dtype in (torch.float32, torch.bfloat16):
+        for cp, rank in ((1, 0), (2, 1)):
+            cu = torch.tensor([0, 8, 20, 36, 40], dtype=torch.int32)
+            tokens = int(cu[-1]) // cp
+            # k as megatron splits it: a strided view of a wider tensor
+            wide = torch.randn(tokens, 3, 2 * dim, generator=gen).to(dtype)
+            grad = torch.randn(tokens, 3, dim, generator=gen).to(dtype)
+            outs = []
+            for fused in (False, True):
+                base = wide.clone().requires_grad_()
+                t = base[..., :dim]
+                if fused:
+                    rows = fused_rope.thd_freq_rows(
+                        cu.tolist(), cp_size=cp, cp_rank=rank, offsets=False
+                    )
+                    cos, sin = fused_rope.rope_tables(freqs, rows, dtype, 1.0)
+                    out = fused_rope.PackedRope.apply(t, cos, sin)
+                else:
+                    out = rope_utils._apply_rotary_pos_emb_thd(
+                        t, cu, freqs, cp_group=Group(cp, rank)
+                    )
+                outs.append((out, torch.autograd.grad(out, base, grad)[0]))
+            (want, want_grad), (got, got_grad) = outs
+            assert torch.equal(got, want), (dtype, cp, (got - want).abs().max())
+            assert torch.equal(got_grad, want_grad), (dtype, cp)
+            print(f"rope {dtype} cp={cp}: identical forward and gradient")
+
+
+def swiglu_checks() -> None:
+    gen = torch.Generator().manual_seed(1)
+    rows, width = 7, 1100  # two column blocks, the second partly masked
+    y = 3 * torch.randn(rows, 2 * width, generator=gen)
+    g = torch.randn(rows, width, generator=gen)
+    out = torch.empty(rows, 2 * width)
+    grid = (rows, -(-width // fused_swiglu.BLOCK))
+    fused_swiglu._swiglu_back_kernel[grid](
+        g, y, out, width, g.stride(0), y.stride(0), BLOCK_F=fused_swiglu.BLOCK
+    )
+    y64 = y.double().requires_grad_()
+    y1, y2 = y64.chunk(2, dim=-1)
+    (want,) = torch.autograd.grad(F.silu(y1) * y2, y64, g.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    print("swiglu_back fp32: matches float64 autograd")
+
+
+if __name__ == "__main__":
+    rope_checks()
+    swiglu_checks()

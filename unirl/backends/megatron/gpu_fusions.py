@@ -1,0 +1,171 @@
+"""Triton kernels in place of two unfused megatron-core functions, on CUDA without Transformer
+Engine: packed RoPE (`unirl.backends.megatron.fused_rope`) and the SwiGLU backward
+(`unirl.backends.megatron.fused_swiglu`).
+
+Each `FusionPatch` names the module attribute replaced (where megatron-core's callers look it
+up at call time) and the lines that call it, read in `CHECKED_VERSIONS`. A replacement has the
+original's signature and result, and hands any argument it does not cover back to the original
+(kept in the replacement module's ``ORIGINAL``). `install()` applies them only where CUDA and
+Triton are present, megatron-core is a checked version and TE is absent (with TE, megatron runs
+TE's fused RoPE when ``apply_rope_fusion`` is set) and `probe` has checked both kernels on
+the GPU against what they replace; otherwise it logs why and changes nothing, so the CPU tier
+keeps megatron's own code. `status` says which (megatron_throughput.py records it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from unirl.backends.megatron import fused_rope, fused_swiglu
+
+logger = logging.getLogger(__name__)
+
+# The megatron-core versions whose source the lines below were read from.
+CHECKED_VERSIONS = ("0.16.1",)
+
+
+@attrs.frozen(kw_only=True)
+class FusionPatch:
+    """``module.name`` replaced by ``replacement``; ``originals`` is where it keeps megatron's."""
+
+    module: str
+    name: str
+    replacement: Callable[..., Any]
+    originals: dict[str, Callable[..., Any]]
+    lines: tuple[str, ...]  # "file:line" under megatron/core that call the name
+
+
+PATCHES: tuple[FusionPatch, ...] = (
+    FusionPatch(
+        module="megatron.core.models.common.embeddings.rope_utils",
+        name="_apply_rotary_pos_emb_thd",
+        replacement=fused_rope.apply_rotary_pos_emb_thd,
+        originals=fused_rope.ORIGINAL,
+        lines=(
+            # apply_rotary_pos_emb, unfused branch with cu_seqlens (SelfAttention's q and k)
+            "models/common/embeddings/rope_utils.py:303",
+        ),
+    ),
+    FusionPatch(
+        module="megatron.core.fusions.fused_bias_swiglu",
+        name="swiglu_back",
+        replacement=fused_swiglu.swiglu_back,
+        originals=fused_swiglu.ORIGINAL,
+        lines=(
+            "fusions/fused_bias_swiglu.py:187",  # SwiGLUFunction.backward
+            "fusions/fused_bias_swiglu.py:86",  # bias_swiglu_back (compiled; graph break)
+            "fusions/fused_bias_swiglu.py:93",  # weighted_swiglu_back (compiled; graph break)
+        ),
+    ),
+)
+
+_state: dict[str, Any] = {"installed": None, "why": None}
+
+
+def probe(device: torch.device) -> str | None:
+    """None when the kernels, compiled on ``device``, give the results of what they replace
+    on small inputs (RoPE forward and gradient in bf16 bit for bit, two packed sequences; the
+    SwiGLU gradient within one bf16 rounding), else what differed or failed."""
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.models.common.embeddings import rope_utils
+
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 24, 64], dtype=torch.int32)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    angles = torch.outer(torch.arange(40, dtype=torch.float32), inv)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :].to(device)
+    x = torch.randn(64, 3, 16, generator=gen).to(device, torch.bfloat16)
+    g = torch.randn(64, 3, 16, generator=gen).to(device, torch.bfloat16)
+    group = _OneRank()
+    try:
+        outs = []
+        for rope in (rope_utils._apply_rotary_pos_emb_thd, fused_rope.apply_rotary_pos_emb_thd):
+            t = x.clone().requires_grad_()
+            out = rope(t, cu, freqs, cp_group=group)
+            outs.append((out, torch.autograd.grad(out, t, g)[0]))
+        y = torch.randn(32, 2 * 40, generator=gen).to(device, torch.bfloat16)
+        dy = torch.randn(32, 40, generator=gen).to(device, torch.bfloat16)
+        want = fused_bias_swiglu.swiglu_back(dy, y).float()
+        got = fused_swiglu.swiglu_back(dy, y).float()
+    except Exception as exc:  # a kernel that does not compile or launch here
+        return f"probe failed: {type(exc).__name__}: {exc}"
+    (want_out, want_grad), (got_out, got_grad) = outs
+    if not (torch.equal(want_out, got_out) and torch.equal(want_grad, got_grad)):
+        return "probe: the Triton RoPE differs from megatron's unfused RoPE"
+    if not ((got - want).abs() <= want.abs() * 2.0**-7 + 1e-6).all():
+        return "probe: the Triton SwiGLU backward differs from megatron's by more than a rounding"
+    return None
+
+
+class _OneRank:
+    """A context-parallel group of one (what megatron's THD RoPE asks of it)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def refusal() -> str | None:
+    """None when `install` applies the patches here, else why not."""
+    from megatron.core import package_info
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if fused_rope.triton is None:
+        return "Triton is not installed"
+    if package_info.__version__ not in CHECKED_VERSIONS:
+        return (
+            f"megatron-core {package_info.__version__}; unirl/backends/megatron/gpu_fusions.py "
+            f"was checked against {', '.join(CHECKED_VERSIONS)}"
+        )
+    from unirl.backends.megatron.model import te_available
+
+    if te_available():
+        return "Transformer Engine is installed (megatron uses its fused kernels)"
+    return None
+
+
+def install() -> bool:
+    """Apply `PATCHES` (idempotent) where `refusal` allows and `probe` passes; True when
+    applied. Call before running a model. Why not, if not: `status`."""
+    if _state["installed"] is not None:
+        return bool(_state["installed"])
+    why = refusal()
+    if why is None:
+        for patch in PATCHES:  # the probe compares against these
+            patch.originals.setdefault(
+                patch.name, getattr(importlib.import_module(patch.module), patch.name)
+            )
+        why = probe(torch.device("cuda", torch.cuda.current_device()))
+        if why is not None:  # a kernel that should run here and does not: say so loudly
+            logger.warning("megatron Triton fusions off: %s", why)
+    elif not why.startswith("no CUDA"):
+        logger.info("megatron Triton fusions off: %s", why)
+    if why is not None:
+        _state.update(installed=False, why=why)
+        return False
+    for patch in PATCHES:
+        module = importlib.import_module(patch.module)
+        patch.originals.setdefault(patch.name, getattr(module, patch.name))
+        setattr(module, patch.name, patch.replacement)
+    logger.info(
+        "megatron Triton fusions on: %s (unirl.backends.megatron.gpu_fusions)",
+        ", ".join(f"{p.module}.{p.name}" for p in PATCHES),
+    )
+    _state.update(installed=True, why=None)
+    return True
+
+
+def status() -> str:
+    """``"on"``, ``"off: <why>"``, or ``"not installed"`` (no model built yet)."""
+    if _state["installed"] is None:
+        return "not installed"
+    return "on" if _state["installed"] else f"off: {_state['why']}"
