@@ -126,7 +126,7 @@ def refusal() -> str | None:
             f"megatron-core {package_info.__version__}; unirl/backends/megatron/gpu_fusions.py "
             f"was checked against {', '.join(CHECKED_VERSIONS)}"
         )
-    from unirl.backends.megatron.model import te_available
+    from unirl.backends.megatron.te_compat import te_available
 
     if te_available():
         return "Transformer Engine is installed (megatron uses its fused kernels)"

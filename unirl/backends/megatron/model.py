@@ -26,7 +26,6 @@ other chunks return hidden states ``[S, B, H]``.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 from typing import Any
@@ -67,6 +66,7 @@ from unirl.backends.megatron.sequence_parallel import (
     sequence_parallel_block,
     sequence_parallel_norms,
 )
+from unirl.backends.megatron.te_compat import te_available
 from unirl.backends.megatron.varlen_attention import (
     cp_packed_causal_attention,
     packed_causal_attention,
@@ -84,10 +84,6 @@ VOCAB_DIVISIBLE_BY = 128
 # megatron-core implements Llama-3 RoPE scaling with these constants fixed.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 _LLAMA3_ORIGINAL_MAX = 8192
-
-
-def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 # --- the HF config, read and checked ----------------------------------------------------------

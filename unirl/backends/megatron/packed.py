@@ -75,7 +75,7 @@ def packed_seq_params(
     unirl's attention reads the device copy ``cu_seqlens_device``. TE's attention needs them on
     the device."""
     if host_boundaries is None:
-        from unirl.backends.megatron.model import te_available
+        from unirl.backends.megatron.te_compat import te_available
 
         host_boundaries = not te_available()
     on_device = layout.cu_seqlens_padded.to(device=device, dtype=torch.int32)

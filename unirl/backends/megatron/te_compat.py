@@ -16,10 +16,17 @@ absent (``moe_utils.HAVE_TE`` is false), on CPUs and GPUs, and does nothing wher
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from typing import Any
 
 import attrs
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine is installed (megatron-core then takes its fused paths)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
 
 logger = logging.getLogger(__name__)
 
