@@ -63,19 +63,36 @@ def _into_main_grad(dw_eoi: torch.Tensor, weights_oi: Sequence[torch.Tensor]) ->
     """megatron's gradient-accumulation-fusion protocol for the experts' weights: add the stacked
     weight gradient into each weight's ``main_grad`` (megatron DDP's buffer) in one
     ``_foreach_add_``, mark ``grad_added_to_main_grad`` and hand autograd an uninitialised
-    gradient per weight (as megatron's own linear layers do, tensor_parallel/layers.py:581-610),
-    which AccumulateGrad keeps without a copy and DDP's hook then drops without adding it again.
+    gradient per weight (megatron's own linear layers hand an uninitialised one,
+    tensor_parallel/layers.py:581-610; here the stacked gradient's slices), which AccumulateGrad
+    keeps without a copy and DDP's hook then drops without adding it again.
     Before, each expert weight's gradient slice went through AccumulateGrad and DDP's hook
     (``main_grad.add_`` from Python, one launch each, per microbatch). Numbers: ``main_grad +=
     dw_e`` as DDP's hook computes it (the bf16 gradient upcast exactly, then added). The bytes
     moved stay those of one add per weight: a bf16 gradient into an fp32 ``main_grad`` takes
     torch's per-tensor loop inside ``_foreach_add_`` (its multi-tensor kernels need one dtype),
     a bf16 ``main_grad`` its multi-tensor kernels."""
-    torch._foreach_add_([w.main_grad for w in weights_oi], list(dw_eoi.unbind(0)))
+    slices = dw_eoi.unbind(0)
+    torch._foreach_add_([w.main_grad for w in weights_oi], list(slices))
     for w in weights_oi:
         w.grad_added_to_main_grad = True
-    # DDP (overlap_grad_reduce) counts each weight ready in its hook: a gradient for every one
-    return tuple(torch.empty_like(w) for w in weights_oi)
+    # DDP (overlap_grad_reduce) counts each weight ready in its hook: a gradient for every one.
+    # The stacked gradient's own slices serve (the hook drops them unread), not a new
+    # allocation per weight, which would hold a second stack of the weights at once;
+    # megatron's zero_out_wgrad weights get zeros, as its linear layers give them.
+    return tuple(
+        torch.zeros_like(w) if getattr(w, "zero_out_wgrad", False) else g
+        for w, g in zip(weights_oi, slices)
+    )
+
+
+def _zero_empty_experts(dw_eoi: torch.Tensor, offs_e: torch.Tensor) -> None:
+    """Zero the weight gradient of experts that got no rows where ``torch._grouped_mm`` leaves
+    them unset (compute capability 10.x, pytorch#172439); a device-side mask, no host sync."""
+    if dw_eoi.device.type != "cuda" or torch.cuda.get_device_capability(dw_eoi.device)[0] < 10:
+        return
+    rows = torch.diff(offs_e, prepend=offs_e.new_zeros(1))
+    dw_eoi.masked_fill_((rows == 0)[:, None, None], 0)
 
 
 def _fuses_into_main_grad(weights_oi: Sequence[torch.Tensor]) -> bool:
@@ -115,6 +132,7 @@ class _GroupedLinear(torch.autograd.Function):
             # [E, out, in]: per expert dy_e^T @ x_e, the rows of expert e the contracted dim;
             # an expert with no rows gets zeros
             dw_eoi = torch._grouped_mm(dy_to.t(), x_ti, offs=offs_e)
+            _zero_empty_experts(dw_eoi, offs_e)
             if _fuses_into_main_grad(weights_oi):
                 dws = _into_main_grad(dw_eoi, weights_oi)
             else:
