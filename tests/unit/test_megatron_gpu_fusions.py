@@ -111,7 +111,7 @@ def test_tables_built_once_per_microbatch_and_checked():
 
 
 def test_cpu_keeps_megatron_functions(monkeypatch):
-    monkeypatch.setattr(gpu_fusions, "_state", {"installed": None, "why": None})
+    monkeypatch.setattr(gpu_fusions, "_state", {"installed": None, "why": None, "probed": set()})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     before = (rope_utils._apply_rotary_pos_emb_thd, fused_bias_swiglu.swiglu_back)
     assert gpu_fusions.install() is False
@@ -158,6 +158,7 @@ def test_kernels_in_the_triton_interpreter():
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("identical forward and gradient") == 4, done.stdout
     assert "swiglu_back fp32: matches float64 autograd" in done.stdout
+    assert done.stdout.count(": passes") == 2, done.stdout  # the install probe's code
 
 
 # --- on a GPU -------------------------------------------------------------------------------
@@ -170,6 +171,28 @@ def installed():
         pytest.skip(f"fusions off: {why}")
     # on CUDA with Triton the install probe must pass (it compares with megatron's functions)
     assert gpu_fusions.install(), gpu_fusions.status()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels)")
+def test_training_shapes_take_the_triton_path(installed, monkeypatch):
+    """At the 1.5B benchmark's shapes (head dim 128, 12 query / 2 key-value heads, k a strided
+    view of the fused qkv) the call runs the kernel, not megatron's function it falls back to:
+    a comparison with megatron would otherwise compare megatron with itself."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fell back to megatron's unfused RoPE")
+
+    monkeypatch.setitem(fused_rope.ORIGINAL, "_apply_rotary_pos_emb_thd", refuse)
+    cu = torch.tensor([0, 1000, 4096], dtype=torch.int32, device="cuda")
+    freqs = rope_freqs(4096, 128).to("cuda")
+    for heads in (12, 2):
+        wide = torch.randn(4096, heads, 256, device="cuda", dtype=torch.bfloat16)
+        out = fused_rope.apply_rotary_pos_emb_thd(
+            wide[..., :128], cu, freqs, cp_group=gpu_fusions._OneRank()
+        )
+        assert out.shape == (4096, heads, 128)
+    assert gpu_fusions.probe(torch.device("cuda"), gpu_fusions.ProbeShape(128, (2, 12))) is None
 
 
 def _megatron_rope(t, cu, freqs, group):

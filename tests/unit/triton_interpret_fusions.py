@@ -74,6 +74,30 @@ def swiglu_checks() -> None:
     print("swiglu_back fp32: matches float64 autograd")
 
 
+def probe_checks() -> None:
+    """The install probe's own code at a model's shapes (head dims, GQA head counts, bf16 and
+    fp32), under no_grad as a model may be built; the interpreter runs on CPU tensors, so the
+    kernels' CUDA-only refusal is lifted for it here."""
+    import importlib
+
+    from unirl.backends.megatron import gpu_fusions
+
+    fused_rope.fused_path_refusal = lambda *args: None
+    for patch in gpu_fusions.PATCHES:
+        module = importlib.import_module(patch.module)
+        patch.originals.setdefault(patch.name, getattr(module, patch.name))
+    shapes = [
+        gpu_fusions.ProbeShape(32, (2, 6), torch.bfloat16),
+        gpu_fusions.ProbeShape(16, (3,), torch.float32),
+    ]
+    for shape in shapes:
+        with torch.no_grad():
+            why = gpu_fusions.probe(torch.device("cpu"), shape)
+        assert why is None, (shape, why)
+        print(f"probe {shape.head_dim} {shape.heads} {shape.dtype}: passes")
+
+
 if __name__ == "__main__":
     rope_checks()
     swiglu_checks()
+    probe_checks()

@@ -65,39 +65,75 @@ PATCHES: tuple[FusionPatch, ...] = (
     ),
 )
 
-_state: dict[str, Any] = {"installed": None, "why": None}
+_state: dict[str, Any] = {"installed": None, "why": None, "probed": set()}
 
 
-def probe(device: torch.device) -> str | None:
-    """None when the kernels, compiled on ``device``, give the results of what they replace
-    on small inputs (RoPE forward and gradient in bf16 bit for bit, two packed sequences; the
-    SwiGLU gradient within one bf16 rounding), else what differed or failed."""
+@attrs.frozen
+class ProbeShape:
+    """What a model hands the kernels: its head dim, query and key/value head counts (per TP
+    rank) and dtype; Triton compiles a variant per head dim / head block / dtype, so the probe
+    runs each variant the model will run."""
+
+    head_dim: int = 16
+    heads: tuple[int, ...] = (3,)
+    dtype: torch.dtype = torch.bfloat16
+
+
+def probe(device: torch.device, shape: ProbeShape = ProbeShape()) -> str | None:
+    """None when the kernels, compiled on ``device``, give the results of what they replace on
+    small inputs of the model's head dim, head counts and dtype (RoPE forward and gradient on
+    two packed sequences, a strided input as megatron's split of the fused qkv gives it: bf16
+    bit for bit, fp32 within one rounding; the SwiGLU gradient within one bf16 rounding), else
+    what differed or failed. Autograd is on whatever the caller's mode (a model built under
+    ``no_grad`` or inference mode)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe(device, shape)
+
+
+def _probe(device: torch.device, shape: ProbeShape) -> str | None:
     from megatron.core.fusions import fused_bias_swiglu
     from megatron.core.models.common.embeddings import rope_utils
 
     gen = torch.Generator().manual_seed(0)
+    d = shape.head_dim
     cu = torch.tensor([0, 24, 64], dtype=torch.int32)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     angles = torch.outer(torch.arange(40, dtype=torch.float32), inv)
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :].to(device)
-    x = torch.randn(64, 3, 16, generator=gen).to(device, torch.bfloat16)
-    g = torch.randn(64, 3, 16, generator=gen).to(device, torch.bfloat16)
     group = _OneRank()
     try:
-        outs = []
-        for rope in (rope_utils._apply_rotary_pos_emb_thd, fused_rope.apply_rotary_pos_emb_thd):
-            t = x.clone().requires_grad_()
-            out = rope(t, cu, freqs, cp_group=group)
-            outs.append((out, torch.autograd.grad(out, t, g)[0]))
+        for heads in shape.heads:
+            wide = torch.randn(64, heads, 2 * d, generator=gen).to(device, shape.dtype)
+            g = torch.randn(64, heads, d, generator=gen).to(device, shape.dtype)
+            refused = fused_rope.fused_path_refusal(wide[..., :d], freqs, False, False)
+            if refused is not None:  # else megatron would be compared with itself
+                return f"probe: the Triton RoPE does not take the probe's input: {refused}"
+            outs = []
+            for rope in (
+                rope_utils._apply_rotary_pos_emb_thd,
+                fused_rope.apply_rotary_pos_emb_thd,
+            ):
+                t = wide.clone().requires_grad_()
+                out = rope(t[..., :d], cu, freqs, cp_group=group)  # strided, as k arrives
+                outs.append((out, torch.autograd.grad(out, t, g)[0]))
+            (want_out, want_grad), (got_out, got_grad) = outs
+            if shape.dtype == torch.bfloat16:
+                same = torch.equal(want_out, got_out) and torch.equal(want_grad, got_grad)
+            else:
+                same = torch.allclose(want_out, got_out, rtol=2e-7, atol=1e-7) and (
+                    torch.allclose(want_grad, got_grad, rtol=2e-7, atol=1e-7)
+                )
+            if not same:
+                return (
+                    f"probe: the Triton RoPE differs from megatron's unfused RoPE "
+                    f"(head_dim {d}, {heads} heads, {shape.dtype})"
+                )
         y = torch.randn(32, 2 * 40, generator=gen).to(device, torch.bfloat16)
         dy = torch.randn(32, 40, generator=gen).to(device, torch.bfloat16)
         want = fused_bias_swiglu.swiglu_back(dy, y).float()
         got = fused_swiglu.swiglu_back(dy, y).float()
     except Exception as exc:  # a kernel that does not compile or launch here
         return f"probe failed: {type(exc).__name__}: {exc}"
-    (want_out, want_grad), (got_out, got_grad) = outs
-    if not (torch.equal(want_out, got_out) and torch.equal(want_grad, got_grad)):
-        return "probe: the Triton RoPE differs from megatron's unfused RoPE"
     if not ((got - want).abs() <= want.abs() * 2.0**-7 + 1e-6).all():
         return "probe: the Triton SwiGLU backward differs from megatron's by more than a rounding"
     return None
@@ -133,25 +169,37 @@ def refusal() -> str | None:
     return None
 
 
-def install() -> bool:
-    """Apply `PATCHES` (idempotent) where `refusal` allows and `probe` passes; True when
-    applied. Call before running a model. Why not, if not: `status`."""
-    if _state["installed"] is not None:
-        return bool(_state["installed"])
+def install(shape: ProbeShape = ProbeShape()) -> bool:
+    """Apply `PATCHES` where `refusal` allows and `probe` passes at ``shape`` (the model's);
+    True when applied. Call before running a model: a later model of another shape is probed
+    at its own, and a failure there takes the patches off again for the process (before that
+    model runs). Why not, if not: `status`."""
+    if _state["installed"] is False:
+        return False
+    if _state["installed"] and shape in _state["probed"]:
+        return True
     why = refusal()
     if why is None:
         for patch in PATCHES:  # the probe compares against these
             patch.originals.setdefault(
                 patch.name, getattr(importlib.import_module(patch.module), patch.name)
             )
-        why = probe(torch.device("cuda", torch.cuda.current_device()))
+        why = probe(torch.device("cuda", torch.cuda.current_device()), shape)
         if why is not None:  # a kernel that should run here and does not: say so loudly
             logger.warning("megatron Triton fusions off: %s", why)
     elif not why.startswith("no CUDA"):
         logger.info("megatron Triton fusions off: %s", why)
     if why is not None:
+        for patch in PATCHES:  # off again where an earlier model's probe had put them on
+            if patch.name in patch.originals:
+                setattr(
+                    importlib.import_module(patch.module), patch.name, patch.originals[patch.name]
+                )
         _state.update(installed=False, why=why)
         return False
+    _state["probed"].add(shape)
+    if _state["installed"]:
+        return True
     for patch in PATCHES:
         module = importlib.import_module(patch.module)
         patch.originals.setdefault(patch.name, getattr(module, patch.name))

@@ -501,7 +501,10 @@ def build_gpt_model(
     if model_device().type == "cuda":
         multi_tensor.install()  # the gradient norm without a host sync per gradient
         # Triton packed RoPE and SwiGLU backward (off with TE, or where the install probe fails)
-        gpu_fusions.install()
+        dims = attention_dims(hf_config)
+        tp = max(1, parallel.tp)
+        heads = {dims["num_heads"] // tp, max(1, dims["num_query_groups"] // tp)}
+        gpu_fusions.install(gpu_fusions.ProbeShape(dims["head_dim"], tuple(sorted(heads)), dtype))
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import math
 from typing import Any
 
@@ -39,6 +40,8 @@ import torch.nn.functional as F
 
 from unirl.core.data.context_parallel import CPLayout, cp_local_indices
 from unirl.core.errors import LossInputError
+
+logger = logging.getLogger(__name__)
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -66,7 +69,7 @@ def varlen_available(q: torch.Tensor) -> bool:
 
 # Whether this torch's varlen_attn (no ``enable_gqa``) takes fewer key/value heads than query
 # heads as they are, by kernel function and device type: `_takes_gqa` checks it once.
-_NATIVE_GQA: dict[tuple[Any, str], bool] = {}
+_NATIVE_GQA: dict[tuple[Any, str, torch.dtype], bool] = {}
 
 
 def _takes_gqa(q: torch.Tensor) -> bool:
@@ -76,9 +79,12 @@ def _takes_gqa(q: torch.Tensor) -> bool:
     copies per layer in the forward, kept for the backward, and their reduction after it).
     Checked once per process against the repeated heads, forward and backward; an error or a
     difference keeps the repeat."""
-    key = (_varlen_attn, q.device.type)
+    key = (_varlen_attn, q.device.type, q.dtype)
     if key not in _NATIVE_GQA:
-        _NATIVE_GQA[key] = _native_gqa_probe(q.device, q.dtype) is None
+        why = _native_gqa_probe(q.device, q.dtype)
+        if why is not None:
+            logger.info("packed attention repeats the key/value heads (%s): %s", q.dtype, why)
+        _NATIVE_GQA[key] = why is None
     return _NATIVE_GQA[key]
 
 
@@ -133,6 +139,8 @@ def _varlen_kernel(
         elif not _takes_gqa(q):  # one key/value head per query head, Megatron's grouping
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        else:  # contiguous as in the probe (v arrives as a strided view of the fused qkv)
+            k, v = k.contiguous(), v.contiguous()
     if "scale" in _VARLEN_PARAMS:
         kwargs["scale"] = scale
     elif abs(scale * math.sqrt(q.shape[-1]) - 1.0) > 1e-12:
