@@ -469,7 +469,7 @@ def force_experts(choice: str) -> str:
         name=choice,
         reason="forced by benchmarks/megatron_throughput.py --experts",
     )
-    model.experts_choice = lambda device, config: forced
+    model.experts_choice = lambda device, config, requested="auto": forced
     return choice
 
 

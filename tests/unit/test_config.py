@@ -119,6 +119,15 @@ def test_config_is_frozen():
             base(backend="megatron", megatron={"attention": "flash"}),
             r"megatron.attention: 'flash' is not valid",
         ),
+        (
+            base(backend="megatron", megatron={"experts": "grouped"}),
+            r"megatron.experts='grouped' chooses a mixture-of-experts model's experts module; "
+            r"model_type='llama' is dense: remove it",
+        ),
+        (
+            base(backend="megatron", megatron={"experts": "fast"}),
+            r"megatron.experts: 'fast' is not valid",
+        ),
         (base(deepspeed={"extr": {}}), r"unknown key 'deepspeed.extr' \(did you mean 'extra'\?\)"),
         (base(parallel={"vpp": 2}), r"parallel.vpp is set but backend: deepspeed"),
         (

@@ -214,6 +214,23 @@ def test_unsupported_configs_are_refused_and_left_to_sequential():
     assert choice.name == "sequential" and "biases" in choice.reason
 
 
+def test_megatron_experts_forces_a_module_and_refuses_what_grouped_cannot_compute():
+    """``megatron.experts``: grouped on the CPU too (the GPU path's code through torch's
+    fallback), sequential on CUDA too; a forced grouped that the config cannot compute is an
+    error naming the key, not a silent SequentialMLP."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from unirl.backends.megatron.grouped_experts import GroupedExperts, select_experts
+    from unirl.core.errors import ConfigError
+
+    on_cpu = select_experts(torch.device("cpu"), _config(4), "grouped")
+    assert on_cpu.module is GroupedExperts and "megatron.experts: grouped" in on_cpu.reason
+    on_cuda = select_experts(torch.device("cuda", 0), _config(4), "sequential")
+    assert on_cuda.module is SequentialMLP
+    with pytest.raises(ConfigError, match=r"megatron.experts: grouped cannot .* biases"):
+        select_experts(torch.device("cpu"), _config(4, add_bias_linear=True), "grouped")
+
+
 def test_selector_picks_sequential_on_the_cpu_and_without_grouped_mm(monkeypatch):
     from megatron.core.transformer.moe.experts import SequentialMLP
 

@@ -237,9 +237,35 @@ class ExpertsChoice:
     reason: str
 
 
-def select_experts(device: torch.device, config: Any) -> ExpertsChoice:
+def select_experts(device: torch.device, config: Any, requested: str = "auto") -> ExpertsChoice:
     """`GroupedExperts` on CUDA where torch has ``torch._grouped_mm`` and the config is one it
-    computes, else megatron's `SequentialMLP`; the reason says which condition decided."""
+    computes, else megatron's `SequentialMLP`; the reason says which condition decided.
+    ``requested`` (``megatron.experts``): ``grouped`` / ``sequential`` force one, and a forced
+    ``grouped`` the config or torch cannot compute is refused, naming why."""
+    if requested == "sequential":
+        return ExpertsChoice(
+            module=SequentialMLP, name="sequential", reason="megatron.experts: sequential"
+        )
+    if requested == "grouped":
+        reason = (
+            f"torch {torch.__version__} has no torch._grouped_mm (torch >= 2.8 has)"
+            if not grouped_mm_available()
+            else unsupported_reason(config)
+        )
+        if reason is not None:
+            raise ConfigError(
+                f"megatron.experts: grouped cannot compute this model's experts: {reason}; "
+                "use megatron.experts: auto or sequential"
+            )
+        where = (
+            "on CUDA"
+            if device.type == "cuda"
+            else f"on the {device.type}: torch's per-expert "
+            "fallback of the grouped matmul (the GPU path's code, no speed-up)"
+        )
+        return ExpertsChoice(
+            module=GroupedExperts, name="grouped", reason=f"megatron.experts: grouped, {where}"
+        )
     if device.type != "cuda":
         return ExpertsChoice(
             module=SequentialMLP,

@@ -427,6 +427,7 @@ def moe_block_spec(
     device: torch.device,
     use_te: bool | None = None,
     unfused_attention: bool = False,
+    experts_module: str = "auto",
 ) -> TransformerBlockSubmodules:
     """The layers of this (virtual) stage of a mixture-of-experts model, dense or MoE as
     ``config.moe_layer_freq`` says: megatron's block spec, with `SDPACoreAttention` (unless
@@ -439,7 +440,7 @@ def moe_block_spec(
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
     )
-    experts = None if te else experts_choice(device, config)
+    experts = None if te else experts_choice(device, config, experts_module)
     for spec in block.layer_specs:
         if not (te or unfused_attention):
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
@@ -457,9 +458,11 @@ def moe_block_spec(
 _LOGGED_EXPERTS: set[tuple[str, str]] = set()
 
 
-def experts_choice(device: torch.device, config: TransformerConfig) -> ExpertsChoice:
+def experts_choice(
+    device: torch.device, config: TransformerConfig, requested: str = "auto"
+) -> ExpertsChoice:
     """`select_experts`, its choice and reason logged once per process (not once per chunk)."""
-    choice = select_experts(device, config)
+    choice = select_experts(device, config, requested)
     if (choice.name, choice.reason) not in _LOGGED_EXPERTS:
         _LOGGED_EXPERTS.add((choice.name, choice.reason))
         logger.info("MoE experts: %s (%s)", choice.name, choice.reason)
@@ -487,6 +490,7 @@ def build_gpt_model(
     config_overrides: dict[str, Any] | None = None,
     use_te: bool | None = None,
     unfused_attention: bool = False,
+    experts_module: str = "auto",
 ) -> GPTModel:
     """One model chunk (the layers of this pipeline stage / virtual stage), weights uninitialised,
     every parameter in ``dtype`` on the current CUDA device when there is one (else the CPU).
@@ -515,6 +519,7 @@ def build_gpt_model(
             device=model_device(),
             use_te=use_te,
             unfused_attention=unfused_attention,
+            experts_module=experts_module,
         )
         # megatron's MoE block spec has torch norms wherever TE is not used
         if config.sequence_parallel and not (use_te if use_te is not None else te_available()):
@@ -553,6 +558,7 @@ def build_model_chunks(
     config_overrides: dict[str, Any] | None = None,
     use_te: bool | None = None,
     unfused_attention: bool = False,
+    experts_module: str = "auto",
 ) -> list[GPTModel]:
     """This rank's model chunks, one per virtual pipeline stage (one without VPP), in vp order.
 
@@ -586,6 +592,7 @@ def build_model_chunks(
                 config_overrides=config_overrides,
                 use_te=use_te,
                 unfused_attention=unfused_attention,
+                experts_module=experts_module,
             )
         )
     return chunks

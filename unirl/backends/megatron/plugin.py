@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 # sequence (varlen flash attention on GPUs); "padded" = one right-padded row per sequence (PyTorch
 # SDPA); "unfused" = padded rows through megatron-core's own local attention (kept for comparison).
 Attention = Literal["packed", "padded", "unfused"]
+# A mixture-of-experts model's experts module without TE: "auto" = grouped on CUDA (torch's
+# grouped matmul), megatron's SequentialMLP on the CPU; "grouped" / "sequential" force one (same
+# parameters either way; on the CPU "grouped" runs torch's per-expert fallback of the grouped
+# matmul: the GPU path's code, at no speed-up).
+Experts = Literal["auto", "grouped", "sequential"]
 
 
 @attrs.frozen(kw_only=True)
@@ -26,6 +31,7 @@ class MegatronOptions:
     """The ``megatron:`` section."""
 
     attention: Attention = "packed"
+    experts: Experts = "auto"
 
 
 def check(cfg: UnirlConfig) -> None:
@@ -129,6 +135,11 @@ def _check_experts(cfg: UnirlConfig) -> None:
             f"model_type={hf.get('model_type')!r} is dense: set parallel.ep: 1 and leave "
             "parallel.etp unset"
         )
+    if experts is None and cfg.backend_options.experts != "auto":
+        raise ConfigError(
+            f"megatron.experts={cfg.backend_options.experts!r} chooses a mixture-of-experts "
+            f"model's experts module; model_type={hf.get('model_type')!r} is dense: remove it"
+        )
     if experts is None:
         return
     if experts % p.ep:
@@ -211,6 +222,12 @@ PLUGIN = BackendPlugin(
         # rank 4 experts, tokens exchanged all-to-all), each expert split over 2 ranks (etp2),
         # and with the pipeline (one MoE layer per stage).
         ContractLayout.of("moe-ep1", 1, fixture="moe"),
+        # the GPU's experts path on the CPU (torch's fallback of the grouped matmul): the
+        # grouped experts, their weight gradients into DDP's main_grad, the sync-free dispatcher
+        ContractLayout.of("moe-ep1-grouped", 1, fixture="moe", options={"experts": "grouped"}),
+        ContractLayout.of(
+            "moe-ep2-grouped", 2, fixture="moe", ep=2, options={"experts": "grouped"}
+        ),
         ContractLayout.of("moe-ep2", 2, fixture="moe", ep=2),
         # attention TP 2 with sequence parallel, the experts over the same two ranks (ep 2,
         # etp 1: megatron's expert layout folds EP into the TP ranks), each rank routing its

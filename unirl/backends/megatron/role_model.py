@@ -63,6 +63,7 @@ def build_chunks(
         dtype=dtype,
         config_overrides=overrides,
         unfused_attention=cfg.backend_options.attention == "unfused",
+        experts_module=cfg.backend_options.experts,
     )
     if value_head:
         install_value_head(chunks, source.hf_config.hidden_size, dtype)
