@@ -508,7 +508,9 @@ def build_gpt_model(
         dims = attention_dims(hf_config)
         tp = max(1, parallel.tp)
         heads = {dims["num_heads"] // tp, max(1, dims["num_query_groups"] // tp)}
-        gpu_fusions.install(gpu_fusions.ProbeShape(dims["head_dim"], tuple(sorted(heads)), dtype))
+        # the RoPE kernel takes bf16 / fp32 (an fp16 model's calls go to megatron's function)
+        probed = dtype if dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+        gpu_fusions.install(gpu_fusions.ProbeShape(dims["head_dim"], tuple(sorted(heads)), probed))
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):
