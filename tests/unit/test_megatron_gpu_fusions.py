@@ -159,6 +159,7 @@ def test_kernels_in_the_triton_interpreter():
     assert done.stdout.count("identical forward and gradient") == 4, done.stdout
     assert "swiglu_back fp32: matches float64 autograd" in done.stdout
     assert done.stdout.count(": passes") == 2, done.stdout  # the install probe's code
+    assert "probe with a wrong kernel installed: refuses" in done.stdout
 
 
 # --- on a GPU -------------------------------------------------------------------------------

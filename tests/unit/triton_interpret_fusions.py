@@ -95,6 +95,16 @@ def probe_checks() -> None:
             why = gpu_fusions.probe(torch.device("cpu"), shape)
         assert why is None, (shape, why)
         print(f"probe {shape.head_dim} {shape.heads} {shape.dtype}: passes")
+    # with the patches on (a later model's probe), megatron's side is still megatron's: a
+    # wrong kernel installed in its place is caught
+    from megatron.core.models.common.embeddings import rope_utils
+
+    wrong = lambda t, *args, **kwargs: t * 2  # noqa: E731
+    rope_utils._apply_rotary_pos_emb_thd = wrong
+    fused_rope.apply_rotary_pos_emb_thd = wrong
+    why = gpu_fusions.probe(torch.device("cpu"), shapes[0])
+    assert why is not None and "differs" in why, why
+    print("probe with a wrong kernel installed: refuses")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class WeightSync:
         """The stream for a sync, its buckets where the source wants them (its transport's
         device: a GPU for vLLM's IPC / NCCL transports, the host otherwise)."""
         # a source or backend written before ``weights_device`` existed: host buckets
-        device = getattr(self.source, "weights_device", HOST)
+        device = getattr(self.source, "weights_device", None) or HOST
         if device == HOST:
             return self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
         return self.backend.stream_weights(self.bucket_bytes, dst=self.dst, device=device)

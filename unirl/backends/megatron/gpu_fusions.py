@@ -110,7 +110,10 @@ def _probe(device: torch.device, shape: ProbeShape) -> str | None:
                 return f"probe: the Triton RoPE does not take the probe's input: {refused}"
             outs = []
             for rope in (
-                rope_utils._apply_rotary_pos_emb_thd,
+                # megatron's own, also once the patches are on (a later model's probe)
+                fused_rope.ORIGINAL.get(
+                    "_apply_rotary_pos_emb_thd", rope_utils._apply_rotary_pos_emb_thd
+                ),
                 fused_rope.apply_rotary_pos_emb_thd,
             ):
                 t = wide.clone().requires_grad_()
@@ -130,7 +133,8 @@ def _probe(device: torch.device, shape: ProbeShape) -> str | None:
                 )
         y = torch.randn(32, 2 * 40, generator=gen).to(device, torch.bfloat16)
         dy = torch.randn(32, 40, generator=gen).to(device, torch.bfloat16)
-        want = fused_bias_swiglu.swiglu_back(dy, y).float()
+        megatron_back = fused_swiglu.ORIGINAL.get("swiglu_back", fused_bias_swiglu.swiglu_back)
+        want = megatron_back(dy, y).float()
         got = fused_swiglu.swiglu_back(dy, y).float()
     except Exception as exc:  # a kernel that does not compile or launch here
         return f"probe failed: {type(exc).__name__}: {exc}"
