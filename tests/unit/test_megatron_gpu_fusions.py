@@ -22,17 +22,7 @@ from unirl.backends.megatron import fused_rope, fused_swiglu, gpu_fusions
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels)")
 
 
-class FakeGroup:
-    """What megatron's THD RoPE asks of its context-parallel group."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
+FakeGroup = gpu_fusions.CPGroupShape
 
 
 def rope_freqs(rows: int, dim: int) -> torch.Tensor:
@@ -190,7 +180,7 @@ def test_training_shapes_take_the_triton_path(installed, monkeypatch):
     for heads in (12, 2):
         wide = torch.randn(4096, heads, 256, device="cuda", dtype=torch.bfloat16)
         out = fused_rope.apply_rotary_pos_emb_thd(
-            wide[..., :128], cu, freqs, cp_group=gpu_fusions._OneRank()
+            wide[..., :128], cu, freqs, cp_group=gpu_fusions.CPGroupShape()
         )
         assert out.shape == (4096, heads, 128)
     assert gpu_fusions.probe(torch.device("cuda"), gpu_fusions.ProbeShape(128, (2, 12))) is None

@@ -10,17 +10,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings import rope_utils
 
 from unirl.backends.megatron import fused_rope, fused_swiglu
-
-
-class Group:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
+from unirl.backends.megatron.gpu_fusions import CPGroupShape as Group
 
 
 def rope_checks() -> None:

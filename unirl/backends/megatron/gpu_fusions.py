@@ -100,7 +100,7 @@ def _probe(device: torch.device, shape: ProbeShape) -> str | None:
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     angles = torch.outer(torch.arange(40, dtype=torch.float32), inv)
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :].to(device)
-    group = _OneRank()
+    group = CPGroupShape()
     try:
         for heads in shape.heads:
             wide = torch.randn(64, heads, 2 * d, generator=gen).to(device, shape.dtype)
@@ -143,14 +143,18 @@ def _probe(device: torch.device, shape: ProbeShape) -> str | None:
     return None
 
 
-class _OneRank:
-    """A context-parallel group of one (what megatron's THD RoPE asks of it)."""
+class CPGroupShape:
+    """What megatron's THD RoPE asks of its context-parallel group (its size and this rank), for
+    calls outside a real group: the probe's (one rank) and the tests'."""
+
+    def __init__(self, size: int = 1, rank: int = 0) -> None:
+        self._size, self._rank = size, rank
 
     def size(self) -> int:
-        return 1
+        return self._size
 
     def rank(self) -> int:
-        return 0
+        return self._rank
 
 
 def refusal() -> str | None:
