@@ -249,7 +249,7 @@ def _backend_config(backend: str, run_dir: str, weights: str | None = None) -> d
     ns = argparse.Namespace(
         attention="packed", max_len=512, recompute_activations=True, fused_head=False,
         samples=8, group=4, tokens_per_microbatch=2048, tp=1, pp=1, vpp=None, cp=1,
-        fsdp2_options=None, deepspeed_extra=None,
+        fsdp2_options=None, deepspeed_extra=None, liger_kernels=False,
     )  # fmt: skip
     data = engine_config(ns, dict(MODELS["qwen2.5-7b"]), backend, "reuse")
     data["logging"] = {"run_dir": run_dir, "tensorboard": False}

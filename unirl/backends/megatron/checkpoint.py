@@ -30,6 +30,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from unirl.backends.megatron.optimizer import adam_step, fuse_adam, inner_optimizers
 from unirl.core.errors import ConfigError
 from unirl.core.run.checkpointing import partial_dir, publish, read_marker, rng_state, set_rng_state
 from unirl.core.topology import Topology
@@ -59,22 +60,17 @@ def layout_of(topology: Topology) -> dict[str, int | None]:
     }
 
 
-def _inner_optimizers(optimizer: Any) -> list[Any]:
-    chained = getattr(optimizer, "chained_optimizers", None)
-    return list(chained) if chained is not None else [optimizer]
-
-
 def has_optimizer_state(optimizer: Any) -> bool:
     """Whether Adam's moments exist yet: torch creates them at the first step, and megatron's
     sharded optimizer state can only be saved and loaded once they do."""
-    return any(len(o.optimizer.state) > 0 for o in _inner_optimizers(optimizer))
+    return any(len(inner.state) > 0 for inner in inner_optimizers(optimizer))
 
 
 def reset_optimizer_state(optimizer: Any) -> None:
     """Back to a never-stepped optimizer at the current weights: no moments, fp32 main weights
     copied from the model (a checkpoint saved before the first step)."""
-    for o in _inner_optimizers(optimizer):
-        o.optimizer.state.clear()
+    for inner in inner_optimizers(optimizer):
+        inner.state.clear()
     optimizer.reload_model_params()
 
 
@@ -83,13 +79,12 @@ def materialize_optimizer_state(optimizer: Any) -> None:
     loaded into it: megatron 0.16.1's distributed optimizer reads ``step`` from torch's AdamW
     state while building its sharded state dict, and torch creates that state only at the first
     step. The loaded values replace these."""
-    for o in _inner_optimizers(optimizer):
-        inner = o.optimizer
+    for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = adam_step(0.0, group, param)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
 
@@ -103,10 +98,12 @@ def set_adam_steps(optimizer: Any, steps_done: int) -> None:
     counter would advance once per parameter per step). Either breaks Adam's bias correction.
     Every applied optimizer step advances every parameter's count once, so the count is the
     number of steps taken since the state was created, which the checkpoint records."""
-    for o in _inner_optimizers(optimizer):
-        for state in o.optimizer.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(float(steps_done))
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state and "step" in state:
+                    state["step"] = adam_step(steps_done, group, param)
 
 
 def sharded_state(
@@ -222,6 +219,7 @@ def _load_model(
     with torch.no_grad():  # megatron copies into the main parameters in place
         if with_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
+            fuse_adam(optimizer)  # the checkpoint's parameter groups replaced the flags
             set_adam_steps(optimizer, int(meta["steps_done"]))
         else:
             reset_optimizer_state(optimizer)

@@ -6,7 +6,8 @@
   weights all-gathered after the step). Stages 2 and 3 have no megatron equivalent here.
 - AdamW (torch's, when neither Transformer Engine nor Apex is installed) with decoupled weight
   decay on matrices and embeddings only: megatron's default parameter groups give 1-D parameters
-  (norm weights, biases) ``wd_mult = 0``, the convention of the DeepSpeed backend.
+  (norm weights, biases) ``wd_mult = 0``, the convention of the DeepSpeed backend. torch's AdamW
+  runs as its one fused kernel per tensor group (`fuse_adam`), not megatron's foreach default.
 - bf16: bf16 weights and activations, fp32 main weights and fp32 gradient reduction in the
   optimizer (megatron's mixed precision); fp32: everything fp32.
 - Gradient clipping by the global norm (``optimizer.grad_clip``; none: the norm is still computed,
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +31,8 @@ from megatron.core.optimizer import get_megatron_optimizer
 
 from unirl.core.run.config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import learning_rate
+
+logger = logging.getLogger(__name__)
 
 
 def use_distributed_optimizer(cfg: UnirlConfig) -> bool:
@@ -124,7 +128,58 @@ def build_optimizer(
         params_dtype=dtype,
         use_distributed_optimizer=distributed,
     )
-    return get_megatron_optimizer(config, list(ddp_chunks))
+    built = get_megatron_optimizer(config, list(ddp_chunks))
+    logger.info("megatron optimizer: %s", fuse_adam(built))
+    return built
+
+
+def inner_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside a (possibly chained) megatron optimizer."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return [o.optimizer for o in (chained if chained is not None else [optimizer])]
+
+
+def adam_step(value: float, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+    """An Adam ``step`` count where torch's AdamW keeps it for ``group``: on the parameter's
+    device in float32 for the fused (or capturable) kernels, which read it there; on the CPU
+    otherwise (adam.py's own rule)."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(value), dtype=torch.float32, device=param.device)
+    return torch.tensor(float(value))
+
+
+def fuse_adam(optimizer: Any) -> str:
+    """Run torch's AdamW as its fused kernel (``fused=True``); returns what was chosen, and why.
+
+    Without Transformer Engine or Apex megatron-core 0.16.1 builds ``torch.optim.AdamW`` with
+    torch's default, the foreach path: about 18 passes over the fp32 main weights, gradients
+    and moments per step (lerp, mul, addcmul, sqrt, div, add, addcdiv), against the fused
+    kernel's 7 (read weight, gradient, both moments; write weight, both moments). The update is
+    the same AdamW. Idempotent; also re-applied after a checkpoint's parameter groups replace
+    these (a checkpoint written before this kept ``fused: None``)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    fused = kept = 0
+    for inner in inner_optimizers(optimizer):
+        if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
+            return f"{type(inner).__name__} (Transformer Engine's or Apex's fused Adam)"
+        for group in inner.param_groups:
+            params = group["params"]
+            if group.get("differentiable") or not all(
+                p.device.type in devices and p.is_floating_point() for p in params
+            ):
+                kept += 1
+                continue
+            group["fused"], group["foreach"] = True, False
+            fused += 1
+            for p in params:
+                state = inner.state.get(p)
+                if state and "step" in state:
+                    state["step"] = adam_step(float(state["step"]), group, p)
+    if not fused:
+        return "torch AdamW, foreach (no parameter group on a device with torch's fused Adam)"
+    return f"torch AdamW, fused kernel ({fused} parameter group(s); {kept} kept foreach)"
 
 
 def param_groups(optimizer: Any) -> list[dict[str, Any]]:
