@@ -132,7 +132,11 @@ def _specs(unit: _Unit, topology: Topology, hf_config: Any) -> list[TensorSpec]:
 def _maker(topology: Topology, hf_config: Any) -> Any:
     def make(unit: _Unit, out: torch.Tensor | None) -> Sequence[torch.Tensor]:
         param, entry = unit.param, unit.entry
-        if entry.kind == "vocab" and entry.expert is None and topology.tp_size > 1:
+        if entry.kind == "vocab" and entry.expert is None and topology.tp_size == 1:
+            # the rows HF keeps, as a view: the conversion's cat of the one shard would copy
+            # the largest tensor (1 GiB at 7B) beside its bucket; the bucket copies it in
+            return [param[: hf_config.vocab_size]]
+        if entry.kind == "vocab" and entry.expert is None:
             # the largest tensors: one all-gather (rows in rank order), no list of shards + cat
             rows = param.shape[0] * topology.tp_size
             direct = (
