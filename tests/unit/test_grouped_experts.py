@@ -4,7 +4,8 @@ gradients of the input, the router probabilities and every expert weight, with e
 no token; the selector's choices and reasons; the weight gradients under megatron DDP's
 ``main_grad`` protocol (emulated, and inside megatron's DDP) against SequentialMLP's summed over
 microbatches; `GroupedMoELayer`'s dispatcher against megatron's layer, and that it dispatches
-no op that reads a device value back. The CUDA paths: the `gpu` tests."""
+no op that reads a device value back. The CUDA paths: the `gpu` tests. DDP without overlapped
+reduction and experts that get no token under DDP: test_grouped_experts_grads.py."""
 
 from __future__ import annotations
 
@@ -494,9 +495,10 @@ def test_the_syncing_op_record_sees_what_it_looks_for():
     assert _syncing_ops(lambda: torch.argsort(x, stable=True) % 3) == []
 
 
-def _layer_pair(device, dtype, num_experts):
+def _layer_pair(device, dtype, num_experts, local_dispatch=True):
     """megatron's MoELayer (its all-to-all dispatcher, SequentialMLP) and `GroupedMoELayer`
-    (GroupedExperts), same weights, both with unirl's recording router."""
+    (GroupedExperts), same weights, both with unirl's recording router; ``local_dispatch=False``:
+    the second is megatron's MoELayer (its dispatcher) with GroupedExperts."""
     import dataclasses
 
     from megatron.core import parallel_state as ps
@@ -525,7 +527,8 @@ def _layer_pair(device, dtype, num_experts):
     mlp_spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     mlp_spec = mlp_spec.submodules.mlp
     layers = []
-    for layer_cls, module in ((mlp_spec.module, _sequential()), (GroupedMoELayer, GroupedExperts)):
+    grouped_cls = GroupedMoELayer if local_dispatch else mlp_spec.module
+    for layer_cls, module in ((mlp_spec.module, _sequential()), (grouped_cls, GroupedExperts)):
         choice = ExpertsChoice(module=module, name=module.__name__, reason="test")
         sub = dataclasses.replace(
             mlp_spec.submodules, experts=experts_spec(choice), router=RecordingTopKRouter
@@ -534,7 +537,8 @@ def _layer_pair(device, dtype, num_experts):
         torch.manual_seed(0)
         layers.append(build_module(spec, config=config, layer_number=1).to(device))
     assert type(layers[0].token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
-    assert isinstance(layers[1].token_dispatcher, LocalAlltoAllDispatcher)
+    assert isinstance(layers[1].token_dispatcher, LocalAlltoAllDispatcher) == local_dispatch
+    assert isinstance(layers[1].experts, GroupedExperts)
     layers[1].load_state_dict(layers[0].state_dict())
     return config, layers
 
