@@ -30,6 +30,7 @@ import logging
 import math
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -431,16 +432,17 @@ def moe_block_spec(
 ) -> TransformerBlockSubmodules:
     """The layers of this (virtual) stage of a mixture-of-experts model, dense or MoE as
     ``config.moe_layer_freq`` says: megatron's block spec, with `SDPACoreAttention` (unless
-    ``unfused_attention`` or TE), routers that record their logits (`RecordingTopKRouter`) and,
-    without TE, the experts `select_experts` picks for ``device`` (`GroupedExperts` on CUDA with
+    ``unfused_attention`` or TE), routers that record their logits (`RecordingTopKRouter`) and
+    the experts `spec_experts` picks (without TE `GroupedExperts` on CUDA with
     ``torch._grouped_mm``, megatron's `SequentialMLP` on the CPU: same parameters, so checkpoints
-    and the Hugging Face conversion do not depend on the choice); with grouped experts the layer
-    is `GroupedMoELayer` (its dispatcher keeps the token counts on the device)."""
+    and the Hugging Face conversion do not depend on the choice; with TE, TE's own unless
+    ``experts_module`` names one); with grouped experts the layer is `GroupedMoELayer` (its
+    dispatcher keeps the token counts on the device)."""
     te = use_te if use_te is not None else te_available()
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
     )
-    experts = None if te else experts_choice(device, config, experts_module)
+    experts = spec_experts(device, config, experts_module, te=te)
     for spec in block.layer_specs:
         if not (te or unfused_attention):
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
@@ -457,16 +459,66 @@ def moe_block_spec(
 
 _LOGGED_EXPERTS: set[tuple[str, str]] = set()
 
+# What megatron-core 0.16.1's TE spec puts in a MoE layer with moe_grouped_gemm off (as
+# `moe_transformer_fields` sets it): TESpecProvider.grouped_mlp_modules' last branch.
+TE_EXPERTS = "Transformer Engine's (megatron's SequentialMLP on TE linear layers)"
+
+
+def _log_experts_once(name: str, reason: str) -> None:
+    """The experts' choice and reason, logged once per process (not once per chunk)."""
+    if (name, reason) not in _LOGGED_EXPERTS:
+        _LOGGED_EXPERTS.add((name, reason))
+        logger.info("MoE experts: %s (%s)", name, reason)
+
 
 def experts_choice(
     device: torch.device, config: TransformerConfig, requested: str = "auto"
 ) -> ExpertsChoice:
-    """`select_experts`, its choice and reason logged once per process (not once per chunk)."""
+    """`select_experts`, its choice and reason logged once per process."""
     choice = select_experts(device, config, requested)
-    if (choice.name, choice.reason) not in _LOGGED_EXPERTS:
-        _LOGGED_EXPERTS.add((choice.name, choice.reason))
-        logger.info("MoE experts: %s (%s)", choice.name, choice.reason)
+    _log_experts_once(choice.name, choice.reason)
     return choice
+
+
+def spec_experts(
+    device: torch.device, config: TransformerConfig, requested: str, *, te: bool
+) -> ExpertsChoice | None:
+    """The experts module that replaces the block spec's own, or ``None`` to keep the spec's.
+
+    Without TE: `experts_choice` (the local spec's SequentialMLP is only its default). With TE,
+    ``megatron.experts: auto`` keeps TE's experts, and ``grouped`` / ``sequential`` put the
+    module it names in TE's layer spec, the same module on the same local linear layers as
+    without TE: a config key means the same on every machine, and both hold TE's parameter
+    names (``local_experts.{i}.linear_fc1.weight``), so the Hugging Face conversion reads
+    either. (The experts only exchange tensors with `MoELayer`'s dispatcher, which TE does not
+    change here: permute fusion is off, `moe_transformer_fields`.)"""
+    if not te:
+        return experts_choice(device, config, requested)
+    if requested == "auto":
+        _log_experts_once(
+            "transformer-engine",
+            f"{TE_EXPERTS}: megatron.experts: auto with Transformer Engine installed; set "
+            "megatron.experts: grouped or sequential to use unirl's choice instead",
+        )
+        return None
+    choice = select_experts(device, config, requested)
+    choice = attrs.evolve(
+        choice, reason=f"{choice.reason}; in place of {TE_EXPERTS} in TE's layer spec"
+    )
+    _log_experts_once(choice.name, choice.reason)
+    return choice
+
+
+def check_experts_option(hf_config: Any, requested: str) -> None:
+    """``megatron.experts`` picks a mixture-of-experts model's experts module: a dense model
+    has none, and the key would change nothing (the plug-in's check refuses it too where it
+    can read the model's config before the build, `plugin._check_experts`)."""
+    if requested != "auto" and not is_moe(hf_config):
+        raise ConfigError(
+            f"megatron.experts={requested!r} chooses a mixture-of-experts model's experts "
+            f"module; model_type={getattr(hf_config, 'model_type', None)!r} is dense (no "
+            "experts): remove megatron.experts or set it to auto"
+        )
 
 
 def model_device() -> torch.device:
@@ -497,6 +549,7 @@ def build_gpt_model(
 
     Needs megatron's parallel state initialised with the same ``parallel`` sizes.
     """
+    check_experts_option(hf_config, experts_module)
     overrides = dict(config_overrides or {})
     if model_device().type == "cuda" and "gradient_accumulation_fusion" not in overrides:
         # weight gradients added straight into DDP's fp32 main_grad (wgrad_fusion's docstring);

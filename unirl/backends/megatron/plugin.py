@@ -4,6 +4,7 @@ layouts. Importing this module imports neither megatron-core nor transformers.""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -15,14 +16,17 @@ from unirl.core.errors import ConfigError
 if TYPE_CHECKING:
     from unirl.core.run.config import UnirlConfig
 
+logger = logging.getLogger(__name__)
+
 # How a microbatch reaches the attention: "packed" = one token stream, attention kept inside each
 # sequence (varlen flash attention on GPUs); "padded" = one right-padded row per sequence (PyTorch
 # SDPA); "unfused" = padded rows through megatron-core's own local attention (kept for comparison).
 Attention = Literal["packed", "padded", "unfused"]
-# A mixture-of-experts model's experts module without TE: "auto" = grouped on CUDA (torch's
-# grouped matmul), megatron's SequentialMLP on the CPU; "grouped" / "sequential" force one (same
-# parameters either way; on the CPU "grouped" runs torch's per-expert fallback of the grouped
-# matmul: the GPU path's code, at no speed-up).
+# A mixture-of-experts model's experts module: "auto" = without TE grouped on CUDA (torch's
+# grouped matmul), megatron's SequentialMLP on the CPU, and with TE installed TE's own experts;
+# "grouped" / "sequential" force one, with or without TE (same parameters either way; on the CPU
+# "grouped" runs torch's per-expert fallback of the grouped matmul: the GPU path's code, at no
+# speed-up). A dense model refuses a forced one (it has no experts).
 Experts = Literal["auto", "grouped", "sequential"]
 
 
@@ -128,7 +132,17 @@ def _check_experts(cfg: UnirlConfig) -> None:
     reader = MOE_SHAPES.find(str(hf.get("model_type")))
     experts = reader(hf).num_experts if reader is not None else None
     if not hf:
-        return  # the model is read at build time, where `model.check_hf_config` applies
+        # the model is read at build time, where `model.check_hf_config` applies and
+        # `model.check_experts_option` refuses megatron.experts on a dense model
+        if cfg.backend_options.experts != "auto":
+            logger.warning(
+                "megatron.experts=%r: model.hf_config is unset and %s has no readable "
+                "config.json, so whether the model has experts is known only at build, which "
+                "refuses the key on a dense model; set model.hf_config to check it now",
+                cfg.backend_options.experts,
+                cfg.model.path,
+            )
+        return
     if experts is None and (p.ep > 1 or p.etp is not None):
         raise ConfigError(
             f"parallel.ep={p.ep}, parallel.etp={p.etp} need a mixture-of-experts model (Qwen3-MoE); "

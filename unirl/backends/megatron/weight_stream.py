@@ -13,7 +13,9 @@ group, its tensors' specs and then its flat buffer in one broadcast, and the oth
 into a bucket of the same layout (`unirl.core.weight_stream.FlatBucket`), on the trainer's device
 (which the pipeline group broadcasts on); a receiving rank that asked for the host copies it
 there. Pipeline groups without a receiving rank only run their stage's gathers (their TP peers
-need them). So a rank holds its shards, one gathered parameter and one bucket (two, device and
+need them). A sending stage that fails (an error while making its bucket, a bucket that is not
+flat) says so in the object broadcast instead of the specs, and every rank of the group raises
+the same error: none is left waiting in a broadcast. So a rank holds its shards, one gathered parameter and one bucket (two, device and
 host, when a GPU trainer streams to the host under pipeline stages); nothing holds the model.
 Names, values and dtypes are those of `convert.export_hf_state_dict`.
 """
@@ -162,6 +164,50 @@ def _moved(specs: Sequence[TensorSpec], bucket: Bucket, device: torch.device) ->
     return moved.tensors()
 
 
+@attrs.frozen
+class _StageFailed:
+    """The sending stage's failure, broadcast in place of a bucket's specs."""
+
+    message: str
+
+
+@attrs.frozen(eq=False)
+class _Next:
+    """What this stage sends next. ``header`` goes in the object broadcast: the bucket's specs,
+    ``None`` at the end, or a `_StageFailed`; ``cause``: the local error behind the latter."""
+
+    header: Any
+    bucket: Bucket | None = None
+    buffer: torch.Tensor | None = None
+    cause: BaseException | None = None
+
+
+def _next_to_send(mine: Iterator[Bucket] | None, stage: int) -> _Next:
+    """This stage's next bucket and its flat buffer, or why there is none. A failure of the
+    sending stage (its bucket not flat, an error while making it) travels in the object that
+    every rank of the group receives anyway, so each raises it instead of waiting in the
+    buffer's broadcast (or the next bucket's) for a rank that already left."""
+    if mine is None:
+        return _Next(header=None)
+    try:
+        bucket = next(mine, None)
+    except Exception as err:  # re-raised on every rank, this one included
+        failed = _StageFailed(f"pipeline stage {stage} failed: {type(err).__name__}: {err}")
+        return _Next(header=failed, cause=err)
+    if bucket is None:
+        return _Next(header=None)
+    buffer = flat_buffer(bucket)
+    if buffer is None:
+        return _Next(
+            header=_StageFailed(
+                f"pipeline stage {stage}'s bucket of {len(bucket)} tensors is not one flat "
+                "buffer, so it cannot be broadcast as one; "
+                "planned_buckets makes flat buckets: the stage's buckets came from elsewhere"
+            )
+        )
+    return _Next(header=[spec_of(n, t) for n, t in bucket], bucket=bucket, buffer=buffer)
+
+
 def _pipeline_buckets(
     local: Callable[[torch.device], WeightBuckets],
     topology: Topology,
@@ -172,24 +218,24 @@ def _pipeline_buckets(
     """Every stage's buckets in stage order, each one broadcast (its flat buffer) over the
     pipeline group from its stage; ``local(where)``: this stage's buckets, made on ``where``.
     ``transit``: the trainer's device, which the group broadcasts on; kept buckets end on
-    ``device``."""
+    ``device``. A failure of the stage that sends raises the same error on every rank."""
     group = topology.groups.pp
     here = device if keep and same_device(device, transit) else transit
     for stage in range(topology.pp_size):
         src = dist.get_global_rank(group, stage)
         mine = local(here) if stage == topology.pp_rank else None
         while True:
-            bucket = next(mine, None) if mine is not None else None
-            box: list[Any] = [None if bucket is None else [spec_of(n, t) for n, t in bucket]]
+            sent = _next_to_send(mine, stage)
+            bucket, buffer, cause = sent.bucket, sent.buffer, sent.cause
+            box: list[Any] = [sent.header]
+            del sent
             dist.broadcast_object_list(box, src=src, group=group, device=transit)
             specs = box[0]
+            if isinstance(specs, _StageFailed):  # every rank of the group, no one left waiting
+                raise RuntimeError(f"weight stream: {specs.message}") from cause
             if specs is None:
                 break
-            if bucket is not None:
-                buffer = flat_buffer(bucket)
-                if buffer is None:  # never under -O either: the peers wait in the broadcast
-                    raise RuntimeError("weight stream: a stage's bucket is not flat")
-            else:  # the same layout as the stage's, from the same specs
+            if buffer is None:  # the same layout as the stage's, from the same specs
                 received = FlatBucket(specs, here)
                 buffer, bucket = received.buffer, received.tensors()
                 del received
