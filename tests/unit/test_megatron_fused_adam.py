@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from unirl.backends.megatron.optimizer import adam_step, fuse_adam  # noqa: E402
+from unirl.backends.megatron.optimizer import adam_step, fuse_adam
 
 
 def _megatron_like(inner: torch.optim.Optimizer) -> types.SimpleNamespace:
