@@ -15,8 +15,9 @@ into a bucket of the same layout (`unirl.core.weight_stream.FlatBucket`), on the
 there. Pipeline groups without a receiving rank only run their stage's gathers (their TP peers
 need them). A sending stage that fails (an error while making its bucket, a bucket that is not
 flat) says so in the object broadcast instead of the specs, and every rank of the group raises
-the same error: none is left waiting in a broadcast. So a rank holds its shards, one gathered parameter and one bucket (two, device and
-host, when a GPU trainer streams to the host under pipeline stages); nothing holds the model.
+the same error: none is left waiting in a broadcast. So a rank holds its shards, one gathered
+parameter and one bucket (two, device and host, when a GPU trainer streams to the host under
+pipeline stages); nothing holds the model.
 Names, values and dtypes are those of `convert.export_hf_state_dict`.
 """
 
