@@ -160,6 +160,16 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                 path = args.profile_dir / f"profile_{args.engine}_{mode}.txt"
                 profile_step(functools.partial(step.run, batch), path, args.device)
                 res["profile"] = str(path)
+                if args.profile_gaps and args.device == "cuda":
+                    from benchmarks.profile_gaps import profile_with_gaps
+
+                    name = f"{args.engine}_{mode}"
+                    profile_with_gaps(
+                        functools.partial(step.run, batch),
+                        args.profile_dir,
+                        name,
+                        with_stack=args.profile_gaps == "stack",
+                    )
             out["results"][mode] = res
             logger.info("%s %s: %s", args.engine, mode, json.dumps(res["summary"]))
     finally:
@@ -241,6 +251,16 @@ def main() -> None:
         type=Path,
         default=None,
         help="profile one more step per engine and mode: kernel + CPU tables as text here",
+    )
+    parser.add_argument(
+        "--profile-gaps",
+        nargs="?",
+        const="ops",
+        choices=["ops", "stack"],
+        default=None,
+        help="--profile-dir: also the GPU's idle gaps, charged to the host's ops (or, 'stack', "
+        "to its Python frames: slower, overstates host-bound gaps), and the host syncs by line "
+        "(benchmarks/profile_gaps.py)",
     )
     args = parser.parse_args()
     # megatron_throughput.config_dict reads these

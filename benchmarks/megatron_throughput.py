@@ -258,6 +258,10 @@ def profiled(fn: Any, name: str) -> None:
     (out / f"profile_{name}.txt").write_text(text)
     if PROFILE.get("trace"):
         prof.export_chrome_trace(str(out / f"trace_{name}.json"))
+    if PROFILE.get("gaps"):
+        from benchmarks.profile_gaps import profile_with_gaps
+
+        profile_with_gaps(fn, out, name, with_stack=PROFILE["gaps"] == "stack")
 
 
 def timed(fn: Any, warmup: int, steps: int) -> tuple[list[float], Any]:
@@ -498,6 +502,16 @@ def main() -> None:
         "--profile-trace", action="store_true", help="--profile-dir: also a chrome trace"
     )
     parser.add_argument(
+        "--profile-gaps",
+        nargs="?",
+        const="ops",
+        choices=["ops", "stack"],
+        default=None,
+        help="--profile-dir: also the GPU's idle gaps, charged to the host's ops (or, 'stack', "
+        "to its Python frames: slower, overstates host-bound gaps), and the host syncs by line "
+        "(benchmarks/profile_gaps.py)",
+    )
+    parser.add_argument(
         "--fused-head",
         action="store_true",
         help="model.fused_head: no logits; PPO-clip's loss inside the head (3 head matmuls)",
@@ -526,6 +540,7 @@ def main() -> None:
         )
     PROFILE["dir"] = args.profile_dir
     PROFILE["trace"] = args.profile_trace
+    PROFILE["gaps"] = args.profile_gaps
     # host ops here are small: many intra-op threads only contend with the thread that
     # launches the GPU work (torchrun sets 1 per process for the same reason)
     if "OMP_NUM_THREADS" not in os.environ:

@@ -296,3 +296,45 @@ def test_triton_kernel_refused_on_cpu() -> None:
         logprobs_from_logits(torch.zeros(1, 5), torch.tensor([0]), kernel="triton")
     with pytest.raises(LossInputError, match="kernel='cuda' is not one of"):
         logprobs_from_logits(torch.zeros(1, 5), torch.tensor([0]), kernel="cuda")
+
+
+def test_target_range_check_is_left_out_only_when_asked() -> None:
+    """``check_targets=False`` (the RL step checked the ids on the host) drops the range check
+    alone, with its host sync: an in-range result is unchanged, and the other checks stay."""
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([4, 0, 2])
+    want = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs_from_logits(logits, targets, check_targets=False), want)
+    with pytest.raises(LossInputError, match=r"targets\[1\] = 5 is outside the vocabulary"):
+        logprobs_from_logits(logits, torch.tensor([0, 5, 1]))
+    with pytest.raises(LossInputError, match="temperature must be a finite number > 0"):
+        logprobs_from_logits(logits, targets, temperature=0.0, check_targets=False)
+
+
+def test_rl_step_specs_rely_on_the_batch_check() -> None:
+    """The RL step's log-prob specs skip the per-call check because `RLStep.run` validates the
+    batch's ids first (`RolloutBatch.validate`, which rejects an id outside the vocabulary)."""
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.errors import RolloutDataError
+    from unirl.core.run.algorithm import forward_logprob_spec, train_logprob_spec
+    from unirl.core.run.config import config_from_dict
+
+    cfg = config_from_dict(
+        {
+            "model": {"hf_config": {"model_type": "llama", "hidden_size": 8}},
+            "batch": {"max_tokens_per_microbatch": 4096},
+        }
+    )
+    assert not train_logprob_spec(cfg, 8).targets_checked
+    assert train_logprob_spec(cfg, 8, targets_checked=True).targets_checked
+    assert forward_logprob_spec(cfg, 8, targets_checked=True).targets_checked
+    record = {
+        "prompt_tokens": [1, 2],
+        "response_tokens": [3, 8],
+        "rollout_logprobs": [-0.5, -0.5],
+        "reward": 1.0,
+        "group_id": 0,
+    }
+    batch = RolloutBatch.from_records([record])
+    with pytest.raises(RolloutDataError, match="outside the vocabulary"):
+        batch.validate(vocab_size=8, max_seq_len=16, samples_per_prompt=1)

@@ -9,10 +9,23 @@ import torch
 from unirl.core.data.microbatch import TrainMicrobatch
 
 
+def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device`` without waiting for the GPU.
+
+    A blocking copy to a CUDA device synchronises the stream (the host stops queueing work until
+    the GPU has drained it), and a non-blocking one from pageable host memory may wait as well;
+    from pinned memory it only queues the copy. So a host tensor is staged in pinned memory
+    first: torch's caching host allocator keeps that block until the queued copy has run."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def to_device(mb: TrainMicrobatch, device: torch.device) -> TrainMicrobatch:
     """``mb`` with every tensor field on ``device`` (non-blocking; the other fields as they are)."""
     moved = {
-        f.name: getattr(mb, f.name).to(device, non_blocking=True)
+        f.name: to_device_async(getattr(mb, f.name), device)
         for f in attrs.fields(TrainMicrobatch)
         if isinstance(getattr(mb, f.name), torch.Tensor)
     }

@@ -101,6 +101,7 @@ def token_logprobs(
             vocab_size=spec.vocab_size,
             with_entropy=True,
             entropy_grad=spec.entropy_grad,
+            check_targets=not spec.targets_checked,
         )
         return logp, ent
     logp = logprobs_from_logits(
@@ -109,6 +110,7 @@ def token_logprobs(
         tp_group=tp_group,
         temperature=spec.temperature,
         vocab_size=spec.vocab_size,
+        check_targets=not spec.targets_checked,
     )
     return logp, None
 

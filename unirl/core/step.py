@@ -370,7 +370,8 @@ class RLStep:
         )
 
     def _logprobs_of(self, role: ModelRole) -> _ForwardPass:
-        spec = forward_logprob_spec(self.cfg, self.backend.vocab_size)
+        # run() validated every token id against this vocabulary before any forward
+        spec = forward_logprob_spec(self.cfg, self.backend.vocab_size, targets_checked=True)
         return lambda mbs, bar: self.backend.forward_logprobs(
             mbs, role=role, spec=spec, progress=bar
         )
@@ -483,7 +484,7 @@ class RLStep:
         loss_fn = LossWithRouterTerm(
             policy=policy_loss, router=self.router_settings, global_tokens=sum(step.rank_tokens)
         )
-        spec = train_logprob_spec(self.cfg, self.backend.vocab_size)
+        spec = train_logprob_spec(self.cfg, self.backend.vocab_size, targets_checked=True)
         with MicrobatchProgress(
             "actor train", len(mbs), topo, enabled=self.show_bars, log_summary=self.log_phases
         ) as bar:

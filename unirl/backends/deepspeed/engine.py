@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from unirl.backends.deepspeed import zero3_no_gather
 from unirl.backends.hf.optim import ScheduledLR, adamw
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.errors import ConfigError
@@ -161,6 +162,8 @@ def initialize_trainable(
     import deepspeed
 
     import_muon_uncompiled()
+    if zero_stage == 3:
+        zero3_no_gather.install()
     optimizer, schedule = adamw(model, opt, total_steps=total_steps, key=key)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
@@ -209,6 +212,7 @@ def initialize_reference(model: torch.nn.Module, cfg: UnirlConfig, device: torch
     if cfg.parallel.zero_stage == 3:
         import deepspeed
 
+        zero3_no_gather.install()
         zero: dict[str, Any] = {"stage": 3}
         if cfg.model.ref_offload:
             zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}

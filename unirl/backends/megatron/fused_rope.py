@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from unirl.backends.microbatch import to_device_async
+
 try:
     import triton
     import triton.language as tl
@@ -81,7 +83,7 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` ``[T, D]`` in ``dtype`` for the given ``freqs`` rows: megatron's
     ``(torch.cos(freqs_packed) * mscale).to(t.dtype)``, the same values."""
-    packed = freqs.reshape(freqs.shape[0], freqs.shape[-1])[rows.to(freqs.device)]
+    packed = freqs.reshape(freqs.shape[0], freqs.shape[-1])[to_device_async(rows, freqs.device)]
     return (torch.cos(packed) * mscale).to(dtype), (torch.sin(packed) * mscale).to(dtype)
 
 

@@ -49,6 +49,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from unirl.backends.megatron.padded import PAD_ID
 from unirl.backends.megatron.varlen_attention import CPAttentionIndex, max_seqlen
+from unirl.backends.microbatch import to_device_async
 from unirl.core.data.context_parallel import CPLayout, cp_pad_multiple, pad_to_cp_multiple
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import LossInputError
@@ -78,7 +79,7 @@ def packed_seq_params(
         from unirl.backends.megatron.te_compat import te_available
 
         host_boundaries = not te_available()
-    on_device = layout.cu_seqlens_padded.to(device=device, dtype=torch.int32)
+    on_device = to_device_async(layout.cu_seqlens_padded.to(torch.int32), device)
     padded = layout.cu_seqlens_padded.to(torch.int32) if host_boundaries else on_device
     longest = max_seqlen(layout.cu_seqlens_padded)
     cp = layout.cp_size > 1
@@ -226,8 +227,8 @@ def to_packed_batch(
     if extra:
         tokens = torch.cat([tokens, torch.full((extra // cp_size,), PAD_ID, dtype=torch.long)])
     inputs = PackedModelInputs(
-        input_ids=tokens.to(device)[None],
-        position_ids=layout.position_ids.to(device)[None],
+        input_ids=to_device_async(tokens, device)[None],
+        position_ids=to_device_async(layout.position_ids, device)[None],
         packed_seq_params=packed_seq_params(layout, device),
         layout=layout,
     )

@@ -20,3 +20,6 @@ class LogprobSpec:
     with_entropy: bool = False
     entropy_grad: bool = False
     loss_in_head: bool = False
+    # the token ids were checked against the vocabulary on the host (the RL step validates its
+    # rollout batch first): the per-call device check, a host sync each, is left out
+    targets_checked: bool = False

@@ -259,6 +259,7 @@ def _validate(
     vocab_size: int | None,
     tp_size: int,
     kernel: str,
+    check_targets: bool = True,
 ) -> None:
     where = "logprobs_from_logits"
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
@@ -281,6 +282,7 @@ def _validate(
         vocab_size=vocab_size,
         tp_size=tp_size,
         kernel=kernel,
+        check_targets=check_targets,
     )
 
 
@@ -297,9 +299,11 @@ def validate_targets_and_options(
     vocab_size: int | None,
     tp_size: int,
     kernel: str,
+    check_targets: bool = True,
 ) -> None:
     """The checks shared by `logprobs_from_logits` and `logprobs_from_hidden`: targets (shape,
-    dtype, device, range) and the options; ``n_local`` is this rank's vocabulary columns."""
+    dtype, device, range) and the options; ``n_local`` is this rank's vocabulary columns.
+    ``check_targets=False`` leaves out the range check alone (its host sync)."""
     if not isinstance(targets, torch.Tensor) or targets.dim() != 1:
         shape = (
             tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
@@ -336,6 +340,8 @@ def validate_targets_and_options(
     if kernel not in _KERNELS:
         raise LossInputError(f"{where}: kernel={kernel!r} is not one of {_KERNELS}")
     n_ids = vocab_size if vocab_size is not None else full_vocab
+    if not check_targets:
+        return
     bad = (targets < 0) | (targets >= n_ids)
     if targets.numel() and bool(bad.any()):  # one host sync per call
         i = int(bad.nonzero()[0, 0])
@@ -357,6 +363,7 @@ def logprobs_from_logits(
     with_entropy: Literal[False] = ...,
     entropy_grad: bool = ...,
     kernel: Kernel = ...,
+    check_targets: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -372,6 +379,7 @@ def logprobs_from_logits(
     with_entropy: Literal[True],
     entropy_grad: bool = ...,
     kernel: Kernel = ...,
+    check_targets: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -386,6 +394,7 @@ def logprobs_from_logits(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     kernel: Kernel = "auto",
+    check_targets: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` under ``softmax(logits / temperature)``, fp32 ``[T]``.
 
@@ -404,13 +413,17 @@ def logprobs_from_logits(
             (set it when the entropy coefficient is zero).
         kernel: "auto" (Triton for CUDA tensors when importable, else PyTorch), "torch" or
             "triton".
+        check_targets: check that every target is in ``[0, vocab_size)`` (a ``LossInputError``
+            naming the first one otherwise). The check reads the answer back from the device,
+            one host sync per call; pass False only when the ids were checked on the host
+            already (the RL step validates its rollout batch before any forward).
 
     Returns:
         ``logp`` or, with ``with_entropy``, ``(logp, entropy)``; both fp32 ``[T]``.
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    _validate(logits, targets, temperature, chunk_size, vocab_size, tp_size, kernel)
+    _validate(logits, targets, temperature, chunk_size, vocab_size, tp_size, kernel, check_targets)
 
     n_local = logits.shape[1]
     full_vocab = n_local * tp_size

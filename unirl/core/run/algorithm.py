@@ -36,9 +36,13 @@ def needs_reference(cfg: UnirlConfig) -> bool:
     return a.kl_loss.coef > 0 or a.kl_in_reward.coef > 0 or a.distillation_coef > 0
 
 
-def train_logprob_spec(cfg: UnirlConfig, vocab_size: int) -> LogprobSpec:
+def train_logprob_spec(
+    cfg: UnirlConfig, vocab_size: int, *, targets_checked: bool = False
+) -> LogprobSpec:
+    """``targets_checked``: the caller validated the batch's token ids on the host."""
     entropy_in_loss = cfg.algorithm.entropy_coef != 0
     return LogprobSpec(
+        targets_checked=targets_checked,
         temperature=cfg.rollout.temperature,
         vocab_size=vocab_size,
         with_entropy=True,  # entropy is always reported; its gradient only when it is in the loss
@@ -63,5 +67,12 @@ def head_path(cfg: UnirlConfig) -> HeadPath:
     return path
 
 
-def forward_logprob_spec(cfg: UnirlConfig, vocab_size: int) -> LogprobSpec:
-    return LogprobSpec(temperature=cfg.rollout.temperature, vocab_size=vocab_size)
+def forward_logprob_spec(
+    cfg: UnirlConfig, vocab_size: int, *, targets_checked: bool = False
+) -> LogprobSpec:
+    """``targets_checked``: the caller validated the batch's token ids on the host."""
+    return LogprobSpec(
+        temperature=cfg.rollout.temperature,
+        vocab_size=vocab_size,
+        targets_checked=targets_checked,
+    )
