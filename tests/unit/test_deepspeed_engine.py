@@ -57,6 +57,23 @@ def test_generated_config():
     assert ds["train_batch_size"] == 4
 
 
+def test_one_rank_zero3_keeps_its_parameters_gathered():
+    """On one rank a partition is the whole parameter: every parameter stays gathered (no
+    memory cost), unless deepspeed.extra sets the threshold or offloads the parameters."""
+    import sys
+
+    one = deepspeed_config(_cfg(stage=3), dp_size=1)["zero_optimization"]
+    assert one == {"stage": 3, "stage3_param_persistence_threshold": sys.maxsize}
+    assert deepspeed_config(_cfg(stage=3), dp_size=2)["zero_optimization"] == {"stage": 3}
+    assert deepspeed_config(_cfg(stage=2), dp_size=1)["zero_optimization"] == {"stage": 2}
+    own = {"zero_optimization": {"stage3_param_persistence_threshold": 10}}
+    zero = deepspeed_config(_cfg(stage=3, extra=own), dp_size=1)["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == 10
+    offload = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
+    zero = deepspeed_config(_cfg(stage=3, extra=offload), dp_size=1)["zero_optimization"]
+    assert "stage3_param_persistence_threshold" not in zero
+
+
 def test_extra_merges_recursively_but_owned_keys_are_refused():
     extra = {"zero_optimization": {"reduce_bucket_size": 1000}, "bf16": {"enabled": False}}
     ds = deepspeed_config(_cfg(stage=2, extra=extra), dp_size=1)

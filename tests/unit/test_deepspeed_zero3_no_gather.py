@@ -49,8 +49,10 @@ def handles(monkeypatch):
 
     from unirl.backends.deepspeed import zero3_no_gather
 
-    monkeypatch.setattr(pp.NoGatherHandle, "wait", pp.NoGatherHandle.wait)
-    monkeypatch.setattr(pp.NoGatherCoalescedHandle, "wait", pp.NoGatherCoalescedHandle.wait)
+    # DeepSpeed's own methods (an engine built earlier in the session may have installed the
+    # patch: functools.wraps keeps the original); restored as they were afterwards
+    for cls in (pp.NoGatherHandle, pp.NoGatherCoalescedHandle):
+        monkeypatch.setattr(cls, "wait", getattr(cls.wait, "__wrapped__", cls.wait))
     monkeypatch.setitem(zero3_no_gather._state, "installed", False)
     accelerator = _Accelerator()
     monkeypatch.setattr(pp, "get_accelerator", lambda: accelerator)

@@ -72,6 +72,16 @@ def _lookup(tree: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
     return True, node
 
 
+def _keeps_gathered_params(extra: Mapping[str, Any]) -> bool:
+    """Whether a one-rank ZeRO-3 engine may keep every parameter gathered: not when
+    ``deepspeed.extra`` sets the persistence threshold itself, nor when it offloads the
+    parameters (their partitions then live in host or NVMe memory)."""
+    zero = extra.get("zero_optimization", {})
+    if not isinstance(zero, Mapping):
+        return True
+    return "stage3_param_persistence_threshold" not in zero and not zero.get("offload_param")
+
+
 def deepspeed_config(
     cfg: UnirlConfig,
     dp_size: int,
@@ -103,6 +113,12 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,  # unirl logs; DeepSpeed's periodic prints stay off
         "wall_clock_breakdown": False,
     }
+    if stage == 3 and dp_size == 1 and _keeps_gathered_params(cfg.backend_options.extra):
+        # one rank: each parameter's partition is the whole parameter, so keeping every one
+        # gathered costs no memory, and ZeRO-3 skips its fetch and release around every module
+        # in forward and backward (host work that left the GPU idle: README, "Backend
+        # throughput"). deepspeed.extra can set the threshold itself.
+        generated["zero_optimization"]["stage3_param_persistence_threshold"] = sys.maxsize
     for path, instead in OWNED_KEYS.items():
         present, value = _lookup(cfg.backend_options.extra, path)
         if not present:
