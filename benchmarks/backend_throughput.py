@@ -260,7 +260,8 @@ def main() -> None:
         default=None,
         help="--profile-dir: also the GPU's idle gaps, charged to the host's ops (or, 'stack', "
         "to its Python frames: slower, overstates host-bound gaps), and the host syncs by line "
-        "(benchmarks/profile_gaps.py)",
+        "(benchmarks/profile_gaps.py); two more steps per mode, so a later mode starts from "
+        "other weights",
     )
     args = parser.parse_args()
     # megatron_throughput.config_dict reads these

@@ -178,8 +178,11 @@ class SyncSites:
     def recording(self) -> Iterator[SyncSites]:
         import torch
 
+        passed_on = warnings.showwarning
+
         def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
             if "synchronizing CUDA operation" not in str(message):
+                passed_on(message, category, *args, **kwargs)  # not ours: shown as usual
                 return
             own = []
             for fr in traceback.extract_stack()[:-1]:
@@ -226,6 +229,8 @@ def profile_with_gaps(
         fn()
         torch.cuda.synchronize()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        name = f"{name}_rank{torch.distributed.get_rank()}"  # every rank writes its own
     trace = out_dir / f"trace_gaps_{name}.json"
     p.export_chrome_trace(str(trace))
     report = {"sync_sites": sites.report(), "with_stack": with_stack, "gaps": gap_report(trace)}

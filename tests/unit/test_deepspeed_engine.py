@@ -69,9 +69,19 @@ def test_one_rank_zero3_keeps_its_parameters_gathered():
     own = {"zero_optimization": {"stage3_param_persistence_threshold": 10}}
     zero = deepspeed_config(_cfg(stage=3, extra=own), dp_size=1)["zero_optimization"]
     assert zero["stage3_param_persistence_threshold"] == 10
-    offload = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
-    zero = deepspeed_config(_cfg(stage=3, extra=offload), dp_size=1)["zero_optimization"]
+    own = {"zero_optimization": {"param_persistence_threshold": 10}}  # the field's own name
+    zero = deepspeed_config(_cfg(stage=3, extra=own), dp_size=1)["zero_optimization"]
     assert "stage3_param_persistence_threshold" not in zero
+    for offload in (
+        {"offload_param": {"device": "cpu"}},
+        {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}},
+        {"cpu_offload_param": True},  # DeepSpeed's deprecated spelling
+    ):
+        zero = deepspeed_config(_cfg(stage=3, extra={"zero_optimization": offload}), dp_size=1)
+        assert "stage3_param_persistence_threshold" not in zero["zero_optimization"], offload
+    kept = {"zero_optimization": {"offload_param": {"device": "none"}}}  # no offload
+    zero = deepspeed_config(_cfg(stage=3, extra=kept), dp_size=1)["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == sys.maxsize
 
 
 def test_extra_merges_recursively_but_owned_keys_are_refused():

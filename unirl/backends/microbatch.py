@@ -15,7 +15,9 @@ def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor
     A blocking copy to a CUDA device synchronises the stream (the host stops queueing work until
     the GPU has drained it), and a non-blocking one from pageable host memory may wait as well;
     from pinned memory it only queues the copy. So a host tensor is staged in pinned memory
-    first: torch's caching host allocator keeps that block until the queued copy has run."""
+    first: torch's caching host allocator keeps that block until the queued copy has run. A
+    tensor that is pinned already is copied from its own memory: the caller must not change it
+    until the copy has run (every caller here passes tensors it does not touch again)."""
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
         t = t.pin_memory()

@@ -72,14 +72,30 @@ def _lookup(tree: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
     return True, node
 
 
+# deepspeed.extra.zero_optimization keys that set the persistence threshold (alias and field
+# name: DeepSpeed 0.19.8 accepts both) or offload the parameters (the deprecated boolean too)
+_THRESHOLD_KEYS = ("stage3_param_persistence_threshold", "param_persistence_threshold")
+_OFFLOAD_KEYS = ("offload_param", "cpu_offload_param")
+
+
 def _keeps_gathered_params(extra: Mapping[str, Any]) -> bool:
     """Whether a one-rank ZeRO-3 engine may keep every parameter gathered: not when
     ``deepspeed.extra`` sets the persistence threshold itself, nor when it offloads the
-    parameters (their partitions then live in host or NVMe memory)."""
+    parameters (their partitions then live in host or NVMe memory, and persistent ones would be
+    made on the GPU)."""
     zero = extra.get("zero_optimization", {})
     if not isinstance(zero, Mapping):
         return True
-    return "stage3_param_persistence_threshold" not in zero and not zero.get("offload_param")
+    if any(key in zero for key in _THRESHOLD_KEYS):
+        return False
+    for key in _OFFLOAD_KEYS:
+        value = zero.get(key)
+        if isinstance(value, Mapping):
+            if str(value.get("device", "none")).lower() != "none":
+                return False
+        elif value:
+            return False
+    return True
 
 
 def deepspeed_config(

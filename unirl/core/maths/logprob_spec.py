@@ -21,5 +21,6 @@ class LogprobSpec:
     entropy_grad: bool = False
     loss_in_head: bool = False
     # the token ids were checked against the vocabulary on the host (the RL step validates its
-    # rollout batch first): the per-call device check, a host sync each, is left out
+    # rollout batch first): the logits path leaves out its per-call device check, a host sync
+    # each (the fused head's hidden-state path still makes it)
     targets_checked: bool = False
