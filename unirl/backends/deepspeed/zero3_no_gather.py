@@ -72,7 +72,6 @@ def _skipping_wait(
             p.ds_status = ZeroParamStatus.AVAILABLE
         setattr(self, complete, True)
 
-    wait.__unirl_no_gather__ = True  # type: ignore[attr-defined]
     return wait
 
 
