@@ -51,6 +51,7 @@ from benchmarks.megatron_throughput import (
     rollout_records,
     summary,
 )
+from benchmarks.profile_gaps import add_profile_gaps_argument
 from benchmarks.run_environment import run_environment
 from unirl.backends.deepspeed.engine import deep_merge
 
@@ -252,16 +253,8 @@ def main() -> None:
         default=None,
         help="profile one more step per engine and mode: kernel + CPU tables as text here",
     )
-    parser.add_argument(
-        "--profile-gaps",
-        nargs="?",
-        const="ops",
-        choices=["ops", "stack"],
-        default=None,
-        help="--profile-dir: also the GPU's idle gaps, charged to the host's ops (or, 'stack', "
-        "to its Python frames: slower, overstates host-bound gaps), and the host syncs by line "
-        "(benchmarks/profile_gaps.py); two more steps per mode, so a later mode starts from "
-        "other weights",
+    add_profile_gaps_argument(
+        parser, "; two more steps per mode, so a later mode starts from other weights"
     )
     args = parser.parse_args()
     # megatron_throughput.config_dict reads these

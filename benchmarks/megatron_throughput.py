@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.profile_gaps import add_profile_gaps_argument
 from benchmarks.run_environment import run_environment
 
 logger = logging.getLogger("megatron_throughput")
@@ -501,16 +502,7 @@ def main() -> None:
     parser.add_argument(
         "--profile-trace", action="store_true", help="--profile-dir: also a chrome trace"
     )
-    parser.add_argument(
-        "--profile-gaps",
-        nargs="?",
-        const="ops",
-        choices=["ops", "stack"],
-        default=None,
-        help="--profile-dir: also the GPU's idle gaps, charged to the host's ops (or, 'stack', "
-        "to its Python frames: slower, overstates host-bound gaps), and the host syncs by line "
-        "(benchmarks/profile_gaps.py)",
-    )
+    add_profile_gaps_argument(parser)
     parser.add_argument(
         "--fused-head",
         action="store_true",

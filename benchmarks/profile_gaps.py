@@ -209,6 +209,20 @@ class SyncSites:
         }
 
 
+def add_profile_gaps_argument(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--profile-gaps [ops|stack]``, as the throughput benchmarks take it."""
+    parser.add_argument(
+        "--profile-gaps",
+        nargs="?",
+        const="ops",
+        choices=["ops", "stack"],
+        default=None,
+        help="--profile-dir: also the GPU's idle gaps, charged to the host's ops (or, 'stack', "
+        "to its Python frames: slower, overstates host-bound gaps), and the host syncs by line "
+        "(benchmarks/profile_gaps.py)" + note,
+    )
+
+
 def profile_with_gaps(
     fn: Any, out_dir: Path, name: str, *, with_stack: bool = True
 ) -> dict[str, Any]:
