@@ -9,6 +9,9 @@ this; two tools here can:
   interval in which no kernel, copy or memset runs, charged to the Python frames the host was in
   when the gap began (the wait that drained the queue) and when it ended (the code that launched
   the next kernel), summed per frame and sorted by idle time.
+- `kernel_report(trace)`: every kernel's time charged to the host op and Python frames that
+  launched it (through the trace's correlation ids), summed per (kernel, launch site): which line
+  of ours the small elementwise and reduction kernels come from.
 - `SyncSites`: a context manager over ``torch.cuda.set_sync_debug_mode("warn")`` that counts each
   synchronising call by the innermost frames of the caller's code.
 
@@ -163,6 +166,66 @@ def gap_report(
     }
 
 
+def _short_kernel(name: str, width: int = 60) -> str:
+    """A kernel's name without its template arguments, cut to ``width``."""
+    return name.split("<", 1)[0].split("(", 1)[0][:width]
+
+
+def kernel_report(
+    trace_path: Path,
+    *,
+    top: int = 40,
+    exclude: Sequence[str] = ("nvjet", "gemm", "flash"),
+    own: Sequence[str] = OWN_CODE,
+) -> dict[str, Any]:
+    """Kernel time by launch site: each kernel (names containing one of ``exclude`` left out:
+    the matmuls and attention, whose sites are known) is charged, through its correlation id, to
+    the innermost host op around its launch and to the Python frames of ours at that moment."""
+    data = json.loads(Path(trace_path).read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    xs = [e for e in events if e.get("ph") == "X"]
+    launches = {
+        e.get("args", {}).get("correlation"): e["ts"] for e in xs if e.get("cat") == "cuda_runtime"
+    }
+    frames = [e for e in xs if e.get("cat") == "python_function"]
+    stacks = _Stacks(frames, own) if frames else None
+    ops = _Ops([e for e in xs if e.get("cat") in ("cpu_op", "user_annotation")])
+    total: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    count: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    kept = all_us = 0.0
+    for e in xs:
+        if e.get("cat") != "kernel":
+            continue
+        all_us += e.get("dur", 0)
+        name = _short_kernel(e["name"])
+        if any(x in e["name"] for x in exclude):
+            continue
+        t = launches.get(e.get("args", {}).get("correlation"))
+        if t is None:
+            key = (name, "(launch not in trace)", "")
+        else:
+            op = ops.at(t + 0.01, depth=1)
+            key = (name, op, stacks.at(t + 0.01) if stacks is not None else "")
+        total[key] += e.get("dur", 0)
+        count[key] += 1
+        kept += e.get("dur", 0)
+    return {
+        "kernel_ms": round(all_us / 1e3, 3),
+        "reported_ms": round(kept / 1e3, 3),
+        "excluded": list(exclude),
+        "by_site": [
+            {
+                "kernel": k,
+                "op": op,
+                "frames": fr,
+                "ms": round(v / 1e3, 3),
+                "calls": count[k, op, fr],
+            }
+            for (k, op, fr), v in total.most_common(top)
+        ],
+    }
+
+
 class SyncSites:
     """Count the host-device synchronisations inside the block by the caller's own frames.
 
@@ -248,6 +311,7 @@ def profile_with_gaps(
     trace = out_dir / f"trace_gaps_{name}.json"
     p.export_chrome_trace(str(trace))
     report = {"sync_sites": sites.report(), "with_stack": with_stack, "gaps": gap_report(trace)}
+    report["kernels_by_site"] = kernel_report(trace)
     if not os.environ.get("UNIRL_KEEP_TRACE"):
         trace.unlink()  # hundreds of MB; the report is what is kept
     (out_dir / f"gaps_{name}.json").write_text(json.dumps(report, indent=1))
@@ -259,8 +323,14 @@ def main() -> None:
     parser.add_argument("trace", type=Path, help="chrome trace (torch.profiler, with_stack=True)")
     parser.add_argument("--min-us", type=float, default=20.0)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--kernels", action="store_true", help="kernel time by launch site, not the idle gaps"
+    )
     args = parser.parse_args()
-    print(json.dumps(gap_report(args.trace, min_us=args.min_us, top=args.top), indent=1))
+    if args.kernels:
+        print(json.dumps(kernel_report(args.trace, top=args.top), indent=1))
+    else:
+        print(json.dumps(gap_report(args.trace, min_us=args.min_us, top=args.top), indent=1))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.profile_gaps import gap_report, idle_gaps, merged_busy
+from benchmarks.profile_gaps import gap_report, idle_gaps, kernel_report, merged_busy
 
 
 def _x(cat: str, name: str, ts: float, dur: float, **args) -> dict:
@@ -82,3 +82,56 @@ def test_a_trace_without_kernels_is_refused(tmp_path):
     path.write_text(json.dumps({"traceEvents": [_x("cpu_op", "aten::mm", 0, 5)]}))
     with pytest.raises(ValueError, match="no kernel events"):
         gap_report(path)
+
+
+def test_kernel_time_is_charged_to_the_op_and_frames_that_launched_it(tmp_path):
+    # norm() launches two elementwise kernels (3 + 5 us) through aten::add, step() one matmul
+    # (excluded) and one through aten::copy_; a kernel whose launch is missing stays visible
+    events = [
+        _x("python_function", "unirl/step.py(1): step", 0, 100, **{"Python id": 1}),
+        _x(
+            "python_function",
+            "megatron/n.py(7): norm",
+            10,
+            30,
+            **{"Python id": 2, "Python parent id": 1},
+        ),
+        _x("cpu_op", "aten::add", 12, 5),
+        _x("cuda_runtime", "cudaLaunchKernel", 13, 2, correlation=1),
+        _x("cpu_op", "aten::add", 20, 5),
+        _x("cuda_runtime", "cudaLaunchKernel", 21, 2, correlation=2),
+        _x("cpu_op", "aten::mm", 50, 5),
+        _x("cuda_runtime", "cudaLaunchKernel", 51, 2, correlation=3),
+        _x("cpu_op", "aten::copy_", 60, 5),
+        _x("cuda_runtime", "cudaMemcpyAsync", 61, 2, correlation=4),
+        _x(
+            "kernel",
+            "void at::native::vectorized_elementwise_kernel<4, Add>(int)",
+            30,
+            3,
+            correlation=1,
+        ),
+        _x(
+            "kernel",
+            "void at::native::vectorized_elementwise_kernel<4, Add>(int)",
+            40,
+            5,
+            correlation=2,
+        ),
+        _x("kernel", "nvjet_sm90_tst_128x128", 60, 50, correlation=3),
+        _x("kernel", "copy_kernel", 120, 7, correlation=4),
+        _x("kernel", "lost_kernel", 130, 1, correlation=99),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = kernel_report(path)
+    assert report["kernel_ms"] == pytest.approx(0.066)
+    assert report["reported_ms"] == pytest.approx(0.016)  # the matmul excluded
+    rows = {(r["kernel"], r["op"], r["frames"]): (r["ms"], r["calls"]) for r in report["by_site"]}
+    norm = "megatron/n.py(7): norm <- unirl/step.py(1): step"
+    assert rows == {
+        ("void at::native::vectorized_elementwise_kernel", "aten::add", norm): (0.008, 2),
+        ("copy_kernel", "aten::copy_", "unirl/step.py(1): step"): (0.007, 1),
+        ("lost_kernel", "(launch not in trace)", ""): (0.001, 1),
+    }
+    assert report["by_site"][0]["kernel"] == "void at::native::vectorized_elementwise_kernel"

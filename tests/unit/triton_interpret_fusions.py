@@ -1,6 +1,6 @@
 """Run by `test_megatron_gpu_fusions.test_kernels_in_the_triton_interpreter` with
-``TRITON_INTERPRET=1`` (set before Triton decorates the kernels): the RoPE and SwiGLU kernels on
-CPU tensors against megatron-core's own functions. Prints one line per check; exits non-zero on
+``TRITON_INTERPRET=1`` (set before Triton decorates the kernels): the RoPE, SwiGLU and RMSNorm
+kernels on CPU tensors against megatron-core's own functions or float64. Prints one line per check; exits non-zero on
 the first mismatch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings import rope_utils
 
-from unirl.backends.megatron import fused_rope, fused_swiglu
+from unirl.backends.megatron import fused_rmsnorm, fused_rope, fused_swiglu
 from unirl.backends.megatron.gpu_fusions import CPGroupShape as Group
 
 
@@ -64,6 +64,35 @@ def swiglu_checks() -> None:
     print("swiglu_back fp32: matches float64 autograd")
 
 
+def rmsnorm_checks() -> None:
+    """Forward and both gradients against float64 autograd: rows not a multiple of the row block,
+    a width below its power of two (masked columns), more row blocks than programs (the
+    backward's loop and its weight-gradient partials)."""
+    fused_rmsnorm._programs = lambda device: 3  # the CUDA SM count, absent here
+    gen = torch.Generator().manual_seed(2)
+    for rows, width, dtype in (
+        (37, 40, torch.float32),
+        (50, 128, torch.bfloat16),
+        (5, 16, torch.float32),
+    ):
+        x = (2 * torch.randn(rows, 1, width, generator=gen)).to(dtype)
+        w = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+        dy = torch.randn(rows, 1, width, generator=gen).to(dtype)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fused_rmsnorm.rms_norm(xx, ww, 1e-5)
+        gx, gw = torch.autograd.grad(y, (xx, ww), dy)
+        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+        y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+        gx64, gw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+        # fp32: a few ulps (summation order); bf16: one rounding of each stored value
+        tol = 1e-5 if dtype == torch.float32 else 2.0**-7
+        for got, want in ((y, y64), (gx, gx64), (gw, gw64)):
+            assert got.shape == want.shape and got.dtype == dtype
+            err = (got.double() - want).abs().max() / want.abs().max()
+            assert err <= tol, (rows, width, dtype, float(err))
+        print(f"rmsnorm {rows}x{width} {dtype}: matches float64 autograd")
+
+
 def probe_checks() -> None:
     """The install probe's own code at a model's shapes (head dims, GQA head counts, bf16 and
     fp32), under no_grad as a model may be built; the interpreter runs on CPU tensors, so the
@@ -73,6 +102,7 @@ def probe_checks() -> None:
     from unirl.backends.megatron import gpu_fusions
 
     fused_rope.fused_path_refusal = lambda *args: None
+    fused_rmsnorm.fused_path_refusal = lambda *args: None
     for patch in gpu_fusions.PATCHES:
         module = importlib.import_module(patch.module)
         patch.originals.setdefault(patch.name, getattr(module, patch.name))
@@ -100,4 +130,5 @@ def probe_checks() -> None:
 if __name__ == "__main__":
     rope_checks()
     swiglu_checks()
+    rmsnorm_checks()
     probe_checks()

@@ -1,6 +1,8 @@
-"""Triton kernels in place of two unfused megatron-core functions, on CUDA without Transformer
-Engine: packed RoPE (`unirl.backends.megatron.fused_rope`) and the SwiGLU backward
-(`unirl.backends.megatron.fused_swiglu`).
+"""Fused kernels in place of unfused megatron-core code, on CUDA without Transformer Engine:
+packed RoPE (`unirl.backends.megatron.fused_rope`), the SwiGLU backward
+(`unirl.backends.megatron.fused_swiglu`), the linear layers' bias in their matmul's epilogue
+(`unirl.backends.megatron.linear_bias`) and, through `convert`, the models' RMSNorms
+(`unirl.backends.megatron.fused_rmsnorm`).
 
 Each `FusionPatch` names the module attribute replaced (where megatron-core's callers look it
 up at call time) and the lines that call it, read in `CHECKED_VERSIONS`. A replacement has the
@@ -9,7 +11,9 @@ original's signature and result, and hands any argument it does not cover back t
 Triton are present, megatron-core is a checked version and TE is absent (with TE, megatron runs
 TE's fused RoPE when ``apply_rope_fusion`` is set) and `probe` has checked both kernels on
 the GPU against what they replace; otherwise it logs why and changes nothing, so the CPU tier
-keeps megatron's own code. `status` says which (megatron_throughput.py records it).
+keeps megatron's own code. `status` says which (megatron_throughput.py records it). The norms are
+modules, not names: `convert` gives a built model's ``torch.nn.RMSNorm`` modules the Triton
+forward where the patches are on.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.backends.megatron import fused_rope, fused_swiglu
+from unirl.backends.megatron import fused_rmsnorm, fused_rope, fused_swiglu, linear_bias
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,21 @@ PATCHES: tuple[FusionPatch, ...] = (
             "fusions/fused_bias_swiglu.py:93",  # weighted_swiglu_back (compiled; graph break)
         ),
     ),
+    FusionPatch(
+        module="megatron.core.tensor_parallel.layers",
+        name="LinearWithGradAccumulationAndAsyncCommunication",
+        replacement=linear_bias.LinearWithBiasEpilogue,
+        originals=linear_bias.ORIGINALS,
+        # linear_with_grad_accumulation_and_async_allreduce: every trainable linear layer
+        lines=("tensor_parallel/layers.py:745",),
+    ),
+    FusionPatch(
+        module="megatron.core.tensor_parallel.layers",
+        name="LinearWithFrozenWeight",
+        replacement=linear_bias.FrozenLinearWithBiasEpilogue,
+        originals=linear_bias.ORIGINALS,
+        lines=("tensor_parallel/layers.py:440",),  # linear_with_frozen_weight
+    ),
 )
 
 _state: dict[str, Any] = {"installed": None, "why": None, "probed": set()}
@@ -77,14 +96,16 @@ class ProbeShape:
     head_dim: int = 16
     heads: tuple[int, ...] = (3,)
     dtype: torch.dtype = torch.bfloat16
+    norm_widths: tuple[int, ...] = (40,)  # the RMSNorms' rows: hidden size (and head dim)
 
 
 def probe(device: torch.device, shape: ProbeShape = ProbeShape()) -> str | None:
     """None when the kernels, compiled on ``device``, give the results of what they replace on
     small inputs of the model's head dim, head counts and dtype (RoPE forward and gradient on
     two packed sequences, a strided input as megatron's split of the fused qkv gives it: bf16
-    bit for bit, fp32 within one rounding; the SwiGLU gradient within one bf16 rounding), else
-    what differed or failed. Autograd is on whatever the caller's mode (a model built under
+    bit for bit, fp32 within one rounding; the SwiGLU gradient within one bf16 rounding; the
+    RMSNorm at each of ``norm_widths`` and the linear layers' bias epilogue no further from
+    float64 than what they replace), else what differed or failed. Autograd is on whatever the caller's mode (a model built under
     ``no_grad`` or inference mode)."""
     with torch.inference_mode(False), torch.enable_grad():
         return _probe(device, shape)
@@ -136,11 +157,91 @@ def _probe(device: torch.device, shape: ProbeShape) -> str | None:
         megatron_back = fused_swiglu.ORIGINAL.get("swiglu_back", fused_bias_swiglu.swiglu_back)
         want = megatron_back(dy, y).float()
         got = fused_swiglu.swiglu_back(dy, y).float()
+        if not ((got - want).abs() <= want.abs() * 2.0**-7 + 1e-6).all():
+            return (
+                "probe: the Triton SwiGLU backward differs from megatron's by more than a rounding"
+            )
+        for width in shape.norm_widths:
+            why = _probe_rms_norm(device, shape.dtype, width, gen)
+            if why is not None:
+                return why
+        return _probe_linear_bias(device, shape.dtype, gen)
     except Exception as exc:  # a kernel that does not compile or launch here
         return f"probe failed: {type(exc).__name__}: {exc}"
-    if not ((got - want).abs() <= want.abs() * 2.0**-7 + 1e-6).all():
-        return "probe: the Triton SwiGLU backward differs from megatron's by more than a rounding"
+
+
+def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max())
+
+
+def _probe_rms_norm(
+    device: torch.device, dtype: torch.dtype, width: int, gen: torch.Generator
+) -> str | None:
+    """The Triton RMSNorm's output and both gradients no further from float64 than torch's
+    RMSNorm's (twice its error, at least a rounding of the largest value, as slack)."""
+    x = (3 * torch.randn(48, width, generator=gen)).to(device, dtype)
+    dy = torch.randn(48, width, generator=gen).to(device, dtype)
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(device, dtype)
+    results = []
+    for cls in (torch.nn.RMSNorm, fused_rmsnorm.TritonRMSNorm):
+        norm = cls(width, eps=1e-6, device=device, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        if cls is fused_rmsnorm.TritonRMSNorm:
+            refused = fused_rmsnorm.fused_path_refusal(x, norm)
+            if refused is not None:  # else torch would be compared with itself
+                return f"probe: the Triton RMSNorm does not take the probe's input: {refused}"
+        xx = x.clone().requires_grad_()
+        y = norm(xx)
+        results.append((y, *torch.autograd.grad(y, (xx, norm.weight), dy)))
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    want = (y64, *torch.autograd.grad(y64, (x64, w64), dy.double()))
+    unit = 2.0**-7 if dtype != torch.float32 else 2.0**-22
+    for name, ref, ours, exact in zip(("output", "input grad", "weight grad"), *results, want):
+        slack = 2 * _max_err(ref, exact) + unit * float(exact.abs().max())
+        if not _max_err(ours, exact) <= slack:
+            return (
+                f"probe: the Triton RMSNorm's {name} is further from float64 than torch's "
+                f"({width} wide, {dtype})"
+            )
     return None
+
+
+def _probe_linear_bias(
+    device: torch.device, dtype: torch.dtype, gen: torch.Generator
+) -> str | None:
+    """The linear layers with the bias in the epilogue: forward no further from float64 than
+    megatron's matmul + add, and megatron's own backward giving the same gradients."""
+    x = torch.randn(6, 4, 32, generator=gen).to(device, dtype)
+    w = (0.2 * torch.randn(40, 32, generator=gen)).to(device, dtype)
+    b = torch.randn(40, generator=gen).to(device, dtype)
+    dy = torch.randn(6, 4, 40, generator=gen).to(device, dtype)
+    exact = x.double() @ w.double().T + b.double()
+    trainable = (False, False, False, None, 0, None)  # no fusion, no TP, no SP, no buffer
+    cases = (
+        (linear_bias.LinearWithBiasEpilogue, linear_bias.ORIGINAL, trainable, 3),
+        (linear_bias.FrozenLinearWithBiasEpilogue, linear_bias.ORIGINAL_FROZEN, (False, None), 1),
+    )
+    unit = 2.0**-8 if dtype != torch.float32 else 2.0**-23
+    for ours, theirs, extra, n_grads in cases:
+        outs = []
+        for cls in (theirs, ours):
+            leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+            y = cls.apply(*leaves, *extra)
+            outs.append((y, torch.autograd.grad(y, leaves[:n_grads], dy)))
+        (want, want_grads), (got, got_grads) = outs
+        if not _max_err(got, exact) <= _max_err(want, exact) + unit * float(exact.abs().max()):
+            return f"probe: {ours.__name__}'s output is further from float64 than megatron's"
+        if not all(torch.equal(a, c) for a, c in zip(want_grads, got_grads)):
+            return f"probe: {ours.__name__}'s gradients differ from megatron's"
+    return None
+
+
+def convert(model: torch.nn.Module) -> int:
+    """Where the patches are on: ``model``'s ``torch.nn.RMSNorm`` modules run the Triton
+    RMSNorm (`fused_rmsnorm.convert`); returns how many were converted."""
+    return fused_rmsnorm.convert(model) if _state["installed"] else 0
 
 
 class CPGroupShape:

@@ -557,13 +557,21 @@ def build_gpt_model(
         overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
     if model_device().type == "cuda":
         multi_tensor.install()  # the gradient norm without a host sync per gradient
-        # Triton packed RoPE and SwiGLU backward (off with TE, or where the install probe fails)
+        # Triton packed RoPE, SwiGLU backward and RMSNorm, the bias in the matmul epilogue (off
+        # with TE, or where the install probe fails)
         dims = attention_dims(hf_config)
         tp = max(1, parallel.tp)
         heads = {dims["num_heads"] // tp, max(1, dims["num_query_groups"] // tp)}
         # the RoPE kernel takes bf16 / fp32 (an fp16 model's calls go to megatron's function)
         probed = dtype if dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-        gpu_fusions.install(gpu_fusions.ProbeShape(dims["head_dim"], tuple(sorted(heads)), probed))
+        norms = {hf_config.hidden_size} | (
+            {dims["head_dim"]} if hf_config.model_type in QK_NORM_MODEL_TYPES else set()
+        )
+        gpu_fusions.install(
+            gpu_fusions.ProbeShape(
+                dims["head_dim"], tuple(sorted(heads)), probed, tuple(sorted(norms))
+            )
+        )
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
     if is_moe(hf_config):
@@ -602,7 +610,9 @@ def build_gpt_model(
     )
     # torch norms are created in fp32 on the CPU whatever params_dtype / use_cpu_initialization
     # say: one dtype and one device for every parameter (as Float16Module / get_model would do)
-    return model.to(device=model_device(), dtype=dtype)
+    model = model.to(device=model_device(), dtype=dtype)
+    gpu_fusions.convert(model)  # the Triton RMSNorm, where the fusions are on
+    return model
 
 
 def build_model_chunks(
