@@ -195,3 +195,35 @@ def test_stale_baton_is_removed_and_live_one_awaited(tmp_path):
     assert clear_stale_baton(tmp_path, stale_after_s=30) is False
     assert 0.15 < time.monotonic() - start < 5
     timer.join()
+
+
+def test_one_rank_zero3_hooks_each_decoder_layer_once():
+    """At dp 1 with parameters kept gathered, the classes HF's ``_no_split_modules`` names become
+    DeepSpeed leaf modules (its hooks stop there); not on more ranks, with offload, when
+    deepspeed.extra picks leaf modules itself, or when the model names no layer class."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed")
+    from deepspeed.utils import z3_leaf_module
+
+    from unirl.backends.deepspeed.engine import one_rank_leaf_layers
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def model(names=("Block",)):
+        m = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(4, 2))
+        m._no_split_modules = list(names)
+        return m
+
+    m = model()
+    assert one_rank_leaf_layers(m, 1, {}) == [m[0], m[1]]
+    assert [z3_leaf_module(x) for x in (m[0], m[1], m[2], m[0].a)] == [True, True, False, False]
+    offload = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
+    granularity = {"zero_optimization": {"stage3_module_granularity_threshold": 100}}
+    for dp, extra in ((2, {}), (1, offload), (1, granularity)):
+        m = model()
+        assert one_rank_leaf_layers(m, dp, extra) == [], (dp, extra)
+        assert not z3_leaf_module(m[0])
+    assert one_rank_leaf_layers(model(), 1, {}, offloaded=True) == []
+    assert one_rank_leaf_layers(model(names=()), 1, {}) == []

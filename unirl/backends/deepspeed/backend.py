@@ -49,7 +49,7 @@ class DeepSpeedBackend(HFBackend):
     def _frozen(self, model: Any) -> DeepSpeedReference:
         cfg = self.cfg
         return DeepSpeedReference(
-            initialize_reference(model, cfg, self.device),
+            initialize_reference(model, cfg, self.device, dp_size=self.topology.dp_size),
             device=self.device,
             offloaded=cfg.model.ref_offload and cfg.parallel.zero_stage != 3,
         )

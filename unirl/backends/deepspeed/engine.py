@@ -98,6 +98,40 @@ def _keeps_gathered_params(extra: Mapping[str, Any]) -> bool:
     return True
 
 
+# deepspeed.extra.zero_optimization keys with which the user chooses DeepSpeed's leaf modules
+_GRANULARITY_KEYS = ("stage3_module_granularity_threshold", "module_granularity_threshold")
+
+
+def one_rank_leaf_layers(
+    model: torch.nn.Module, dp_size: int, extra: Mapping[str, Any], *, offloaded: bool = False
+) -> list[torch.nn.Module]:
+    """On one data-parallel rank with every parameter kept gathered (`_keeps_gathered_params`),
+    flag each decoder layer (the classes HF's ``_no_split_modules`` names) as a ZeRO-3 "leaf
+    module": DeepSpeed then runs its fetch / release hooks once per layer instead of once per
+    linear and norm inside it (about a dozen per layer, forward and backward, every microbatch;
+    Python work the GPU waits on: README, "Backend throughput"). With nothing partitioned or
+    offloaded the flag only removes hooks. Not when ``deepspeed.extra`` chooses leaf modules
+    itself (the granularity threshold). Returns the flagged modules."""
+    zero = extra.get("zero_optimization", {})
+    if dp_size != 1 or offloaded or not _keeps_gathered_params(extra):
+        return []
+    if isinstance(zero, Mapping) and any(key in zero for key in _GRANULARITY_KEYS):
+        return []
+    names = sorted(set(getattr(model, "_no_split_modules", None) or ()))
+    if not names:
+        return []
+    from deepspeed.utils import set_z3_leaf_modules
+
+    layers = set_z3_leaf_modules(model, names, raise_if_not_found=False)
+    if layers:
+        logger.info(
+            "ZeRO-3 on one rank: %d decoder layers (%s) are DeepSpeed leaf modules",
+            len(layers),
+            ", ".join(names),
+        )
+    return layers
+
+
 def deepspeed_config(
     cfg: UnirlConfig,
     dp_size: int,
@@ -196,6 +230,7 @@ def initialize_trainable(
     import_muon_uncompiled()
     if zero_stage == 3:
         zero3_no_gather.install()
+        one_rank_leaf_layers(model, dp_size, cfg.backend_options.extra)
     optimizer, schedule = adamw(model, opt, total_steps=total_steps, key=key)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
@@ -237,10 +272,15 @@ def step_engine(engine: Any) -> OptimizerStepStats:
     return OptimizerStepStats(grad_norm=float(norm), lr=lr, skipped=not engine.was_step_applied())
 
 
-def initialize_reference(model: torch.nn.Module, cfg: UnirlConfig, device: torch.device) -> Any:
+def initialize_reference(
+    model: torch.nn.Module, cfg: UnirlConfig, device: torch.device, *, dp_size: int
+) -> Any:
     """The frozen reference: a ZeRO-3 inference engine when the policy uses ZeRO-3 (parameters
     sharded like the policy's; offloaded to CPU memory with ``model.ref_offload``), else the plain
-    module, on `device` or, with ``model.ref_offload``, in CPU memory (moved in per forward pass)."""
+    module, on `device` or, with ``model.ref_offload``, in CPU memory (moved in per forward pass).
+    On one data-parallel rank without the offload, the ZeRO-3 engine keeps every parameter
+    gathered and hooks each decoder layer once, as the policy's does (`deepspeed_config`,
+    `one_rank_leaf_layers`)."""
     if cfg.parallel.zero_stage == 3:
         import deepspeed
 
@@ -248,6 +288,9 @@ def initialize_reference(model: torch.nn.Module, cfg: UnirlConfig, device: torch
         zero: dict[str, Any] = {"stage": 3}
         if cfg.model.ref_offload:
             zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        elif dp_size == 1:
+            zero["stage3_param_persistence_threshold"] = sys.maxsize
+            one_rank_leaf_layers(model, dp_size, {})
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "zero_optimization": zero,
