@@ -39,8 +39,11 @@ a busy machine slows alike). Memory (CUDA only) is ``max_memory_allocated`` duri
 iteration minus what was allocated before it (the inputs); it includes the gradients of the
 hidden states and the weight, which every method makes. ``logits_gib`` is the ``[T, V]`` logits
 in the compute dtype, for scale; ``beyond_grads_gib`` is the peak minus the two gradients
-(``grads_gib``), what a method holds besides them. ``forward_only`` times ``matmul_kernel`` and ``fused`` under
-``no_grad`` (the old-policy and reference passes).
+(``grads_gib``), what a method holds besides them. With ``--chunk-matmuls 256,1024,...``
+(CUDA) each row also times the three head matmuls alone at those token chunks
+(``chunk_matmuls``: the loss-in-head's floor at each chunk, scaled to the batch).
+``forward_only`` times ``matmul_kernel`` and ``fused`` under ``no_grad`` (the old-policy and
+reference passes).
 
     PYTHONPATH=$PWD python benchmarks/fused_head.py --device cuda \\
         --out benchmarks/results/fused_head_h200.json
@@ -350,6 +353,51 @@ def cpu_measure(
     }
 
 
+def _timed(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _chunk_row(
+    h: torch.Tensor, w: torch.Tensor, chunk: int, warmup: int, iters: int
+) -> dict[str, float]:
+    hc = h[:chunk].contiguous()
+    z = torch.empty(chunk, w.shape[0], dtype=h.dtype, device=h.device)
+    dh, dw = torch.empty_like(hc), torch.zeros_like(w)
+    row = {
+        "logits_ms": _timed(lambda: torch.mm(hc, w.T, out=z), warmup, iters),
+        "dhidden_ms": _timed(lambda: torch.mm(z, w, out=dh), warmup, iters),
+        "dweight_addmm_ms": _timed(lambda: dw.addmm_(z.T, hc), warmup, iters),
+    }
+    row["per_batch_ms"] = sum(row.values()) * h.shape[0] / chunk
+    row["chunk_logits_gib"] = z.numel() * z.element_size() / GIB
+    return {k: round(v, 4) for k, v in row.items()}
+
+
+def chunk_matmuls(
+    inputs: tuple, chunks: list[int], warmup: int, iters: int
+) -> dict[str, dict[str, float]]:
+    """The three head matmuls alone at each token chunk, CUDA-event timed, and their sum scaled
+    to the whole batch (``per_batch_ms``): the floor of the loss inside the head at that chunk
+    (the logits ``[C, H] x [H, V]`` into one buffer, ``d(hidden) = dz [C, V] x [V, H]``, and the
+    weight gradient's ``addmm`` into ``[V, H]``, which reads and writes the whole gradient per
+    chunk), and the chunk's logits bytes."""
+    h, w = inputs[0].detach(), inputs[1].detach()
+    out = {}
+    for chunk in chunks:
+        if chunk <= h.shape[0]:
+            out[str(chunk)] = _chunk_row(h, w, chunk, warmup, iters)
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -371,6 +419,12 @@ def main() -> None:
         "--check",
         action="store_true",
         help="also compare each method's loss and gradients with the logits path's",
+    )
+    parser.add_argument(
+        "--chunk-matmuls",
+        default="",
+        help="CUDA: token chunks (e.g. 256,1024,16384) at which to time the three head matmuls "
+        "alone, the loss-in-head's floor at that chunk (row's chunk_matmuls)",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
@@ -433,6 +487,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if args.check:
             row["correctness"] = check_against_logits(methods, args.temperature, inputs)
+        if args.chunk_matmuls and args.device == "cuda":
+            row["chunk_matmuls"] = chunk_matmuls(
+                inputs, ints(args.chunk_matmuls), args.warmup, args.iters
+            )
         for m in row["methods"].values():
             if "peak_extra_gib" in m:  # what a method adds beyond the two gradients
                 m["beyond_grads_gib"] = round(m["peak_extra_gib"] - row["grads_gib"], 3)

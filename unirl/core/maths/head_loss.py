@@ -174,9 +174,14 @@ class _AttachGrads(torch.autograd.Function):
                 "head_loss: backward ran twice through the same loss; its gradients are made in "
                 "the forward and handed over once (call head_loss again, or do not retain_graph)"
             )
-        gh = None if grads.hidden is None else grads.hidden.mul_(g).to(ctx.hidden_dtype)
-        gw = None if grads.weight is None else grads.weight.mul_(g)
-        return gh, gw, None
+        # one multi-tensor launch over both gradients: a per-tensor ``mul_`` by the 0-dim CUDA
+        # tensor ``g`` runs torch's broadcasting (unvectorised) kernel, 1.1 ms over the
+        # 16,384 x 1,536 head's two gradients on an H200, several times the bandwidth floor
+        made = [t for t in (grads.hidden, grads.weight) if t is not None]
+        if made:
+            torch._foreach_mul_(made, g)
+        gh = None if grads.hidden is None else grads.hidden.to(ctx.hidden_dtype)
+        return gh, grads.weight, None
 
 
 def _loss_grads(
