@@ -185,7 +185,10 @@ def kernel_report(
     events = data["traceEvents"] if isinstance(data, dict) else data
     xs = [e for e in events if e.get("ph") == "X"]
     launches = {
-        e.get("args", {}).get("correlation"): e["ts"] for e in xs if e.get("cat") == "cuda_runtime"
+        e["args"]["correlation"]: e["ts"]
+        for e in xs
+        # Triton launches through the driver API (cuLaunchKernel: "cuda_driver")
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     frames = [e for e in xs if e.get("cat") == "python_function"]
     stacks = _Stacks(frames, own) if frames else None

@@ -221,7 +221,8 @@ def test_one_rank_zero3_hooks_each_decoder_layer_once():
     assert [z3_leaf_module(x) for x in (m[0], m[1], m[2], m[0].a)] == [True, True, False, False]
     offload = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
     granularity = {"zero_optimization": {"stage3_module_granularity_threshold": 100}}
-    for dp, extra in ((2, {}), (1, offload), (1, granularity)):
+    own_leaves = {"zero_optimization": {"leaf_module": {"classes": ["Block"]}}}
+    for dp, extra in ((2, {}), (1, offload), (1, granularity), (1, own_leaves)):
         m = model()
         assert one_rank_leaf_layers(m, dp, extra) == [], (dp, extra)
         assert not z3_leaf_module(m[0])

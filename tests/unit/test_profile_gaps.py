@@ -104,6 +104,8 @@ def test_kernel_time_is_charged_to_the_op_and_frames_that_launched_it(tmp_path):
         _x("cuda_runtime", "cudaLaunchKernel", 51, 2, correlation=3),
         _x("cpu_op", "aten::copy_", 60, 5),
         _x("cuda_runtime", "cudaMemcpyAsync", 61, 2, correlation=4),
+        _x("cpu_op", "triton_kernel", 70, 5),
+        _x("cuda_driver", "cuLaunchKernel", 71, 2, correlation=5),
         _x(
             "kernel",
             "void at::native::vectorized_elementwise_kernel<4, Add>(int)",
@@ -121,17 +123,20 @@ def test_kernel_time_is_charged_to_the_op_and_frames_that_launched_it(tmp_path):
         _x("kernel", "nvjet_sm90_tst_128x128", 60, 50, correlation=3),
         _x("kernel", "copy_kernel", 120, 7, correlation=4),
         _x("kernel", "lost_kernel", 130, 1, correlation=99),
+        _x("kernel", "_rms_bwd_kernel", 140, 4, correlation=5),
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     report = kernel_report(path)
-    assert report["kernel_ms"] == pytest.approx(0.066)
-    assert report["reported_ms"] == pytest.approx(0.016)  # the matmul excluded
+    assert report["kernel_ms"] == pytest.approx(0.070)
+    assert report["reported_ms"] == pytest.approx(0.020)  # the matmul excluded
     rows = {(r["kernel"], r["op"], r["frames"]): (r["ms"], r["calls"]) for r in report["by_site"]}
     norm = "megatron/n.py(7): norm <- unirl/step.py(1): step"
     assert rows == {
         ("void at::native::vectorized_elementwise_kernel", "aten::add", norm): (0.008, 2),
         ("copy_kernel", "aten::copy_", "unirl/step.py(1): step"): (0.007, 1),
         ("lost_kernel", "(launch not in trace)", ""): (0.001, 1),
+        # a Triton kernel, launched through the driver API
+        ("_rms_bwd_kernel", "triton_kernel", "unirl/step.py(1): step"): (0.004, 1),
     }
     assert report["by_site"][0]["kernel"] == "void at::native::vectorized_elementwise_kernel"

@@ -99,7 +99,11 @@ def _keeps_gathered_params(extra: Mapping[str, Any]) -> bool:
 
 
 # deepspeed.extra.zero_optimization keys with which the user chooses DeepSpeed's leaf modules
-_GRANULARITY_KEYS = ("stage3_module_granularity_threshold", "module_granularity_threshold")
+_GRANULARITY_KEYS = (
+    "stage3_module_granularity_threshold",
+    "module_granularity_threshold",
+    "leaf_module",
+)
 
 
 def one_rank_leaf_layers(
@@ -109,9 +113,11 @@ def one_rank_leaf_layers(
     flag each decoder layer (the classes HF's ``_no_split_modules`` names) as a ZeRO-3 "leaf
     module": DeepSpeed then runs its fetch / release hooks once per layer instead of once per
     linear and norm inside it (about a dozen per layer, forward and backward, every microbatch;
-    Python work the GPU waits on: README, "Backend throughput"). With nothing partitioned or
-    offloaded the flag only removes hooks. Not when ``deepspeed.extra`` chooses leaf modules
-    itself (the granularity threshold). Returns the flagged modules."""
+    Python work the GPU waits on: README, "Backend throughput"), and reduces the layer's
+    gradients from one backward hook on the layer instead of one per parameter. That hook needs
+    the layer's input to require grad (it does in every unirl model: nothing is frozen below a
+    layer). Not when ``deepspeed.extra`` chooses leaf modules itself (the granularity threshold
+    or ``leaf_module``). Returns the flagged modules."""
     zero = extra.get("zero_optimization", {})
     if dp_size != 1 or offloaded or not _keeps_gathered_params(extra):
         return []

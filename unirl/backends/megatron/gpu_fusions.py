@@ -9,7 +9,7 @@ up at call time) and the lines that call it, read in `CHECKED_VERSIONS`. A repla
 original's signature and result, and hands any argument it does not cover back to the original
 (kept in the replacement module's ``ORIGINAL``). `install()` applies them only where CUDA and
 Triton are present, megatron-core is a checked version and TE is absent (with TE, megatron runs
-TE's fused RoPE when ``apply_rope_fusion`` is set) and `probe` has checked both kernels on
+TE's fused RoPE when ``apply_rope_fusion`` is set) and `probe` has checked every kernel on
 the GPU against what they replace; otherwise it logs why and changes nothing, so the CPU tier
 keeps megatron's own code. `status` says which (megatron_throughput.py records it). The norms are
 modules, not names: `convert` gives a built model's ``torch.nn.RMSNorm`` modules the Triton
