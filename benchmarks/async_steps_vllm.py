@@ -87,7 +87,7 @@ def _run(tmp: Path, name: str, sets: list[str], k: int, steps: int) -> dict:
     import psutil
     import torch
 
-    from unirl.core.run.config import load_config
+    from unirl.core.config.run_config import load_config
     from unirl.train import train
 
     run_dir = tmp / name

@@ -112,9 +112,9 @@ def profile_step(fn: Any, path: Path, device: str, rows: int = 45) -> None:
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     """In the child process: build one engine, time its RL steps, report."""
     from unirl.backends import build_backend
+    from unirl.core.config.derived import head_path
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
-    from unirl.core.run.algorithm import head_path
-    from unirl.core.run.config import config_from_dict
     from unirl.core.step import RLStep
 
     hf = model_shape(args)

@@ -111,7 +111,7 @@ def workload_config(name: str, steps: int, run_dir: str) -> dict[str, Any]:
 
 def run_unirl(data: dict[str, Any]) -> dict[str, Any]:
     import unirl.rollouts
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
     from unirl.train import train
 
     starts: list[float] = []
@@ -154,7 +154,7 @@ def _hf_tokenizer(task: Any, vocab_size: int) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from unirl.rollouts.tokenizer import SPECIAL_TOKENS
+    from unirl.rollouts.data.tokenizer import SPECIAL_TOKENS
 
     words = [*SPECIAL_TOKENS, *task.tokenizer.alphabet]
     words += [f"<x{i}>" for i in range(len(words), vocab_size)]
@@ -172,9 +172,9 @@ def run_trl(data: dict[str, Any], seed_out: str) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
+    from unirl.rollouts.data.tasks import Problem, make_task
     from unirl.rollouts.model import build_task_model
-    from unirl.rollouts.tasks import Problem, make_task
 
     cfg = config_from_dict(data)
     task = make_task(cfg.rollout.task, cfg.rollout.task_options)

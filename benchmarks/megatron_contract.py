@@ -349,7 +349,7 @@ def main() -> None:
                 out["command"] = cmd
                 out["wall_s"] = round(m.wall_s, 1)
                 out["harness_errors"] = {k: v[-3000:] for k, v in m.errors.items()}
-                # megatron-core patched for the CPU (unirl.backends.megatron.cpu_compat): on
+                # megatron-core patched for the CPU (unirl.backends.megatron.compat.cpu): on
                 # GPUs this must be False
                 out["cpu_compat_patched"] = any("cpu_compat_lines" in r for r in m.ranks)
                 out["clauses"] = summarise(clauses.all_checks(m, ref, records, tol))

@@ -1,5 +1,5 @@
 """megatron-core's unfused packed RoPE, SwiGLU backward, torch RMSNorm and linear bias add against
-unirl's fused kernels (`unirl.backends.megatron.gpu_fusions`), at the shapes of the 1.5B
+unirl's fused kernels (`unirl.backends.megatron.kernels.gpu_fusions`), at the shapes of the 1.5B
 throughput benchmark.
 
     PYTHONPATH=$PWD python benchmarks/megatron_kernels.py \\
@@ -269,7 +269,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("megatron_kernels.py times CUDA kernels: run it on a GPU")
 
-    from unirl.backends.megatron import fused_rmsnorm, fused_rope, fused_swiglu, gpu_fusions
+    from unirl.backends.megatron.kernels import fused_rmsnorm, fused_rope, fused_swiglu, gpu_fusions
 
     shape = gpu_fusions.ProbeShape(
         args.head_dim, (args.kv_heads, args.heads), norm_widths=(args.head_dim, args.hidden)

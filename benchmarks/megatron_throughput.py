@@ -387,8 +387,8 @@ def search_tokens(
     args: argparse.Namespace, hf: dict[str, Any], backend: Any, gpus: int
 ) -> dict[str, Any]:
     """The reuse step at each budget of ``--search-tokens`` in turn, up to the first OOM."""
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
-    from unirl.core.run.config import config_from_dict
 
     rows: list[dict[str, Any]] = []
     largest = None
@@ -446,14 +446,14 @@ def summary(
 
 def wgrad_fusion_state() -> bool | None:
     """Whether the model's linear layers accumulate weight gradients fused (after the build)."""
-    from unirl.backends.megatron import wgrad_fusion
+    from unirl.backends.megatron.kernels import wgrad_fusion
 
     return wgrad_fusion._state["installed"]
 
 
 def triton_fusions_state() -> str:
     """``"on"`` or ``"off: <why>"`` for the Triton RoPE / SwiGLU kernels (after the build)."""
-    from unirl.backends.megatron import gpu_fusions
+    from unirl.backends.megatron.kernels import gpu_fusions
 
     return gpu_fusions.status()
 
@@ -467,7 +467,7 @@ def force_experts(choice: str) -> str:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from unirl.backends.megatron import model
-    from unirl.backends.megatron.grouped_experts import ExpertsChoice, GroupedExperts
+    from unirl.backends.megatron.moe.grouped_experts import ExpertsChoice, GroupedExperts
 
     forced = ExpertsChoice(
         module=SequentialMLP if choice == "sequential" else GroupedExperts,
@@ -540,13 +540,13 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from unirl.backends import build_backend
+    from unirl.core.config.derived import head_path
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
-    from unirl.core.run.algorithm import head_path
-    from unirl.core.run.config import config_from_dict
 
     experts = force_experts(args.experts)
     if args.no_wgrad_fusion:
-        from unirl.backends.megatron import wgrad_fusion
+        from unirl.backends.megatron.kernels import wgrad_fusion
 
         wgrad_fusion._state["installed"] = False
     hf = dict(MODELS[args.model])
@@ -581,7 +581,7 @@ def main() -> None:
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
             "wgrad_fusion": bool(wgrad_fusion_state()),
-            # Triton packed RoPE + SwiGLU backward (unirl.backends.megatron.gpu_fusions)
+            # Triton packed RoPE + SwiGLU backward (unirl.backends.megatron.kernels.gpu_fusions)
             "triton_fusions": triton_fusions_state(),
             # the training forward's head path (`unirl check`): with --fused-head, PPO-clip's
             # loss inside the head (3 head matmuls)

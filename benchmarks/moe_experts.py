@@ -112,7 +112,7 @@ def _config(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> 
 def _variants() -> dict[str, Any]:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from unirl.backends.megatron.grouped_experts import ExpertsChoice, GroupedExperts
+    from unirl.backends.megatron.moe.grouped_experts import ExpertsChoice, GroupedExperts
 
     return {
         "sequential": ExpertsChoice(module=SequentialMLP, name="sequential", reason="benchmark"),
@@ -134,7 +134,7 @@ def bench_experts(args: argparse.Namespace, shape: dict[str, int], dtype, device
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.spec_utils import build_module
 
-    from unirl.backends.megatron.grouped_experts import experts_spec
+    from unirl.backends.megatron.moe.grouped_experts import experts_spec
 
     tokens, experts, top_k = args.tokens, shape["experts"], shape["top_k"]
     g = torch.Generator().manual_seed(0)
@@ -202,8 +202,8 @@ def bench_layer(args: argparse.Namespace, shape: dict[str, int], dtype, device) 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from unirl.backends.megatron.grouped_dispatch import GroupedMoELayer
-    from unirl.backends.megatron.grouped_experts import GroupedExperts, experts_spec
+    from unirl.backends.megatron.moe.grouped_dispatch import GroupedMoELayer
+    from unirl.backends.megatron.moe.grouped_experts import GroupedExperts, experts_spec
 
     if device.type != "cuda":
         return {"skipped": "megatron-core's router and all-to-all dispatcher need CUDA"}
@@ -285,8 +285,8 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from unirl.backends.megatron import te_compat
-    from unirl.backends.megatron.grouped_experts import select_experts
+    from unirl.backends.megatron.compat import te as te_compat
+    from unirl.backends.megatron.moe.grouped_experts import select_experts
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:

@@ -40,7 +40,7 @@ def main() -> None:
     import torch
     import vllm
 
-    from unirl.core.run.config import load_config
+    from unirl.core.config.run_config import load_config
     from unirl.core.weight_stream import as_buckets
     from unirl.rollouts import build_rollout_source, build_task_model
     from unirl.rollouts.sampler_source import SamplerRolloutSource

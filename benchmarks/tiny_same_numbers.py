@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    from unirl.core.run.config import load_config
+    from unirl.core.config.run_config import load_config
     from unirl.train import train
 
     before = [json.loads(line) for line in BEFORE.read_text().splitlines()][: args.steps]

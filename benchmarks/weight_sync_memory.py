@@ -18,7 +18,7 @@ Megatron tp2 and FSDP2 (full sharding, dp2). Per rank:
    rank-0 receiver that writes safetensors, as the vLLM file transport does:
 
    - ``stream``: `TrainingBackend.stream_weights` with 64 MiB buckets, one file per bucket
-     (`unirl.rollouts.vllm.weights.WeightFolder`); the other rank only takes part in the
+     (`unirl.rollouts.serving.weights.WeightFolder`); the other rank only takes part in the
      gathers; measured three times (the first sync of a process, then two more);
    - ``full_state_dict``: the old path, `hf_state_dict()` on every rank, a non-finite scan of
      it, one file from rank 0 (for comparison; measured after the streams).
@@ -155,7 +155,7 @@ def _measure(fn: Callable[[], None]) -> dict[str, float]:
 
 
 def _config(name: str, run_dir: str) -> Any:
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
 
     layout = LAYOUTS[name][1]
     data = {
@@ -182,7 +182,7 @@ def _worker(rank: int, world_size: int, name: str, work: str) -> dict[str, Any]:
     from unirl.core.data.rollout import RolloutBatch
     from unirl.core.step import RLStep
     from unirl.core.weight_stream import MIB, as_buckets, drain, first_non_finite_local
-    from unirl.rollouts.vllm.weights import WeightFolder
+    from unirl.rollouts.serving.weights import WeightFolder
 
     torch.set_num_threads(1)
     hf = dict(HF_CONFIG)

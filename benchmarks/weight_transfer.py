@@ -266,8 +266,8 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
     """In a fresh process: build, (step), sync once, report."""
     from benchmarks.megatron_throughput import rollout_records
     from unirl.backends import build_backend
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
-    from unirl.core.run.config import config_from_dict
     from unirl.core.step import RLStep
     from unirl.core.weight_stream import MIB, flat_buffer
     from unirl.rollouts.vllm.transport import pack_bucket

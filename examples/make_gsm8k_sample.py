@@ -58,8 +58,8 @@ def write_sample(out: Path, n: int, seed: int, n_test: int = 40) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
-    from unirl.rollouts.tokenizer import CharTokenizer
+    from unirl.rollouts.data.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
+    from unirl.rollouts.data.tokenizer import CharTokenizer
 
     rng = random.Random(seed)
     rows, seen = [], set()

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from unirl.backends.hf_model import load_policy
-from unirl.core.run.config import UnirlConfig, load_config
+from unirl.backends.causal_lm import load_policy
+from unirl.core.config.run_config import UnirlConfig, load_config
 from unirl.rollouts.routing_capture import moe_routers, write_moe_rollouts
 
 HERE = Path(__file__).parent

@@ -13,7 +13,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from unirl.core.run.config import load_config
+from unirl.core.config.run_config import load_config
 from unirl.rollouts import write_task_rollouts
 
 HERE = Path(__file__).parent

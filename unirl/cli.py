@@ -36,7 +36,7 @@ from unirl.cpu_threads import apply_cpu_thread_defaults
 from unirl.log_setup import apply_log_level, install_handler
 
 if TYPE_CHECKING:
-    from unirl.core.run.config import UnirlConfig
+    from unirl.core.config.run_config import UnirlConfig
 
 # torch is imported inside the commands, after `apply_cpu_thread_defaults` has set OpenMP's
 # environment (read once, when torch loads its OpenMP runtime).
@@ -73,6 +73,7 @@ def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
+    from unirl.core.config.derived import head_path
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
     from unirl.core.old_logprobs import (
@@ -81,7 +82,6 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         logprob_roles,
         uncorrected_staleness,
     )
-    from unirl.core.run.algorithm import head_path
 
     staleness = configured_staleness(cfg)
     decision = decide_old_logprobs(cfg, staleness=staleness)
@@ -142,8 +142,8 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from unirl.core.run.config import load_config
-    from unirl.core.run.paths import check_local_paths
+    from unirl.core.config.paths import check_local_paths
+    from unirl.core.config.run_config import load_config
     from unirl.rollouts.check import check_rollout_config
 
     cfg = load_config(args.config, args.set, world_size=args.world_size)
@@ -160,7 +160,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from unirl.core.run.config import load_config
+    from unirl.core.config.run_config import load_config
     from unirl.train import train, with_rollout_file
 
     cfg = load_config(args.config, args.set)

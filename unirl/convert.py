@@ -12,7 +12,7 @@ outside a training run. What SOURCE is decides the direction:
   with the run's tokenizer. Run it with the ranks that wrote the checkpoint.
 
 Every tensor is accounted for: a Hugging Face tensor the model has no parameter for, or a
-parameter no tensor fills, is an error naming it (`unirl.backends.megatron.convert`).
+parameter no tensor fills, is an error naming it (`unirl.backends.megatron.weights.hf_layout`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def convert(source: str, out: str, layout: dict[str, int | None], dtype: str | N
 
 
 def _hf_to_megatron(src: Path, dst: Path, given: dict[str, int], dtype: str | None) -> Path:
-    from unirl.core.run.config import ParallelConfig
+    from unirl.core.config.run_config import ParallelConfig
 
     world = _world_size()
     parallel = ParallelConfig(world_size=world, **given)
@@ -112,8 +112,8 @@ def checkpoint_to_hf(path: Path, out: Path) -> Path:
     import torch.distributed as dist
 
     from unirl.backends import build_backend
+    from unirl.core.config.run_config import config_from_dict, policy_rl_steps
     from unirl.core.run.checkpointing import read_marker, run_info
-    from unirl.core.run.config import config_from_dict, policy_rl_steps
     from unirl.rollouts.build import save_run_tokenizer
 
     saved: Any = run_info(path).get("config")

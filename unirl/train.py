@@ -19,21 +19,21 @@ import torch.distributed as dist
 import yaml
 
 from unirl.backends import build_backend, watchdog
+from unirl.core.config.derived import needs_reference
+from unirl.core.config.paths import check_local_paths
+from unirl.core.config.run_config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.critic import critic_summary
 from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
-from unirl.core.run import checkpointing
-from unirl.core.run import run_dir as run_dirs
-from unirl.core.run.algorithm import needs_reference
-from unirl.core.run.config import UnirlConfig, config_from_dict, policy_rl_steps
-from unirl.core.run.divergence import DivergenceGuard
-from unirl.core.run.metrics_log import MetricsLog
-from unirl.core.run.paths import check_local_paths
-from unirl.core.run.progress import (
+from unirl.core.progress.bars import (
     GenerationProgress,
     RunProgress,
     logs_step,
     progress_enabled,
 )
+from unirl.core.run import checkpointing
+from unirl.core.run import run_dir as run_dirs
+from unirl.core.run.divergence import DivergenceGuard
+from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.resume import check_resume_fits
 from unirl.core.run.wandb_log import WandbLog
 from unirl.core.source_plugin import SOURCES

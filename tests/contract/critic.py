@@ -105,7 +105,7 @@ def critic_values(backend: Any, records: list[dict[str, Any]]) -> dict[int, list
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.data.microbatch import build_microbatch
     from unirl.core.data.rollout import RolloutBatch
-    from unirl.core.run.progress import MicrobatchProgress
+    from unirl.core.progress.bars import MicrobatchProgress
 
     topo = backend.topology
     batch = RolloutBatch.from_records(fixtures.select_fields(records, ()))
@@ -138,8 +138,8 @@ def run_critic_job(rank: int, world_size: int, job: CriticJob) -> dict[str, Any]
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     os.environ["UNIRL_PROGRESS"] = "0"
     from unirl.core.backend_plugin import build_backend
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
-    from unirl.core.run.config import config_from_dict
     from unirl.core.step import RLStep
 
     work = Path(job.work_dir)

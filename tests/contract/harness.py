@@ -60,13 +60,13 @@ class Job:
 
 
 class BarSpy:
-    """Records every tqdm bar `unirl.core.run.progress` creates: phase, total, updates, closed."""
+    """Records every tqdm bar `unirl.core.progress.bars` creates: phase, total, updates, closed."""
 
     def __init__(self) -> None:
         self.bars: list[dict[str, Any]] = []
 
     def install(self) -> None:
-        from unirl.core.run import progress
+        from unirl.core.progress import bars as progress
 
         base = progress.tqdm
         spy = self
@@ -193,7 +193,7 @@ def forward_only(
     from unirl.core.data.microbatch import build_microbatch
     from unirl.core.data.rollout import RolloutBatch
     from unirl.core.maths.logprob_spec import LogprobSpec
-    from unirl.core.run.progress import MicrobatchProgress
+    from unirl.core.progress.bars import MicrobatchProgress
 
     topo = backend.topology
     batch = RolloutBatch.from_records(fixtures.select_fields(records, data))
@@ -280,7 +280,7 @@ class _GroupRun:
         return section(name, self.errors, self.timings)
 
     def cfg_of(self, variant: Mapping[str, Any]) -> Any:
-        from unirl.core.run.config import config_from_dict
+        from unirl.core.config.run_config import config_from_dict
 
         data = fixtures.variant_config(self.base, variant)
         return config_from_dict(data, world_size=self.world_size)
@@ -333,7 +333,7 @@ class _GroupRun:
                 self.replay()
         self.timings["total"] = time.perf_counter() - t0
         self.out["logprob_calls"] = dict(self.paths.calls)
-        compat = sys.modules.get("unirl.backends.megatron.cpu_compat")
+        compat = sys.modules.get("unirl.backends.megatron.compat.cpu")
         if compat is not None and compat.is_installed():  # patched lines of megatron-core that ran
             self.out["cpu_compat_lines"] = sorted(compat.reached_lines())
         return self.out

@@ -251,8 +251,8 @@ def test_cpu_compat_lines_listed(group):
     layout is one it lists (a patch reaching an unlisted CUDA line is an unreviewed change)."""
     reached = [r["cpu_compat_lines"] for r in group.ranks if "cpu_compat_lines" in r]
     if not reached:
-        pytest.skip("this backend runs without unirl.backends.megatron.cpu_compat")
-    from unirl.backends.megatron import cpu_compat
+        pytest.skip("this backend runs without unirl.backends.megatron.compat.cpu")
+    from unirl.backends.megatron.compat import cpu as cpu_compat
 
     unlisted = sorted(set().union(*reached) - cpu_compat.listed_lines())
     assert not unlisted, f"patched megatron-core lines ran but are not listed: {unlisted}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from unirl.core.run.config import load_config
+from unirl.core.config.run_config import load_config
 from unirl.train import train
 
 

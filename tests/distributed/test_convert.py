@@ -40,8 +40,8 @@ def _worker(rank, world_size, src, weights, back):
     from unirl.backends.megatron import build_backend
     from unirl.backends.megatron.weights_folder import MegatronWeights
     from unirl.convert import convert
+    from unirl.core.config.run_config import ParallelConfig, config_from_dict
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import ParallelConfig, config_from_dict
 
     convert(src, weights, LAYOUT, None)
     convert(weights, back, dict.fromkeys(LAYOUT), None)
@@ -116,7 +116,7 @@ def test_convert_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"--tp apply to a Hugging Face SOURCE only"):
         convert(str(fake), str(tmp_path / "o"), {**dict.fromkeys(LAYOUT), "tp": 2}, None)
     # the Hugging Face engines (DeepSpeed, FSDP2) name the folder and the way back
-    from unirl.backends.hf_model import load_pretrained
+    from unirl.backends.causal_lm import load_pretrained
 
     with pytest.raises(ConfigError, match=r"is a Megatron weights folder .*unirl convert"):
         load_pretrained(str(fake), torch.float32)

@@ -74,7 +74,7 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
     from unirl.core import backend as core_backend
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.maths.logprob_spec import LogprobSpec
-    from unirl.core.run.progress import MicrobatchProgress
+    from unirl.core.progress.bars import MicrobatchProgress
 
     in_head: list[int] = []  # core's head_loss calls (the loss inside the fused head)
     original = core_backend.head_loss

@@ -6,7 +6,7 @@
 - the backend at TP=2 over gloo, built from ``model.hf_config`` + ``init_seed``: its weights equal
   a Hugging Face model built independently with the same seed, a packed microbatch run as a
   padded batch through the chunk, and the same microbatches through megatron's schedule
-  (`forward_logprobs`, with `unirl.backends.megatron.cpu_compat`), give the HF model's
+  (`forward_logprobs`, with `unirl.backends.megatron.compat.cpu`), give the HF model's
   per-sequence fp64 log-probs.
 
 Training, the optimizer and checkpoints on every layout: the contract suite (`tests/contract`),
@@ -218,7 +218,7 @@ def test_vpp_group_size_by_hand(microbatches, pp, group):
 
 def test_zero_stage_selects_the_distributed_optimizer():
     from unirl.backends.megatron.optimizer import use_distributed_optimizer
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
 
     zero1 = _config_dict(1) | {"parallel": {"zero_stage": 1}}
     assert use_distributed_optimizer(config_from_dict(zero1, world_size=1)) is True
@@ -275,9 +275,9 @@ def _tp_worker(rank, world_size):
     from unirl.backends.megatron import build_backend
     from unirl.backends.megatron.padded import padded_shape, to_padded, valid_logits
     from unirl.core.backend import token_logprobs
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.maths.logprob_spec import LogprobSpec
-    from unirl.core.run.config import config_from_dict
-    from unirl.core.run.progress import MicrobatchProgress
+    from unirl.core.progress.bars import MicrobatchProgress
 
     cfg = config_from_dict(_config_dict(tp=2), world_size=world_size)
     backend = build_backend(cfg, total_optimizer_steps=2, needs_reference=True)

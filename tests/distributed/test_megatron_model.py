@@ -134,13 +134,17 @@ def _pipeline_logprobs(chunks, topo, ids):
 def _run_layout(tp, pp, vpp, cases, world, save_dir=None):
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights, save_hf
     from unirl.backends.megatron.model import build_model_chunks, chunk_layer_numbers
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
-    from unirl.core.run.config import ParallelConfig
+    from unirl.backends.megatron.weights.hf_layout import (
+        export_hf_state_dict,
+        load_hf_weights,
+        save_hf,
+    )
+    from unirl.core.config.run_config import ParallelConfig
 
     parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, world_size=world)
     initialize_parallel_state(parallel)
@@ -170,7 +174,7 @@ def _eight_layer_chunks(world):
 
     from unirl.backends.megatron.model import build_model_chunks, chunk_layer_numbers
     from unirl.backends.megatron.topology import initialize_parallel_state
-    from unirl.core.run.config import ParallelConfig
+    from unirl.core.config.run_config import ParallelConfig
 
     parallel = ParallelConfig(pp=2, vpp=2, world_size=world)
     initialize_parallel_state(parallel)
@@ -195,15 +199,15 @@ def _fused_head_tp2(cases, world):
     of the head's weight and of the final norm under sum(w_logp logp) + sum(w_ent H)."""
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron.convert import load_hf_weights
     from unirl.backends.megatron.fused_head import emit_hidden, head_weight
     from unirl.backends.megatron.model import build_model_chunks
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
+    from unirl.backends.megatron.weights.hf_layout import load_hf_weights
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
-    from unirl.core.run.config import ParallelConfig
 
     parallel = ParallelConfig(tp=2, world_size=world)
     initialize_parallel_state(parallel)
@@ -272,13 +276,13 @@ def _four_ranks(rank, world, cases, save_dir):
 def _one_rank(rank, world, cases):
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
     from unirl.backends.megatron.model import build_model_chunks
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
-    from unirl.core.run.config import ParallelConfig
+    from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights
+    from unirl.core.config.run_config import ParallelConfig
 
     results = _run_layout(1, 1, None, cases, world)
     # an explicit mask in Megatron's convention (True = masked out) gives the causal default
@@ -331,8 +335,8 @@ def _unsupported_configs():
 
 def _config_errors():
     from unirl.backends.megatron.model import check_hf_config
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import ParallelConfig
 
     messages = []
     for config, sizes, _ in _unsupported_configs():

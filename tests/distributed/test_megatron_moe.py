@@ -146,15 +146,15 @@ def _pipeline_logprobs(chunks, topo, ids):
 def _run_layout(sizes, cases, world):
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron import cpu_compat
-    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
+    from unirl.backends.megatron.compat import cpu as cpu_compat
     from unirl.backends.megatron.model import build_model_chunks
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
     from unirl.backends.megatron.weight_stream import stream_weights
-    from unirl.core.run.config import ParallelConfig
+    from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.topology import Topology
     from unirl.core.weight_stream import HOST
 
@@ -227,16 +227,16 @@ def _one_rank(rank, world, cases, folders):
     safetensors); the routers' recorded logits; the refusals."""
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron import cpu_compat
-    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
+    from unirl.backends.megatron.compat import cpu as cpu_compat
     from unirl.backends.megatron.model import build_model_chunks
-    from unirl.backends.megatron.moe import collect_router_logits
+    from unirl.backends.megatron.moe.layers import collect_router_logits
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
+    from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import ParallelConfig
 
     cpu_compat.install()
     results = _run_layout({}, cases, world)
@@ -274,10 +274,10 @@ def _weights(n):
 def _gradients(case, topo):
     """d/dθ sum_t w_t logp_t in train mode, the gradients written into the parameters and read
     out in HF names by the (exact, tested) export."""
-    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
     from unirl.backends.megatron.model import build_model_chunks
+    from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.maths.logprobs import logprobs_from_logits
-    from unirl.core.run.config import ParallelConfig
 
     config, state, ids, _, _ = case
     parallel = ParallelConfig(
@@ -368,7 +368,7 @@ def test_moe_layouts_logprobs_and_round_trip():
                     )
         assert len(last_stage) == (2 if layout == "pp2_ep2" else 4) * len(cases), layout
     # the all-to-all ran on gloo through cpu_compat, every line it patched listed
-    from unirl.backends.megatron import cpu_compat
+    from unirl.backends.megatron.compat import cpu as cpu_compat
 
     # gradients under expert parallel: a rank's dense weights see its own batch; an expert sees
     # the tokens routed to it from every rank of its expert tensor x expert parallel group
@@ -431,8 +431,8 @@ def test_moe_one_rank_folder_router_logits_and_refusals(tmp_path):
 
 def _plugin_errors():
     from unirl.backends.megatron.plugin import _check_experts
+    from unirl.core.config.run_config import AlgorithmConfig, ModelConfig, ParallelConfig
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import AlgorithmConfig, ModelConfig, ParallelConfig
 
     moe = {"model_type": "qwen3_moe", "num_experts": 8}
     saved = {"model_type": "qwen3_moe", "num_local_experts": 8}
@@ -471,8 +471,8 @@ def _plugin_errors():
 def test_expert_parallel_config_refusals():
     """What the plug-in refuses before any process starts (the model-side checks run at build)."""
     from unirl.backends.megatron.model import check_hf_config
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import ParallelConfig
 
     for pattern, message in _plugin_errors():
         if pattern is None:

@@ -103,11 +103,11 @@ def _loss_fn(settings, global_tokens):
 
 def _worker(rank, world_size, folder, etp, attentions):
     from unirl.backends.megatron import build_backend
+    from unirl.core.config.model_shape import moe_shape
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.moe_loss import RouterLossSettings
-    from unirl.core.run.config import config_from_dict
-    from unirl.core.run.model_shape import moe_shape
-    from unirl.core.run.progress import MicrobatchProgress
+    from unirl.core.progress.bars import MicrobatchProgress
 
     out = {}
     for attention in attentions:
@@ -244,8 +244,8 @@ def test_moe_ep2_tp2_etp1_matches_hugging_face(tmp_path):
 
 def test_moe_tensor_parallel_needs_sequence_parallel():
     """The plug-in's check, before any process starts."""
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import config_from_dict
 
     data = _config(None, "packed", None)
     data["model"] = {"hf_config": dict(HF_CONFIG), "init_seed": 3, "max_seq_len": 16}

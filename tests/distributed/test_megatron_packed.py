@@ -127,15 +127,15 @@ def _thd_rope_positions(layout):
 def _run(cp, world, state, tokens, cu, tp=1):
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron.convert import export_hf_state_dict, load_hf_weights
     from unirl.backends.megatron.model import build_model_chunks
     from unirl.backends.megatron.packed import PAD_PIECE, packed_model_inputs, to_packed_batch
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
+    from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.maths.logprobs import logprobs_from_logits
-    from unirl.core.run.config import ParallelConfig
 
     parallel = ParallelConfig(tp=tp, cp=cp, world_size=world)
     initialize_parallel_state(parallel)

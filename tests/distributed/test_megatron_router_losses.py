@@ -99,11 +99,11 @@ def _config(attention, pp):
 
 def _worker(rank, world_size, attention, pp):
     from unirl.backends.megatron import build_backend
+    from unirl.core.config.model_shape import moe_shape
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.moe_loss import LossWithRouterTerm, RouterLossSettings
-    from unirl.core.run.config import config_from_dict
-    from unirl.core.run.model_shape import moe_shape
-    from unirl.core.run.progress import MicrobatchProgress
+    from unirl.core.progress.bars import MicrobatchProgress
 
     cfg = config_from_dict(_config(attention, pp), world_size=world_size)
     backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
@@ -255,8 +255,8 @@ def test_router_losses_match_hugging_face(attention, pp):
 def test_megatron_refuses_what_it_cannot_route(changes, pattern):
     """The plug-in's check, before any process starts: router losses under pp x cp or full
     recompute, routing replay under full recompute."""
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import config_from_dict
 
     data = _config("packed", 1)
     for section, values in changes.items():

@@ -89,11 +89,11 @@ def _decisive(state):
 
 def _worker(rank, world_size, ep, pp, tp):
     from unirl.backends.megatron import build_backend
-    from unirl.backends.megatron.convert import load_hf_weights
+    from unirl.backends.megatron.weights.hf_layout import load_hf_weights
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.moe_loss import LossWithRouterTerm
-    from unirl.core.run.config import config_from_dict
-    from unirl.core.run.progress import MicrobatchProgress
+    from unirl.core.progress.bars import MicrobatchProgress
 
     out = {}
     for mode in ("rollout", "record"):

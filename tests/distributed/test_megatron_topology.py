@@ -23,7 +23,7 @@ def _read(rank, world, tp, pp, cp, vpp):
         initialize_parallel_state,
         topology_from_parallel_state,
     )
-    from unirl.core.run.config import ParallelConfig
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.topology import Topology
 
     initialize_parallel_state(ParallelConfig(tp=tp, pp=pp, cp=cp, vpp=vpp, world_size=world))

@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, prompts: str, log: str, hook_log: str) -> dict:
     import torch
 
     from tests.unit.worker_rewards import counted_hook
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
     from unirl.rollouts import build_rollout_source
     from unirl.rollouts.postprocess import apply_postprocess_hook
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tests.spawn import run_distributed
 from tests.unit.test_varlen_attention import bottom_right_causal_kernel
-from unirl.backends.megatron import varlen_attention as va
+from unirl.backends.megatron.kernels import varlen_attention as va
 from unirl.core.data.context_parallel import CPLayout, merge_cp_pieces
 
 LENGTHS = [9, 1, 3, 6]

@@ -29,9 +29,9 @@ pytest.importorskip(
 pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
 
 from unirl.backends import build_backend
+from unirl.core.config.derived import needs_reference
+from unirl.core.config.run_config import load_config
 from unirl.core.errors import RunError
-from unirl.core.run.algorithm import needs_reference
-from unirl.core.run.config import load_config
 from unirl.core.step import RLStep
 from unirl.core.weight_stream import as_buckets
 from unirl.rollouts import build_rollout_source

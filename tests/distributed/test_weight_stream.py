@@ -91,7 +91,7 @@ def _stream_to_mark(
 def _worker(rank: int, world_size: int, backend_name: str, layout: ContractLayout, model_dir: str,
             run_dir: str) -> dict[str, Any]:  # fmt: skip
     from unirl.core.backend_plugin import build_backend
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.weight_stream import NonFiniteWeightsError
 
     data = fixtures.base_config(

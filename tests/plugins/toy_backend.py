@@ -22,9 +22,9 @@ from unirl.backends.hf.loop import LogprobHead, forward_only_pass, training_pass
 from unirl.backends.hf.model import PackedModule
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.backend_plugin import BackendPlugin
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig
 from unirl.core.topology import Topology
 from unirl.core.weight_stream import (
     HOST,

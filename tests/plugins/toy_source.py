@@ -21,15 +21,15 @@ from typing import Any
 import attrs
 import torch
 
+from unirl.core.config.run_config import UnirlConfig
+from unirl.core.config.validators import non_negative, positive
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RunError
-from unirl.core.run.config import UnirlConfig
-from unirl.core.run.progress import GenerationProgress
-from unirl.core.run.validators import non_negative, positive
+from unirl.core.progress.bars import GenerationProgress
 from unirl.core.source_plugin import SourcePlugin
 from unirl.core.weight_stream import HOST, Bucket
 from unirl.rollouts.build import build_task
-from unirl.rollouts.tasks import Task, load_task_state, task_rewards, task_state
+from unirl.rollouts.data.tasks import Task, load_task_state, task_rewards, task_state
 
 LOGGER = "toy_engine"
 LOG_LEVEL_ENV = "TOY_ENGINE_LOG_LEVEL"

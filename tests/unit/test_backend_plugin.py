@@ -14,9 +14,9 @@ from tests.plugins import toy_backend
 from unirl.backends import BACKENDS, build_backend
 from unirl.cli import main
 from unirl.core.backend import InstrumentedBackend
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import config_from_dict
 from unirl.core.step import RLStep
 
 VOCAB = 8

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from unirl.core.config.run_config import config_from_dict, load_config
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import config_from_dict, load_config
 
 TINY = {"model_type": "llama", "num_hidden_layers": 4, "vocab_size": 32}
 

@@ -1,5 +1,5 @@
 """No config key that changes nothing: every field of every config section (the core sections,
-`unirl.core.run.sections`, assembled by `unirl.core.run.config`, each registered backend's own
+`unirl.core.config.sections`, assembled by `unirl.core.config.run_config`, each registered backend's own
 section and each registered rollout source's) is read somewhere in ``unirl/`` outside the modules
 that declare and check it (reads there only validate): for a core section, outside ``sections/``
 and ``config.py``.
@@ -12,7 +12,7 @@ also in tuple assignments), or a parameter annotated with the section's class
 (``"algorithm.clip_low"``, a key read with getattr) counts too; a key path inside a message (an f-string or a longer text)
 does not. A field name alone, read on anything, does not count: ``.mode`` or ``.dir`` are
 everywhere. A key declared on a loss or advantage settings field (``clip_low: float =
-LOSS.clip_low``, `unirl.core.run.sections.feeds`) reaches the code as that settings field: it
+LOSS.clip_low``, `unirl.core.config.sections.feeds`) reaches the code as that settings field: it
 counts as read where the settings field is read (``settings.clip_low`` on a parameter annotated
 ``LossSettings``, or ``self.loss_settings.clip_low``) outside the settings and config modules.
 """
@@ -29,9 +29,9 @@ from pathlib import Path
 import attrs
 
 from unirl.backends import BACKENDS
-from unirl.core.run import config as config_module
-from unirl.core.run.config import UnirlConfig
-from unirl.core.run.sections.feeds import FEEDS
+from unirl.core.config import run_config as config_module
+from unirl.core.config.run_config import UnirlConfig
+from unirl.core.config.sections.feeds import FEEDS
 from unirl.core.source_plugin import SOURCES
 
 UNIRL = Path(config_module.__file__).parents[2]
@@ -260,7 +260,7 @@ def unread_keys(root: Path = UNIRL) -> list[str]:
     for cls, names in found.items():
         for name in names:
             by_access[name].add(cls)
-    # A key declared on a settings field (`unirl.core.run.sections.feeds`) is read by the
+    # A key declared on a settings field (`unirl.core.config.sections.feeds`) is read by the
     # settings builder for every key alike; it counts as read where its settings field is.
     fed = fed_settings(found)
     for settings_cls in {settings_cls for settings_cls, _ in fed.values()}:
@@ -337,7 +337,7 @@ def unrelated(thing):
     visitor = _Reads(by_access, by_class_name)
     visitor.visit(ast.parse(source))
     names = {(cls.__name__, field) for cls, field in visitor.reads}
-    from unirl.core.run.config import AlgorithmConfig, KLConfig, ModelConfig, ParallelConfig
+    from unirl.core.config.run_config import AlgorithmConfig, KLConfig, ModelConfig, ParallelConfig
 
     for cls, field in [
         (AlgorithmConfig, "clip_low"),

@@ -1,6 +1,6 @@
 """The algorithm section and the loss / advantage settings share one source: the settings classes
 own every default and rule, the config only declares which YAML key sets which settings field
-(`unirl.core.run.sections.feeds`). A default config must give default settings, and a bad value
+(`unirl.core.config.sections.feeds`). A default config must give default settings, and a bad value
 must be refused with the key the user wrote, not the settings field's name."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import typing
 import attrs
 import pytest
 
+from unirl.core.config.derived import advantage_settings, loss_settings
+from unirl.core.config.run_config import AlgorithmConfig, KLInRewardConfig, config_from_dict
+from unirl.core.config.sections.feeds import FEEDS, fed_fields
 from unirl.core.errors import ConfigError
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.losses import LossSettings
-from unirl.core.run.algorithm import advantage_settings, loss_settings
-from unirl.core.run.config import AlgorithmConfig, KLInRewardConfig, config_from_dict
-from unirl.core.run.sections.feeds import FEEDS, fed_fields
 
 MINIMAL = {
     "model": {"hf_config": {"model_type": "llama", "num_hidden_layers": 2, "vocab_size": 32}},

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from unirl.core.config.run_config import config_from_dict, critic_enabled, policy_rl_steps
 from unirl.core.critic import critic_optimizer_steps, value_metrics
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import LossSettings, critic_loss
-from unirl.core.run.config import config_from_dict, critic_enabled, policy_rl_steps
 
 BASE = {
     "model": {"hf_config": {"model_type": "llama"}},

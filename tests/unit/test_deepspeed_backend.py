@@ -18,11 +18,7 @@ pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
 from unirl.core.backend import TrainingBackend  # noqa: E402
-from unirl.core.data.microbatch import TrainMicrobatch  # noqa: E402
-from unirl.core.errors import ConfigError  # noqa: E402
-from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
-from unirl.core.maths.losses import Metric  # noqa: E402
-from unirl.core.run.config import (  # noqa: E402
+from unirl.core.config.run_config import (  # noqa: E402
     BatchConfig,
     ModelConfig,
     OptimizerConfig,
@@ -30,7 +26,11 @@ from unirl.core.run.config import (  # noqa: E402
     ProgressConfig,
     UnirlConfig,
 )
-from unirl.core.run.progress import MicrobatchProgress  # noqa: E402
+from unirl.core.data.microbatch import TrainMicrobatch  # noqa: E402
+from unirl.core.errors import ConfigError  # noqa: E402
+from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
+from unirl.core.maths.losses import Metric  # noqa: E402
+from unirl.core.progress.bars import MicrobatchProgress  # noqa: E402
 
 VOCAB = 64
 HF_CONFIG = dict(

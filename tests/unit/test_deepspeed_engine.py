@@ -16,14 +16,14 @@ from unirl.backends.deepspeed.distributed import clear_stale_baton, op_build_loc
 from unirl.backends.deepspeed.engine import deepspeed_config
 from unirl.backends.deepspeed.plugin import DeepSpeedOptions
 from unirl.backends.hf.optim import ScheduledLR, adamw_param_groups
-from unirl.core.errors import ConfigError
-from unirl.core.run.config import (
+from unirl.core.config.run_config import (
     BatchConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     UnirlConfig,
 )
+from unirl.core.errors import ConfigError
 from unirl.core.run.lr_schedule import check_schedule, learning_rate, lr_multiplier
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn episodes, token in and token out (`unirl.rollouts.episodes`): the sample holds the
+"""Multi-turn episodes, token in and token out (`unirl.rollouts.environments.episodes`): the sample holds the
 engine's sampled ids and the observations' ids, never a re-tokenisation; masks, log-probs,
 rewards, limits, metrics and environment failures against hand-built expectations."""
 
@@ -12,11 +12,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.step import _batch_metrics
+from unirl.rollouts.data.tasks import make_task
 from unirl.rollouts.environments import Observation, make_environment
-from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
+from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.sampler import Generation
 from unirl.rollouts.sampler_source import SamplerRolloutSource
-from unirl.rollouts.tasks import make_task
 
 VOCAB = 20
 
@@ -335,7 +335,7 @@ def test_hidden_number_environment():
 def _example(**rollout):
     import yaml
 
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
 
     with open("examples/tiny_multiturn.yaml") as f:
         data = yaml.safe_load(f)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import config_from_dict
 from unirl.rollouts.eval_metrics import eval_metrics, pass_at_k, reported_ks
 
 
@@ -122,7 +122,7 @@ def test_eval_config_rules(tmp_path):
         config_from_dict(
             _data(tmp_path, eval_section={"prompts": held, "reward_options": {"a": 1}})
         )
-    from unirl.core.run.paths import check_local_paths
+    from unirl.core.config.paths import check_local_paths
 
     with pytest.raises(ConfigError, match=r"eval.prompts=.*held.jsonl' does not exist"):
         check_local_paths(config_from_dict(_data(tmp_path, eval_section={"prompts": held})))

@@ -255,7 +255,7 @@ def test_reference_is_the_initial_policy_and_frozen(tiny_folder, tmp_path):
 
 def test_config_section_and_errors_name_the_key(tiny_folder):
     from unirl.backends.fsdp2.plugin import Fsdp2Options
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
 
     base = {
         "backend": "fsdp2",

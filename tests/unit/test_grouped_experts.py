@@ -1,4 +1,4 @@
-"""`unirl.backends.megatron.grouped_experts`: `GroupedExperts` against a per-expert Python loop
+"""`unirl.backends.megatron.moe.grouped_experts`: `GroupedExperts` against a per-expert Python loop
 written here (fp64) and against megatron's `SequentialMLP` with the same weights, forward and
 gradients of the input, the router probabilities and every expert weight, with experts that get
 no token; the selector's choices and reasons; the weight gradients under megatron DDP's
@@ -66,7 +66,7 @@ def _build_pair(num_experts: int, dtype: torch.dtype, device: torch.device, **ov
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.spec_utils import build_module
 
-    from unirl.backends.megatron.grouped_experts import (
+    from unirl.backends.megatron.moe.grouped_experts import (
         ExpertsChoice,
         GroupedExperts,
         experts_spec,
@@ -195,7 +195,7 @@ def test_grouped_equals_the_loop_and_sequential_mlp_on_the_cpu():
 
 
 def test_unsupported_configs_are_refused_and_left_to_sequential():
-    from unirl.backends.megatron.grouped_experts import (
+    from unirl.backends.megatron.moe.grouped_experts import (
         GroupedExperts,
         select_experts,
         unsupported_reason,
@@ -221,7 +221,7 @@ def test_megatron_experts_forces_a_module_and_refuses_what_grouped_cannot_comput
     error naming the key, not a silent SequentialMLP."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from unirl.backends.megatron.grouped_experts import GroupedExperts, select_experts
+    from unirl.backends.megatron.moe.grouped_experts import GroupedExperts, select_experts
     from unirl.core.errors import ConfigError
 
     on_cpu = select_experts(torch.device("cpu"), _config(4), "grouped")
@@ -235,7 +235,7 @@ def test_megatron_experts_forces_a_module_and_refuses_what_grouped_cannot_comput
 def test_selector_picks_sequential_on_the_cpu_and_without_grouped_mm(monkeypatch):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from unirl.backends.megatron.grouped_experts import select_experts
+    from unirl.backends.megatron.moe.grouped_experts import select_experts
 
     on_cpu = select_experts(torch.device("cpu"), _config(4))
     assert on_cpu.module is SequentialMLP and "the device is cpu" in on_cpu.reason
@@ -255,7 +255,7 @@ GPU_CASES = ([1, 0, 17, 64, 3, 0, 100, 5], [0, 256, 0, 0])
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_grouped_on_cuda_equals_the_loop_and_sequential_mlp(dtype_name):
-    from unirl.backends.megatron.grouped_experts import select_experts
+    from unirl.backends.megatron.moe.grouped_experts import select_experts
 
     choice = select_experts(torch.device("cuda", 0), _config(4, getattr(torch, dtype_name)))
     assert choice.name == "grouped", choice.reason
@@ -279,8 +279,9 @@ def _layer_check(rank, world, device_name, dispatcher, dtype_name, tol):
     from megatron.core.transformer.moe import router as router_module
     from megatron.core.transformer.spec_utils import build_module
 
-    from unirl.backends.megatron import cpu_compat, te_compat
-    from unirl.backends.megatron.grouped_experts import (
+    from unirl.backends.megatron.compat import cpu as cpu_compat
+    from unirl.backends.megatron.compat import te as te_compat
+    from unirl.backends.megatron.moe.grouped_experts import (
         ExpertsChoice,
         GroupedExperts,
         experts_spec,
@@ -353,7 +354,7 @@ def _moe_spec_experts(rank, world, device_name):
     from transformers import Qwen3MoeConfig
 
     from unirl.backends.megatron.model import moe_block_spec, transformer_config
-    from unirl.core.run.config import ParallelConfig
+    from unirl.core.config.run_config import ParallelConfig
 
     hf = Qwen3MoeConfig(
         hidden_size=32,
@@ -387,7 +388,7 @@ def test_the_moe_spec_uses_sequential_mlp_on_the_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_moe_spec_uses_grouped_experts_on_cuda():
     pytest.importorskip("transformers")
-    from unirl.backends.megatron.grouped_experts import grouped_mm_available
+    from unirl.backends.megatron.moe.grouped_experts import grouped_mm_available
 
     if not grouped_mm_available():
         pytest.skip("this torch has no torch._grouped_mm")
@@ -506,10 +507,18 @@ def _layer_pair(device, dtype, num_experts, local_dispatch=True):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from unirl.backends.megatron import cpu_compat, te_compat
-    from unirl.backends.megatron.grouped_dispatch import GroupedMoELayer, LocalAlltoAllDispatcher
-    from unirl.backends.megatron.grouped_experts import ExpertsChoice, GroupedExperts, experts_spec
-    from unirl.backends.megatron.moe import RecordingTopKRouter
+    from unirl.backends.megatron.compat import cpu as cpu_compat
+    from unirl.backends.megatron.compat import te as te_compat
+    from unirl.backends.megatron.moe.grouped_dispatch import (
+        GroupedMoELayer,
+        LocalAlltoAllDispatcher,
+    )
+    from unirl.backends.megatron.moe.grouped_experts import (
+        ExpertsChoice,
+        GroupedExperts,
+        experts_spec,
+    )
+    from unirl.backends.megatron.moe.layers import RecordingTopKRouter
 
     if device.type == "cpu":
         cpu_compat.install()

@@ -16,8 +16,8 @@ pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deep
 pytest.importorskip("pyarrow", reason="needs pyarrow (pip install unirl[datasets])")
 
 from unirl.core.run.metrics_log import read_metrics
-from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.data.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
+from unirl.rollouts.data.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "examples" / "gsm8k.yaml"
@@ -117,7 +117,7 @@ def test_the_readme_real_model_form_is_a_valid_config():
     import yaml
 
     from tests.unit.readme import readme_snippet
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
 
     data = yaml.safe_load(RECIPE.read_text())
     for section, values in yaml.safe_load(readme_snippet("gsm8k-real", "yaml")).items():

@@ -8,13 +8,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from unirl.backends.hf_model import (  # noqa: E402
+from unirl.backends.causal_lm import (  # noqa: E402
     build_from_config,
     load_policy,
     load_reference,
 )
+from unirl.core.config.run_config import ModelConfig  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
-from unirl.core.run.config import ModelConfig  # noqa: E402
 
 HF_CONFIG = dict(
     model_type="llama",

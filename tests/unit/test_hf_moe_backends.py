@@ -34,12 +34,12 @@ from tests.unit.test_deepspeed_backend import (  # noqa: E402
     pack,
 )
 from tests.unit.test_hf_router_replay import hand_forced, random_experts  # noqa: E402
+from unirl.core.config.model_shape import moe_shape  # noqa: E402
+from unirl.core.config.sections.algorithm import AlgorithmConfig  # noqa: E402
 from unirl.core.data.routed_experts import FREE  # noqa: E402
 from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
 from unirl.core.maths.losses import Metric, reduce_metrics  # noqa: E402
 from unirl.core.moe_loss import RouterLossSettings, router_term  # noqa: E402
-from unirl.core.run.model_shape import moe_shape  # noqa: E402
-from unirl.core.run.sections.algorithm import AlgorithmConfig  # noqa: E402
 
 VOCAB = 64
 EXPERTS, TOP_K, LAYERS = 8, 2, 2

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from unirl.rollouts.hf_tokenizer import (
+from unirl.rollouts.data.hf_tokenizer import (
     HFTokenizer,
     char_tokenizer_to_hf,
     load_hf_tokenizer,
     save_hf_tokenizer,
 )
-from unirl.rollouts.tasks import DIGITS
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.data.tasks import DIGITS
+from unirl.rollouts.data.tokenizer import CharTokenizer
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

@@ -173,3 +173,55 @@ def test_no_import_cycle_in_unirl():
     assert not found, (
         f"{len(found)} import cycles in unirl/ (the shortest through each module of a circle):\n  {listed}"
     )
+
+
+def room_graph(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """The graph between the rooms of ``package``: each direct child (a module or a sub-package
+    with everything under it) is one node; an import between two children is one edge."""
+
+    def room(module: str) -> str | None:
+        if not module.startswith(package + "."):
+            return None
+        return f"{package}.{module[len(package) + 1 :].split('.')[0]}"
+
+    rooms: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        source = room(module)
+        if source is None:
+            continue
+        rooms.setdefault(source, set())
+        for target in filter(None, map(room, imported)):
+            if target != source:
+                rooms[source].add(target)
+                rooms.setdefault(target, set())
+    return rooms
+
+
+def test_room_graph_collapses_children(tmp_path):
+    """Two modules without a circle between them still make one between their rooms when each
+    room imports the other: the drawing at that level is a circle."""
+    pkg = tmp_path / "pkg"
+    for room in ("low", "high"):
+        (pkg / room).mkdir(parents=True)
+        (pkg / room / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("from pkg.high import b\n")
+    (pkg / "high" / "b.py").write_text("x = 1\n")
+    (pkg / "high" / "c.py").write_text("from pkg.low import d\n")
+    (pkg / "low" / "d.py").write_text("y = 1\n")
+    graph = import_graph(pkg)
+    assert cycles(graph) == []
+    rooms = room_graph(graph, "pkg")
+    assert rooms == {"pkg.low": {"pkg.high"}, "pkg.high": {"pkg.low"}}
+    assert cycles(rooms) == [["pkg.high", "pkg.low", "pkg.high"]]
+
+
+def test_no_circle_between_rooms_at_any_level():
+    """Every package's rooms (its modules and sub-packages) import each other one way only: the
+    drawing of each level has no circle, so no import runs upward at any level."""
+    graph = import_graph()
+    packages = sorted({m for m in graph if any(o.startswith(m + ".") for o in graph)})
+    found = [
+        " -> ".join(cycle) for package in packages for cycle in cycles(room_graph(graph, package))
+    ]
+    assert not found, "circles between rooms:\n  " + "\n  ".join(found)

@@ -71,7 +71,7 @@ def test_refused_for_an_mlp_liger_would_change(fields):
 
 
 def test_megatron_refuses_the_key():
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
 
     with pytest.raises(ConfigError, match=r"model.liger_kernels: true is for the Hugging Face"):
         config_from_dict(
@@ -83,7 +83,7 @@ def test_megatron_refuses_the_key():
 
 
 def test_off_by_default():
-    from unirl.core.run.sections.model import ModelConfig
+    from unirl.core.config.sections.model import ModelConfig
 
     assert ModelConfig().liger_kernels is False
 

@@ -314,10 +314,10 @@ def test_target_range_check_is_left_out_only_when_asked() -> None:
 def test_rl_step_specs_rely_on_the_batch_check() -> None:
     """The RL step's log-prob specs skip the per-call check because `RLStep.run` validates the
     batch's ids first (`RolloutBatch.validate`, which rejects an id outside the vocabulary)."""
+    from unirl.core.config.derived import forward_logprob_spec, train_logprob_spec
+    from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
     from unirl.core.errors import RolloutDataError
-    from unirl.core.run.algorithm import forward_logprob_spec, train_logprob_spec
-    from unirl.core.run.config import config_from_dict
 
     cfg = config_from_dict(
         {

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from unirl.rollouts.math_reward import (
+from unirl.rollouts.rewards.math import (
     exact_match,
     extract_answer,
     gsm8k,

@@ -2,7 +2,7 @@
 against the suite's independent single-process reference, for every layout the suite registers
 for Megatron (packed and padded, TP, PP, VPP, CP, DP, the distributed optimizer, TP x PP) that the
 machine's GPUs allow. One NCCL process per GPU; megatron-core runs unpatched (the same layouts run
-on the CPU over gloo in `tests/contract`, through `unirl.backends.megatron.cpu_compat`).
+on the CPU over gloo in `tests/contract`, through `unirl.backends.megatron.compat.cpu`).
 
 bf16 and the larger layouts run in `benchmarks/megatron_contract.py` (results in
 `benchmarks/results/megatron_contract_h200.json`).

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from unirl.backends.megatron.convert import (
+from unirl.backends.megatron.weights.hf_layout import (
     deinterleave_qkv,
     fuse_gate_up,
     interleave_qkv,

@@ -1,4 +1,4 @@
-"""`unirl.backends.megatron.cpu_compat`, by hand: its version gate, the CPU stand-ins for
+"""`unirl.backends.megatron.compat.cpu`, by hand: its version gate, the CPU stand-ins for
 ``torch`` and ``Tensor.type()``, and that every line it lists reads ``cuda`` in the installed
 megatron-core. (That each patched line that runs is listed: `tests/contract/test_contract.py`.)"""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 def test_refuses_an_unchecked_megatron_version(monkeypatch):
     from megatron.core import package_info
 
-    from unirl.backends.megatron import cpu_compat
+    from unirl.backends.megatron.compat import cpu as cpu_compat
 
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     with pytest.raises(
@@ -27,7 +27,7 @@ def test_refuses_an_unchecked_megatron_version(monkeypatch):
 
 
 def test_refuses_to_patch_where_cuda_is_available(monkeypatch):
-    from unirl.backends.megatron import cpu_compat
+    from unirl.backends.megatron.compat import cpu as cpu_compat
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpu_compat, "_installed", False)
@@ -38,7 +38,7 @@ def test_refuses_to_patch_where_cuda_is_available(monkeypatch):
 def test_listed_lines_read_cuda_in_the_installed_megatron_core():
     import megatron.core
 
-    from unirl.backends.megatron import cpu_compat
+    from unirl.backends.megatron.compat import cpu as cpu_compat
 
     cpu_compat.check_version()
     root = Path(megatron.core.__file__).parent
@@ -53,7 +53,7 @@ def test_listed_lines_read_cuda_in_the_installed_megatron_core():
 
 
 def test_host_torch_builds_cuda_requests_on_the_cpu():
-    from unirl.backends.megatron.cpu_compat import _HostTorch
+    from unirl.backends.megatron.compat.cpu import _HostTorch
 
     host = _HostTorch()
     for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
@@ -68,7 +68,7 @@ def test_host_torch_builds_cuda_requests_on_the_cpu():
 
 
 def test_cuda_type_names_only_inside_the_patched_call():
-    from unirl.backends.megatron.cpu_compat import _with_cpu_type_names
+    from unirl.backends.megatron.compat.cpu import _with_cpu_type_names
 
     seen = _with_cpu_type_names(lambda t: (t.type(), t.type(torch.float64).dtype))
     assert seen(torch.zeros(1)) == ("torch.cuda.FloatTensor", torch.float64)

@@ -1,4 +1,4 @@
-"""`unirl.backends.megatron.cpu_jit`: on a CPU-only process megatron-core's jit module is
+"""`unirl.backends.megatron.compat.cpu_jit`: on a CPU-only process megatron-core's jit module is
 executed as written and then its own ``disable_jit_fuser()`` runs, before any importer binds
 ``jit_fuser``. Checked on a stand-in package written here (importing megatron-core would cost the
 seconds this saves), and against the source lines of the installed megatron-core it relies on."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unirl.backends.megatron import cpu_jit
+from unirl.backends.megatron.compat import cpu_jit
 
 JIT_SOURCE = """
 import torch

@@ -59,7 +59,7 @@ def _te_spec_experts(rank, world, requested):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from unirl.backends.megatron import model
-    from unirl.core.run.config import ParallelConfig
+    from unirl.core.config.run_config import ParallelConfig
 
     class TEExpertsStandIn(torch.nn.Module):
         pass
@@ -130,8 +130,8 @@ def test_dense_model_refuses_a_forced_experts_module_at_build(requested):
     from transformers import Qwen2Config
 
     from unirl.backends.megatron.model import build_gpt_model
+    from unirl.core.config.run_config import ParallelConfig
     from unirl.core.errors import ConfigError
-    from unirl.core.run.config import ParallelConfig
 
     # refused before anything is built: no parallel state needed to reach the error
     with pytest.raises(
@@ -162,7 +162,7 @@ def test_the_build_check_passes_auto_and_moe_models():
 
 def _megatron_config(tmp_path, experts):
     from tests.unit.test_config import base
-    from unirl.core.run.config import config_from_dict
+    from unirl.core.config.run_config import config_from_dict
 
     data = base(backend="megatron", megatron={"experts": experts})
     data["model"] = {"path": str(tmp_path)}  # a folder without config.json

@@ -1,5 +1,5 @@
 """The Triton packed RoPE and SwiGLU backward that replace megatron-core's unfused functions on
-CUDA (`unirl.backends.megatron.gpu_fusions`): the frequency rows and cos / sin tables against
+CUDA (`unirl.backends.megatron.kernels.gpu_fusions`): the frequency rows and cos / sin tables against
 megatron's own per-sequence construction on the CPU, the CPU left on megatron's code, and on a
 GPU the kernels against megatron's unfused RoPE (bf16: bit for bit) and eager SwiGLU."""
 
@@ -17,7 +17,7 @@ from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer import TransformerConfig
 
-from unirl.backends.megatron import fused_rmsnorm, fused_rope, fused_swiglu, gpu_fusions
+from unirl.backends.megatron.kernels import fused_rmsnorm, fused_rope, fused_swiglu, gpu_fusions
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels)")
 

@@ -1,4 +1,4 @@
-"""`unirl.backends.megatron.linear_bias`: megatron's linear layers with the bias added in the
+"""`unirl.backends.megatron.kernels.linear_bias`: megatron's linear layers with the bias added in the
 matmul's epilogue. On the CPU (the classes run anywhere; gpu_fusions installs them on CUDA only):
 the forward against a float64 reference, megatron's backward through the new forward giving
 megatron's gradients, and the calls it hands back to megatron."""
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install unirl[megatron])")
 
-from unirl.backends.megatron import linear_bias
+from unirl.backends.megatron.kernels import linear_bias
 
 TRAINABLE = (False, False, False, None, 0, None)  # no fusion, no TP all-reduce, no SP, no buffer
 

@@ -1,4 +1,4 @@
-"""`unirl.backends.megatron.multi_tensor`: the gradient norm and clipping megatron-core runs
+"""`unirl.backends.megatron.kernels.multi_tensor`: the gradient norm and clipping megatron-core runs
 without TE / Apex, against the norm of all values at once in fp64 written here; `install`
 leaves the CPU to `cpu_compat`. The CUDA install (megatron's own `get_grad_norm_fp32` then):
 the `gpu` test."""
@@ -27,7 +27,7 @@ def _reference_norm(grads: list[torch.Tensor]) -> float:
 
 
 def test_l2_norm_is_the_norm_of_all_values_and_scale_multiplies():
-    from unirl.backends.megatron.multi_tensor import foreach_l2_norm, foreach_scale
+    from unirl.backends.megatron.kernels.multi_tensor import foreach_l2_norm, foreach_scale
 
     grads = _grads()
     flag = torch.zeros(1, dtype=torch.int)
@@ -48,7 +48,7 @@ def test_l2_norm_is_the_norm_of_all_values_and_scale_multiplies():
 def test_install_leaves_the_cpu_to_cpu_compat():
     from megatron.core.optimizer import clip_grads
 
-    from unirl.backends.megatron import multi_tensor
+    from unirl.backends.megatron.kernels import multi_tensor
 
     before = clip_grads.l2_norm_impl
     assert multi_tensor.install() is False
@@ -60,7 +60,7 @@ def test_install_leaves_the_cpu_to_cpu_compat():
 def test_megatron_grad_norm_on_cuda_after_install():
     from megatron.core.optimizer import clip_grads
 
-    from unirl.backends.megatron import multi_tensor
+    from unirl.backends.megatron.kernels import multi_tensor
 
     multi_tensor.install()
     assert clip_grads.l2_norm_impl is multi_tensor.foreach_l2_norm

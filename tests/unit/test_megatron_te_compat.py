@@ -1,4 +1,4 @@
-"""`unirl.backends.megatron.te_compat`: without Transformer Engine megatron-core 0.16.1's MoE
+"""`unirl.backends.megatron.compat.te`: without Transformer Engine megatron-core 0.16.1's MoE
 router gating raises ``NameError`` on ``te_general_gemm``; after `install()` it runs megatron's
 torch branch, checked against the matmul and the top-k routing written out here."""
 
@@ -23,7 +23,7 @@ def unpatched(monkeypatch):
     """moe_utils as megatron-core leaves it without TE (whatever ran before in this process)."""
     from megatron.core.transformer.moe import moe_utils
 
-    from unirl.backends.megatron import te_compat
+    from unirl.backends.megatron.compat import te as te_compat
 
     if moe_utils.HAVE_TE:
         pytest.skip("Transformer Engine is installed: megatron-core binds te_general_gemm")
@@ -36,7 +36,7 @@ def test_listed_lines_read_the_name_in_the_installed_megatron_core():
     import megatron.core
     from megatron.core import package_info
 
-    from unirl.backends.megatron import te_compat
+    from unirl.backends.megatron.compat import te as te_compat
 
     assert package_info.__version__ in te_compat.CHECKED_VERSIONS
     root = Path(megatron.core.__file__).parent
@@ -48,7 +48,7 @@ def test_listed_lines_read_the_name_in_the_installed_megatron_core():
 
 
 def test_router_gating_fails_without_the_patch_and_matches_the_matmul_with_it(unpatched):
-    from unirl.backends.megatron import te_compat
+    from unirl.backends.megatron.compat import te as te_compat
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 8, generator=g, requires_grad=True)
@@ -69,7 +69,7 @@ def test_router_gating_fails_without_the_patch_and_matches_the_matmul_with_it(un
 
 
 def test_nothing_to_do_where_te_imported(unpatched, monkeypatch):
-    from unirl.backends.megatron import te_compat
+    from unirl.backends.megatron.compat import te as te_compat
 
     monkeypatch.setattr(unpatched, "HAVE_TE", True)
     te_compat.install()
@@ -79,7 +79,7 @@ def test_nothing_to_do_where_te_imported(unpatched, monkeypatch):
 def test_refuses_an_unchecked_megatron_version(unpatched, monkeypatch):
     from megatron.core import package_info
 
-    from unirl.backends.megatron import te_compat
+    from unirl.backends.megatron.compat import te as te_compat
 
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     with pytest.raises(RuntimeError, match=r"found megatron-core 0\.17\.0: install megatron-core"):
@@ -96,9 +96,11 @@ def _router_forward(rank, world):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from unirl.backends.megatron import cpu_compat, te_compat
+    from unirl.backends.megatron.compat import cpu as cpu_compat
 
     # router.py:90 moves a CPU router weight to CUDA: a CPU-only line, stood in for here as
+    from unirl.backends.megatron.compat import te as te_compat
+
     # cpu_compat does for its listed lines (the patch under test is the TE one)
     router_module.torch = cpu_compat._HostTorch()
     ps.initialize_model_parallel(1, 1)

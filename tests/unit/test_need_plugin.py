@@ -9,8 +9,8 @@ import yaml
 
 from unirl.cli import main
 from unirl.core import old_logprobs
+from unirl.core.config.run_config import UnirlConfig, config_from_dict
 from unirl.core.old_logprobs import RolloutShape, decide_old_logprobs, register_need
-from unirl.core.run.config import UnirlConfig, config_from_dict
 
 CONFIG = {
     "model": {"hf_config": {"model_type": "llama", "vocab_size": 16}},

@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 from unirl.core.errors import ConfigError
-from unirl.core.run import progress
-from unirl.core.run.progress import (
+from unirl.core.progress import bars as progress
+from unirl.core.progress.bars import (
     GenerationProgress,
     MicrobatchProgress,
     RunProgress,
@@ -22,7 +22,7 @@ from unirl.core.run.progress import (
 )
 from unirl.core.topology import Topology
 
-LOGGER = "unirl.core.run.progress"
+LOGGER = "unirl.core.progress.bars"
 
 
 class FakeTTY(io.StringIO):

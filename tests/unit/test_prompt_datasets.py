@@ -12,12 +12,12 @@ pytest.importorskip("transformers", reason="needs transformers (pip install unir
 pytest.importorskip("pyarrow", reason="needs pyarrow (pip install unirl[datasets])")
 
 from tests.unit.test_prompts import make_cfg, write_prompts
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.run.config import config_from_dict
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.build import build_task
-from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.data.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
+from unirl.rollouts.data.tokenizer import CharTokenizer
 
 # A tiny chat template in the style of real ones: role markers, the assistant's turn opened by
 # add_generation_prompt.

@@ -12,13 +12,13 @@ import torch
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 
 from unirl.cli import main
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.run.config import config_from_dict
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.build import build_task, run_tokenizer
-from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
-from unirl.rollouts.rewards import REWARDS, NamedReward
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.data.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
+from unirl.rollouts.data.tokenizer import CharTokenizer
+from unirl.rollouts.rewards.registry import REWARDS, NamedReward
 
 REWARDS_MODULE = "tests.unit.custom_rewards"
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from unirl.core.config.run_config import load_config
 from unirl.core.errors import ConfigError
 from unirl.core.run import checkpointing as ck
-from unirl.core.run.config import load_config
 from unirl.core.run.resume import check_resume_fits
 
 TINY = Path(__file__).parents[2] / "examples" / "tiny_grpo.yaml"

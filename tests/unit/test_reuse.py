@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.data.sample import RolloutSample
 from unirl.core.errors import ConfigError
@@ -18,7 +19,6 @@ from unirl.core.old_logprobs import (
     rollout_staleness,
     uncorrected_staleness,
 )
-from unirl.core.run.config import config_from_dict
 
 # 8 prompts x 4 samples = 32 per rollout; one optimizer step of 32 by default.
 BASE = {

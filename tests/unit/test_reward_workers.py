@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.run.config import config_from_dict
-from unirl.rollouts.reward_workers import RewardCrashError, RewardTimeoutError
-from unirl.rollouts.rewards import NamedReward, RewardRun
+from unirl.rollouts.rewards.registry import NamedReward, RewardRun
+from unirl.rollouts.rewards.workers import RewardCrashError, RewardTimeoutError
 
 MODULE = "tests.unit.worker_rewards"
 

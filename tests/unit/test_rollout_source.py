@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.run.config import config_from_dict
 from unirl.core.weight_stream import as_buckets
 from unirl.rollouts import (
     FileRolloutSource,
@@ -19,7 +19,7 @@ from unirl.rollouts import (
     hf_config_for_tokenizer,
     write_task_rollouts,
 )
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.data.tokenizer import CharTokenizer
 
 
 @pytest.fixture(autouse=True, scope="module")

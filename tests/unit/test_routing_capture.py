@@ -13,11 +13,11 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from tests.unit.replay_fixtures import MOE_HF  # noqa: E402
+from unirl.core.config.model_shape import moe_shape  # noqa: E402
+from unirl.core.config.run_config import config_from_dict  # noqa: E402
 from unirl.core.data.rollout import RolloutSample  # noqa: E402
 from unirl.core.data.rollout_io import read_rollouts  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
-from unirl.core.run.config import config_from_dict  # noqa: E402
-from unirl.core.run.model_shape import moe_shape  # noqa: E402
 from unirl.rollouts.routing_capture import capture_routed_experts, write_moe_rollouts  # noqa: E402
 
 

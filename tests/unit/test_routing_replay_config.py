@@ -10,16 +10,16 @@ import torch
 
 from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
 from unirl.core.backend_plugin import BACKENDS
+from unirl.core.config.model_shape import moe_shape
+from unirl.core.config.routing_replay import replay_shape
+from unirl.core.config.run_config import config_from_dict
+from unirl.core.config.sections.model import ModelConfig
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import reduce_metrics
 from unirl.core.maths.losses.router_disagreement import (
     router_disagreement_metric,
     routing_disagreement,
 )
-from unirl.core.run.config import config_from_dict
-from unirl.core.run.model_shape import moe_shape
-from unirl.core.run.routing_replay import replay_shape
-from unirl.core.run.sections.model import ModelConfig
 
 
 def cfg_dict(mode: str = "record", hf: dict | None = None, **top) -> dict:

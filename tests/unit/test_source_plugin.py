@@ -17,8 +17,8 @@ from tests.unit.test_terminal_output import restore_logging  # noqa: F401  (a fi
 from unirl import log_setup
 from unirl.backends import BACKENDS
 from unirl.cli import main
+from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import config_from_dict
 from unirl.core.run.metrics_log import read_metrics
 from unirl.core.source_plugin import SOURCES
 from unirl.core.weight_stream import as_buckets

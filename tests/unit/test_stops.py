@@ -7,8 +7,8 @@ import torch
 
 from tests.unit.test_sampler import EOS, reference_logprobs, tiny_model
 from unirl.core.errors import ConfigError
+from unirl.rollouts.data.stops import stop_ids
 from unirl.rollouts.sampler import Sampler
-from unirl.rollouts.stops import stop_ids
 
 LETTERS = "abcdefghijklmn"  # one letter per id of the 14-id test vocabulary
 # One length: prompts of one length are one batch, so an early stop of the whole batch cannot

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from unirl.core.errors import ConfigError
-from unirl.rollouts.tasks import (
+from unirl.rollouts.data.tasks import (
     AddSmall,
     Problem,
     RepeatDigit,
@@ -15,7 +15,7 @@ from unirl.rollouts.tasks import (
     register_task,
     registered_tasks,
 )
-from unirl.rollouts.tokenizer import CharTokenizer
+from unirl.rollouts.data.tokenizer import CharTokenizer
 
 # Ids: <pad> 0, <bos> 1, <eos> 2, <sep> 3, then '0' -> 4, ..., '9' -> 13, '+' -> 14.
 PAD, BOS, EOS, SEP = 0, 1, 2, 3

@@ -70,7 +70,7 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path):
     # the export carries the task's tokenizer: AutoTokenizer gives CharTokenizer's ids
     from transformers import AutoTokenizer
 
-    from unirl.rollouts.tokenizer import CharTokenizer
+    from unirl.rollouts.data.tokenizer import CharTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(run / "hf"))
     assert tokenizer("3071")["input_ids"] == CharTokenizer("0123456789").encode(

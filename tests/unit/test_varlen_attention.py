@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from unirl.backends.megatron import varlen_attention as va
+from unirl.backends.megatron.kernels import varlen_attention as va
 from unirl.core.data.context_parallel import CPLayout
 from unirl.core.errors import LossInputError
 

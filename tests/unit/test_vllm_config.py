@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from unirl.cli import main
+from unirl.core.config.run_config import load_config
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses.aggregation import token_max_metric
 from unirl.core.maths.losses.metrics import reduce_metrics
-from unirl.core.run.config import load_config
 from unirl.rollouts.vllm import sample_seed
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"

@@ -14,8 +14,8 @@ import attrs
 import pytest
 import torch
 
+from unirl.core.config.run_config import load_config
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import load_config
 from unirl.core.source_plugin import weight_receivers
 from unirl.core.weight_stream import (
     HOST,
@@ -25,7 +25,8 @@ from unirl.core.weight_stream import (
     flat_buffer,
     packed_layout,
 )
-from unirl.rollouts.vllm import placement, transport
+from unirl.rollouts.serving import placement
+from unirl.rollouts.vllm import transport
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import VllmOptions, describe
 from unirl.rollouts.vllm.sleep import SleepCycle

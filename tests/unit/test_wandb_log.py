@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from unirl.core.config.run_config import load_config
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import load_config
 from unirl.core.run.metrics_log import read_metrics
 
 ROOT = Path(__file__).parents[2]

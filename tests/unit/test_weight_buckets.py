@@ -1,6 +1,6 @@
 """The host-memory side of the weight stream (issue 28): buckets planned from shapes and filled
 in one flat buffer (`unirl.core.weight_stream.planned_buckets`), and the zero-copy safetensors
-writer of the file transport (`unirl.rollouts.vllm.weights.write_safetensors`), read back by
+writer of the file transport (`unirl.rollouts.serving.weights.write_safetensors`), read back by
 safetensors' own loader."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from unirl.core import weight_stream
 from unirl.core.weight_stream import HOST, FlatBucket, TensorSpec, planned_buckets, same_device
-from unirl.rollouts.vllm.weights import write_safetensors
+from unirl.rollouts.serving.weights import write_safetensors
 
 
 def _spec(name: str, t: torch.Tensor) -> TensorSpec:

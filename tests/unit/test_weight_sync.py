@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from unirl.core.config.run_config import load_config
 from unirl.core.errors import RunError
-from unirl.core.run.config import load_config
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.weight_stream import HOST, MIB, NonFiniteWeightsError, bucketed, checked_stream
 from unirl.core.weight_sync import WeightSync

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.weight_transfer import _backend_config
-from unirl.core.run.config import config_from_dict
+from unirl.core.config.run_config import config_from_dict
 
 
 @pytest.mark.parametrize("backend", ["megatron", "fsdp2"])

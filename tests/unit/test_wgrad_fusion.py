@@ -1,4 +1,4 @@
-"""Megatron's gradient-accumulation fusion without Apex (`unirl.backends.megatron.wgrad_fusion`):
+"""Megatron's gradient-accumulation fusion without Apex (`unirl.backends.megatron.kernels.wgrad_fusion`):
 the fused accumulation against a float64 reference on a GPU, and the CPU left on the unfused
 path with megatron-core untouched."""
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install unirl[megatron])")
 
-from unirl.backends.megatron import wgrad_fusion
+from unirl.backends.megatron.kernels import wgrad_fusion
 
 
 def test_cpu_keeps_megatron_unfused(monkeypatch):

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings import rope_utils
 
-from unirl.backends.megatron import fused_rmsnorm, fused_rope, fused_swiglu
-from unirl.backends.megatron.gpu_fusions import CPGroupShape as Group
+from unirl.backends.megatron.kernels import fused_rmsnorm, fused_rope, fused_swiglu
+from unirl.backends.megatron.kernels.gpu_fusions import CPGroupShape as Group
 
 
 def rope_checks() -> None:
@@ -99,7 +99,7 @@ def probe_checks() -> None:
     kernels' CUDA-only refusal is lifted for it here."""
     import importlib
 
-    from unirl.backends.megatron import gpu_fusions
+    from unirl.backends.megatron.kernels import gpu_fusions
 
     fused_rope.fused_path_refusal = lambda *args: None
     fused_rmsnorm.fused_path_refusal = lambda *args: None

@@ -3,13 +3,9 @@ and registers a `unirl.core.backend_plugin.BackendPlugin` from its light ``plugi
 engine import), so `import unirl` needs no engine installed and the engine is imported only when
 a config's ``backend:`` names it. ``README.md`` here says what a backend folder holds.
 
-Shared by every backend, beside them: `base` (argument checks and forward counters of the passes),
-`microbatch` (device moves, the empty-microbatch zero), `forward_only` (eval mode, no autograd,
-an offloaded model moved in), `process_group`, `watchdog`, `hf_model` (Hugging Face model
-build). Shared by the Hugging Face engines (DeepSpeed, FSDP2): `hf` (the microbatch loop, the
-backend that holds policy, reference and critic, packed attention, fused head, optimizer, export,
-checkpoint staging).
-"""
+The modules beside the backend folders are shared by every backend (the passes' argument checks,
+device moves, forward-only mode, process groups, the watchdog, the Hugging Face model build);
+`hf/` is shared by the Hugging Face engines (DeepSpeed, FSDP2). No backend folder imports another."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from unirl.core.backend import CriticModel, LossFn, ModelRole
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.logprob_spec import LogprobSpec
 from unirl.core.maths.losses import Metric
-from unirl.core.run.progress import MicrobatchProgress
+from unirl.core.progress.bars import MicrobatchProgress
 
 ROLES: tuple[ModelRole, ...] = ("policy", "reference")
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from unirl.backends.watchdog import record_peers
+from unirl.core.config.run_config import ParallelConfig
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import ParallelConfig
 
 # How long a collective may wait for the other ranks before the run fails, when
 # parallel.timeout_s is not set: minutes on the CPU, longer on GPUs (NCCL's first collectives and

@@ -27,7 +27,7 @@ from unirl.core.maths.logprobs import logprobs_from_logits
 from unirl.core.maths.logprobs_hidden import logprobs_from_hidden
 from unirl.core.maths.losses import Metric
 from unirl.core.moe_loss import RouterLossSettings
-from unirl.core.run.progress import MicrobatchProgress
+from unirl.core.progress.bars import MicrobatchProgress
 from unirl.core.topology import Topology
 from unirl.core.weight_stream import HOST, WeightBuckets
 

@@ -13,7 +13,7 @@ it, so adding a backend edits no file under ``unirl/core``:
 - ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on;
 - ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy;
 - ``supports_routing_replay``: whether its forwards record and replay MoE routing
-  (``algorithm.routing_replay``, `unirl.core.run.routing_replay`);
+  (``algorithm.routing_replay``, `unirl.core.config.routing_replay`);
   ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features.
 
 Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
@@ -34,7 +34,7 @@ from unirl.core.registry import Registry
 if TYPE_CHECKING:
     from unirl.core.backend import TrainingBackend
 
-# The run config, a `unirl.core.run.config.UnirlConfig`. Not imported, not even for type
+# The run config, a `unirl.core.config.run_config.UnirlConfig`. Not imported, not even for type
 # checking: the config reads this registry when it is built (the backend's options class, its
 # rules, whether it has a critic), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
 RunConfig = Any

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from unirl.core.run.config import UnirlConfig, critic_enabled
+from unirl.core.config.run_config import UnirlConfig, critic_enabled
 
 # Keeps the explained variance finite when every return is equal (as verl does).
 _EV_EPS = 1e-8

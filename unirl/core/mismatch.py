@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.maths.kl import kl_estimate
-from unirl.core.run.config import UnirlConfig
 from unirl.core.source_plugin import SOURCES
 
 

@@ -142,7 +142,7 @@ class LossWithRouterTerm:
     (``router`` set) whose forward's router logits the backend hands, the microbatch's router
     term (`router_term`). ``router`` is the step's settings (its ``algorithm`` section): one
     source for the term added here and for the shares a backend adds itself where it cannot hand
-    the logits (Megatron under pp > 1, `unirl.backends.megatron.router_stages`)."""
+    the logits (Megatron under pp > 1, `unirl.backends.megatron.moe.router_stages`)."""
 
     policy: PolicyTermFn
     router: RouterLossSettings | None

@@ -28,9 +28,9 @@ from typing import Literal
 
 import attrs
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import UnirlConfig
 
 logger = logging.getLogger(__name__)
 

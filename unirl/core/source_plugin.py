@@ -40,7 +40,7 @@ import attrs
 from unirl.core.errors import ConfigError
 from unirl.core.registry import Registry
 
-# The run config, a `unirl.core.run.config.UnirlConfig`. Not imported, not even for type
+# The run config, a `unirl.core.config.run_config.UnirlConfig`. Not imported, not even for type
 # checking: the config reads this registry when it is built (the source's options class, its
 # rules), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
 RunConfig = Any
@@ -95,7 +95,7 @@ class SourcePlugin:
     # Under rollout.top_p < 1: "truncated", the renormalised distribution it sampled from (a
     # serving engine); "untruncated", the full softmax (the built-in sampler); None: not known.
     top_p_logprobs: Literal["truncated", "untruncated"] | None = None
-    # Whether it runs multi-turn episodes against rollout.environment (unirl/rollouts/episodes.py).
+    # Whether it runs multi-turn episodes against rollout.environment (unirl/rollouts/environments/episodes.py).
     runs_episodes: bool = False
 
 

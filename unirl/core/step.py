@@ -21,6 +21,16 @@ import torch
 import torch.distributed as dist
 
 from unirl.core.backend import ModelRole, RecordsRouting, TrainingBackend
+from unirl.core.config.derived import (
+    advantage_settings,
+    forward_logprob_spec,
+    loss_settings,
+    needs_reference,
+    train_logprob_spec,
+)
+from unirl.core.config.model_shape import hf_config_fields, moe_shape
+from unirl.core.config.routing_replay import replay_shape
+from unirl.core.config.run_config import UnirlConfig, norm_length
 from unirl.core.critic import critic_warming_up, value_metrics
 from unirl.core.data.context_parallel import gather_from_cp
 from unirl.core.data.counts import GlobalCounts
@@ -44,17 +54,7 @@ from unirl.core.old_logprobs import (
     rollout_staleness,
     uncorrected_staleness,
 )
-from unirl.core.run.algorithm import (
-    advantage_settings,
-    forward_logprob_spec,
-    loss_settings,
-    needs_reference,
-    train_logprob_spec,
-)
-from unirl.core.run.config import UnirlConfig, norm_length
-from unirl.core.run.model_shape import hf_config_fields, moe_shape
-from unirl.core.run.progress import MicrobatchProgress, logs_step, progress_enabled
-from unirl.core.run.routing_replay import replay_shape
+from unirl.core.progress.bars import MicrobatchProgress, logs_step, progress_enabled
 
 logger = logging.getLogger(__name__)
 

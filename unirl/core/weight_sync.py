@@ -27,7 +27,7 @@ from unirl.core.weight_stream import (
     WeightBuckets,
 )
 
-RunConfig = Any  # `unirl.core.run.config.UnirlConfig`
+RunConfig = Any  # `unirl.core.config.run_config.UnirlConfig`
 
 
 class WeightSync:

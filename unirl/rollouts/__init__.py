@@ -14,9 +14,9 @@ Importing this package registers the built-in sources (``sampler``, ``file``, ``
 else: the names below load on first use (so ``import unirl`` stays free of torch). What a new
 source provides, file by file: ``unirl/rollouts/README.md``.
 
-Tasks: ``reverse_digits`` and ``add_small`` (`unirl.rollouts.tasks`); add one with
-`register_task`. Or prompts from a JSONL file (``rollout.prompts``, `unirl.rollouts.prompts`)
-scored by a reward function chosen by name (``rollout.reward``, `unirl.rollouts.rewards`); a
+Tasks: ``reverse_digits`` and ``add_small`` (`unirl.rollouts.data.tasks`); add one with
+`register_task`. Or prompts from a JSONL file (``rollout.prompts``, `unirl.rollouts.data.prompts`)
+scored by a reward function chosen by name (``rollout.reward``, `unirl.rollouts.rewards.registry`); a
 generating source gets either through `build_task` and scores a rollout with `task_rewards`.
 Importing this package needs no transformers; building a model or a tokenizer does.
 """
@@ -42,12 +42,7 @@ if TYPE_CHECKING:
         save_run_tokenizer,
         write_task_rollouts,
     )
-    from unirl.rollouts.model import build_task_model, hf_config_for_tokenizer
-    from unirl.rollouts.rewards import register_reward, registered_rewards
-    from unirl.rollouts.sampler import Generation, Sampler, top_p_filter
-    from unirl.rollouts.sampler_source import SamplerRolloutSource, model_vocab_size
-    from unirl.rollouts.source import FileRolloutSource, RolloutSource
-    from unirl.rollouts.tasks import (
+    from unirl.rollouts.data.tasks import (
         AddSmall,
         BatchRewardTask,
         Problem,
@@ -63,40 +58,45 @@ if TYPE_CHECKING:
         task_rewards,
         task_state,
     )
-    from unirl.rollouts.tokenizer import CharTokenizer
+    from unirl.rollouts.data.tokenizer import CharTokenizer
+    from unirl.rollouts.model import build_task_model, hf_config_for_tokenizer
+    from unirl.rollouts.rewards.registry import register_reward, registered_rewards
+    from unirl.rollouts.sampler import Generation, Sampler, top_p_filter
+    from unirl.rollouts.sampler_source import SamplerRolloutSource, model_vocab_size
+    from unirl.rollouts.source import FileRolloutSource, RolloutSource
 
 # Public name -> the module that defines it (imported on first access, PEP 562).
 _LAZY = {
-    "AddSmall": "unirl.rollouts.tasks",
-    "BatchRewardTask": "unirl.rollouts.tasks",
-    "CharTokenizer": "unirl.rollouts.tokenizer",
+    "AddSmall": "unirl.rollouts.data.tasks",
+    "BatchRewardTask": "unirl.rollouts.data.tasks",
+    "CharTokenizer": "unirl.rollouts.data.tokenizer",
     "FileRolloutSource": "unirl.rollouts.source",
     "Generation": "unirl.rollouts.sampler",
-    "Problem": "unirl.rollouts.tasks",
-    "ReverseDigits": "unirl.rollouts.tasks",
+    "Problem": "unirl.rollouts.data.tasks",
+    "ReverseDigits": "unirl.rollouts.data.tasks",
     "RolloutSource": "unirl.rollouts.source",
     "Sampler": "unirl.rollouts.sampler",
     "SamplerRolloutSource": "unirl.rollouts.sampler_source",
-    "StatefulTask": "unirl.rollouts.tasks",
-    "Task": "unirl.rollouts.tasks",
-    "TaskTokenizer": "unirl.rollouts.tasks",
+    "StatefulTask": "unirl.rollouts.data.tasks",
+    "Task": "unirl.rollouts.data.tasks",
+    "TaskTokenizer": "unirl.rollouts.data.tasks",
     "build_rollout_source": "unirl.rollouts.build",
     "build_task": "unirl.rollouts.build",
     "build_task_model": "unirl.rollouts.model",
     "check_task_lengths": "unirl.rollouts.build",
     "hf_config_for_tokenizer": "unirl.rollouts.model",
-    "load_task_state": "unirl.rollouts.tasks",
-    "make_task": "unirl.rollouts.tasks",
+    "load_task_state": "unirl.rollouts.data.tasks",
+    "make_task": "unirl.rollouts.data.tasks",
     "model_vocab_size": "unirl.rollouts.sampler_source",
-    "positional_reward": "unirl.rollouts.tasks",
-    "register_reward": "unirl.rollouts.rewards",
-    "register_task": "unirl.rollouts.tasks",
-    "registered_rewards": "unirl.rollouts.rewards",
-    "registered_tasks": "unirl.rollouts.tasks",
+    "positional_reward": "unirl.rollouts.data.tasks",
+    "register_reward": "unirl.rollouts.rewards.registry",
+    "register_task": "unirl.rollouts.data.tasks",
+    "registered_rewards": "unirl.rollouts.rewards.registry",
+    "registered_tasks": "unirl.rollouts.data.tasks",
     "run_tokenizer": "unirl.rollouts.build",
     "save_run_tokenizer": "unirl.rollouts.build",
-    "task_rewards": "unirl.rollouts.tasks",
-    "task_state": "unirl.rollouts.tasks",
+    "task_rewards": "unirl.rollouts.data.tasks",
+    "task_state": "unirl.rollouts.data.tasks",
     "top_p_filter": "unirl.rollouts.sampler",
     "write_task_rollouts": "unirl.rollouts.build",
 }

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutSample
 from unirl.core.data.rollout_io import write_rollouts
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import UnirlConfig
 from unirl.core.source_plugin import SOURCES, build_source
+from unirl.rollouts.data.tasks import Task, make_task
+from unirl.rollouts.data.tokenizer import CharTokenizer
 from unirl.rollouts.model import build_task_model
 from unirl.rollouts.sampler_source import SamplerRolloutSource
 from unirl.rollouts.source import FileRolloutSource, RolloutSource
-from unirl.rollouts.tasks import Task, make_task
-from unirl.rollouts.tokenizer import CharTokenizer
 
 
 def check_task_lengths(cfg: UnirlConfig, task: Task) -> None:
@@ -46,7 +46,7 @@ def build_task(cfg: UnirlConfig) -> Task:
     """The task a generating source draws from: the prompt file of ``rollout.prompts`` scored by
     ``rollout.reward``, else the task ``rollout.task`` names; its lengths checked."""
     if cfg.rollout.prompts is not None:
-        from unirl.rollouts.prompts import make_prompt_task  # tokenizers need transformers
+        from unirl.rollouts.data.prompts import make_prompt_task  # tokenizers need transformers
 
         task: Task = make_prompt_task(cfg)
     else:
@@ -86,8 +86,8 @@ def episode_options(cfg: UnirlConfig) -> dict[str, Any]:
     r = cfg.rollout
     if r.environment is None:
         return {}
+    from unirl.rollouts.environments.episodes import EpisodeLimits
     from unirl.rollouts.environments.registry import environment_factory
-    from unirl.rollouts.episodes import EpisodeLimits
 
     return {
         "environment": environment_factory(r.environment, r.environment_options),
@@ -166,14 +166,14 @@ def sample_task_rollouts(
 
 def run_tokenizer(cfg: UnirlConfig) -> Any | None:
     """The Hugging Face tokenizer of the run's rollouts: that of ``rollout.prompts`` (see
-    `unirl.rollouts.prompts.prompt_tokenizer`), the built-in task's character tokenizer, or
+    `unirl.rollouts.data.prompts.prompt_tokenizer`), the built-in task's character tokenizer, or
     None for a source that does not generate, e.g. a rollout file (the export then carries ``model.path``'s tokenizer files, if any)."""
     if not SOURCES.get(cfg.rollout.source).generates:
         return None
-    from unirl.rollouts.hf_tokenizer import char_tokenizer_to_hf
+    from unirl.rollouts.data.hf_tokenizer import char_tokenizer_to_hf
 
     if cfg.rollout.prompts is not None:
-        from unirl.rollouts.prompts import prompt_records, prompt_tokenizer
+        from unirl.rollouts.data.prompts import prompt_records, prompt_tokenizer
 
         needs_file = cfg.model.tokenizer is None and cfg.model.path is None
         records = prompt_records(cfg) if needs_file else []
@@ -189,7 +189,7 @@ def save_run_tokenizer(cfg: UnirlConfig, folder: str | os.PathLike[str]) -> bool
     ``AutoTokenizer.from_pretrained(folder)`` (and a serving engine) gets the ids the policy was
     trained on. A tokenizer already there (copied from ``model.path``) is kept unless
     ``model.tokenizer`` names another. Returns whether one was written."""
-    from unirl.rollouts.hf_tokenizer import save_hf_tokenizer
+    from unirl.rollouts.data.hf_tokenizer import save_hf_tokenizer
 
     folder = Path(folder)
     if cfg.model.tokenizer is None and (folder / "tokenizer_config.json").is_file():

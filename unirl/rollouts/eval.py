@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import UnirlConfig
+from unirl.rollouts.data.hf_tokenizer import HFTokenizer
+from unirl.rollouts.data.prompts import ColumnMap, PromptFileTask, read_prompt_records
 from unirl.rollouts.eval_metrics import eval_metrics
-from unirl.rollouts.hf_tokenizer import HFTokenizer
 from unirl.rollouts.once import on_rank0
-from unirl.rollouts.prompts import ColumnMap, PromptFileTask, read_prompt_records
-from unirl.rollouts.rewards import NamedReward, RewardRun
+from unirl.rollouts.rewards.registry import NamedReward, RewardRun
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from unirl.core.config.run_config import ModelConfig
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import ModelConfig
-from unirl.rollouts.tasks import TaskTokenizer
+from unirl.rollouts.data.tasks import TaskTokenizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -11,7 +11,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.source_plugin import LazySourceBuilder, SourcePlugin
 
 if TYPE_CHECKING:
-    from unirl.core.run.config import UnirlConfig
+    from unirl.core.config.run_config import UnirlConfig
 
 
 def _describe_sampler(cfg: UnirlConfig) -> Mapping[str, Any]:

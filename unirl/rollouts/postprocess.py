@@ -25,10 +25,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.imports import import_callable
-from unirl.core.run.config import UnirlConfig
 from unirl.rollouts.once import on_rank0
 
 KEY = "algorithm.rollout_postprocess_hook"

@@ -23,11 +23,11 @@ import attrs
 import torch
 from torch import nn
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutSample
 from unirl.core.data.rollout_io import write_rollouts
 from unirl.core.data.routed_experts import DTYPE
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import UnirlConfig
 from unirl.rollouts.build import sample_task_rollouts
 
 

@@ -37,7 +37,7 @@ import attrs
 import torch
 
 from unirl.core.errors import ConfigError, RunError
-from unirl.core.run.progress import GenerationProgress
+from unirl.core.progress.bars import GenerationProgress
 
 
 @attrs.frozen(kw_only=True)

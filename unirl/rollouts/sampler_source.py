@@ -20,15 +20,10 @@ import torch
 
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
-from unirl.core.run.progress import GenerationProgress
+from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weight_stream import HOST, Bucket
-from unirl.rollouts.environments.base import Environment
-from unirl.rollouts.episode_batch import episode_rollout, observation_encoder
-from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
-from unirl.rollouts.once import on_rank0
-from unirl.rollouts.sampler import Sampler
-from unirl.rollouts.stops import stop_ids
-from unirl.rollouts.tasks import (
+from unirl.rollouts.data.stops import stop_ids
+from unirl.rollouts.data.tasks import (
     Problem,
     Task,
     TaskTokenizer,
@@ -37,6 +32,11 @@ from unirl.rollouts.tasks import (
     task_rewards,
     task_state,
 )
+from unirl.rollouts.environments.base import Environment
+from unirl.rollouts.environments.episode_batch import episode_rollout, observation_encoder
+from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
+from unirl.rollouts.once import on_rank0
+from unirl.rollouts.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class SamplerRolloutSource:
         max_seq_len: int | None = None,
     ) -> None:
         """With ``environment`` (a builder of one episode's environment), every sample is a
-        multi-turn episode (`unirl.rollouts.episodes`) within ``episode_limits`` and
+        multi-turn episode (`unirl.rollouts.environments.episodes`) within ``episode_limits`` and
         ``max_seq_len`` tokens; ``max_new_tokens`` is then each turn's budget."""
         self.task = task
         self.tokenizer: TaskTokenizer = task.tokenizer

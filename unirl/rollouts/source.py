@@ -30,7 +30,7 @@ import torch
 
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.run.progress import GenerationProgress
+from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weight_stream import HOST, Bucket, drain
 
 logger = logging.getLogger(__name__)

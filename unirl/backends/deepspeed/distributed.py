@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.backends.process_group import ProcessGroupSetup, init_process_group
-from unirl.core.run.config import ParallelConfig
+from unirl.core.config.run_config import ParallelConfig
 from unirl.log_setup import engine_prints
 
 logger = logging.getLogger(__name__)

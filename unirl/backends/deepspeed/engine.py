@@ -32,8 +32,8 @@ import torch
 from unirl.backends.deepspeed import zero3_no_gather
 from unirl.backends.hf.optim import ScheduledLR, adamw
 from unirl.core.backend import OptimizerStepStats
+from unirl.core.config.run_config import OptimizerConfig, UnirlConfig
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import OptimizerConfig, UnirlConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from unirl.backends.hf.export import write_hf_folder
-from unirl.core.run.config import ModelConfig
+from unirl.core.config.run_config import ModelConfig
 
 
 def hf_state_dict(engine: Any) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from unirl.backends.deepspeed.engine import initialize_trainable, step_engine
 from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.packed import forward_packed
 from unirl.core.backend import OptimizerStepStats
-from unirl.core.run.config import UnirlConfig
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.weight_stream import HOST, WeightBuckets
 
 

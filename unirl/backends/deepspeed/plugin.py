@@ -11,7 +11,7 @@ from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from unirl.core.run.config import UnirlConfig
+    from unirl.core.config.run_config import UnirlConfig
 
 
 @attrs.frozen(kw_only=True)

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from unirl.backends.hf.export import write_hf_folder
-from unirl.core.run.config import ModelConfig
+from unirl.core.config.run_config import ModelConfig
 
 
 def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -24,15 +24,15 @@ from typing import Any
 import attrs
 import torch
 
+from unirl.backends.causal_lm import torch_dtype
 from unirl.backends.fsdp2 import export, packed, weight_stream
 from unirl.backends.fsdp2.engine import shard_model
 from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.backends.fsdp2.topology import Fsdp2Mesh
 from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.optim import ScheduledLR, adamw
-from unirl.backends.hf_model import torch_dtype
 from unirl.core.backend import OptimizerStepStats
-from unirl.core.run.config import ModelConfig
+from unirl.core.config.run_config import ModelConfig
 from unirl.core.weight_stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from unirl.core.run.config import UnirlConfig
+    from unirl.core.config.run_config import UnirlConfig
 
 Sharding = Literal["full_shard", "shard_grad_op", "hybrid"]
 GradReduce = Literal["step", "microbatch"]

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
+from unirl.backends.causal_lm import load_critic, load_policy, load_reference
 from unirl.backends.hf import checkpoint
 from unirl.backends.hf.checkpoint import CheckpointFiles
 from unirl.backends.hf.critic import HFCritic
@@ -34,13 +35,12 @@ from unirl.backends.hf.liger import apply_liger_kernels
 from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
 from unirl.backends.hf.model import PackedModule, TrainedModel, Training
 from unirl.backends.hf.moe import PolicyRouting, moe_routers
-from unirl.backends.hf_model import load_critic, load_policy, load_reference
 from unirl.backends.process_group import ProcessGroupSetup
 from unirl.core.backend import ModelRole, OptimizerStepStats
+from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.critic import critic_optimizer_steps
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig, critic_enabled
 from unirl.core.topology import Topology
 from unirl.core.weight_stream import HOST, WeightBuckets
 

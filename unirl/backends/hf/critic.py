@@ -1,5 +1,5 @@
 """PPO's critic on a Hugging Face engine: the one-label token classifier of
-`unirl.backends.hf_model.load_critic` (the policy's backbone + ``Linear(hidden, 1)``), held by its
+`unirl.backends.causal_lm.load_critic` (the policy's backbone + ``Linear(hidden, 1)``), held by its
 backend as one more trained model of the engine's own class (its own optimizer from
 ``critic.optimizer`` and LR schedule, the policy's processes and layout). The passes are the
 shared loop's with the value head; the loss is core's (`unirl.core.maths.losses.critic`), scaled
@@ -18,7 +18,7 @@ from unirl.backends.hf.model import TrainedModel
 from unirl.core.backend import OptimizerStepStats, ValueLossFn
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
-from unirl.core.run.progress import MicrobatchProgress
+from unirl.core.progress.bars import MicrobatchProgress
 
 
 class HFCritic:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unirl.core.run.config import ModelConfig
+from unirl.core.config.run_config import ModelConfig
 
 # Files a rollout engine needs beside the weights, copied from the source folder when present.
 TOKENIZER_FILES = (

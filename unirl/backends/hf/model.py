@@ -15,8 +15,8 @@ import torch
 from unirl.backends.forward_only import forward_only
 from unirl.backends.hf.loop import TrainedPackedModel
 from unirl.core.backend import OptimizerStepStats
+from unirl.core.config.run_config import OptimizerConfig
 from unirl.core.data.microbatch import TrainMicrobatch
-from unirl.core.run.config import OptimizerConfig
 from unirl.core.weight_stream import HOST, WeightBuckets
 
 # run(module, microbatch) -> the model's ``.logits[0]``: the engine's packed forward

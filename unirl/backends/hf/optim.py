@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from unirl.core.run.config import OptimizerConfig
+from unirl.core.config.run_config import OptimizerConfig
 from unirl.core.run.lr_schedule import check_schedule, learning_rate
 
 

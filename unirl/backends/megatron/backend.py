@@ -39,22 +39,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.megatron import checkpoint, cpu_compat, sequence_parallel
+from unirl.backends.megatron import checkpoint, sequence_parallel
+from unirl.backends.megatron.compat import cpu as cpu_compat
 from unirl.backends.megatron.critic import MegatronCritic, critic_plan
 from unirl.backends.megatron.heads import LogprobHead
-from unirl.backends.megatron.moe import is_moe
+from unirl.backends.megatron.moe.layers import is_moe
+from unirl.backends.megatron.moe.replay import ScheduleReplay
 from unirl.backends.megatron.optimizer import use_distributed_optimizer
 from unirl.backends.megatron.passes import MicrobatchLoop
-from unirl.backends.megatron.replay import ScheduleReplay
 from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
 from unirl.backends.megatron.sources import ModelSource, policy_source, reference_source
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
 from unirl.backends.process_group import destroy_process_group, init_process_group
 from unirl.core.backend import OptimizerStepStats
+from unirl.core.config.model_shape import moe_shape
+from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig, critic_enabled
-from unirl.core.run.model_shape import moe_shape
 from unirl.core.weight_stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)

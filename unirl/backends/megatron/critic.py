@@ -21,11 +21,11 @@ from unirl.backends.megatron.passes import MicrobatchLoop
 from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
 from unirl.backends.megatron.sources import critic_source
 from unirl.core.backend import OptimizerStepStats, ValueLossFn
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.critic import critic_optimizer_steps
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
-from unirl.core.run.config import UnirlConfig
-from unirl.core.run.progress import MicrobatchProgress
+from unirl.core.progress.bars import MicrobatchProgress
 
 
 def critic_plan(cfg: UnirlConfig, policy_optimizer_steps: int) -> OptimizerPlan:

@@ -2,8 +2,8 @@
 
 The architecture is read from the HF config (RMSNorm, SwiGLU, RoPE with its base and Llama-3
 scaling, GQA, tied or untied embeddings, Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm,
-Qwen3-MoE's routed experts: `unirl.backends.megatron.moe`); the weights come afterwards from
-`unirl.backends.megatron.convert.load_hf_weights` (the init is skipped: every parameter is
+Qwen3-MoE's routed experts: `unirl.backends.megatron.moe.layers`); the weights come afterwards from
+`unirl.backends.megatron.weights.hf_layout.load_hf_weights` (the init is skipped: every parameter is
 overwritten). Build after `initialize_parallel_state`; one model chunk per virtual pipeline stage::
 
     initialize_parallel_state(parallel)
@@ -48,16 +48,21 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from unirl.backends.megatron import gpu_fusions, multi_tensor, te_compat, wgrad_fusion
-from unirl.backends.megatron.convert import attention_dims, padded_vocab_size
-from unirl.backends.megatron.grouped_dispatch import GroupedMoELayer
-from unirl.backends.megatron.grouped_experts import (
+from unirl.backends.megatron.compat import te as te_compat
+from unirl.backends.megatron.compat.te import te_available
+from unirl.backends.megatron.kernels import gpu_fusions, multi_tensor, wgrad_fusion
+from unirl.backends.megatron.kernels.varlen_attention import (
+    cp_packed_causal_attention,
+    packed_causal_attention,
+)
+from unirl.backends.megatron.moe.grouped_dispatch import GroupedMoELayer
+from unirl.backends.megatron.moe.grouped_experts import (
     ExpertsChoice,
     GroupedExperts,
     experts_spec,
     select_experts,
 )
-from unirl.backends.megatron.moe import (
+from unirl.backends.megatron.moe.layers import (
     RecordingTopKRouter,
     check_moe_config,
     is_moe,
@@ -67,13 +72,9 @@ from unirl.backends.megatron.sequence_parallel import (
     sequence_parallel_block,
     sequence_parallel_norms,
 )
-from unirl.backends.megatron.te_compat import te_available
-from unirl.backends.megatron.varlen_attention import (
-    cp_packed_causal_attention,
-    packed_causal_attention,
-)
+from unirl.backends.megatron.weights.hf_layout import attention_dims, padded_vocab_size
+from unirl.core.config.run_config import ParallelConfig
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

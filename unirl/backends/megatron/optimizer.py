@@ -29,7 +29,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 
-from unirl.core.run.config import OptimizerConfig, UnirlConfig
+from unirl.core.config.run_config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import learning_rate
 
 logger = logging.getLogger(__name__)

@@ -47,8 +47,8 @@ import attrs
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from unirl.backends.megatron.kernels.varlen_attention import CPAttentionIndex, max_seqlen
 from unirl.backends.megatron.padded import PAD_ID
-from unirl.backends.megatron.varlen_attention import CPAttentionIndex, max_seqlen
 from unirl.backends.microbatch import to_device_async
 from unirl.core.data.context_parallel import CPLayout, cp_pad_multiple, pad_to_cp_multiple
 from unirl.core.data.microbatch import TrainMicrobatch
@@ -76,7 +76,7 @@ def packed_seq_params(
     unirl's attention reads the device copy ``cu_seqlens_device``. TE's attention needs them on
     the device."""
     if host_boundaries is None:
-        from unirl.backends.megatron.te_compat import te_available
+        from unirl.backends.megatron.compat.te import te_available
 
         host_boundaries = not te_available()
     on_device = to_device_async(layout.cu_seqlens_padded.to(torch.int32), device)

@@ -24,10 +24,10 @@ import torch
 from unirl.backends.forward_only import forward_only
 from unirl.backends.megatron import schedule
 from unirl.backends.megatron.heads import HeadLossFn
-from unirl.backends.megatron.moe import collect_router_logits, microbatch_router_logits
-from unirl.backends.megatron.replay import ScheduleReplay, with_disagreement
+from unirl.backends.megatron.moe.layers import collect_router_logits, microbatch_router_logits
+from unirl.backends.megatron.moe.replay import ScheduleReplay, with_disagreement
+from unirl.backends.megatron.moe.router_stages import StageRouterLosses
 from unirl.backends.megatron.role_model import MegatronModel
-from unirl.backends.megatron.router_stages import StageRouterLosses
 from unirl.backends.megatron.schedule import (
     ScheduledMicrobatch,
     StageOutput,
@@ -39,7 +39,7 @@ from unirl.core.backend import LogprobSpec
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
 from unirl.core.moe_loss import RouterLossSettings
-from unirl.core.run.progress import MicrobatchProgress
+from unirl.core.progress.bars import MicrobatchProgress
 from unirl.core.topology import Topology
 
 # (item, the last stage's output) -> (the loss megatron backpropagates, data for megatron)
@@ -72,7 +72,7 @@ class MicrobatchLoop:
         replay: ScheduleReplay | None = None,
     ) -> list[torch.Tensor]:
         """The head's first result per microbatch, detached fp32 ([] off the last stage).
-        ``replay``: the policy's routing replay / record (`unirl.backends.megatron.replay`)."""
+        ``replay``: the policy's routing replay / record (`unirl.backends.megatron.moe.replay`)."""
         if not microbatches:
             return []
         items, rows, seq_len = self._items(microbatches)
@@ -122,7 +122,7 @@ class MicrobatchLoop:
         ``router_logits`` (one pipeline stage) ``loss_fn`` gets each MoE layer's router logits
         of the microbatch (core adds the term); with ``stage_router`` (pp > 1: the step's
         settings) each stage backpropagates its layers' share
-        (`unirl.backends.megatron.router_stages`). ``replay``: routing replay of
+        (`unirl.backends.megatron.moe.router_stages`). ``replay``: routing replay of
         ``mb.routed_experts`` and ``router/disagreement`` per microbatch."""
         # the caller's interface refused an empty list (`unirl.backends.base`, core's plan)
         assert microbatches, "a training pass needs at least one microbatch"

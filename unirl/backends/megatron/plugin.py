@@ -14,7 +14,7 @@ from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from unirl.core.run.config import UnirlConfig
+    from unirl.core.config.run_config import UnirlConfig
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def _check_experts(cfg: UnirlConfig) -> None:
     hf = _hf_config_fields(cfg)
     # core's reader of the family (it reads num_experts, or num_local_experts: what transformers
     # 5 writes to a saved folder's config.json)
-    from unirl.core.run.model_shape import MOE_SHAPES  # here: it imports torch, the plug-in not
+    from unirl.core.config.model_shape import MOE_SHAPES  # here: it imports torch, the plug-in not
 
     reader = MOE_SHAPES.find(str(hf.get("model_type")))
     experts = reader(hf).num_experts if reader is not None else None
@@ -173,7 +173,7 @@ def _check_experts(cfg: UnirlConfig) -> None:
 
 def _check_sequence_parallel(cfg: UnirlConfig) -> None:
     """``parallel.sequence_parallel`` splits sequences over the TP ranks (`sequence_parallel`)."""
-    from unirl.core.run.config import critic_enabled
+    from unirl.core.config.run_config import critic_enabled
 
     p = cfg.parallel
     if p.tp < 2:
@@ -201,7 +201,7 @@ PLUGIN = BackendPlugin(
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",
     supports_critic=True,
-    # R3 / R2 in `RecordingTopKRouter`, mapped per layer number (`unirl.backends.megatron.replay`)
+    # R3 / R2 in `RecordingTopKRouter`, mapped per layer number (`unirl.backends.megatron.moe.replay`)
     supports_routing_replay=True,
     supports_sequence_parallel=True,
     supports_loss_in_head=True,  # `heads.LogprobHead.loss`

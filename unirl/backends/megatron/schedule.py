@@ -41,8 +41,8 @@ import torch.distributed as dist
 from unirl.backends.megatron.packed import PackedBatch, schedule_stream_tokens, to_packed_batch
 from unirl.backends.megatron.padded import PaddedBatch, empty_padded, padded_shape, to_padded
 from unirl.backends.microbatch import to_device
+from unirl.core.config.run_config import ParallelConfig
 from unirl.core.data.microbatch import TrainMicrobatch
-from unirl.core.run.config import ParallelConfig
 from unirl.core.topology import Topology
 
 
@@ -223,7 +223,7 @@ def run_schedule(
     """One schedule call. `on_forward` runs once per real microbatch (after chunk 0's forward),
     `on_microbatch` once per real microbatch where the microbatch completes (progress tick),
     `stage_output` (if given) on every chunk's output before megatron sees it (the router
-    losses' stage shares, `unirl.backends.megatron.router_stages`), `before_forward` (if given)
+    losses' stage shares, `unirl.backends.megatron.moe.router_stages`), `before_forward` (if given)
     before each chunk's forward (routing replay sets the routers' experts)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

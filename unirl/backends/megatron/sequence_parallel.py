@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from unirl.core.run.config import ParallelConfig
+from unirl.core.config.run_config import ParallelConfig
 
 
 class SequenceParallelNorm:

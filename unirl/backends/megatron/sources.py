@@ -6,7 +6,7 @@ folder or a state dict, converted into megatron's chunks by `convert`.
   backend builds it (same seed -> same weights in both backends);
 - reference: ``model.ref_path``, else the policy's initial weights (it never sees training);
 - critic: Hugging Face's ``*ForTokenClassification`` with one label
-  (`unirl.backends.hf_model.load_critic`, the DeepSpeed critic's exact initialisation), untied
+  (`unirl.backends.causal_lm.load_critic`, the DeepSpeed critic's exact initialisation), untied
   (its head is not the embedding); `convert` maps ``score`` <-> the `ValueHead`.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.backends.hf_model import build_from_config, load_critic
-from unirl.backends.megatron.hf_io import read_hf_config
+from unirl.backends.causal_lm import build_from_config, load_critic
+from unirl.backends.megatron.weights.hf_io import read_hf_config
 from unirl.backends.megatron.weights_folder import MegatronWeights, is_weights_folder
-from unirl.core.run.config import UnirlConfig
+from unirl.core.config.run_config import UnirlConfig
 
 
 @attrs.frozen(kw_only=True)

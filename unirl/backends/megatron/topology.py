@@ -6,7 +6,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from unirl.backends.process_group import collective_timeout
-from unirl.core.run.config import ParallelConfig
+from unirl.core.config.run_config import ParallelConfig
 from unirl.core.topology import ProcessGroups, Topology
 
 

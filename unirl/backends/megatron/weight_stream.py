@@ -30,7 +30,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.backends.megatron.convert import (
+from unirl.backends.megatron.weights.hf_layout import (
     Entry,
     _all_gather,
     _expert_parallel_entries,

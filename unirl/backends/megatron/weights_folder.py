@@ -34,8 +34,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from unirl.core.config.run_config import ParallelConfig
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _source_dtype(weights: Any, src: Path) -> torch.dtype:
 def _check_complete(weights: Any, hf_config: Any, src: Path) -> None:
     """Every tensor the model needs is there and none would be dropped, checked on every rank
     before any collective (a rank's own layers only would fail on some ranks and hang others)."""
-    from unirl.backends.megatron.convert import (
+    from unirl.backends.megatron.weights.hf_layout import (
         PerExpertView,
         check_nothing_dropped,
         expected_hf_names,
@@ -147,14 +147,14 @@ def hf_to_weights_folder(
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron import cpu_compat
-    from unirl.backends.megatron.convert import load_hf_weights
-    from unirl.backends.megatron.hf_io import HFSafetensors, read_hf_config
+    from unirl.backends.megatron.compat import cpu as cpu_compat
     from unirl.backends.megatron.model import build_model_chunks, check_hf_config
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
+    from unirl.backends.megatron.weights.hf_io import HFSafetensors, read_hf_config
+    from unirl.backends.megatron.weights.hf_layout import load_hf_weights
     from unirl.backends.process_group import destroy_process_group, init_process_group
 
     src, out = Path(src).expanduser(), Path(out).expanduser()
@@ -204,14 +204,14 @@ def weights_folder_to_hf(src: str | Path, out: str | Path) -> Path:
     ``out`` (weights, config, and the tokenizer and other files it carried over)."""
     from megatron.core import parallel_state as ps
 
-    from unirl.backends.megatron import cpu_compat
-    from unirl.backends.megatron.convert import save_hf
-    from unirl.backends.megatron.hf_io import read_hf_config
+    from unirl.backends.megatron.compat import cpu as cpu_compat
     from unirl.backends.megatron.model import build_model_chunks
     from unirl.backends.megatron.topology import (
         initialize_parallel_state,
         topology_from_parallel_state,
     )
+    from unirl.backends.megatron.weights.hf_io import read_hf_config
+    from unirl.backends.megatron.weights.hf_layout import save_hf
     from unirl.backends.process_group import destroy_process_group, init_process_group
 
     src, out = Path(src).expanduser(), Path(out).expanduser()

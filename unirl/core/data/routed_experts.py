@@ -42,7 +42,7 @@ DTYPE = torch.int32  # 4 bytes per decision (an expert index): 1.5 KiB per token
 @attrs.frozen(kw_only=True)
 class MoeShape:
     """The routing shape of a mixture-of-experts model (read from its config by
-    `unirl.core.run.model_shape`)."""
+    `unirl.core.config.model_shape`)."""
 
     num_experts: int
     top_k: int  # experts per token

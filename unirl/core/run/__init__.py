@@ -1,2 +1,2 @@
-"""Run plumbing: the config, progress bars, the metrics log, checkpoint mechanics, the LR
-schedule, and the config turned into the maths' settings."""
+"""Run plumbing: the metrics log (and W&B), checkpoint mechanics, resume, the run directory, the LR
+schedule and the divergence stop."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 
+from unirl.core.config.run_config import OptimizerConfig
 from unirl.core.errors import ConfigError
-from unirl.core.run.config import OptimizerConfig
 
 
 def lr_multiplier(

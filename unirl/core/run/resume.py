@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
 from unirl.core.run import checkpointing
-from unirl.core.run.config import UnirlConfig
 
 # Keys whose value must be the same as when the checkpoint was written.
 MUST_MATCH = (

@@ -4,7 +4,7 @@
 Why it refuses to start without wandb rather than warn: a user who wrote ``logging.wandb``
 watches the run there, and a warning line at start scrolls away while the whole run goes
 unlogged; the config check (`unirl check`, and `unirl train` before any work) says so at once
-(``_check_wandb`` in `unirl.core.run.config`). The W&B run's id is unirl's run id, so ``--resume`` continues the
+(``_check_wandb`` in `unirl.core.config.run_config`). The W&B run's id is unirl's run id, so ``--resume`` continues the
 same W&B run (``resume="allow"``). Its files go under ``RUN_DIR/wandb`` (``mode: offline``
 writes nothing else: ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later). Values
 that are not finite numbers are left out (W&B plots numbers; metrics.jsonl keeps them).
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from unirl.core.run.config import WandbConfig
+from unirl.core.config.run_config import WandbConfig
 
 logger = logging.getLogger(__name__)
 

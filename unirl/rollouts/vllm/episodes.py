@@ -8,7 +8,7 @@ the first observation, and every earlier turn's sampled ids and observation ids,
 re-tokenised text; vLLM's prefix cache (on, `VllmEngine.start`) finds the earlier turns' keys
 and values, so a turn computes only what is new. The engine's sampled ids and their log-probs
 (``processed_logprobs``: temperature applied) are appended as they come; observation tokens get
-loss mask 0 and no rollout log-prob (`unirl.rollouts.episodes`).
+loss mask 0 and no rollout log-prob (`unirl.rollouts.environments.episodes`).
 
 Seeds. Turn ``k`` of episode ``i`` of rollout ``r`` is drawn with vLLM seed ``hash(train.seed, r,
 i, k)``: the same seed gives the same episodes whatever vLLM's batching (episodes drop out of
@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from unirl.core.data.rollout import RolloutBatch
+from unirl.rollouts.data.tasks import Problem, Task
 from unirl.rollouts.environments.base import Environment
-from unirl.rollouts.episode_batch import episode_rollout, observation_encoder
-from unirl.rollouts.episodes import EpisodeLimits, EpisodeRunner
+from unirl.rollouts.environments.episode_batch import episode_rollout, observation_encoder
+from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.sampler import Generation
-from unirl.rollouts.tasks import Problem, Task
 from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine
 
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from unirl.rollouts.vllm import placement, sleep
+from unirl.rollouts.serving import placement
+from unirl.rollouts.vllm import sleep
 
 if TYPE_CHECKING:  # plugin.py imports placement, not this module
     from unirl.rollouts.vllm.plugin import VllmOptions

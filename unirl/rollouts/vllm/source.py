@@ -52,16 +52,14 @@ from typing import Any
 
 import torch
 
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RunError, UnirlError
-from unirl.core.run.config import UnirlConfig
-from unirl.core.run.progress import GenerationProgress
+from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weight_stream import MIB, Bucket, drain
 from unirl.rollouts.build import build_task, episode_options
-from unirl.rollouts.environments.base import Environment
-from unirl.rollouts.episodes import EpisodeLimits
-from unirl.rollouts.stops import save_task_tokenizer, stop_ids
-from unirl.rollouts.tasks import (
+from unirl.rollouts.data.stops import save_task_tokenizer, stop_ids
+from unirl.rollouts.data.tasks import (
     BatchRewardTask,
     Problem,
     Task,
@@ -70,17 +68,20 @@ from unirl.rollouts.tasks import (
     task_rewards,
     task_state,
 )
-from unirl.rollouts.vllm.engine import EngineRequest, EngineSample, VllmEngine, require_vllm
-from unirl.rollouts.vllm.episodes import VllmEpisodes
-from unirl.rollouts.vllm.exchange import RolloutExchange, world
-from unirl.rollouts.vllm.launch import plan_launch
-from unirl.rollouts.vllm.placement import (
+from unirl.rollouts.environments.base import Environment
+from unirl.rollouts.environments.episodes import EpisodeLimits
+from unirl.rollouts.serving.exchange import RolloutExchange, world
+from unirl.rollouts.serving.placement import (
     check_engine_count,
     check_fit,
     choose_transport,
     engine_of,
     split_prompts,
 )
+from unirl.rollouts.serving.weights import WeightFolder
+from unirl.rollouts.vllm.engine import EngineRequest, EngineSample, VllmEngine, require_vllm
+from unirl.rollouts.vllm.episodes import VllmEpisodes
+from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
 from unirl.rollouts.vllm.sleep import SleepCycle
 from unirl.rollouts.vllm.transport import (
@@ -90,7 +91,6 @@ from unirl.rollouts.vllm.transport import (
     bucket_device,
     make_transport,
 )
-from unirl.rollouts.vllm.weights import WeightFolder
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Advantage settings: which estimator, its discounting, and the reward shaping around it.
 
 The one source of each default and each rule: the config's ``algorithm`` section declares its
-keys on these fields (`unirl.core.run.sections.algorithm`) and builds this class."""
+keys on these fields (`unirl.core.config.sections.algorithm`) and builds this class."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from unirl.core.maths.kl import KL_ESTIMATORS
 
 def _key(field: str) -> str:
     """How an error names a field when the settings are built directly (the config re-keys it to
-    the YAML key, `unirl.core.run.sections.algorithm`)."""
+    the YAML key, `unirl.core.config.sections.algorithm`)."""
     return f"AdvantageSettings.{field}"
 
 

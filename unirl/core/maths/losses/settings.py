@@ -1,7 +1,7 @@
 """What the loss computes: the policy loss, its clip bounds, the extra terms and their weights.
 
 The one source of each default and each rule: the config's ``algorithm`` section declares its
-keys on these fields (`unirl.core.run.sections.algorithm`) and builds this class, so every
+keys on these fields (`unirl.core.config.sections.algorithm`) and builds this class, so every
 impossible value is rejected here, at setup, with a `ConfigError` naming the field (the YAML key
 when built from a config) — not deep in the training loop.
 """
@@ -30,7 +30,7 @@ ROLLOUT_CORRECTION_MODES: tuple[str, ...] = typing.get_args(RolloutCorrection)
 
 def _key(field: str) -> str:
     """How an error names a field when the settings are built directly (the config re-keys it to
-    the YAML key, `unirl.core.run.sections.algorithm`)."""
+    the YAML key, `unirl.core.config.sections.algorithm`)."""
     return f"LossSettings.{field}"
 
 

@@ -1,0 +1,78 @@
+"""What the RL step derives from the algorithm section: the loss and advantage settings (built by
+`AlgorithmConfig` from the keys declared on the settings fields, `unirl.core.config.sections.feeds`),
+whether the reference model runs, and the log-prob specs of the forwards."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from unirl.core.backend_plugin import BACKENDS
+from unirl.core.maths.advantages import AdvantageSettings
+from unirl.core.maths.head_loss import HeadPath, choose_head_path
+from unirl.core.maths.logprob_spec import LogprobSpec
+from unirl.core.maths.losses import LossSettings
+
+if TYPE_CHECKING:
+    from unirl.core.config.run_config import UnirlConfig
+
+
+def loss_settings(cfg: UnirlConfig) -> LossSettings:
+    """The loss settings of ``cfg.algorithm``, decoupled PPO as for on-policy data
+    (``algorithm.decoupled: auto`` is off there; the RL step turns it on per rollout from
+    `unirl.core.old_logprobs.decide_decoupled`); a bad value raises `ConfigError` with its key."""
+    return cfg.algorithm.loss_settings()
+
+
+def advantage_settings(cfg: UnirlConfig) -> AdvantageSettings:
+    """The advantage settings of ``cfg.algorithm``; a bad value raises `ConfigError` with its
+    key."""
+    return cfg.algorithm.advantage_settings()
+
+
+def needs_reference(cfg: UnirlConfig) -> bool:
+    """The reference model runs for the KL loss, KL in the reward, and as the distillation
+    teacher (on-policy distillation uses model.ref_path as its teacher)."""
+    a = cfg.algorithm
+    return a.kl_loss.coef > 0 or a.kl_in_reward.coef > 0 or a.distillation_coef > 0
+
+
+def train_logprob_spec(
+    cfg: UnirlConfig, vocab_size: int, *, targets_checked: bool = False
+) -> LogprobSpec:
+    """``targets_checked``: the caller validated the batch's token ids on the host."""
+    entropy_in_loss = cfg.algorithm.entropy_coef != 0
+    return LogprobSpec(
+        targets_checked=targets_checked,
+        temperature=cfg.rollout.temperature,
+        vocab_size=vocab_size,
+        with_entropy=True,  # entropy is always reported; its gradient only when it is in the loss
+        entropy_grad=entropy_in_loss,
+        loss_in_head=head_path(cfg).loss_in_head,
+    )
+
+
+def head_path(cfg: UnirlConfig) -> HeadPath:
+    """How the training forward's last layer meets the loss, and why (`unirl check` prints it):
+    with ``model.fused_head`` the loss inside the head when it is separable over tokens
+    (`choose_head_path`), else the head's log-probs and then the loss."""
+    if not cfg.model.fused_head:
+        return HeadPath(False, "model.fused_head is off: logits from the LM head, then the loss")
+    path = choose_head_path(loss_settings(cfg))
+    if path.loss_in_head and not BACKENDS.get(cfg.backend).supports_loss_in_head:
+        return HeadPath(
+            False,
+            f"fused head log-probs, then the loss (4 head matmuls): backend {cfg.backend} does "
+            "not take the loss into its fused head (the loss would allow it)",
+        )
+    return path
+
+
+def forward_logprob_spec(
+    cfg: UnirlConfig, vocab_size: int, *, targets_checked: bool = False
+) -> LogprobSpec:
+    """``targets_checked``: the caller validated the batch's token ids on the host."""
+    return LogprobSpec(
+        temperature=cfg.rollout.temperature,
+        vocab_size=vocab_size,
+        targets_checked=targets_checked,
+    )

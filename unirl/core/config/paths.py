@@ -1,0 +1,42 @@
+"""The local paths a config names, checked before any work by `unirl train` and `unirl check`
+alike: a job whose model folder, tokenizer folder or prompt dataset is missing fails at once
+(at ``check``, before it is queued), with the key and the fix. A rollout file
+(``rollout.file``) is not checked here: ``check`` plans a job, often on another machine than
+the one holding finished rollouts, and the file source names it when it opens it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unirl.core.config.run_config import UnirlConfig
+from unirl.core.errors import ConfigError
+
+
+def check_local_paths(cfg: UnirlConfig) -> None:
+    """`ConfigError` for a model, reference, critic or tokenizer folder or a prompt dataset
+    that is not there."""
+    m = cfg.model
+    for key, value in (
+        ("model.path", m.path),
+        ("model.ref_path", m.ref_path),
+        ("critic.path", cfg.critic.path),
+    ):
+        if value is not None and not Path(value).expanduser().is_dir():
+            raise ConfigError(
+                f"{key}={value!r} is not a directory; give a local Hugging Face model folder "
+                "(config.json and weights)"
+            )
+    if m.tokenizer is not None and not Path(m.tokenizer).expanduser().is_dir():
+        raise ConfigError(
+            f"model.tokenizer={m.tokenizer!r} is not a directory; give a local Hugging Face "
+            "tokenizer folder (tokenizer.json / tokenizer_config.json)"
+        )
+    for key, prompts in (
+        ("rollout.prompts", cfg.rollout.prompts),
+        ("eval.prompts", None if cfg.eval is None else cfg.eval.prompts),
+    ):
+        if prompts is not None and not Path(prompts).exists():
+            raise ConfigError(
+                f"{key}={prompts!r} does not exist; give a JSONL or Parquet prompt file or a "
+                "Hugging Face datasets folder on this machine"
+            )

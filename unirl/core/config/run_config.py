@@ -1,0 +1,542 @@
+"""The run configuration: frozen attrs classes loaded from YAML, validated once, with derived values.
+
+A config is plain data with its defaults on the schema only. `load_config` reads YAML (safe loader),
+applies ``--set key.path=value`` overrides (`unirl.core.config.overrides`), converts to the section
+classes (`unirl.core.config.sections`, with `unirl.core.config.from_data`) and checks every combination; each mistake raises `ConfigError` naming the key path, the value seen and what would be
+valid. Derived values (data-parallel size, optimizer steps per rollout, microbatches per step) are
+computed once, in `Layout`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import yaml
+
+from unirl.core.backend_plugin import BACKENDS
+from unirl.core.config.from_data import _convert, _structure
+from unirl.core.config.overrides import apply_overrides
+from unirl.core.config.routing_replay import check_routing_replay
+from unirl.core.config.sections.algorithm import (
+    AlgorithmConfig,
+    CriticConfig,
+    KLConfig,
+    KLInRewardConfig,
+    RolloutCorrectionConfig,
+)
+from unirl.core.config.sections.eval import EvalConfig
+from unirl.core.config.sections.model import Dtype, ModelConfig
+from unirl.core.config.sections.output import (
+    CheckpointConfig,
+    LoggingConfig,
+    ProgressConfig,
+    WandbConfig,
+)
+from unirl.core.config.sections.rollout import RolloutConfig
+from unirl.core.config.sections.training import (
+    BatchConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    Schedule,
+    TrainConfig,
+)
+from unirl.core.data.plan import split_per_rank
+from unirl.core.errors import ConfigError
+from unirl.core.source_plugin import SOURCES
+from unirl.core.topology import data_parallel_size, expert_data_parallel_size
+
+__all__ = [
+    "AlgorithmConfig",
+    "BatchConfig",
+    "CheckpointConfig",
+    "CriticConfig",
+    "Dtype",
+    "EvalConfig",
+    "KLConfig",
+    "KLInRewardConfig",
+    "Layout",
+    "LoggingConfig",
+    "ModelConfig",
+    "OldLogprobMode",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "ProgressConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "Schedule",
+    "TrainConfig",
+    "UnirlConfig",
+    "WandbConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "critic_enabled",
+    "load_config",
+    "norm_length",
+    "policy_rl_steps",
+]
+
+OldLogprobMode = Literal["auto", "recompute", "reuse", "rollout"]
+
+
+@attrs.frozen(kw_only=True)
+class Layout:
+    """Values derived once from the config and the world size."""
+
+    world_size: int
+    dp: int
+    rollout_samples: int
+    optimizer_steps_per_rollout: int
+    samples_per_rank_per_step: int
+    microbatches_per_step: int | None  # None with a token budget: decided per rollout by the plan
+
+
+def _registered_backend(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    BACKENDS.get(value)
+
+
+@attrs.frozen(kw_only=True)
+class UnirlConfig:
+    """The whole run. ``backend`` names a registered `BackendPlugin`; that backend's own section
+    (the YAML key is its name, e.g. ``megatron: {attention: padded}``) is ``backend_options``, an
+    instance of the plug-in's options class (its defaults when the section is absent)."""
+
+    backend: str = attrs.field(default="deepspeed", validator=_registered_backend)
+    old_logprobs: OldLogprobMode = "auto"
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
+    batch: BatchConfig = attrs.field(factory=BatchConfig)
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
+    critic: CriticConfig = attrs.field(factory=CriticConfig)
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    train: TrainConfig = attrs.field(factory=TrainConfig)
+    progress: ProgressConfig = attrs.field(factory=ProgressConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    logging: LoggingConfig = attrs.field(factory=LoggingConfig)
+    # Held-out prompts evaluated during training (unirl/rollouts/eval.py); None: no evaluation.
+    eval: EvalConfig | None = None
+    backend_options: Any = None
+    layout: Layout = attrs.field(init=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        options_cls = BACKENDS.get(self.backend).options
+        if self.backend_options is None:
+            object.__setattr__(self, "backend_options", options_cls())
+        elif not isinstance(self.backend_options, options_cls):
+            raise ConfigError(
+                f"backend_options={self.backend_options!r} is not the {self.backend} section; "
+                f"pass a {options_cls.__name__} (or a '{self.backend}:' mapping in the YAML)"
+            )
+        _check_combinations(self)
+        object.__setattr__(self, "layout", _derive_layout(self))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (what `unirl check` prints and checkpoints store)."""
+
+        def plain(value: Any) -> dict[str, Any]:
+            return attrs.asdict(
+                value,
+                filter=lambda a, _: a.name not in ("layout", "backend_options", "source_options"),
+                value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v,
+            )
+
+        data = plain(self) | {self.backend: plain(self.backend_options)}
+        if self.rollout.source_options is not None:
+            data["rollout"][self.rollout.source] = plain(self.rollout.source_options)
+        return data
+
+
+# --------------------------------------------------------------------------------------------
+# Combination checks and derived values
+# --------------------------------------------------------------------------------------------
+
+
+def _world_size(cfg: UnirlConfig) -> int:
+    if cfg.parallel.world_size is not None:
+        return cfg.parallel.world_size
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from None
+
+
+def _check_combinations(cfg: UnirlConfig) -> None:
+    p, b, a = cfg.parallel, cfg.batch, cfg.algorithm
+    # The chosen backend's own rules (what it cannot run, what its options need).
+    plugin = BACKENDS.get(cfg.backend)
+    if p.sequence_parallel and not plugin.supports_sequence_parallel:
+        raise ConfigError(
+            f"parallel.sequence_parallel: true with backend: {cfg.backend}, which has no sequence "
+            "parallel; remove it or use a backend that has (megatron)"
+        )
+    plugin.check(cfg)
+    if p.vpp is not None and p.pp == 1:
+        raise ConfigError(
+            f"parallel.vpp={p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline "
+            "stages); set parallel.pp >= 2 or remove parallel.vpp"
+        )
+    if cfg.model.path is None and cfg.model.hf_config is None:
+        raise ConfigError(
+            "model: set model.path (a local Hugging Face folder) or model.hf_config (a config "
+            "dict such as {model_type: llama, hidden_size: 64, ...} for a random init)"
+        )
+    if b.micro_batch_size is None and b.max_tokens_per_microbatch is None:
+        raise ConfigError(
+            "batch: set batch.micro_batch_size (samples per microbatch) or "
+            "batch.max_tokens_per_microbatch (a token budget per microbatch)"
+        )
+    if b.micro_batch_size is not None and b.max_tokens_per_microbatch is not None:
+        raise ConfigError(
+            "batch: set either batch.micro_batch_size (a fixed number of samples per microbatch) "
+            "or batch.max_tokens_per_microbatch (a token budget, balanced by length), not both"
+        )
+    rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
+    if rollout_samples % b.samples_per_optimizer_step:
+        raise ConfigError(
+            f"batch.samples_per_optimizer_step={b.samples_per_optimizer_step} does not divide the "
+            f"rollout of batch.prompts_per_rollout x batch.samples_per_prompt = {rollout_samples} "
+            "samples; choose a divisor"
+        )
+    if (
+        b.max_tokens_per_microbatch is not None
+        and b.max_tokens_per_microbatch < cfg.model.max_seq_len
+    ):
+        raise ConfigError(
+            f"batch.max_tokens_per_microbatch={b.max_tokens_per_microbatch} is smaller than "
+            f"model.max_seq_len={cfg.model.max_seq_len}: a full-length sample would not fit; "
+            "raise the budget or lower model.max_seq_len"
+        )
+    rc = a.rollout_correction
+    if rc.mode != "none" and cfg.old_logprobs == "rollout":
+        raise ConfigError(
+            f"algorithm.rollout_correction.mode={rc.mode!r} with old_logprobs: rollout corrects "
+            "nothing (the weight exp(old - rollout) is 1 when old log-probs are the rollout's); "
+            "use old_logprobs: auto or recompute, or set rollout_correction.mode: none"
+        )
+    if a.decoupled is True and cfg.old_logprobs == "rollout":
+        raise ConfigError(
+            "algorithm.decoupled: true with old_logprobs: rollout makes the proximal policy the "
+            "behaviour one (weight exp(0) = 1 everywhere); use old_logprobs: auto or recompute, "
+            "or set algorithm.decoupled: false"
+        )
+    if cfg.train.max_staleness and not SOURCES.get(cfg.rollout.source).generates:
+        raise ConfigError(
+            f"train.max_staleness={cfg.train.max_staleness} generates rollouts ahead of "
+            f"training, but rollout.source: {cfg.rollout.source} reads finished ones (their "
+            "staleness is in their policy_version); set train.max_staleness: 0"
+        )
+    # The chosen rollout source's own rules (what it needs, what its options must fit).
+    SOURCES.get(cfg.rollout.source).check(cfg)
+    _check_prompts(cfg)
+    _check_stops(cfg)
+    _check_environment(cfg)
+    _check_wandb(cfg)
+    _check_eval(cfg)
+    _check_critic(cfg)
+    check_routing_replay(cfg)
+
+
+def _check_wandb(cfg: UnirlConfig) -> None:
+    """A configured W&B that cannot run is refused before any work (unirl.core.run.wandb_log
+    says why: a warning would scroll away while the whole run goes unlogged)."""
+    if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb is set but Weights & Biases is not installed: pip install -e "
+            "'.[wandb]' (or pip install wandb), or remove logging.wandb"
+        )
+
+
+def _check_eval(cfg: UnirlConfig) -> None:
+    """eval: runs through the rollout engine on prompts tokenized as rollout.prompts are."""
+    e, r = cfg.eval, cfg.rollout
+    if e is None:
+        return
+    if not SOURCES.get(r.source).generates:
+        raise ConfigError(
+            f"eval: generates held-out responses with the rollout engine, but rollout.source: "
+            f"{r.source} reads finished rollouts; use a generating source or remove eval"
+        )
+    if r.prompts is None:
+        raise ConfigError(
+            "eval: reads its prompts as rollout.prompts are read (its column mapping, chat "
+            f"template and tokenizer), but rollout.prompts is not set (rollout.task={r.task!r} "
+            "has no held-out file); train on a prompt dataset or remove eval"
+        )
+    if cfg.train.max_staleness:
+        raise ConfigError(
+            f"eval: with train.max_staleness={cfg.train.max_staleness} the rollout engine "
+            "belongs to the worker that generates ahead; set train.max_staleness: 0 or remove eval"
+        )
+    if e.reward is None and e.reward_options:
+        raise ConfigError(
+            "eval.reward_options are the options of eval.reward, which is not set (the eval "
+            "uses rollout.reward with rollout.reward_options); set eval.reward or remove them"
+        )
+
+
+def _check_stops(cfg: UnirlConfig) -> None:
+    r = cfg.rollout
+    if not SOURCES.get(r.source).generates and (r.stop or r.stop_token_ids):
+        raise ConfigError(
+            f"rollout.stop / rollout.stop_token_ids end generation, but rollout.source: "
+            f"{r.source} trains on finished rollouts; remove them or use a generating source"
+        )
+    for i, text in enumerate(r.stop):
+        if not text:
+            raise ConfigError(f"rollout.stop[{i}] is empty; give a non-empty stop string")
+    for i, token in enumerate(r.stop_token_ids):
+        if token < 0:
+            raise ConfigError(f"rollout.stop_token_ids[{i}]={token}; token ids are >= 0")
+
+
+def _check_environment(cfg: UnirlConfig) -> None:
+    """rollout.environment and the keys that only mean something with it."""
+    r, default = cfg.rollout, RolloutConfig()
+    if r.environment is None:
+        for key in (
+            "environment_options",
+            "max_turns",
+            "max_episode_tokens",
+            "env_step_timeout_s",
+            "env_failure_reward",
+        ):
+            if getattr(r, key) != getattr(default, key):
+                raise ConfigError(
+                    f"rollout.{key}={getattr(r, key)!r} applies to multi-turn episodes, but "
+                    "rollout.environment is not set; set rollout.environment or remove the key"
+                )
+        return
+    if not SOURCES.get(r.source).runs_episodes:
+        episodic = " or ".join(sorted(p.name for p in SOURCES.values() if p.runs_episodes))
+        raise ConfigError(
+            f"rollout.environment={r.environment!r}: rollout.source: {r.source} does not run "
+            f"multi-turn episodes; set rollout.source: {episodic}, or remove rollout.environment"
+        )
+    if r.prompts is not None:
+        raise ConfigError(
+            "rollout.environment with rollout.prompts: episodes are drawn from rollout.task "
+            "today (its problems' metadata reach the environment's reset); remove one of them"
+        )
+    if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
+        raise ConfigError(
+            f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
+            f"{r.max_new_tokens} (one turn's budget); raise it or leave it out"
+        )
+
+
+def _check_prompts(cfg: UnirlConfig) -> None:
+    """rollout.prompts and the keys that only mean something with it."""
+    r = cfg.rollout
+    if r.prompts is None:
+        for key, value in (
+            ("rollout.reward", r.reward),
+            ("rollout.reward_options", r.reward_options or None),
+            ("rollout.reward_workers", r.reward_workers or None),
+            ("rollout.skip_long_prompts", r.skip_long_prompts or None),
+            ("model.tokenizer", cfg.model.tokenizer),
+            ("rollout.prompt_key", None if r.prompt_key == "prompt" else r.prompt_key),
+            ("rollout.answer_key", r.answer_key),
+            ("rollout.metadata_keys", r.metadata_keys or None),
+            ("rollout.apply_chat_template", r.apply_chat_template or None),
+            ("rollout.system_prompt", r.system_prompt),
+        ):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}={value!r} applies to prompts read from a file, but rollout.prompts "
+                    f"is not set (the built-in tasks score and tokenize themselves); set "
+                    f"rollout.prompts or remove {key}"
+                )
+        return
+    if not SOURCES.get(r.source).generates:
+        raise ConfigError(
+            f"rollout.prompts is read by a generating source, but rollout.source: {r.source} "
+            "trains on finished rollouts; remove rollout.prompts or set rollout.source: sampler"
+        )
+    if r.reward is None:
+        raise ConfigError(
+            "rollout.prompts needs rollout.reward: a registered reward such as math_answer, or "
+            "'package.module:function'"
+        )
+    if r.task_options:
+        raise ConfigError(
+            "rollout.task_options configure rollout.task, which rollout.prompts replaces; remove "
+            "rollout.task_options"
+        )
+
+
+def critic_enabled(cfg: UnirlConfig) -> bool:
+    """Whether the run trains a critic: ``critic.enabled``, or (unset) whether the advantage
+    estimator reads values."""
+    if cfg.critic.enabled is not None:
+        return cfg.critic.enabled
+    from unirl.core.maths.advantages import estimator_needs_values
+
+    return estimator_needs_values(cfg.algorithm.advantage_estimator)
+
+
+def policy_rl_steps(cfg: UnirlConfig, rl_steps: int) -> int:
+    """RL steps in which the policy trains: all but the critic's warm-up."""
+    return rl_steps - (cfg.critic.warmup_steps if critic_enabled(cfg) else 0)
+
+
+def _check_critic(cfg: UnirlConfig) -> None:
+    from unirl.core.maths.advantages import estimator_needs_values
+
+    c, estimator = cfg.critic, cfg.algorithm.advantage_estimator
+    if c.enabled and not estimator_needs_values(estimator):
+        raise ConfigError(
+            f"critic.enabled: true, but algorithm.advantage_estimator={estimator!r} does not read "
+            "values: the critic would train for nothing; set algorithm.advantage_estimator: gae "
+            "or remove critic.enabled"
+        )
+    if not critic_enabled(cfg):
+        defaults = CriticConfig()
+        changed = [
+            f.name
+            for f in attrs.fields(CriticConfig)
+            if f.name != "enabled" and getattr(c, f.name) != getattr(defaults, f.name)
+        ]
+        if changed:
+            why = (
+                "critic.enabled: false"
+                if c.enabled is False
+                else f"algorithm.advantage_estimator={estimator!r} reads no values"
+            )
+            raise ConfigError(
+                f"critic.{changed[0]} is set but no critic trains ({why}); remove the critic "
+                "section or set algorithm.advantage_estimator: gae"
+            )
+        return
+    plugin = BACKENDS.get(cfg.backend)
+    if not plugin.supports_critic:
+        raise ConfigError(
+            f"backend: {cfg.backend} has no critic (a learned value model for "
+            f"algorithm.advantage_estimator={estimator!r}); use backend: deepspeed, megatron or fsdp2, "
+            "or an estimator without values (grpo, rloo, reinforce_pp), or critic.enabled: false "
+            "with per-token 'values' in a rollout file"
+        )
+    if c.warmup_steps >= cfg.train.rl_steps:
+        raise ConfigError(
+            f"critic.warmup_steps={c.warmup_steps} leaves the policy no RL step of "
+            f"train.rl_steps={cfg.train.rl_steps}; lower critic.warmup_steps"
+        )
+
+
+def _derive_layout(cfg: UnirlConfig) -> Layout:
+    p, b = cfg.parallel, cfg.batch
+    world = _world_size(cfg)
+    dp = data_parallel_size(world, tp=p.tp, pp=p.pp, cp=p.cp)
+    expert_data_parallel_size(world, ep=p.ep, etp=p.etp or p.tp, pp=p.pp)
+    rollout_samples = b.prompts_per_rollout * b.samples_per_prompt
+    per_rank, microbatches = split_per_rank(b.samples_per_optimizer_step, dp, b.micro_batch_size)
+    if cfg.critic.micro_batch_size is not None:
+        split_per_rank(b.samples_per_optimizer_step, dp, cfg.critic.micro_batch_size, key="critic")
+    steps = rollout_samples // b.samples_per_optimizer_step * b.epochs_per_rollout
+    return Layout(
+        world_size=world,
+        dp=dp,
+        rollout_samples=rollout_samples,
+        optimizer_steps_per_rollout=steps,
+        samples_per_rank_per_step=per_rank,
+        microbatches_per_step=microbatches,
+    )
+
+
+def norm_length(cfg: UnirlConfig) -> int:
+    """Dr.GRPO's constant length: algorithm.norm_length, else the generation budget."""
+    return cfg.algorithm.norm_length or cfg.rollout.max_new_tokens
+
+
+def _backend_options(data: dict[str, Any]) -> Any:
+    """Pop the backend sections (top-level keys named after a registered backend) from ``data``
+    and build the chosen backend's options from its section; a section of another backend is an
+    error (it would be silently ignored)."""
+    name = data.get("backend", attrs.fields(UnirlConfig).backend.default)
+    if not isinstance(name, str):
+        raise ConfigError(f"backend: expected a string, got {name!r}")
+    plugin = BACKENDS.get(name)
+    sections = {key: data.pop(key) for key in list(data) if key in BACKENDS}
+    for other in sections:
+        if other != name:
+            raise ConfigError(
+                f"section '{other}:' configures backend {other}, but backend: {name}; remove the "
+                f"section or set backend: {other}"
+            )
+    return _convert(sections.get(name) or {}, plugin.options, name)
+
+
+def _rollout_section(data: dict[str, Any]) -> RolloutConfig:
+    """Pop ``rollout`` from ``data`` and build it, with the chosen source's options built from
+    its section (a key of ``rollout`` named after a registered source); a section of another
+    source is an error (it would be silently ignored)."""
+    rollout = data.pop("rollout", {})
+    if not isinstance(rollout, Mapping):
+        raise ConfigError(f"rollout: expected a mapping of keys, got {rollout!r}")
+    rollout = dict(rollout)
+    name = rollout.get("source", attrs.fields(RolloutConfig).source.default)
+    if not isinstance(name, str):
+        raise ConfigError(f"rollout.source: expected a string, got {name!r}")
+    plugin = SOURCES.get(name)
+    keys = {f.name for f in attrs.fields(RolloutConfig)}
+    if plugin.options is not None and name in keys:
+        raise ConfigError(
+            f"rollout source {name!r} has an options section, but rollout.{name} is a key of "
+            "the rollout section itself; register the plug-in under another name"
+        )
+    sections = {
+        key: rollout.pop(key) for key in list(rollout) if key in SOURCES and key not in keys
+    }
+    for other in sections:
+        if other != name:
+            raise ConfigError(
+                f"section 'rollout.{other}:' configures rollout source {other}, but "
+                f"rollout.source: {name}; remove the section or set rollout.source: {other}"
+            )
+    options = None
+    if plugin.options is not None:
+        options = _convert(sections.get(name) or {}, plugin.options, f"rollout.{name}")
+    elif name in sections:
+        raise ConfigError(
+            f"section 'rollout.{name}:': rollout source {name} has no options; remove it"
+        )
+    return _structure(rollout, RolloutConfig, "rollout", converted={"source_options": options})
+
+
+def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) -> UnirlConfig:
+    data = dict(data)
+    if world_size is not None:
+        parallel = dict(data.get("parallel") or {})
+        parallel["world_size"] = world_size
+        data["parallel"] = parallel
+    options = _backend_options(data)
+    rollout = _rollout_section(data)
+    return _structure(
+        data, UnirlConfig, "", converted={"backend_options": options, "rollout": rollout}
+    )
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    world_size: int | None = None,
+) -> UnirlConfig:
+    """Load, override and validate a YAML config; every mistake raises `ConfigError`."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(file)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping of sections")
+    return config_from_dict(apply_overrides(data, overrides), world_size=world_size)

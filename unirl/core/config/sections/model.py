@@ -1,0 +1,43 @@
+"""The ``model`` section: which policy model, its dtype and length, the reference model."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from unirl.core.config.validators import (
+    check_hf_config_shape,
+    positive,
+)
+
+Dtype = Literal["fp32", "bf16"]
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The policy model: a local Hugging Face folder, or a HF config dict with a seed (random init)."""
+
+    path: str | None = None
+    hf_config: dict[str, Any] | None = attrs.field(default=None, validator=check_hf_config_shape)
+    init_seed: int = 0
+    dtype: Dtype = "fp32"
+    gradient_checkpointing: bool = False
+    # Log-probs straight from the final hidden states and the LM head's weight, in vocabulary
+    # chunks (`unirl.core.maths.logprobs_hidden`): the [tokens, vocab] logits and their gradient
+    # are never held (4.6 GiB each in bf16 at 16k tokens x 152k vocabulary), for one more
+    # head-sized matmul in backward. Off by default: measured slower on the CPU (head +
+    # log-probs 1.25x, in-process A/B, benchmarks/fused_head.py); turn it on when the logits cap
+    # the microbatch length.
+    fused_head: bool = False
+    # Liger's Triton kernels for RMSNorm, rotary embedding and SwiGLU in every decoder layer, on
+    # the Hugging Face backends (DeepSpeed, FSDP2) on a GPU (`unirl.backends.hf.liger`); the
+    # Megatron backend has its own fused layers and refuses it.
+    liger_kernels: bool = False
+    max_seq_len: int = attrs.field(default=2048, validator=positive)
+    # A local Hugging Face tokenizer folder for rollout.prompts text (and saved with the export);
+    # None: model.path's tokenizer, else a character tokenizer over the prompt file.
+    tokenizer: str | None = None
+    # The reference model for KL; defaults to the initial policy weights.
+    ref_path: str | None = None
+    ref_offload: bool = False
