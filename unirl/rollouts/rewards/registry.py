@@ -63,7 +63,7 @@ SIGNATURE = (
 
 
 def _load_builtins() -> None:
-    from unirl.rollouts.rewards.registry import math as math_reward
+    from unirl.rollouts.rewards import math as math_reward
 
     register_reward("math_answer", math_reward.math_answer)
     register_reward("exact_match", math_reward.exact_match)
