@@ -287,6 +287,25 @@ def test_value_loss_clipped():
     assert grad.tolist() == pytest.approx([0.0, 1.0, 0.5])
 
 
+def test_value_clip_flags_only_where_the_clip_acts():
+    """A value inside ``old +- c`` is not clipped, whatever the float rounding of ``v - old``:
+    fp32 values where ``old + (v - old)`` rounds away from ``v`` (the old clip flagged those as
+    clipped, and different ones on each backend: `critic/vf_clipfrac` 0.039 on Megatron against
+    0.080 on DeepSpeed at one step of the PPO example)."""
+    # Found by search: for each pair, old + (v - old) != v in fp32, and |v - old| < c.
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(4000, generator=g)
+    old = v + 0.05 * torch.randn(4000, generator=g)
+    returns = torch.randn(4000, generator=g)
+    tie = (old + (v - old)) != v
+    assert tie.sum() > 50 and ((v - old).abs() < 0.2).all()
+    loss_t, clipped = value_loss(v, returns, old, 0.2)
+    assert not clipped.any()
+    # nothing clipped: exactly the plain loss 0.5 (v - R)^2, computed here in float64
+    plain = 0.5 * (v.double() - returns.double()).square()
+    torch.testing.assert_close(loss_t.double(), plain, rtol=1e-6, atol=0)
+
+
 def test_value_term_in_compute_loss():
     inp = _inputs(
         [-1.0, -1.0, -1.0],
