@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--reach", type=int, default=400)
     args = parser.parse_args()
+    # Named before the run, so that a checkout without git fails before the work, not after.
+    out = new_result_path("async_steps", "cpu")
     result: dict = {
         "config": "examples/tiny_grpo.yaml",
         "threads": {
@@ -100,7 +102,6 @@ def main() -> None:
                 "k=0_source": "README 'Try it' (benchmarks/results/tiny_grpo/2026-12-01_cpu_47a8197_metrics.jsonl)",
             }
             print(json.dumps(result["reach_0.9"]), flush=True)
-    out = new_result_path("async_steps", "cpu")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -151,6 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    # Named before the run, so that a checkout without git fails before the work, not after.
+    out = new_result_path("async_steps_vllm", "cpu")
     from unirl.cpu_threads import apply_cpu_thread_defaults
 
     apply_cpu_thread_defaults()  # what the `unirl` command does before torch loads
@@ -177,7 +179,6 @@ def main() -> None:
             for k in (1, 2):
                 runs[f"k={k}"]["speedup_over_k0"] = base / runs[f"k={k}"]["seconds_per_step"]
             result["models"][model] = runs
-    out = new_result_path("async_steps_vllm", "cpu")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -231,6 +231,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
+    # Named before the run, so that a checkout without git fails before the work, not after.
+    out = new_result_path("weight_sync_memory", "cpu")
     from tests.spawn import run_distributed
 
     results: dict[str, Any] = {
@@ -271,7 +273,6 @@ def main() -> None:
                 f"{r['full_state_dict']['live_peak_above_mib']:.0f}"
             )
     results["load_average_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    out = new_result_path("weight_sync_memory", "cpu")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"written {out}")
