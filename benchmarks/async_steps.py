@@ -8,8 +8,8 @@ loop time is what it waits for its rollout (k = 0: the whole generation) plus th
 the weight sync; G (generation seconds, measured in the worker for k > 0) and T (the RL step's
 seconds) give the limit a perfect overlap could reach, max(G, T). Step 1 is left out (no rollout
 was generated ahead of it). ``--reach N`` then trains k = 1 with ``algorithm.decoupled: true``
-for up to N steps and records the first step whose mean reward is >= 0.9. Writes
-``benchmarks/results/async_steps_cpu.json``.
+for up to N steps and records the first step whose mean reward is >= 0.9. Writes a new dated
+file under ``benchmarks/results/async_steps/`` (``benchmarks/result_files.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.result_files import new_result_path
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks/results/async_steps_cpu.json"
 
 
 def _train(run_dir: Path, sets: list[str]) -> list[dict]:
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--reach", type=int, default=400)
     args = parser.parse_args()
+    # Named before the run, so that a checkout without git fails before the work, not after.
+    out = new_result_path("async_steps", "cpu")
     result: dict = {
         "config": "examples/tiny_grpo.yaml",
         "threads": {
@@ -96,11 +99,12 @@ def main() -> None:
                 "k=1_steps_run": len(rows),
                 "k=1_last10_reward_mean": statistics.mean(m["reward/mean"] for m in rows[-10:]),
                 "k=0_first_step": 273,
-                "k=0_source": "README 'Try it' (benchmarks/results/tiny_grpo_cpu_metrics.jsonl)",
+                "k=0_source": "README 'Try it' (benchmarks/results/tiny_grpo/2026-12-01_cpu_47a8197_metrics.jsonl)",
             }
             print(json.dumps(result["reach_0.9"]), flush=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ overlap can reach, max(G, T), and the trainer's wait for its rollout. The first 
 left out (step 1 has nothing generated ahead; step 2 still overlaps the engine's first reload).
 Threads per phase: the trainer's torch intra-op threads, and the engine's processes (their most
 threads seen, and the CPU seconds the trainer process and the engine processes each used during
-the run). Writes ``benchmarks/results/async_steps_vllm_cpu.json``.
+the run). Writes a new dated file under
+``benchmarks/results/async_steps_vllm/`` (``benchmarks/result_files.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.result_files import new_result_path
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks/results/async_steps_vllm_cpu.json"
 CONFIG = ROOT / "examples/tiny_grpo_vllm.yaml"
 MODELS = {
     "tiny (examples/tiny_grpo_vllm.yaml)": [],
@@ -149,6 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    # Named before the run, so that a checkout without git fails before the work, not after.
+    out = new_result_path("async_steps_vllm", "cpu")
     from unirl.cpu_threads import apply_cpu_thread_defaults
 
     apply_cpu_thread_defaults()  # what the `unirl` command does before torch loads
@@ -175,8 +179,9 @@ def main() -> None:
             for k in (1, 2):
                 runs[f"k={k}"]["speedup_over_k0"] = base / runs[f"k={k}"]["seconds_per_step"]
             result["models"][model] = runs
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":  # vLLM spawns its processes: they re-import this script

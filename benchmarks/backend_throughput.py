@@ -2,7 +2,7 @@
 (ZeRO 1 and ZeRO 3) and Megatron side by side, in one run.
 
     PYTHONPATH=$PWD python benchmarks/backend_throughput.py \\
-        --out benchmarks/results/backend_throughput_h200.json
+        --out benchmarks/results/backend_throughput/<date>_h200_<commit>_all-engines.json
 
 The model (Qwen2.5-1.5B's shape, bf16 with fp32 master weights and optimizer state), the rollout
 batch (64 samples of 256..4096 tokens, token-budget microbatches of 16k tokens, one optimizer step

@@ -7,7 +7,7 @@ chosen dtype, and the failing checks. On a GPU machine each layout runs one proc
 (NCCL); on the CPU, gloo processes. The reference itself always runs in fp32 on the CPU.
 
     PYTHONPATH=$PWD python benchmarks/contract_table.py --device cuda --dtype bf16 \\
-        --out benchmarks/results/contract_h200_bf16.json
+        --out benchmarks/results/contract_table/<date>_h200_<commit>_deepspeed-bf16.json
     PYTHONPATH=$PWD python benchmarks/contract_table.py --device cpu --dtype fp32 \\
         --backends deepspeed --layouts zero0-dp1,zero3-dp2 --out /tmp/contract_cpu.json
 
@@ -18,7 +18,7 @@ router-loss and routing-replay clauses; the critic's clauses run on the dense fi
         --backends megatron,deepspeed,fsdp2 \\
         --layouts moe-ep1,moe-ep2,moe-tp2-ep2-sp,moe-pp2,moe-ep2-etp2,moe-pp2-ep2,\\
 moe-zero1-dp2,moe-full-dp2 \\
-        --no-critic --out benchmarks/results/contract_h200_moe_fp32.json
+        --no-critic --out benchmarks/results/contract_table/<date>_h200_<commit>_moe-fp32.json
 
 ``--fused-head on`` runs every layout with ``model.fused_head: true`` (log-probs from the hidden
 states and the LM head's weight), ``off`` with it false; the default runs the layouts as the

@@ -15,7 +15,7 @@ Per run: the median seconds per RL step over the steps after ``--warmup``, split
 (unirl: ``next_rollout``, i.e. sampling and reward; TRL: ``_generate_and_score_completions``,
 i.e. sampling, reward and advantages) and the rest (the training phase, weight sync, logging),
 and the mean reward of every step. The ratio is unirl / TRL of the median step time, per pair;
-the target is judged on the median over pairs (also stored: the ratio of the pooled medians). Results go to ``benchmarks/results/cpu_vs_trl.json`` (``--out``) with
+the target is judged on the median over pairs (also stored: the ratio of the pooled medians). Results go to a new dated file under ``benchmarks/results/cpu_vs_trl/`` (``--out``) with
 every setting that could not be matched.
 
 Workloads: ``tiny`` is ``examples/tiny_grpo.yaml`` (reverse 2-3 digits, at most 8 new tokens);
@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.result_files import new_result_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "CPU_VS_TRL_RESULT "
@@ -429,11 +431,15 @@ def main() -> None:
         default=max((cores or 1) - 1, 1),
         help="torch threads of both trainers (default: unirl's own default, cores - 1)",
     )
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu_vs_trl.json"))
+    parser.add_argument(
+        "--out", default=None, help="default: a new dated file under results/cpu_vs_trl/"
+    )
     parser.add_argument("--note", default="", help="stored with the results (e.g. machine load)")
     parser.add_argument("--child", choices=["unirl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(new_result_path("cpu_vs_trl", "cpu"))
     if args.child:
         child(args)
         return

@@ -46,7 +46,7 @@ in the compute dtype, for scale; ``beyond_grads_gib`` is the peak minus the two 
 reference passes).
 
     PYTHONPATH=$PWD python benchmarks/fused_head.py --device cuda \\
-        --out benchmarks/results/fused_head_h200.json
+        --out benchmarks/results/fused_head/<date>_h200_<commit>.json
     PYTHONPATH=$PWD python benchmarks/fused_head.py --device cuda --tokens 16384 --hidden 1536 \\
         --methods matmul_kernel,liger,head_loss,head_loss+overlap,head_loss@2048 --check \\
         --out /tmp/fused_head_variants.json

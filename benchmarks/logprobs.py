@@ -7,7 +7,7 @@ naive form, forward-only (under ``no_grad``, as for old/reference log-probs) and
 ``max_memory_allocated`` during one call minus what was allocated before it (for
 forward+backward this includes the gradient left in ``logits.grad``).
 
-    PYTHONPATH=$PWD python benchmarks/logprobs.py --out benchmarks/results/logprobs_h200.json
+    PYTHONPATH=$PWD python benchmarks/logprobs.py --out benchmarks/results/logprobs/<date>_h200_<commit>.json
 
 ``--sweep`` also times the two Triton kernels alone over block sizes and warp counts at the
 first size, which is how `fwd_config` and `bwd_config` in `unirl.core.maths.kernels.logprobs_triton` were chosen.

@@ -26,7 +26,7 @@ Layouts run ``--jobs`` at a time (they share the GPUs: the models are tiny). Res
 JSON file, rewritten after every layout so that a run stopped by a deadline keeps what finished::
 
     PYTHONPATH=$PWD python benchmarks/megatron_contract.py --jobs 4 \
-        --out benchmarks/results/megatron_contract_h200.json
+        --out benchmarks/results/megatron_contract/<date>_h200_<commit>_2gpu.json
 
 ``--fused-head on`` runs every layout with ``model.fused_head: true`` (the last stage hands its
 hidden states and the output layer's weight shard to core; no logits), names unchanged; the

@@ -3,7 +3,7 @@ unirl's fused kernels (`unirl.backends.megatron.kernels.gpu_fusions`), at the sh
 throughput benchmark.
 
     PYTHONPATH=$PWD python benchmarks/megatron_kernels.py \\
-        --out benchmarks/results/megatron_kernels_h200.json
+        --out benchmarks/results/megatron_kernels/<date>_h200_<commit>.json
 
 - **rope**: q ``[T, 12, 128]`` (contiguous, as megatron reshapes it) and k ``[T, 2, 128]`` (a
   strided view of the fused qkv projection, as megatron splits it), packed sequences of

@@ -3,7 +3,7 @@ packed batch, its model FLOPs utilisation, the actor phase with ``old_logprobs: 
 ``recompute``, and unirl's overhead over a plain megatron-core training loop.
 
     PYTHONPATH=$PWD python benchmarks/megatron_throughput.py \\
-        --out benchmarks/results/megatron_throughput_h200.json
+        --out benchmarks/results/megatron_throughput/<date>_h200_<commit>_dense.json
 
 (several GPUs: ``python -m torch.distributed.run --nproc_per_node 4 benchmarks/... --tp 2 --pp 2
 --model qwen2.5-7b``). What is measured, all in one process group, on one model built once:
@@ -31,7 +31,7 @@ Mixture of experts (``--model qwen3-30b-a3b --layers 8``): ``N`` counts the acti
 `GroupedExperts` (default: `select_experts`' choice), the issue's A/B::
 
     PYTHONPATH=$PWD python benchmarks/megatron_throughput.py --model qwen3-30b-a3b --layers 8 \
-        --experts grouped --out benchmarks/results/megatron_throughput_h200_moe_grouped.json
+        --experts grouped --out benchmarks/results/megatron_throughput/<date>_h200_<commit>_moe-grouped.json
 
 ``--fused-head`` sets ``model.fused_head: true`` (log-probs from the last stage's hidden states and
 the output layer's weight, no ``[T, V]`` logits); the plain loop computes megatron's own
@@ -45,7 +45,7 @@ GPUs every rank holds the same shapes and runs out alike)::
 
     PYTHONPATH=$PWD python benchmarks/megatron_throughput.py --fused-head \
         --search-tokens 16384,24576,32768,49152,65536,98304,131072 \
-        --out benchmarks/results/megatron_throughput_h200_fused_search.json
+        --out benchmarks/results/megatron_throughput/<date>_h200_<commit>_search-fused-head.json
 
 Times are medians over ``--steps`` timed steps after ``--warmup`` untimed ones, with CUDA
 synchronised around each step. The model is randomly initialised (bf16 weights, fp32 optimizer

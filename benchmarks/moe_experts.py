@@ -4,7 +4,7 @@ backward, at the Qwen3-30B-A3B layer shape (hidden 2048, 128 experts, top-8, exp
 a packed batch of 16,384 tokens::
 
     PYTHONPATH=$PWD python benchmarks/moe_experts.py --device cuda \\
-        --out benchmarks/results/moe_experts_h200.json
+        --out benchmarks/results/moe_experts/<date>_h200_<commit>.json
     PYTHONPATH=$PWD python benchmarks/moe_experts.py --device cpu --out /tmp/moe_experts.json
 
 (the second is a smoke run at a tiny shape). Two parts, each module built once per variant with

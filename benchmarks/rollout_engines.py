@@ -1,7 +1,7 @@
 """Generation time of vLLM against the built-in sampler, on the same rollouts, in one process.
 
     python benchmarks/rollout_engines.py [--config examples/tiny_grpo_vllm.yaml] [--rollouts 10]
-        [--set key=value ...] [--out benchmarks/results/rollout_engines_cpu.json]
+        [--set key=value ...] [--out FILE]   (default: a new dated file under benchmarks/results/rollout_engines/)
 
 Both engines get the same weights (the config's seeded random init), the same prompts (the
 task's prompt stream from ``train.seed``) and the same settings (temperature, top_p,
@@ -23,6 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.result_files import new_result_path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,8 +33,12 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "examples/tiny_grpo_vllm.yaml"))
     parser.add_argument("--rollouts", type=int, default=10)
     parser.add_argument("--set", action="append", default=[], metavar="key=value")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/rollout_engines_cpu.json"))
+    parser.add_argument(
+        "--out", default=None, help="default: a new dated file under results/rollout_engines/"
+    )
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(new_result_path("rollout_engines", "cpu"))
 
     from unirl.cpu_threads import apply_cpu_thread_defaults
 

@@ -3,7 +3,7 @@
 
     PYTHONPATH=$PWD python benchmarks/routing_replay_mismatch.py \
         [--router-noise 0 0.1] [--bf16-engine] [--rollouts 4] \
-        [--out benchmarks/results/routing_replay_mismatch_cpu.json]
+        [--out FILE]   (default: a new dated file under benchmarks/results/routing_replay_mismatch/)
 
 What stands in for the engine. vLLM's CPU build cannot return routed experts (README, "Routing
 replay"), so the rollouts are written by ``examples/make_moe_rollouts.py``: the trainer's initial
@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.result_files import new_result_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/tiny_qwen3_moe_replay.yaml"
@@ -69,9 +71,13 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/routing_replay_mismatch_cpu.json")
+        "--out",
+        default=None,
+        help="default: a new dated file under results/routing_replay_mismatch/",
     )
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(new_result_path("routing_replay_mismatch", "cpu"))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         engines = [(noise, "fp32") for noise in args.router_noise]

@@ -3,12 +3,14 @@ their reward curves side by side (JSON + PNG).
 
     PYTHONPATH=$PWD python benchmarks/same_config_backends.py \
         --config examples/tiny_grpo.yaml --backends deepspeed megatron \
-        --out-dir benchmarks/results/same_config
+        --out-dir runs/same_config
 
 Each backend runs `unirl train` in its own process (`torchrun --nproc_per_node N` for megatron, on
 GPUs or on the CPU); extra `--set key=value` overrides apply to every run. The JSON holds
 the per-step reward, loss and grad norm of each backend, the exact commands, and the largest
 per-step reward difference; the PNG overlays the reward curves.
+Keep a run's JSON and PNG as ``benchmarks/results/same_config_backends/<date>_<hardware>_<commit>.{json,png}``
+(the layout of ``benchmarks/result_files.py``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["deepspeed", "megatron"])
     parser.add_argument("--nproc", type=int, default=1, help="processes per run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--out-dir", default="benchmarks/results/same_config")
+    parser.add_argument("--out-dir", default="runs/same_config")
     parser.add_argument("--replot", type=Path, default=None, help="draw the PNG of a JSON")
     args = parser.parse_args()
     if args.replot is not None:

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/tiny_same_numbers.py [--steps 20]
 
 Runs ``examples/tiny_grpo.yaml`` (as ``unirl train`` does, ``train.rl_steps=--steps``) and
-compares its ``metrics.jsonl`` with ``results/tiny_grpo_before_cpu_speedup_metrics.jsonl``,
+compares its ``metrics.jsonl`` with ``results/tiny_grpo/2026-11-30_cpu_d50dc2c_metrics.jsonl``,
 written by the code before the CPU speed-up (commit d50dc2c, the same command). Step 1's
 rollout is the seeded sampler's on the initial weights, so every metric of step 1 must agree:
 the loss terms, entropy and gradient norm to 1e-6, the rollout's rewards and lengths exactly.
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BEFORE = ROOT / "benchmarks/results/tiny_grpo_before_cpu_speedup_metrics.jsonl"
+BEFORE = ROOT / "benchmarks/results/tiny_grpo/2026-11-30_cpu_d50dc2c_metrics.jsonl"
 TOLERANCE = 1e-6
 ROLLOUT_KEYS = ("reward/mean", "reward/std", "response_length/mean", "response_length/max")
 

@@ -25,7 +25,7 @@ Megatron tp2 and FSDP2 (full sharding, dp2). Per rank:
 
 The limit the stream is held to is one bucket: ``max(bucket, largest tensor)`` (a tensor larger
 than a bucket travels alone; here the 94 MiB embedding and head). Results (MiB) go to
-``benchmarks/results/weight_sync_memory_cpu.json`` with the command and the machine's load.
+a new dated file under ``benchmarks/results/weight_sync_memory/`` with the command and the machine's load.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RESULT = ROOT / "benchmarks/results/weight_sync_memory_cpu.json"
+from benchmarks.result_files import new_result_path  # noqa: E402 (after the path insert)
+
 BUCKET_MB = 64
 STREAMS = 3
 # ~106M parameters: embedding and head 2 x 24.6M, 8 layers x 7.1M
@@ -230,6 +231,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
+    # Named before the run, so that a checkout without git fails before the work, not after.
+    out = new_result_path("weight_sync_memory", "cpu")
     from tests.spawn import run_distributed
 
     results: dict[str, Any] = {
@@ -270,9 +273,9 @@ def main() -> None:
                 f"{r['full_state_dict']['live_peak_above_mib']:.0f}"
             )
     results["load_average_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"written {RESULT}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"written {out}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@ time per GB of the CUDA IPC transport, and peak GPU memory of a weight stream at
 
     # 1. IPC time per GB, Qwen2.5-1.5B and -7B shapes (random bf16 weights, 1 GiB buckets)
     PYTHONPATH=$PWD python benchmarks/weight_transfer.py transfer \\
-        --out benchmarks/results/weight_transfer_h200.json
+        --out benchmarks/results/weight_transfer/<date>_h200_<commit>_transfer.json
     # 2. peak GPU memory of a sync at 7B shape, one GPU, against the trainer's own
     PYTHONPATH=$PWD python benchmarks/weight_transfer.py memory --backend megatron \\
-        --out benchmarks/results/weight_stream_memory_h200_megatron.json
+        --out benchmarks/results/weight_transfer/<date>_h200_<commit>_memory-megatron.json
     PYTHONPATH=$PWD python benchmarks/weight_transfer.py memory --backend fsdp2 \\
-        --out benchmarks/results/weight_stream_memory_h200_fsdp2.json
+        --out benchmarks/results/weight_transfer/<date>_h200_<commit>_memory-fsdp2.json
 
 ``transfer``: `IpcTransport` (unirl/rollouts/vllm/transport.py) sends every bucket to a receiver
 process on the same GPU that does what vLLM's packed IPC consumer does (rebuild the buffer from

@@ -5,7 +5,7 @@ follow the trainer to 1e-4; no engine process outlives the run.
 
 Per-sample seeds make a sample independent of the engine that drew it, so the two-engine run
 reproduces the one-engine run of the same example: its recorded metrics
-(benchmarks/results/tiny_grpo_vllm_cpu_metrics.jsonl, `benchmarks/tiny_same_numbers.py`'s kind of
+(benchmarks/results/tiny_grpo_vllm/2026-11-30_cpu_879b31f_metrics.jsonl, `benchmarks/tiny_same_numbers.py`'s kind of
 record) are the reference for the order in which the samples came back (a sample in the wrong
 group changes the advantages, hence the loss). The slow tier adds a run whose generation times
 out (``rollout.vllm.generation_timeout_s``): every rank stops with the message, no engine left.
@@ -27,7 +27,7 @@ pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deep
 from tests.distributed.test_vllm_main_job import EXAMPLE, ROOT, _left_over, _run
 from unirl.core.run.metrics_log import read_metrics
 
-RECORDED = ROOT / "benchmarks" / "results" / "tiny_grpo_vllm_cpu_metrics.jsonl"
+RECORDED = ROOT / "benchmarks/results/tiny_grpo_vllm/2026-11-30_cpu_879b31f_metrics.jsonl"
 
 
 def _train(tmp_path: Path, steps: int, *extra: str):

@@ -5,7 +5,7 @@ machine's GPUs allow. One NCCL process per GPU; megatron-core runs unpatched (th
 on the CPU over gloo in `tests/contract`, through `unirl.backends.megatron.compat.cpu`).
 
 bf16 and the larger layouts run in `benchmarks/megatron_contract.py` (results in
-`benchmarks/results/megatron_contract_h200.json`).
+`benchmarks/results/megatron_contract/2026-11-30_h200_5a2a3c3_2gpu.json`).
 """
 
 import importlib.util

@@ -150,7 +150,7 @@ def deepspeed_config(
     opt = cfg.optimizer if optimizer is None else optimizer
     stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
     if cfg.model.dtype == "bf16" and stage == 0:
-        # Measured on 2 x H200 (benchmarks/results/contract_h200_bf16.json): ZeRO-0 keeps bf16
+        # Measured on 2 x H200 (benchmarks/results/contract_table/2026-11-30_h200_f6ea5de_deepspeed-bf16.json): ZeRO-0 keeps bf16
         # gradients and bf16 weights, and DeepSpeed 0.19 refuses fp32 accumulation there, so
         # runs drift from fp32 much more than ZeRO 1-3, whose optimizer keeps fp32 masters.
         logger.warning(

@@ -7,7 +7,7 @@ that points ``param.data`` at ``param.ds_tensor.to(device, non_blocking=True)`` 
 ``wait()`` calls ``current_stream().synchronize()``. ZeRO-3 waits on a handle before every
 submodule's forward and again in backward, so each of them drains the GPU's queue and the next
 kernels start only after the host has launched them: on one H200 the 1.5B benchmark's ZeRO-3 step
-ran at 26-29% MFU against ZeRO-1's 45% (`benchmarks/results/backend_throughput_h200_liger.json`).
+ran at 26-29% MFU against ZeRO-1's 45% (`benchmarks/results/backend_throughput/2026-12-02_h200_6207b65_liger.json`).
 
 The sync is there for a host-to-device copy (parameters offloaded to CPU memory, the reference
 with ``model.ref_offload``). When the partition already lives on the device, ``.to`` returns the
