@@ -192,7 +192,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from unirl.convert import LAYOUT_FLAGS, convert
 
     layout = {k: getattr(args, k) for k in LAYOUT_FLAGS}
-    out = convert(args.source, args.out, layout, args.dtype)
+    out = convert(args.source, args.out, layout, args.dtype, trust_code=args.trust_checkpoint_code)
     if int(os.environ.get("RANK", "0")) == 0:
         sys.stdout.write(f"{out}\n")
     return 0
@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp32", "bf16"),
         default=None,
         help="dtype of the Megatron weights (default: the Hugging Face folder's)",
+    )
+    conv.add_argument(
+        "--trust-checkpoint-code",
+        action="store_true",
+        help="a checkpoint's recorded config names code to import (a custom loss, reward, "
+        "hook): build it anyway (only for checkpoints whose origin you trust)",
     )
     conv.set_defaults(func=_cmd_convert)
     return parser

@@ -9,7 +9,9 @@ outside a training run. What SOURCE is decides the direction:
 - a checkpoint of a run (``checkpoints/step_N``, any backend, any layout) -> a Hugging Face
   folder, exactly what the run's own final export writes: the backend is built from the config
   recorded in the checkpoint, the checkpoint loaded and exported the way `unirl.train` does,
-  with the run's tokenizer. Run it with the ranks that wrote the checkpoint.
+  with the run's tokenizer. Run it with the ranks that wrote the checkpoint. A recorded config that
+names code to import (a ``package.module:function`` loss, reward, hook...) is refused unless
+``--trust-checkpoint-code`` is given: converting a checkpoint from elsewhere must not run its code.
 
 Every tensor is accounted for: a Hugging Face tensor the model has no parameter for, or a
 parameter no tensor fills, is an error naming it (`unirl.backends.megatron.weights.hf_layout`).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +60,16 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def convert(source: str, out: str, layout: dict[str, int | None], dtype: str | None) -> Path:
-    """See the module docstring. ``layout``: the flags given (None = not given)."""
+def convert(
+    source: str,
+    out: str,
+    layout: dict[str, int | None],
+    dtype: str | None,
+    *,
+    trust_code: bool = False,
+) -> Path:
+    """See the module docstring. ``layout``: the flags given (None = not given).
+    ``trust_code``: a checkpoint's recorded config may name code to import (`code_references`)."""
     src, dst = Path(source).expanduser(), Path(out).expanduser()
     kind = source_kind(src)
     if dst.exists():
@@ -79,7 +90,7 @@ def convert(source: str, out: str, layout: dict[str, int | None], dtype: str | N
         from unirl.backends.megatron.weights_folder import weights_folder_to_hf
 
         return weights_folder_to_hf(src, dst)
-    return checkpoint_to_hf(src, dst)
+    return checkpoint_to_hf(src, dst, trust_code=trust_code)
 
 
 def _hf_to_megatron(src: Path, dst: Path, given: dict[str, int], dtype: str | None) -> Path:
@@ -107,7 +118,32 @@ def _hf_to_megatron(src: Path, dst: Path, given: dict[str, int], dtype: str | No
     return hf_to_weights_folder(src, dst, parallel, dtype=dtype)
 
 
-def checkpoint_to_hf(path: Path, out: Path) -> Path:
+_CODE_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def code_references(data: Any, key: str = "") -> list[str]:
+    """The ``key=value`` of every string in a parsed config that names code to import
+    (``package.module:attribute``), with its dotted key."""
+    if isinstance(data, dict):
+        return [ref for k, v in data.items() for ref in code_references(v, f"{key}{k}.")]
+    if isinstance(data, (list, tuple)):
+        return [ref for i, v in enumerate(data) for ref in code_references(v, f"{key}{i}.")]
+    if isinstance(data, str) and _CODE_REFERENCE.match(data):
+        return [f"{key.rstrip('.')}={data!r}"]
+    return []
+
+
+def _check_trusted(path: Path, saved: dict[str, Any], trust_code: bool) -> None:
+    named = code_references(saved)
+    if named and not trust_code:
+        raise ConfigError(
+            f"unirl convert: the config recorded in checkpoint {str(path)!r} names code to "
+            f"import ({', '.join(named)}); building its backend would run it. If you trust "
+            "this checkpoint's origin, add --trust-checkpoint-code"
+        )
+
+
+def checkpoint_to_hf(path: Path, out: Path, *, trust_code: bool = False) -> Path:
     """The run's final export of the checkpoint ``path`` (collective over its ranks)."""
     import torch.distributed as dist
 
@@ -122,6 +158,7 @@ def checkpoint_to_hf(path: Path, out: Path) -> Path:
             f"unirl convert: checkpoint {str(path)!r} records no config (written by an older "
             "unirl); load it with unirl train --resume and export from there"
         )
+    _check_trusted(path, saved, trust_code)
     ranks = read_marker(path).get("world_size")
     if ranks != _world_size():
         raise ConfigError(

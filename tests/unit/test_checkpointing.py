@@ -70,6 +70,26 @@ def test_rng_state_round_trip():
     assert torch.equal(torch.rand(3), expected[1])
 
 
+class _Payload:
+    """Stands for pickled code in a checkpoint file: unpickling it would call ``__reduce__``."""
+
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+def test_state_files_load_without_unpickling_code(tmp_path):
+    # the RNG states unirl writes (numpy's array included) load as they are
+    torch.save(ck.rng_state(), tmp_path / "rng.pt")
+    state = ck.load_state(tmp_path / "rng.pt")
+    expected = (random.random(), torch.rand(3))
+    ck.set_rng_state(state)
+    assert (random.random(), *torch.rand(3).tolist()) == (expected[0], *expected[1].tolist())
+    # a file holding anything that pickles code is refused before it runs
+    torch.save({"steps_done": 3, "hook": _Payload()}, tmp_path / "meta.pt")
+    with pytest.raises(ConfigError, match="which unirl does not unpickle"):
+        ck.load_state(tmp_path / "meta.pt")
+
+
 def test_metrics_log_writes_jsonl_and_truncates_on_resume(tmp_path):
     log = MetricsLog(tmp_path, tensorboard=False)
     for step in (1, 2, 3):

@@ -80,3 +80,17 @@ def test_checkpoint_to_hf_equals_the_runs_export(tmp_path, backend):
     # an existing OUT is never overwritten
     again = _cli(["convert", str(checkpoint), str(out)], tmp_path)
     assert again.returncode == 2 and "exists; choose a new directory" in again.stderr
+    # a recorded config that names code to import is not built without --trust-checkpoint-code
+    marker_path = checkpoint / "complete"
+    marker = json.loads(marker_path.read_text())
+    marker["unirl"]["config"]["algorithm"]["policy_loss"] = "not_a_module_here:run_me"
+    marker_path.write_text(json.dumps(marker))
+    refused = _cli(["convert", str(checkpoint), str(tmp_path / "refused")], tmp_path)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "algorithm.policy_loss='not_a_module_here:run_me'" in refused.stderr
+    assert "--trust-checkpoint-code" in refused.stderr and not (tmp_path / "refused").exists()
+    trusted = _cli(
+        ["convert", str(checkpoint), str(tmp_path / "trusted"), "--trust-checkpoint-code"], tmp_path
+    )
+    # trusted, the config is built: its loss module is imported (and here does not exist)
+    assert trusted.returncode != 0 and "not_a_module_here" in trusted.stderr

@@ -63,7 +63,7 @@ def test_host_torch_builds_cuda_requests_on_the_cpu():
     assert host.cuda.current_device() == torch.device("cpu")
     assert host.cuda.synchronize() is None
     assert host.float32 is torch.float32 and host.distributed is torch.distributed
-    with pytest.raises(AttributeError, match="compat.cpu does not cover it"):
+    with pytest.raises(AttributeError, match=r"compat\.cpu does not cover it"):
         host.cuda.Event()
 
 

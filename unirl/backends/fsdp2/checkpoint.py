@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from unirl.backends.fsdp2.model import Fsdp2Model
 from unirl.backends.hf.checkpoint import CLIENT_KEY, Marker, Models
+from unirl.core.run.checkpointing import load_state
 
 
 def _forget_placeholder_state(optimizer: torch.optim.Optimizer) -> None:
@@ -82,7 +83,7 @@ def write_files(partial: Path, models: Models, client: Mapping[str, Any], rank: 
 
 def read_files(path: Path, models: Models) -> dict[str, Any]:
     policy: Fsdp2Model = models.policy
-    meta = torch.load(path / "meta.pt", weights_only=False)
+    meta = load_state(path / "meta.pt")
     _load_model(path / "dcp", policy, meta["optimizer_started"], meta["scheduler"])
     for name, m in models.extra.items():
         info = meta["extra"][name]

@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 
 from unirl.core.errors import ConfigError
-from unirl.core.run.checkpointing import partial_dir, publish, read_marker, rng_state, set_rng_state
+from unirl.core.run.checkpointing import (
+    load_state,
+    partial_dir,
+    publish,
+    read_marker,
+    rng_state,
+    set_rng_state,
+)
 
 CLIENT_KEY = "unirl"  # core's client state, inside the engine's own files
 Marker = dict[str, Any]  # what a checkpoint's ``complete`` marker records
@@ -105,5 +112,5 @@ def load_checkpoint(
                 f"without a {name}); resume with the config that wrote it, or start a new run"
             )
     client = files.read_files(path, Models(policy, extra))
-    set_rng_state(torch.load(_rng_file(path, rank), weights_only=False))
+    set_rng_state(load_state(_rng_file(path, rank)))
     return client

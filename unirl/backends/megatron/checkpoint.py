@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from unirl.backends.megatron.optimizer import adam_step, fuse_adam, inner_optimizers
 from unirl.core.errors import ConfigError
-from unirl.core.run.checkpointing import partial_dir, publish, read_marker, rng_state, set_rng_state
+from unirl.core.run.checkpointing import (
+    load_state,
+    partial_dir,
+    publish,
+    read_marker,
+    rng_state,
+    set_rng_state,
+)
 from unirl.core.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -245,7 +252,7 @@ def load_checkpoint(
             f"checkpoint {str(path)!r} was written with parallel layout {saved}, this run has "
             f"{ours}; resume with the same parallel settings and number of ranks"
         )
-    meta = torch.load(path / META, weights_only=False)
+    meta = load_state(path / META)
     _load_model(path / DIST, ddp_chunks, optimizer, meta)
     saved_extra = meta.get("extra", {})
     extra_steps = {}
@@ -257,5 +264,5 @@ def load_checkpoint(
             )
         _load_model(path / name, model.ddp_chunks, model.optimizer, saved_extra[name])
         extra_steps[name] = int(saved_extra[name]["steps_done"])
-    set_rng_state(torch.load(_rng_file(path, topology.rank), weights_only=False))
+    set_rng_state(load_state(_rng_file(path, topology.rank)))
     return dict(meta["client_state"]), int(meta["steps_done"]), extra_steps

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -224,3 +225,29 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_rng_globals() -> list[Any]:
+    """What numpy's RNG state (``np.random.get_state()``: a tuple holding a uint32 array)
+    pickles as: the globals `load_state` allows beside torch's tensors and plain containers."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_state(path: Path) -> Any:
+    """A small state file of a checkpoint (the RNG states, a backend's metadata) read with
+    ``torch.load(weights_only=True)``: tensors, numbers, strings and containers, and numpy's RNG
+    array, but no pickled code. A checkpoint from elsewhere then cannot run code when it is
+    resumed or converted; a file that needs more is refused with the name of what it holds."""
+    with torch.serialization.safe_globals(_numpy_rng_globals()):
+        try:
+            return torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ConfigError(
+                f"checkpoint file {str(path)!r} holds objects other than tensors, numbers and "
+                f"containers, which unirl does not unpickle ({str(exc).splitlines()[0]}); it was "
+                "not written by unirl, or was altered"
+            ) from None
