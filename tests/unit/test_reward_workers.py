@@ -10,7 +10,7 @@ import pytest
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.rollouts.rewards.registry import NamedReward, RewardRun
-from unirl.rollouts.rewards.workers import RewardCrashError, RewardTimeoutError
+from unirl.rollouts.rewards.workers import RewardCrashError, RewardError, RewardTimeoutError
 
 MODULE = "tests.unit.worker_rewards"
 
@@ -56,6 +56,45 @@ def test_with_reward_on_error_a_failure_costs_only_its_sample():
         assert _score(reward, metadata) == [4.0, -1.0, 4.0, -1.0, -1.0, 4.0]
         # the killed and the dead workers were replaced: the next rollout is scored in full
         assert _score(reward, [{}, {}, {}]) == [4.0, 4.0, 4.0]
+    finally:
+        reward.close()
+
+
+def test_a_reward_may_start_processes_and_none_outlives_its_worker(tmp_path):
+    reward = _reward("in_a_child_process")
+    try:
+        # r0, r1: len 2 each, doubled in a child process of the worker
+        assert _score(reward, [{}, {}]) == [4.0, 4.0]
+    finally:
+        reward.close()
+    pid_file = tmp_path / "sleeper.pid"
+    reward = _reward("leaves_a_process_and_hangs", timeout_s=2.0, pid_file=str(pid_file))
+    try:
+        with pytest.raises(RewardTimeoutError):
+            _score(reward, [{}])
+    finally:
+        reward.close()
+    sleeper = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(sleeper), "the process the timed-out reward started is still running"
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed child not reaped yet is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_reward_that_fails_on_every_sample_stops_the_run_despite_reward_on_error():
+    reward = _reward("misbehaves", on_error=-1.0)
+    try:
+        with pytest.raises(RewardError, match=r"every one of the 2 samples.*error 2.*cannot score"):
+            _score(reward, [{"raise": True}, {"raise": True}])
     finally:
         reward.close()
 

@@ -35,3 +35,34 @@ def misbehaves(prompts, responses, metadata, **_):
         if m.get("raise"):
             raise ValueError("cannot score this one")
     return [4.0] * len(responses)
+
+
+def _double(x, out):
+    out.put(2 * x)
+
+
+def in_a_child_process(prompts, responses, metadata, **_):
+    """len(response) * 2, computed in a process this reward starts (as a sandbox or a pool
+    would): possible only in a worker that is not a daemon."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    rewards = []
+    for r in responses:
+        out = ctx.Queue()
+        child = ctx.Process(target=_double, args=(len(r), out))
+        child.start()
+        rewards.append(float(out.get(timeout=30)))
+        child.join()
+    return rewards
+
+
+def leaves_a_process_and_hangs(prompts, responses, metadata, *, pid_file, **_):
+    """Starts a long sleeper, writes its pid to ``pid_file``, then hangs past any timeout."""
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "300"])
+    with open(pid_file, "w") as handle:
+        handle.write(str(sleeper.pid))
+    time.sleep(300)
+    return [0.0] * len(responses)

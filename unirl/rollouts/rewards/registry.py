@@ -47,6 +47,7 @@ from unirl.core.imports import import_callable
 from unirl.core.registry import Registry, same_callable
 from unirl.rollouts.rewards.workers import (
     RewardCrashError,
+    RewardError,
     RewardTimeoutError,
     RewardWorkers,
     SampleFailure,
@@ -197,6 +198,15 @@ class NamedReward:
                 )
             else:
                 values.append(outcome[0])
+        if outcomes and sum(failed.values()) == len(outcomes):
+            # a constant for every sample teaches nothing: the reward is broken, not a sample
+            first = next(o for o in outcomes if isinstance(o, SampleFailure))
+            raise RewardError(
+                f"{KEY}={self.spec!r}: every one of the {len(outcomes)} samples of this "
+                f"rollout failed in the reward workers ({', '.join(f'{k} {c}' for k, c in sorted(failed.items()))}"
+                f"; the first: {first.message}); rollout.reward_on_error={self.run.on_error} "
+                "covers single failures, not a reward that fails on everything: fix the function"
+            )
         if failed:
             logger.warning(
                 "%s=%r: %d of %d samples failed in the reward workers (%s) and were scored "

@@ -5,7 +5,9 @@ For a slow or unsafe reward (a sandbox that runs the policy's code, a remote jud
 process never runs it, so a reward that hangs, leaks memory or kills its process costs that
 sample, not the job. Workers are ``multiprocessing`` processes started with ``spawn`` (no copy of
 the trainer's threads, CUDA context or process group), kept for the run and fed one sample at a
-time over a pipe; a sample that overruns its time is answered by killing its worker (and starting
+time over a pipe. They are not daemons, so a reward may start processes of its own (a
+``multiprocessing`` pool, a sandbox); each worker leads a process group of its own, and stopping
+a worker kills its group, so what a reward started never outlives it; a sample that overruns its time is answered by killing its worker (and starting
 a fresh one), a worker that dies is replaced the same way. Each sample's outcome is its reward or a
 `SampleFailure` saying what went wrong (``timeout``, ``crash``: the process died, ``error``: the
 function raised); `unirl.rollouts.rewards.registry.NamedReward` turns failures into the configured reward
@@ -21,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import time
 import weakref
 from collections import deque
@@ -66,6 +70,7 @@ class SampleFailure:
 
 def _serve(conn: Connection, payload: bytes) -> None:
     """A worker's loop: score the samples it is sent until it is sent None."""
+    os.setpgid(0, 0)  # its own process group: `_Worker.stop` ends what the reward started too
     fn, options = pickle.loads(payload)
     conn.send(("ready", None))  # a sample's time starts once the function is imported
     while True:
@@ -93,7 +98,8 @@ def _serve(conn: Connection, payload: bytes) -> None:
 class _Worker:
     def __init__(self, ctx: Any, payload: bytes) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, payload), daemon=True)
+        # not a daemon: a daemonic process may not start children, and rewards may
+        self.process = ctx.Process(target=_serve, args=(child, payload), daemon=False)
         self.process.start()
         child.close()
         self.job: int | None = None  # the sample it is scoring
@@ -129,7 +135,15 @@ class _Worker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        self._kill_group()
         self.conn.close()
+
+    def _kill_group(self) -> None:
+        """Whatever the reward started and left running (the worker's process group)."""
+        pid = self.process.pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def _stop_all(workers: list[_Worker]) -> None:
