@@ -27,6 +27,8 @@ import sys
 
 import torch.distributed as dist
 
+from unirl.core.errors import UnirlError
+
 logger = logging.getLogger(__name__)
 
 _peers: list[tuple[str, int]] = []  # (hostname, pid) of every rank, by rank
@@ -42,6 +44,10 @@ def record_peers() -> None:
 
 
 def is_collective_timeout(exc: BaseException) -> bool:
+    """A process group's timeout, as gloo or NCCL raise it; never one of unirl's own errors (a
+    reward that timed out names its sample and is not a hung rank)."""
+    if isinstance(exc, UnirlError):
+        return False
     text = str(exc)
     if isinstance(exc, getattr(dist, "DistBackendError", ())) and "imeout" in text:
         return True
