@@ -4,6 +4,7 @@ messages through a chat template (built here, nothing downloaded), the system pr
 checks naming row, field and fix, and resume on a Parquet file."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -117,6 +118,16 @@ def test_datasets_folders_saved_with_save_to_disk(tmp_path):
         build_task(make_cfg(tmp_path / "empty", rollout=MAPPING))
 
 
+def test_skipped_long_rows_are_named_as_zero_based_rows(tmp_path, caplog):
+    """A Parquet row is named as the dataset indexes it (``row 1``, 0-based), never as a line."""
+    long = {"question": "1+" * 40 + "1=?", "answer": "#### 41"}
+    path = gsm8k_parquet(tmp_path / "p.parquet", [GSM[0], long, GSM[1]])
+    with caplog.at_level(logging.WARNING):
+        task = build_task(make_cfg(path, rollout={**MAPPING, "skip_long_prompts": True}))
+    assert task.num_prompts == 2 and "rows 1 (0-based)" in caplog.text
+    assert "lines" not in caplog.text
+
+
 @pytest.mark.parametrize(
     ("rows", "rollout", "message"),
     [
@@ -128,7 +139,10 @@ def test_datasets_folders_saved_with_save_to_disk(tmp_path):
         ([*GSM[:2], {"question": "", "answer": "#### 1"}], MAPPING,
          r"row 2: field 'question' is ''; give the prompt as a non-empty string"),
         ([*GSM[:1], {"question": None, "answer": "#### 1"}], MAPPING,
-         r"row 1: no field 'question'"),  # a null in a column reads as absent
+         r"row 1: the cell of column 'question' \(rollout.prompt_key\) is empty \(null\); fill "
+         r"it or drop the row"),
+        ([*GSM[:1], {"question": "1+1?", "answer": None}], MAPPING,
+         r"row 1: the cell of column 'answer' \(rollout.answer_key\) is empty"),
     ],
 )  # fmt: skip
 def test_bad_rows_name_the_row_the_field_and_the_fix(tmp_path, rows, rollout, message):

@@ -60,7 +60,16 @@ def iter_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
     rows = _parquet_rows(path) if kind == "parquet" else _dataset_rows(path)
     for number, row in enumerate(rows):
         # A column cannot be absent from one row: null means "not given".
-        yield f"{path} row {number}", number, {k: v for k, v in row.items() if v is not None}
+        given = TableRow({k: v for k, v in row.items() if v is not None})
+        given.nulls = frozenset(k for k, v in row.items() if v is None)
+        yield f"{path} row {number}", number, given
+
+
+class TableRow(dict):
+    """A Parquet or datasets row without its null cells, which it remembers (``nulls``): a
+    mapped column that is null in one row is an empty cell to fill, not a wrong column name."""
+
+    nulls: frozenset[str] = frozenset()
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, int, Any]]:

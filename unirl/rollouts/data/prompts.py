@@ -53,7 +53,7 @@ from unirl.rollouts.data.hf_tokenizer import (
     char_tokenizer_to_hf,
     load_hf_tokenizer,
 )
-from unirl.rollouts.data.prompt_datasets import content_digest, iter_rows
+from unirl.rollouts.data.prompt_datasets import TableRow, content_digest, iter_rows
 from unirl.rollouts.data.tasks import Problem
 from unirl.rollouts.data.tokenizer import CharTokenizer
 from unirl.rollouts.rewards.registry import NamedReward, RewardRun
@@ -158,6 +158,16 @@ def _parse_row(record: Any, where: str, number: int, mapping: ColumnMap | None) 
     )
 
 
+def _row_numbers(wheres: Sequence[str], shown: int = 5) -> str:
+    """``lines 3, 9`` (JSONL, 1-based) or ``rows 0, 4 (0-based)`` (Parquet, datasets) of the
+    first ``shown`` rows named by their ``where``."""
+    numbers = ", ".join(w.rsplit(" ", 1)[-1] for w in wheres[:shown])
+    more = " ..." if len(wheres) > shown else ""
+    if wheres and wheres[0].rsplit(" ", 2)[-2] == "row":
+        return f"rows {numbers}{more} (0-based)"
+    return f"lines {numbers}{more}"
+
+
 def _found(given: Sequence[str]) -> str:
     if not given:
         return "neither"
@@ -170,6 +180,11 @@ def _parse_mapped(record: dict, where: str, number: int, columns: ColumnMap) -> 
         wanted.append(("rollout.answer_key", columns.answer_key))
     wanted += [(f"rollout.metadata_keys[{i}]", k) for i, k in enumerate(columns.metadata_keys)]
     for key, column in wanted:
+        if isinstance(record, TableRow) and column in record.nulls:
+            raise RolloutDataError(
+                f"{where}: the cell of column {column!r} ({key}) is empty (null); fill it or "
+                "drop the row from the dataset"
+            )
         if column not in record:
             raise RolloutDataError(
                 f"{where}: no field {column!r} ({key}); the row has {sorted(record)}; set {key} "
@@ -310,9 +325,9 @@ class PromptFileTask:
         if too_long:
             logger.warning(
                 "%s: %d of %d prompts are longer than model.max_seq_len - rollout.max_new_tokens "
-                "= %d tokens and are skipped (rollout.skip_long_prompts), lines %s",
+                "= %d tokens and are skipped (rollout.skip_long_prompts): %s",
                 self.path, len(too_long), len(records), max_prompt_length,
-                ", ".join(w.rsplit(" ", 1)[-1] for w, _ in too_long[:5]) + (" ..." if len(too_long) > 5 else ""),
+                _row_numbers([w for w, _ in too_long]),
             )  # fmt: skip
         if not self.problems:
             raise RolloutDataError(
