@@ -48,7 +48,8 @@ def episode_rollout(
     sample_problems = [problems[i // group] for i in range(len(problems) * group)]
     episodes = []
     for i, problem in enumerate(sample_problems):
-        where = f"rl_step {rl_step} episode {i} (group {first_group + i // group})"
+        # "RL step N" counts from 1, as the metrics and the progress bar do
+        where = f"RL step {rl_step + 1} episode {i} (group {first_group + i // group})"
         episodes.append(
             runner.start(
                 environment(),
