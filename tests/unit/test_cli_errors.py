@@ -9,6 +9,7 @@ import pytest
 from unirl.cli import main
 
 TINY = str(Path(__file__).parents[2] / "examples" / "tiny_grpo.yaml")
+NO_HF = "model.hf_config=null"  # an example's hf_config gives way to model.path
 
 
 def _error(capsys, argv) -> str:
@@ -88,7 +89,10 @@ def test_train_errors_before_any_work_are_one_line(capsys, tmp_path):
     run = f"logging.run_dir={tmp_path / 'run'}"
     line = _error(capsys, ["train", TINY, "--set", run, "--rollouts", str(tmp_path / "no.jsonl")])
     assert "rollout.file=" in line and "does not exist" in line
-    line = _error(capsys, ["train", TINY, "--set", run, "--set", "model.path=/no/such/model"])
+    line = _error(
+        capsys,
+        ["train", TINY, "--set", run, "--set", "model.path=/no/such/model", "--set", NO_HF],
+    )
     assert "model.path='/no/such/model' is not a directory" in line  # was a Hub repo-id error
     line = _error(capsys, ["train", TINY, "--set", run, "--resume", "--overwrite"])
     assert "--resume continues the run" in line
@@ -99,12 +103,14 @@ def test_missing_local_paths_are_refused_by_check_as_by_train(capsys, tmp_path, 
     run = ["--set", f"logging.run_dir={tmp_path / 'run'}"]
     math = str(Path(TINY).parent / "tiny_math.yaml")
     for config, override, words in [
-        (TINY, "model.path=/no/such/model", "model.path='/no/such/model' is not a directory"),
+        (TINY, ["model.path=/no/such/model", "--set", NO_HF],
+         "model.path='/no/such/model' is not a directory"),
         (math, "model.tokenizer=/no/such/tok", "model.tokenizer='/no/such/tok' is not a directory"),
         (math, "rollout.prompts=/no/such.parquet", "rollout.prompts='/no/such.parquet' does not "
          "exist"),
     ]:  # fmt: skip
-        line = _error(capsys, [command, config, "--set", override, *run])
+        override = override if isinstance(override, list) else [override]
+        line = _error(capsys, [command, config, "--set", *override, *run])
         assert words in line, line
 
 

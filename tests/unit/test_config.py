@@ -260,3 +260,12 @@ def test_to_dict_round_trips():
     cfg = config_from_dict(base(algorithm={"kl_loss": {"coef": 0.1}}))
     again = config_from_dict(cfg.to_dict())
     assert again == cfg
+
+
+def test_model_path_and_hf_config_together_are_refused():
+    """One rule for every component: the Hugging Face backends loaded the folder while Megatron's
+    expert-parallel and routing rules read hf_config (a MoE folder over a dense example's
+    hf_config was refused on Megatron as dense)."""
+    with pytest.raises(ConfigError, match=r"model.path='/m' and model.hf_config are both set.*"
+                       r"--set model.hf_config=null"):  # fmt: skip
+        config_from_dict({"model": {"path": "/m", "hf_config": {"model_type": "llama"}}})

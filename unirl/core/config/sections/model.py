@@ -10,6 +10,7 @@ from unirl.core.config.validators import (
     check_hf_config_shape,
     positive,
 )
+from unirl.core.errors import ConfigError
 
 Dtype = Literal["fp32", "bf16"]
 
@@ -41,3 +42,14 @@ class ModelConfig:
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
     ref_offload: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        # One model, one source: the Hugging Face backends would load the folder while the
+        # Megatron rules and the sampler's vocabulary read hf_config.
+        if self.path is not None and self.hf_config is not None:
+            raise ConfigError(
+                f"model.path={self.path!r} and model.hf_config are both set; give one: the "
+                "folder's weights and config.json, or hf_config with model.init_seed (random "
+                "weights). To run an example on a folder: --set model.path=DIR --set "
+                "model.hf_config=null"
+            )
