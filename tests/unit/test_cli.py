@@ -20,6 +20,7 @@ def test_check_every_example(path, capsys, tmp_path):
         # does, and passes once model.path is a folder here.
         assert main(["check", str(path)]) == 2
         assert f"model.path={model_path!r} is not a directory" in capsys.readouterr().err
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
         overrides = ["--set", f"model.path={tmp_path}"]
     assert main(["check", str(path), *overrides]) == 0
     out = capsys.readouterr().out

@@ -99,6 +99,24 @@ def test_train_errors_before_any_work_are_one_line(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["check", "train"])
+def test_a_model_folder_without_a_usable_config_json_is_one_line(capsys, tmp_path, command):
+    """An empty or broken config.json failed inside transformers with a 37-line traceback."""
+    run = ["--set", f"logging.run_dir={tmp_path / 'run'}", "--set", NO_HF]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for content, words in [
+        (None, "has no config.json"),
+        ("", "config.json is not readable JSON"),
+        ("[]", "config.json names no model_type"),
+        ('{"hidden_size": 8}', "config.json names no model_type"),
+    ]:
+        if content is not None:
+            (folder / "config.json").write_text(content)
+        line = _error(capsys, [command, TINY, "--set", f"model.path={folder}", *run])
+        assert words in line and "model.path" in line, line
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
 def test_missing_local_paths_are_refused_by_check_as_by_train(capsys, tmp_path, command):
     run = ["--set", f"logging.run_dir={tmp_path / 'run'}"]
     math = str(Path(TINY).parent / "tiny_math.yaml")

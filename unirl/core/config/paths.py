@@ -6,10 +6,33 @@ the one holding finished rollouts, and the file source names it when it opens it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
+
+
+def _check_model_config(key: str, folder: Path) -> None:
+    """The folder's ``config.json`` is a JSON object naming its ``model_type``: what every
+    backend reads first (an empty or broken file failed deep inside transformers)."""
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ConfigError(
+            f"{key}={str(folder)!r} has no config.json; give a Hugging Face model folder "
+            "(save_pretrained writes config.json beside the weights)"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{key}: {file} is not readable JSON ({exc}); restore it from the model's source"
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ConfigError(
+            f"{key}: {file} names no model_type (a Hugging Face config.json is a JSON object "
+            'with one, e.g. "model_type": "qwen2"); restore it from the model\'s source'
+        )
 
 
 def check_local_paths(cfg: UnirlConfig) -> None:
@@ -26,6 +49,8 @@ def check_local_paths(cfg: UnirlConfig) -> None:
                 f"{key}={value!r} is not a directory; give a local Hugging Face model folder "
                 "(config.json and weights)"
             )
+        if value is not None:
+            _check_model_config(key, Path(value).expanduser())
     if m.tokenizer is not None and not Path(m.tokenizer).expanduser().is_dir():
         raise ConfigError(
             f"model.tokenizer={m.tokenizer!r} is not a directory; give a local Hugging Face "
