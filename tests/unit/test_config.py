@@ -63,6 +63,13 @@ def test_config_is_frozen():
             r"unknown key 'algorithm.clip_lo' \(did you mean 'clip_low'\?\)",
         ),
         (base(bogus=1), r"unknown key 'bogus'"),
+        # sections the loader takes out before the check are still suggested and listed
+        (
+            base(rolout={}),
+            r"unknown key 'rolout' \(did you mean 'rollout'\?\); valid keys here: "
+            r"\[.*'megatron'.*'rollout'",
+        ),
+        (base(megatorn={}), r"unknown key 'megatorn' \(did you mean 'megatron'\?\)"),
         (
             base(batch={"micro_batch_size": "2"}),
             r"batch.micro_batch_size: expected an integer, got '2'",

@@ -105,19 +105,26 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
 
 def _structure(
-    data: Mapping[str, Any], cls: type, path: str, converted: Mapping[str, Any] | None = None
+    data: Mapping[str, Any],
+    cls: type,
+    path: str,
+    converted: Mapping[str, Any] | None = None,
+    *,
+    also_valid: Sequence[str] = (),
 ) -> Any:
     """``cls`` from ``data`` (keys checked, values converted); ``converted``: keyword arguments
-    already built by the caller, which the YAML cannot set directly."""
+    already built by the caller, which the YAML cannot set directly; ``also_valid``: keys the
+    caller took out of ``data`` before (sections of plug-ins), named in an unknown key's hint."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in attrs.fields(cls) if f.init and f.name not in (converted or {})}
     kwargs = dict(converted or {})
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
+            valid = sorted({*fields, *also_valid})
+            close = difflib.get_close_matches(str(key), valid, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown key '{full}'{hint}; valid keys here: {sorted(fields)}")
+            raise ConfigError(f"unknown key '{full}'{hint}; valid keys here: {valid}")
         kwargs[key] = _convert(value, hints[key], full)
     try:
         return cls(**kwargs)

@@ -517,7 +517,11 @@ def config_from_dict(data: Mapping[str, Any], *, world_size: int | None = None) 
     options = _backend_options(data)
     rollout = _rollout_section(data)
     return _structure(
-        data, UnirlConfig, "", converted={"backend_options": options, "rollout": rollout}
+        data,
+        UnirlConfig,
+        "",
+        converted={"backend_options": options, "rollout": rollout},
+        also_valid=["rollout", *BACKENDS.names()],
     )
 
 
