@@ -52,6 +52,13 @@ def test_resume_continues_the_runs_own_id_and_overwrite_clears(tmp_path):
     rd.clear_previous_run(run, run / "checkpoints")
     assert sorted(p.name for p in run.rglob("*")) == ["checkpoints"]
     assert rd.claim(run, run / "checkpoints", resume=False, overwrite=False) is None
+    # nothing left to continue: --resume says so instead of starting a whole new run
+    with pytest.raises(ConfigError, match=r"--resume: logging.run_dir=.* holds no run to continue"):
+        rd.claim(run, run / "checkpoints", resume=True, overwrite=False)
+    with pytest.raises(ConfigError, match=r"holds no run to continue"):
+        rd.claim(
+            tmp_path / "never", tmp_path / "never" / "checkpoints", resume=True, overwrite=False
+        )
 
 
 def test_unwritable_directory_is_found_before_any_work(tmp_path):

@@ -75,6 +75,12 @@ def claim(run_dir: Path, ckpt_root: Path, *, resume: bool, overwrite: bool) -> s
             "--resume continues the run in logging.run_dir and --overwrite deletes it; give one"
         )
     if resume:
+        if not _previous(run_dir, ckpt_root):
+            raise ConfigError(
+                f"--resume: logging.run_dir={str(run_dir)!r} holds no run to continue (no "
+                f"{RUN_FILE}, metrics or checkpoint under {str(ckpt_root)!r}); check the "
+                "directory (and checkpoint.dir), or drop --resume to start a new run"
+            )
         run_id = read_run_id(run_dir)
         if run_id is None:
             latest = checkpointing.latest_complete(ckpt_root)
