@@ -24,6 +24,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -285,6 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # the reader went away (`unirl check --json | head`): not a disk error; end quietly, as
+        # a Unix tool killed by SIGPIPE does, and keep the exit's own flush from raising again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (UnirlError, OSError) as exc:
         if args.debug:
             traceback.print_exc()

@@ -146,3 +146,22 @@ def test_debug_shows_the_traceback(capsys, tmp_path):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("unirl: error: ")
+
+
+def test_a_reader_that_closes_the_pipe_is_not_a_disk_error():
+    """`unirl check | head -1`: the reader goes away after one line; unirl ends quietly with
+    SIGPIPE's status, as a Unix tool does, instead of "unirl: error: Broken pipe"."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unirl.cli", "check", TINY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
+    assert proc.stdout.readline().startswith(b"# resolved config")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "unirl: error" not in err and "Traceback" not in err, err
