@@ -146,6 +146,22 @@ def test_config_is_frozen():
             r"num_hidden_layers=4 is not divisible by parallel.pp x parallel.vpp = 2 x 4",
         ),
         (
+            {
+                **base(backend="megatron", parallel={"tp": 3, "world_size": 3}),
+                "model": {"hf_config": {**TINY, "num_attention_heads": 4}},
+            },
+            r"parallel.tp=3 does not divide model.hf_config's num_attention_heads=4",
+        ),
+        (
+            {
+                **base(backend="megatron", parallel={"tp": 2, "world_size": 2}),
+                "model": {
+                    "hf_config": {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1}
+                },
+            },
+            r"parallel.tp=2 does not divide model.hf_config's num_key_value_heads=1",
+        ),
+        (
             base(backend="megatron", parallel={"tp": 2, "world_size": 3}),
             r"world size 3 is not divisible by parallel.tp",
         ),

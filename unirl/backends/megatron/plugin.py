@@ -73,10 +73,28 @@ def check(cfg: UnirlConfig) -> None:
         )
     if p.sequence_parallel:
         _check_sequence_parallel(cfg)
-    layers = (cfg.model.hf_config or {}).get("num_hidden_layers")
+    _check_shape_splits(cfg)
+
+
+def _check_shape_splits(cfg: UnirlConfig) -> None:
+    """The model's sizes that tensor and pipeline parallel split evenly (megatron asserts them
+    deep in the build): attention heads and key/value groups by ``tp``, layers by ``pp x vpp``;
+    read from model.hf_config or the folder's config.json."""
+    p, hf = cfg.parallel, _hf_config_fields(cfg)
+    where = "model.hf_config" if cfg.model.hf_config else f"{cfg.model.path}/config.json"
+    heads = hf.get("num_attention_heads")
+    groups = hf.get("num_key_value_heads", heads)
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", groups)):
+        if isinstance(value, int) and value % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} does not divide {where}'s {name}={value}: tensor parallel "
+                "splits the attention heads and key/value groups evenly; choose a tp that "
+                "divides both"
+            )
+    layers = hf.get("num_hidden_layers")
     if isinstance(layers, int) and layers % (p.pp * (p.vpp or 1)):
         raise ConfigError(
-            f"model.hf_config.num_hidden_layers={layers} is not divisible by parallel.pp x "
+            f"{where}'s num_hidden_layers={layers} is not divisible by parallel.pp x "
             f"parallel.vpp = {p.pp} x {p.vpp or 1}; choose sizes that divide the layer count"
         )
 
