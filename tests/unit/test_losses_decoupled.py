@@ -35,13 +35,18 @@ def _inputs() -> LossInputs:
     )
 
 
-def _reference(cap: float, eps: float = 0.2) -> tuple[float, list[float], float, float]:
-    """Per token: w = min(exp(prox - behav), cap); r = exp(cur - prox);
+def _reference(
+    cap: float, eps: float = 0.2, mode: str = "truncate"
+) -> tuple[float, list[float], float, float]:
+    """Per token: w = min(exp(prox - behav), cap) (mask: w = 0 past the cap, AReaL's code: the
+    token stays in the token count T); r = exp(cur - prox);
     loss = w * max(-A r, -A clip(r, 1-eps, 1+eps)); token-mean. Gradient by hand: the unclipped
     branch's d/dcur is -w A r / T, the clipped branch's 0."""
     losses, grads, weights, truncated = [], [], [], 0
     for cur, prox, behav, a in zip(CURRENT, PROXIMAL, BEHAVIOUR, ADV):
         w = min(math.exp(prox - behav), cap)
+        if mode == "mask" and math.exp(prox - behav) > cap:
+            w = 0.0
         truncated += math.exp(prox - behav) > cap
         r = math.exp(cur - prox)
         unclipped, clipped = -a * r, -a * min(max(r, 1 - eps), 1 + eps)
@@ -51,19 +56,38 @@ def _reference(cap: float, eps: float = 0.2) -> tuple[float, list[float], float,
     return sum(losses) / 4, grads, sum(weights) / 4, truncated / 4
 
 
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
 @pytest.mark.parametrize("cap", [5.0, 1.5])
-def test_decoupled_matches_per_token_formula(cap):
+def test_decoupled_matches_per_token_formula(cap, mode):
     inp = _inputs()
     out = compute_loss(inp, GlobalCounts(tokens=4, sequences=1), LossSettings(
-        decoupled=True, decoupled_cap=cap
+        decoupled=True, decoupled_cap=cap, decoupled_cap_mode=mode
     ))  # fmt: skip
     (grad,) = torch.autograd.grad(out.loss, inp.logprobs)
-    loss, grads, w_mean, clipfrac = _reference(cap)
+    loss, grads, w_mean, clipfrac = _reference(cap, mode=mode)
+    if mode == "mask":  # a token past the cap has no gradient at all
+        assert [g for g, w in zip(grad.tolist(), _past_cap(cap)) if w] == [0.0] * sum(
+            _past_cap(cap)
+        )
     m = reduce_metrics([out.metrics])
     assert out.loss.item() == pytest.approx(loss)
     assert grad.tolist() == pytest.approx(grads)
     assert m["decoupled_weight_mean"] == pytest.approx(w_mean)
     assert m["decoupled_clipfrac"] == pytest.approx(clipfrac)
+
+
+def _past_cap(cap: float) -> list[bool]:
+    return [math.exp(p - b) > cap for p, b in zip(PROXIMAL, BEHAVIOUR)]
+
+
+def test_decoupled_cap_mode_is_a_config_key():
+    from tests.unit.test_config import base
+    from unirl.core.config.run_config import config_from_dict
+
+    cfg = config_from_dict(base(algorithm={"decoupled": True, "decoupled_cap_mode": "mask"}))
+    assert cfg.algorithm.loss_settings().decoupled_cap_mode == "mask"
+    with pytest.raises(ConfigError, match=r"algorithm.decoupled_cap_mode"):
+        config_from_dict(base(algorithm={"decoupled_cap_mode": "drop"}))
 
 
 def test_decoupled_off_is_plain_ppo_against_proximal():

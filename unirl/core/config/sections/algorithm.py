@@ -12,7 +12,12 @@ from unirl.core.config.sections.training import OptimizerConfig
 from unirl.core.config.validators import non_negative, positive
 from unirl.core.maths.advantages.settings import AdvantageSettings
 from unirl.core.maths.losses.router import RouterCoefficients
-from unirl.core.maths.losses.settings import Aggregation, LossSettings, RolloutCorrection
+from unirl.core.maths.losses.settings import (
+    Aggregation,
+    DecoupledCapMode,
+    LossSettings,
+    RolloutCorrection,
+)
 
 # Mixture-of-experts routing replay (`unirl.core.routing_replay`): off; record (the old-log-prob
 # forward records each MoE layer's top-k experts per token, the training forwards replay them);
@@ -79,6 +84,8 @@ class AlgorithmConfig:
         default="auto", metadata={FEEDS: (LossSettings, "decoupled")}
     )
     decoupled_cap: float = LOSS.decoupled_cap
+    # truncate: min(w, cap); mask: w = 0 past the cap (AReaL's code); the token still counts
+    decoupled_cap_mode: DecoupledCapMode = LOSS.decoupled_cap_mode
     gamma: float = ADVANTAGE.gamma
     lam: float = ADVANTAGE.lam
     std_normalize: bool = ADVANTAGE.std_normalize

@@ -9,11 +9,15 @@ and the *current* one (the training forward). Plain PPO assumes behaviour = prox
 samples it is not, and the clipped surrogate is re-weighted per token by the DETACHED, truncated
 importance ratio of proximal to behaviour::
 
-    w_t = min(exp(prox_logp_t - behav_logp_t), cap)
+    w_t = min(exp(prox_logp_t - behav_logp_t), cap)                  (decoupled_cap_mode: truncate)
+    w_t = exp(prox_logp_t - behav_logp_t) if it is <= cap, else 0    (decoupled_cap_mode: mask)
     loss_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)),  r_t = pi / pi_prox
 
-The truncation at ``cap`` bounds the variance a very stale token could add.
-Metrics: ``decoupled_weight_mean`` and ``decoupled_clipfrac`` (the fraction truncated at cap).
+The cap bounds the variance a very stale token could add. ``truncate`` (the default) keeps such a
+token at weight ``cap``, as the paper's truncated importance weight; ``mask`` is what AReaL's code
+(``ppo_actor_loss_fn``, ``behav_imp_weight_cap``) does: the token gets no policy gradient, but
+stays in the loss's token count (its denominator), as it does there.
+Metrics: ``decoupled_weight_mean`` and ``decoupled_clipfrac`` (the fraction past the cap).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def decoupled_weight(
     x = (inp.proximal_logprobs() - behaviour).detach()
     log_cap = math.log(settings.decoupled_cap)
     weight = torch.exp(x.clamp(max=log_cap))  # min(exp(x), cap) without overflow
+    if settings.decoupled_cap_mode == "mask":
+        weight = torch.where(x > log_cap, torch.zeros_like(weight), weight)
     metrics = {
         "decoupled_weight_mean": token_mean_metric(weight, inp.mask),
         "decoupled_clipfrac": token_mean_metric(x > log_cap, inp.mask),

@@ -26,6 +26,9 @@ RolloutCorrection = Literal["none", "tis", "icepop", "seq_mask"]
 # The valid names, for validation and error messages (from the types, so they cannot drift).
 AGGREGATION_MODES: tuple[str, ...] = typing.get_args(Aggregation)
 ROLLOUT_CORRECTION_MODES: tuple[str, ...] = typing.get_args(RolloutCorrection)
+# What decoupled PPO does to a token whose behaviour weight passes decoupled_cap.
+DecoupledCapMode = Literal["truncate", "mask"]
+DECOUPLED_CAP_MODES: tuple[str, ...] = typing.get_args(DecoupledCapMode)
 
 
 def _key(field: str) -> str:
@@ -87,9 +90,14 @@ class LossSettings:
     )
     rollout_correction_low: float = attrs.field(default=0.5, validator=_non_negative)
     rollout_correction_high: float = attrs.field(default=2.0, validator=_non_negative)
-    # Decoupled PPO (AReaL): weight each token by min(exp(proximal - behaviour), decoupled_cap).
+    # Decoupled PPO (AReaL): weight each token by exp(proximal - behaviour); past decoupled_cap
+    # the weight is the cap ("truncate", Hilton et al.'s truncated weight) or 0 ("mask":
+    # AReaL's code drops the token from the policy gradient, its count stays in the mean).
     decoupled: bool = False
     decoupled_cap: float = attrs.field(default=5.0, validator=_non_negative)
+    decoupled_cap_mode: DecoupledCapMode = attrs.field(
+        default="truncate", validator=_one_of(DECOUPLED_CAP_MODES)
+    )
     value_coef: float = attrs.field(default=0.5, validator=_non_negative)
     value_clip: float | None = attrs.field(default=0.2, validator=_non_negative)
 
