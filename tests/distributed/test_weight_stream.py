@@ -15,6 +15,8 @@ Llama). For DeepSpeed ZeRO 0 / 3, FSDP2 (full sharding, Ulysses SP) and Megatron
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,6 +37,7 @@ LAYOUTS = {
     "fsdp2-sp": ("fsdp2", ContractLayout.of("sp2", 2, options={"sp": 2})),
     "megatron-tp2": ("megatron", ContractLayout.of("tp2", 2, tp=2)),
     "megatron-pp2": ("megatron", ContractLayout.of("pp2", 2, pp=2)),
+    "megatron-dp2": ("megatron", ContractLayout.of("dp2", 2)),
 }
 REQUIRES = {"deepspeed": "deepspeed", "fsdp2": "torch", "megatron": "megatron.core"}
 
@@ -88,6 +91,26 @@ def _stream_to_mark(
     return out
 
 
+@contextlib.contextmanager
+def _counted_broadcasts() -> Iterator[list[str]]:
+    """The object broadcasts this rank makes inside the block: under pipeline stages each bucket
+    travels behind its header (the specs), so a stream to one rank that sends each bucket to it
+    alone broadcasts no header (the tensor-parallel gathers broadcast tensors, never objects)."""
+    import torch.distributed as dist
+
+    calls: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("broadcast_object_list",):
+            original = getattr(dist, name)
+
+            def counted(*args: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
+                calls.append(_name)
+                return _original(*args, **kw)
+
+            mp.setattr(dist, name, counted)
+        yield calls
+
+
 def _worker(rank: int, world_size: int, backend_name: str, layout: ContractLayout, model_dir: str,
             run_dir: str) -> dict[str, Any]:  # fmt: skip
     from unirl.core.backend_plugin import build_backend
@@ -107,7 +130,10 @@ def _worker(rank: int, world_size: int, backend_name: str, layout: ContractLayou
     backend = build_backend(config_from_dict(data, world_size=world_size), total_optimizer_steps=1)
     try:
         out: dict[str, Any] = {"full": backend.hf_state_dict()}
-        out["to_rank0"] = list(backend.stream_weights(BUCKET_BYTES, dst=0))
+        with _counted_broadcasts() as broadcasts:
+            out["to_rank0"] = list(backend.stream_weights(BUCKET_BYTES, dst=0))
+        out["broadcasts_to_rank0"] = broadcasts
+        out["to_rank1"] = list(backend.stream_weights(BUCKET_BYTES, dst=1))
         out["to_all"] = list(backend.stream_weights(BUCKET_BYTES, dst=None))
         out["to_rank0_on_mark"] = _stream_to_mark(backend, backend_name)
         expected = _poison_local_shard(backend, backend_name) if rank == 1 else None
@@ -141,7 +167,7 @@ def _same_tensors(buckets: list[list[tuple[str, torch.Tensor]]], full: dict) -> 
 
 
 # one layout per backend in the default tier; the other three in the slow tier (tests/conftest.py)
-SLOW = {"deepspeed-zero0", "fsdp2-sp", "megatron-pp2"}
+SLOW = {"deepspeed-zero0", "fsdp2-sp"}
 
 
 @pytest.mark.parametrize(
@@ -164,6 +190,10 @@ def test_stream_equals_full_export(case, tmp_path):
     _same_tensors(ranks[0]["to_rank0"], full)
     _check_buckets(ranks[0]["to_rank0"])
     assert ranks[1]["to_rank0"] == []  # rank 1 only took part in the gathers
+    _same_tensors(ranks[1]["to_rank1"], full)
+    assert ranks[0]["to_rank1"] == []
+    if backend_name == "megatron":  # its pipeline stages send to the receiving rank alone
+        assert ranks[0]["broadcasts_to_rank0"] == ranks[1]["broadcasts_to_rank0"] == []
     marked = ranks[0]["to_rank0_on_mark"]
     assert marked and all(flat for _, flat in marked)
     _same_tensors([bucket for bucket, _ in marked], full)

@@ -9,7 +9,7 @@ for the IPC / NCCL transports, the host for the file transport). A vocabulary-pa
 or head, the largest tensors, is all-gathered in one piece (rows in rank order), straight into
 its bucket slot when the slot is on the parameter's device. With pipeline stages, the stages
 then take turns in pipeline order: the owning stage broadcasts each bucket over the pipeline
-group, its tensors' specs and then its flat buffer in one broadcast, and the others receive it
+group, its tensors' specs and then its flat buffer, and the receiving rank takes it
 into a bucket of the same layout (`unirl.core.weight_stream.FlatBucket`), on the trainer's device
 (which the pipeline group broadcasts on); a receiving rank that asked for the host copies it
 there. Pipeline groups without a receiving rank only run their stage's gathers (their TP peers
@@ -215,38 +215,95 @@ def _pipeline_buckets(
     transit: torch.device,
     keep: bool,
     device: torch.device,
+    dst: int | None,
 ) -> WeightBuckets:
-    """Every stage's buckets in stage order, each one broadcast (its flat buffer) over the
-    pipeline group from its stage; ``local(where)``: this stage's buckets, made on ``where``.
-    ``transit``: the trainer's device, which the group broadcasts on; kept buckets end on
-    ``device``. A failure of the stage that sends raises the same error on every rank."""
+    """Every stage's buckets in stage order, each one sent (its flat buffer) from its stage to
+    the receiving rank ``dst`` (point to point: no other stage needs it), or broadcast over the
+    pipeline group when every rank receives (``dst`` None); ``local(where)``: this stage's
+    buckets, made on ``where``. ``transit``: the trainer's device, which the group communicates
+    on; kept buckets end on ``device``. A failure of the stage that sends raises the same error
+    on every rank that waits for it."""
     group = topology.groups.pp
     here = device if keep and same_device(device, transit) else transit
+    me = dist.get_rank()
     for stage in range(topology.pp_size):
         src = dist.get_global_rank(group, stage)
+        if dst is not None and me not in (src, dst):
+            continue  # this stage's buckets go from src to dst only
         mine = local(here) if stage == topology.pp_rank else None
-        while True:
-            sent = _next_to_send(mine, stage)
-            bucket, buffer, cause = sent.bucket, sent.buffer, sent.cause
-            box: list[Any] = [sent.header]
-            del sent
+        if dst == src:  # the receiving rank's own stage: its buckets are already here
+            for bucket in mine or ():
+                yield _moved_if(bucket, here, device) if keep else bucket
+            continue
+        yield from _transfer(mine, stage, src, dst, group, transit, here, keep, device)
+
+
+def _moved_if(bucket: Bucket, here: torch.device, device: torch.device) -> Bucket:
+    if same_device(here, device):
+        return bucket
+    return _moved([spec_of(n, t) for n, t in bucket], bucket, device)
+
+
+def _transfer(
+    mine: Iterator[Bucket] | None,
+    stage: int,
+    src: int,
+    dst: int | None,
+    group: Any,
+    transit: torch.device,
+    here: torch.device,
+    keep: bool,
+    device: torch.device,
+) -> WeightBuckets:
+    """One stage's buckets from ``src``: broadcast over ``group`` (``dst`` None) or sent to
+    ``dst``; each header (the specs, None at the end, or the stage's failure) first."""
+    while True:
+        sent = _next_to_send(mine, stage)
+        bucket, buffer, cause = sent.bucket, sent.buffer, sent.cause
+        box: list[Any] = [sent.header]
+        del sent
+        if dst is None:
             dist.broadcast_object_list(box, src=src, group=group, device=transit)
-            specs = box[0]
-            if isinstance(specs, _StageFailed):  # every rank of the group, no one left waiting
-                raise RuntimeError(f"weight stream: {specs.message}") from cause
-            if specs is None:
-                break
-            if buffer is None:  # the same layout as the stage's, from the same specs
-                received = FlatBucket(specs, here)
-                buffer, bucket = received.buffer, received.tensors()
-                del received
+        elif mine is not None:
+            dist.send_object_list(box, dst=dst, group=group, device=transit)
+        else:
+            dist.recv_object_list(box, src=src, group=group, device=transit)
+        specs = box[0]
+        if isinstance(specs, _StageFailed):  # every rank that waits, no one left waiting
+            raise RuntimeError(f"weight stream: {specs.message}") from cause
+        if specs is None:
+            return
+        if buffer is None:  # the same layout as the stage's, from the same specs
+            received = FlatBucket(specs, here)
+            buffer, bucket = received.buffer, received.tensors()
+            del received
+        if dst is None:
             dist.broadcast(buffer, src=src, group=group)
-            del buffer
-            if keep and not same_device(here, device):
-                bucket = _moved(specs, bucket, device)  # the GPU bucket is dropped here
-            if keep:
-                yield bucket
-            del bucket
+        elif mine is not None:
+            dist.send(buffer, dst=dst, group=group)
+        else:
+            dist.recv(buffer, src=src, group=group)
+        del buffer
+        if keep and not same_device(here, device):
+            bucket = _moved(specs, bucket, device)  # the GPU bucket is dropped here
+        if keep:
+            yield bucket
+        del bucket
+
+
+def _replica_receives(topology: Topology, dst: int, device: torch.device) -> bool:
+    """Whether ``dst`` is a rank of this model replica (its tp x pp ranks): ``dst`` is in the
+    tensor-parallel group of some stage of this rank's pipeline group. One small all-reduce over
+    the pipeline group; every rank of a replica gets the same answer."""
+    tp_ranks = (
+        dist.get_process_group_ranks(topology.groups.tp)
+        if topology.groups.tp is not None
+        else [dist.get_rank()]
+    )
+    flag = torch.tensor([int(dst in tp_ranks)], device=device)
+    if topology.groups.pp is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topology.groups.pp)
+    return bool(flag.item())
 
 
 def stream_weights(
@@ -273,13 +330,20 @@ def stream_weights(
         )
 
     def make() -> WeightBuckets:
+        if (
+            dst is not None
+            and topology.ep_size == 1
+            and dist.is_initialized()
+            and not _replica_receives(topology, dst, transit)
+        ):
+            return  # a replica without the receiving rank: nobody needs its gathers
         pipeline = topology.pp_size > 1 and (
             dst is None or dst in dist.get_process_group_ranks(topology.groups.pp)
         )
         names: set[str] = set()
         if pipeline:
             buckets = _pipeline_buckets(
-                lambda where: stage(True, where), topology, transit, keep, device
+                lambda where: stage(True, where), topology, transit, keep, device, dst
             )
         else:
             buckets = stage(keep, device)
