@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.spawn import run_distributed
+from tests.tiny_models import TINY_BATCH
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -83,12 +84,7 @@ def _config(attention, pp):
         "backend": "megatron",
         "model": {"hf_config": dict(HF_CONFIG), "init_seed": 3, "max_seq_len": 16},
         "optimizer": {"lr": 1e-3},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "algorithm": {"router_aux_loss_coef": AUX_COEF, "router_z_loss_coef": Z_COEF},
         "megatron": {"attention": attention},
         "parallel": {"pp": pp},

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from tests.plugins import toy_backend
+from tests.tiny_models import TINY_BATCH
 from unirl.backends import BACKENDS, build_backend
 from unirl.cli import main
 from unirl.core.backend import InstrumentedBackend
@@ -43,12 +44,7 @@ def config_data(**over) -> dict:
         "toy": {"hidden_size": 8},
         "model": {"hf_config": {"vocab_size": VOCAB}, "init_seed": 3, "max_seq_len": 16},
         "optimizer": {"lr": 0.1, "grad_clip": None},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "parallel": {"world_size": 1},
         "algorithm": {"std_normalize": False},
         "rollout": {"max_new_tokens": 8},

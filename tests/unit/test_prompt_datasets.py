@@ -6,7 +6,6 @@ checks naming row, field and fix, and resume on a Parquet file."""
 import copy
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 pytest.importorskip("pyarrow", reason="needs pyarrow (pip install unirl[datasets])")
@@ -28,12 +27,7 @@ TEMPLATE = (
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789+=?;<>|# "
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chat_tokenizer(folder):

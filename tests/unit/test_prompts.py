@@ -7,10 +7,10 @@ import logging
 from collections import Counter
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 
+from tests.tiny_models import TINY_LLAMA
 from unirl.cli import main
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
@@ -23,24 +23,10 @@ from unirl.rollouts.rewards.registry import REWARDS, NamedReward
 REWARDS_MODULE = "tests.unit.custom_rewards"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 32,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+TINY = {**TINY_LLAMA, "vocab_size": 32}
 
 
 def write_prompts(path, records):

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from tests.plugins import toy_backend, toy_source
+from tests.tiny_models import TINY_BATCH
 from tests.unit.test_terminal_output import restore_logging  # noqa: F401  (a fixture)
 from unirl import log_setup
 from unirl.backends import BACKENDS
@@ -42,12 +43,7 @@ def config_data(tmp_path, **rollout) -> dict:
         "toy": {"hidden_size": 8},
         "model": {"hf_config": {"vocab_size": VOCAB}, "init_seed": 3, "max_seq_len": 16},
         "optimizer": {"lr": 0.1, "grad_clip": None},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "parallel": {"world_size": 1},
         "rollout": {
             "source": "toy",
