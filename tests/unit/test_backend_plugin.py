@@ -11,7 +11,6 @@ import torch
 import yaml
 
 from tests.plugins import toy_backend
-from tests.tiny_models import TINY_BATCH
 from unirl.backends import BACKENDS, build_backend
 from unirl.cli import main
 from unirl.core.backend import InstrumentedBackend
@@ -39,18 +38,12 @@ def toy_registered():
 
 
 def config_data(**over) -> dict:
-    data = {
-        "backend": "toy",
-        "toy": {"hidden_size": 8},
-        "model": {"hf_config": {"vocab_size": VOCAB}, "init_seed": 3, "max_seq_len": 16},
-        "optimizer": {"lr": 0.1, "grad_clip": None},
-        "batch": dict(TINY_BATCH),
-        "parallel": {"world_size": 1},
-        "algorithm": {"std_normalize": False},
-        "rollout": {"max_new_tokens": 8},
-        "progress": {"enabled": False},
-    }
-    return data | over
+    return (
+        toy_backend.config_data(
+            VOCAB, algorithm={"std_normalize": False}, rollout={"max_new_tokens": 8}
+        )
+        | over
+    )
 
 
 def test_unknown_backend_lists_the_registered_ones():

@@ -154,9 +154,9 @@ def test_stream_goes_round_the_file_in_seeded_epochs(tmp_path):
     assert stream(seed=1) != first
 
 
-def test_sampler_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
-    records = [{"prompt": f"{a}+{a}=", "metadata": {"answer": 2 * a}} for a in range(5)]
-    cfg = make_cfg(write_prompts(tmp_path / "p.jsonl", records), prompts_per_rollout=3)
+def assert_resumes_where_it_stopped(cfg) -> None:
+    """A source of 3 prompts per rollout stopped after rollout 0 and resumed from its state
+    hands out rollouts 1 and 2 of an uninterrupted source, sample for sample."""
     full = build_rollout_source(cfg)
     rollouts = [full.next_rollout(k) for k in range(3)]
     stopped = build_rollout_source(cfg)
@@ -171,6 +171,12 @@ def test_sampler_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
             assert a.prompt_tokens.tolist() == b.prompt_tokens.tolist()
             assert a.response_tokens.tolist() == b.response_tokens.tolist()
             assert a.reward == b.reward and a.group_id == b.group_id
+
+
+def test_sampler_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
+    records = [{"prompt": f"{a}+{a}=", "metadata": {"answer": 2 * a}} for a in range(5)]
+    cfg = make_cfg(write_prompts(tmp_path / "p.jsonl", records), prompts_per_rollout=3)
+    assert_resumes_where_it_stopped(cfg)
 
 
 class _EchoEngine:
