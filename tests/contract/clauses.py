@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,10 +195,17 @@ def merged_forward(
     m: Measured, key: str, role: str | None = None
 ) -> tuple[dict[int, list[float]], list[str]]:
     """Per-sample log-probs over all ranks, and the problems with coverage."""
+    return merge_samples(r[key][role] if role else r[key]["logprobs"] for r in m.ranks)
+
+
+def merge_samples(
+    parts: Iterable[Mapping[int, list[float]]],
+) -> tuple[dict[int, list[float]], list[str]]:
+    """The ranks' per-sample values in one dict, and the problems with coverage: a sample that
+    more than one rank returned, samples that none did."""
     merged: dict[int, list[float]] = {}
     problems = []
-    for r in m.ranks:
-        part = r[key][role] if role else r[key]["logprobs"]
+    for part in parts:
         for sample, values in part.items():
             if sample in merged:
                 problems.append(f"sample {sample} returned by more than one rank")

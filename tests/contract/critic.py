@@ -303,18 +303,7 @@ def compute_critic_reference(
 def _merged(
     m: Measured, key: str, sub: str | None = None
 ) -> tuple[dict[int, list[float]], list[str]]:
-    merged: dict[int, list[float]] = {}
-    problems = []
-    for r in m.ranks:
-        part = r[key] if sub is None else r[key][sub]
-        for sample, values in part.items():
-            if sample in merged:
-                problems.append(f"sample {sample} returned by more than one rank")
-            merged[sample] = values
-    missing = sorted(set(range(fixtures.NUM_SAMPLES)) - set(merged))
-    if missing:
-        problems.append(f"samples {missing} returned by no rank")
-    return merged, problems
+    return clauses.merge_samples(r[key] if sub is None else r[key][sub] for r in m.ranks)
 
 
 def _values_checks(

@@ -24,7 +24,8 @@ the routing forced to the rollout's experts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -52,18 +53,48 @@ SLOW_LAYOUTS = {
 }  # fmt: skip
 
 
-def _cases() -> list:
+def _case(entry, layout) -> tuple[tuple, str, list]:
+    """(the case's value, its id, its marks: a skip when its backend cannot run here, slow)."""
+    reason = skip_reason(entry, layout, device="cpu", devices_available=0)
+    marks = [pytest.mark.skip(reason=reason)] if reason else []
+    if layout.name in SLOW_LAYOUTS.get(entry.name, ()):
+        marks.append(pytest.mark.slow)
+    return (entry, layout), f"{entry.name}-{layout.name}", marks
+
+
+def _cases(keep: Callable[[Any, Any], bool] = lambda entry, layout: True) -> list:
+    """Every (backend, layout) for which ``keep`` holds: a clause that cannot apply to a layout
+    is not generated for it (instead of a case that always skips)."""
     params = []
     for entry in REGISTRY.values():
         for layout in entry.layouts:
-            reason = skip_reason(entry, layout, device="cpu", devices_available=0)
-            marks = [pytest.mark.skip(reason=reason)] if reason else []
-            if layout.name in SLOW_LAYOUTS.get(entry.name, ()):
-                marks.append(pytest.mark.slow)
-            params.append(
-                pytest.param((entry, layout), id=f"{entry.name}-{layout.name}", marks=marks)
-            )
+            if keep(entry, layout):
+                value, case_id, marks = _case(entry, layout)
+                params.append(pytest.param(value, id=case_id, marks=marks))
     return params
+
+
+def for_cases(keep: Callable[[Any, Any], bool]) -> pytest.MarkDecorator:
+    """The test runs on the cases ``keep`` selects (overrides the ``case`` fixture's params)."""
+    return pytest.mark.parametrize("case", _cases(keep), scope="module")
+
+
+def for_variants(
+    names: Sequence[str], keep: Callable[[Any, Any], bool] = lambda entry, layout: True
+) -> pytest.MarkDecorator:
+    """The test runs on each (case, variant) whose layout's fixture has that variant, among the
+    cases ``keep`` selects."""
+    params = []
+    for entry in REGISTRY.values():
+        for layout in entry.layouts:
+            if not keep(entry, layout):
+                continue
+            value, case_id, marks = _case(entry, layout)
+            own = fixture_sets.variants(layout.fixture)
+            params += [
+                pytest.param(value, n, id=f"{case_id}-{n}", marks=marks) for n in names if n in own
+            ]
+    return pytest.mark.parametrize(("case", "variant"), params, scope="module")
 
 
 @pytest.fixture(scope="module", params=_cases())
@@ -93,11 +124,6 @@ def layout_reference(
 def layout_records(case: tuple, request: pytest.FixtureRequest) -> list:
     _, layout = case
     return request.getfixturevalue(fixture_sets.DATA_FIXTURES[layout.fixture])[1]
-
-
-def in_fixture(group: clauses.Measured, variant: str) -> None:
-    if variant not in group.variants:
-        pytest.skip(f"variant {variant} is not one of the {group.fixture} fixture's")
 
 
 def assert_checks(checks: Sequence[clauses.Check]) -> None:
@@ -132,33 +158,32 @@ def test_clause1_forward_logprobs(group, layout_reference):
     assert_checks(_run(clauses.clause1_forward, group, layout_reference, TOL))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@for_variants(VARIANTS)
 def test_clause2_loss_and_metrics(group, layout_reference, variant):
-    in_fixture(group, variant)
     assert_checks(_run(clauses.clause2_metrics, group, layout_reference, variant, TOL))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@for_variants(VARIANTS)
 def test_clause3_grad_norm_and_weights(group, layout_reference, variant):
-    in_fixture(group, variant)
     assert_checks(_run(clauses.clause3_update, group, layout_reference, variant, TOL))
 
 
-@pytest.mark.parametrize("variant", SPLITS)
+@for_variants(SPLITS)
 def test_clause4_microbatch_split(group, variant):
-    in_fixture(group, variant)
     assert_checks(_run(clauses.clause4_microbatching, group, variant, TOL))
 
 
+def _baseline(entry, layout):
+    """The backend's first layout of ``layout``'s fixture: the one its other layouts equal."""
+    return next(x for x in entry.layouts if x.fixture == layout.fixture)
+
+
+@for_cases(lambda entry, layout: layout != _baseline(entry, layout))
 def test_clause4_data_parallel_size(case, group, contract_runs):
     """This layout gives the numbers of the backend's first layout (a different dp size or ZeRO
     stage), directly, on top of both matching the reference."""
     entry, layout = case
-    baseline = next(x for x in entry.layouts if x.fixture == layout.fixture)
-    if layout == baseline:
-        pytest.skip(
-            f"{layout.name} is the baseline the other {entry.name} layouts are compared with"
-        )
+    baseline = _baseline(entry, layout)
     other = contract_runs.get(entry, baseline)
     label = f"{layout.name} vs {baseline.name}"
     assert_checks(_run(clauses.compare_layouts, group, other, TOL, label))
@@ -180,29 +205,28 @@ def test_clause8_hf_export(group, layout_records):
     assert_checks(_run(clauses.clause8_export, group, layout_records, TOL))
 
 
-def test_clause_router_losses(case, group, layout_reference):
+def _is_moe(entry, layout) -> bool:
+    return layout.fixture == "moe"
+
+
+@for_cases(_is_moe)
+def test_clause_router_losses(group, layout_reference):
     """MoE: the router's auxiliary and z-loss values and their gradient against the reference."""
-    _, layout = case
-    if layout.fixture != "moe":
-        pytest.skip(f"{layout.name} runs the dense fixture")
     assert_checks(_run(clauses.clause_router, group, layout_reference, TOL))
 
 
-def test_clause_routing_replay(case, group, layout_reference):
+@for_cases(_is_moe)
+def test_clause_routing_replay(group, layout_reference):
     """MoE: replayed log-probs and one replayed step against a forced-routing transformers
     forward."""
-    _, layout = case
-    if layout.fixture != "moe":
-        pytest.skip(f"{layout.name} runs the dense fixture")
     assert_checks(_run(clauses.clause_replay, group, layout_reference, TOL))
 
 
-def test_multiturn_batch(case, group, request):
+@for_cases(lambda entry, layout: multiturn.is_main_layout(entry.name, layout))
+def test_multiturn_batch(group, request):
     """Observation tokens (mask 0, no rollout log-probs) inside responses and per-turn token
-    rewards: the loss, gradient norm and weights equal a per-turn Python loop's."""
-    entry, layout = case
-    if not multiturn.is_main_layout(entry.name, layout):
-        pytest.skip(f"the multi-turn batch runs on {entry.name}'s main layout only")
+    rewards, on each backend's main layout: the loss, gradient norm and weights equal a per-turn
+    Python loop's."""
     reference = request.getfixturevalue("contract_multiturn_reference")  # built only if it runs
     assert_checks(_run(multiturn.clause_multiturn, group, reference, TOL))
 
@@ -226,17 +250,17 @@ def test_logprob_path(case, group):
 NOT_SEPARABLE = {"gspo_k2_seq_mean_token_mean"}
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_head_loss_path(case, group, variant):
-    """With ``model.fused_head`` the training forward of a loss that is a sum over tokens computes
-    it inside the head (``head_loss``: 3 head matmuls); GSPO's takes the head's log-probs, then
-    the loss (4 matmuls)."""
-    entry, layout = case
-    if not layout.model_dict.get("fused_head", False):
-        pytest.skip(f"{layout.name} runs without model.fused_head")
-    if not entry.supports_loss_in_head:
-        pytest.skip(f"{entry.name} does not take the loss into its fused head")
-    in_fixture(group, variant)
+@for_variants(
+    VARIANTS,
+    lambda entry, layout: (
+        layout.model_dict.get("fused_head", False) and entry.supports_loss_in_head
+    ),
+)
+def test_head_loss_path(group, variant):
+    """With ``model.fused_head``, on a backend that takes the loss into its fused head, the
+    training forward of a loss that is a sum over tokens computes it inside the head
+    (``head_loss``: 3 head matmuls); GSPO's takes the head's log-probs, then the loss (4
+    matmuls)."""
     calls = [r["variants"][variant]["logprob_calls"] for r in group.ranks if "variants" in r]
     assert calls, group.ranks[0]["errors"]
     in_head = sum(c.get("head_loss", 0) for c in calls)
@@ -259,12 +283,10 @@ def test_cpu_compat_lines_listed(group):
     assert reached[0], "cpu_compat was installed but patched nothing that ran"
 
 
-def test_sequence_parallel_ran(case, group):
+@for_cases(lambda entry, layout: layout.parallel_dict.get("sequence_parallel", False))
+def test_sequence_parallel_ran(group):
     """``parallel.sequence_parallel``: the activations between the TP matmuls were split along the
     sequence (megatron's reduce-scatter into the sequence slices ran; on the CPU the patched line
     of its output buffer records it)."""
-    _, layout = case
-    if not layout.parallel_dict.get("sequence_parallel", False):
-        pytest.skip(f"{layout.name} runs without parallel.sequence_parallel")
     reached = [r.get("cpu_compat_lines", []) for r in group.ranks]
     assert all("tensor_parallel/mappings.py:181" in lines for lines in reached), reached

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.spawn import run_distributed
+from tests.tiny_models import TINY_BATCH
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -49,12 +50,7 @@ def _worker(rank, world_size, src, weights, back):
         {
             "backend": "megatron",
             "model": {"path": weights, "max_seq_len": 16},
-            "batch": {
-                "prompts_per_rollout": 2,
-                "samples_per_prompt": 2,
-                "samples_per_optimizer_step": 4,
-                "micro_batch_size": 2,
-            },
+            "batch": dict(TINY_BATCH),
             "parallel": {**{k: v for k, v in LAYOUT.items() if v}, "sequence_parallel": True},
             "logging": {"tensorboard": False},
         },

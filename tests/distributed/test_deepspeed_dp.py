@@ -21,8 +21,7 @@ import torch.distributed as dist
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from tests.spawn import run_distributed
-from tests.unit.test_deepspeed_backend import (
+from tests.hf_reference import (
     empty_microbatch,
     full_params,
     make_config,
@@ -33,6 +32,7 @@ from tests.unit.test_deepspeed_backend import (
     save_tiny_model,
     train_step,
 )
+from tests.spawn import run_distributed
 
 STAGES = (0, 1, 2, 3)
 LOCK_HOLD_S = 0.3

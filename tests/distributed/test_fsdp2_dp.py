@@ -1,5 +1,5 @@
 """FSDP2 backend on 2 gloo processes against the single-process full-batch step of plain PyTorch
-(`tests.unit.test_deepspeed_backend.reference_step`): gradient norm before clipping and updated
+(`tests.hf_reference.reference_step`): gradient norm before clipping and updated
 weights, for every way the two ranks can share the work:
 
 - ``full_shard`` / ``shard_grad_op`` / ``hybrid`` (two replicas of one shard) with the batch
@@ -25,8 +25,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.spawn import run_distributed
-from tests.unit.test_deepspeed_backend import (
+from tests.hf_reference import (
     empty_microbatch,
     make_config,
     make_sequences,
@@ -37,6 +36,7 @@ from tests.unit.test_deepspeed_backend import (
     save_tiny_model,
     train_step,
 )
+from tests.spawn import run_distributed
 
 # name -> (fsdp2 section, extra model keys); full_shard and sp2 without activation
 # checkpointing also run in the contract suite (tests/contract, layouts full-dp2 and sp2)

@@ -1,12 +1,13 @@
 """logprobs_from_hidden with the vocabulary sharded over TP = 2 (gloo), Megatron's padded
-vocabulary included, against plain unsharded fp64 PyTorch written here: log-probs, entropy, the
-full gradient of the (replicated) hidden states on every rank and each rank's weight-shard
-gradient."""
+vocabulary included, against plain unsharded fp64 PyTorch (`tests.logprob_reference`): log-probs,
+entropy, the full gradient of the (replicated) hidden states on every rank and each rank's
+weight-shard gradient."""
 
 from __future__ import annotations
 
 import torch
 
+from tests.logprob_reference import logp_entropy_backward
 from tests.spawn import run_distributed
 
 N_TOKENS, HIDDEN = 10, 12
@@ -58,11 +59,9 @@ def worker(rank: int, world: int) -> list[dict[str, list]]:
 def reference(hidden, weight, targets, w_logp, w_ent, vocab_size: int) -> dict[str, torch.Tensor]:
     h = hidden.double().requires_grad_(True)
     w = weight.double().requires_grad_(True)
-    logp_all = torch.log_softmax((h @ w.T)[:, :vocab_size] / TEMPERATURE, dim=-1)
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    ((w_logp.double() * logp).sum() + (w_ent.double() * entropy).sum()).backward()
-    return {"logp": logp.detach(), "entropy": entropy.detach(), "dh": h.grad, "dw": w.grad}
+    logits = (h @ w.T)[:, :vocab_size] / TEMPERATURE
+    logp, entropy = logp_entropy_backward(logits, targets, w_logp, w_ent)
+    return {"logp": logp, "entropy": entropy, "dh": h.grad, "dw": w.grad}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.logprob_reference import logits_reference
 from tests.spawn import run_distributed
 
 N_TOKENS = 10
@@ -102,15 +103,7 @@ def reference(
     w_ent: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unsharded fp64 log_softmax + gather, -sum p log p, and the gradient (0 on padding)."""
-    x = logits.double().requires_grad_(True)
-    logp_all = torch.log_softmax(x[:, :vocab_size] / TEMPERATURE, dim=-1)
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    loss = (w_logp.double() * logp).sum()
-    if w_ent is not None:
-        loss = loss + (w_ent.double() * entropy).sum()
-    loss.backward()
-    return logp.detach(), entropy.detach(), x.grad
+    return logits_reference(logits, targets, TEMPERATURE, vocab_size, w_logp, w_ent)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

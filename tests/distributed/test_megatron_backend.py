@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.spawn import run_distributed
+from tests.tiny_models import TINY_BATCH, TINY_LLAMA
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -28,14 +29,8 @@ pytestmark = pytest.mark.skipif(
 transformers = pytest.importorskip("transformers", reason="needs transformers (unirl[hf])")
 
 HF_CONFIG = {
-    "model_type": "llama",
+    **TINY_LLAMA,
     "vocab_size": 100,  # padded by megatron to 256 at TP=2: the padding must stay invisible
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "initializer_range": 0.2,
@@ -233,12 +228,7 @@ def _config_dict(tp):
         "backend": "megatron",
         "model": {"hf_config": dict(HF_CONFIG), "init_seed": SEED, "max_seq_len": 16},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "parallel": {"tp": tp},
         "rollout": {"temperature": TEMPERATURE},
         "train": {"seed": 0},

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.spawn import run_distributed
+from tests.tiny_models import MEGATRON_DIMS, noisy_hf_model
 
 # megatron is imported in the worker processes only (the parent would pay ~10 s for nothing)
 pytestmark = pytest.mark.skipif(
@@ -26,15 +27,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (u
 VOCAB = 100
 BATCH, SEQ = 2, 11  # B != S: a wrong [S, B] / [B, S] orientation fails
 LOGPROB_ATOL = 1e-4
-COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=VOCAB,
-    rms_norm_eps=1e-6,
-)
+COMMON = dict(**MEGATRON_DIMS, num_hidden_layers=4, vocab_size=VOCAB)
 
 
 def _configs():
@@ -66,18 +59,6 @@ def _llama3_rope_config():
     )
 
 
-def _hf_model(config, seed):
-    gen = torch.Generator().manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else (0.2 if p.ndim == 2 else 0.1) * noise)
-    return model
-
-
 def _reference_logprobs(model, ids):
     """log p(ids[:, t+1] | ids[:, :t+1]) from the HF logits, fp64 log_softmax, [B * (S-1)]."""
     with torch.no_grad():
@@ -89,7 +70,7 @@ def _reference_logprobs(model, ids):
 def _cases(configs, seed=0):
     out = {}
     for i, (name, config) in enumerate(configs.items()):
-        model = _hf_model(config, seed + i)
+        model = noisy_hf_model(config, seed + i)
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(i))
         state = {k: v.clone() for k, v in model.state_dict().items()}
         out[name] = (config, state, ids, _reference_logprobs(model, ids))
@@ -419,7 +400,7 @@ def test_single_process_from_folder_and_config_errors(tmp_path):
     cases = _cases(configs, seed=10)
     folder_cases = {}
     for name, (config, original, ids, reference) in cases.items():
-        model = _hf_model(config, 0)
+        model = noisy_hf_model(config, 0)
         model.load_state_dict(original)
         model.save_pretrained(tmp_path / name)  # the worker reads these safetensors lazily
         folder_cases[name] = (config, str(tmp_path / name), ids, reference)

@@ -17,7 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.contract.moe_reference import per_expert
 from tests.spawn import run_distributed
+from tests.tiny_models import MEGATRON_DIMS, noisy_hf_model
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -30,16 +32,12 @@ BATCH, SEQ = 2, 11
 LOGPROB_ATOL = 1e-4
 EXPERTS, TOP_K = 8, 2
 COMMON = dict(
-    hidden_size=64,
+    **MEGATRON_DIMS,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
     moe_intermediate_size=48,
     num_experts=EXPERTS,
     num_experts_per_tok=TOP_K,
     vocab_size=VOCAB,
-    rms_norm_eps=1e-6,
 )
 
 
@@ -54,18 +52,6 @@ def _configs():
     }
 
 
-def _hf_model(config, seed):
-    gen = torch.Generator().manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else (0.2 if p.ndim >= 2 else 0.1) * noise)
-    return model
-
-
 def _reference(model, ids):
     """fp64 log-probs of the next tokens, [B * (S-1)], and each sparse layer's router logits
     [B * S, E] (HF's own, batch-major)."""
@@ -76,32 +62,13 @@ def _reference(model, ids):
     return logp, [r for r in out.router_logits if r is not None]
 
 
-def _per_expert(state):
-    """The checkpoint (per-expert) names of an in-memory state dict, split here by hand:
-    ``gate_up_proj[e]`` = [gate_e; up_e], ``down_proj[e]`` = down_e."""
-    out = {}
-    for name, t in state.items():
-        m = re.match(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
-        if m is None:
-            out[name] = t
-            continue
-        for e in range(t.shape[0]):
-            if m.group(2) == "gate_up_proj":
-                gate, up = t[e].chunk(2)
-                out[f"{m.group(1)}.{e}.gate_proj.weight"] = gate
-                out[f"{m.group(1)}.{e}.up_proj.weight"] = up
-            else:
-                out[f"{m.group(1)}.{e}.down_proj.weight"] = t[e]
-    return out
-
-
 def _cases(seed=0, data_ranks=1):
     """Per config: (config, state, ids, reference log-probs, router logits), ids and references
     one per data-parallel rank: each rank routes its own tokens, so the expert-parallel ranks
     exchange uneven token counts."""
     out = {}
     for i, (name, config) in enumerate(_configs().items()):
-        model = _hf_model(config, seed + i)
+        model = noisy_hf_model(config, seed + i)
         gen = torch.Generator().manual_seed(i)
         ids = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(data_ranks)]
         state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -255,7 +222,7 @@ def _one_rank(rank, world, cases, folders):
     (chunk,) = build_model_chunks(config, ParallelConfig(), dtype=torch.float32)
     extra = dict(state)
     extra["model.layers.0.mlp.shared_expert.up_proj.weight"] = torch.zeros(4, 64)
-    missing = {k: v for k, v in _per_expert(state).items() if "experts.7.down_proj" not in k}
+    missing = {k: v for k, v in per_expert(state).items() if "experts.7.down_proj" not in k}
     for key, source in (("extra", extra), ("missing", missing)):
         try:
             load_hf_weights([chunk], source, config, topo)
@@ -312,7 +279,7 @@ def _reference_gradients(case, index=0):
     logits = model(ids[0]).logits[:, :-1].reshape(-1, VOCAB)
     logp = torch.log_softmax(logits, -1).gather(1, ids[0][:, 1:].reshape(-1, 1)).squeeze(1)
     (_weights(logp.numel()).double() * logp).sum().backward()
-    return _per_expert({n: p.grad for n, p in model.named_parameters()})
+    return per_expert({n: p.grad for n, p in model.named_parameters()})
 
 
 # --- checks -----------------------------------------------------------------------------------
@@ -320,7 +287,7 @@ def _reference_gradients(case, index=0):
 
 def _assert_exact(exported, original, tied):
     expected = {
-        k: v for k, v in _per_expert(original).items() if not (tied and k == "lm_head.weight")
+        k: v for k, v in per_expert(original).items() if not (tied and k == "lm_head.weight")
     }
     assert set(exported) == set(expected)
     for key, value in expected.items():
@@ -396,7 +363,7 @@ def test_moe_one_rank_folder_router_logits_and_refusals(tmp_path):
     cases = _cases(seed=10)
     folders = {}
     for name, (config, state, _, _, _) in cases.items():
-        model = _hf_model(config, 0)
+        model = noisy_hf_model(config, 0)
         model.load_state_dict(state)
         model.save_pretrained(tmp_path / name)  # per-expert checkpoint names on disk
         folders[name] = str(tmp_path / name)

@@ -24,6 +24,7 @@ import itertools
 import pytest
 import torch
 
+from tests.contract.moe_reference import per_expert
 from tests.distributed.test_megatron_router_losses import (
     AUX_COEF,
     HF_CONFIG,
@@ -147,8 +148,6 @@ def _reference(model):
     names) of the objective summed over both data ranks' microbatches."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from tests.distributed.test_megatron_moe import _per_expert
-
     experts, top_k = HF_CONFIG["num_experts"], HF_CONFIG["num_experts_per_tok"]
     per_rank = [_microbatches(dp) for dp in range(WORLD // 2)]
     global_tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
@@ -175,13 +174,11 @@ def _reference(model):
         logprobs.append(rank_logprobs)
         values.append(rank_values)
     total.backward()
-    return logprobs, values, _per_expert({n: p.grad for n, p in model.named_parameters()})
+    return logprobs, values, per_expert({n: p.grad for n, p in model.named_parameters()})
 
 
 def _check(per_rank, model, attentions, expected_view):
-    from tests.distributed.test_megatron_moe import _per_expert
-
-    original = _per_expert(model.state_dict())
+    original = per_expert(model.state_dict())
     ref_logprobs, ref_values, ref_grads = _reference(model)
     for attention in attentions:
         for rank, result in enumerate(per_rank):

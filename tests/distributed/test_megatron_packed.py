@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.spawn import run_distributed
+from tests.tiny_models import MEGATRON_DIMS, noisy_hf_model
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -30,28 +31,12 @@ GRAD_ATOL = 1e-5
 
 def _config():
     return transformers.LlamaConfig(
-        hidden_size=64,
+        **MEGATRON_DIMS,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
         vocab_size=VOCAB,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         rope_parameters={"rope_theta": 500.0},  # a small base: wrong positions show clearly
     )
-
-
-def _hf_model(config):
-    gen = torch.Generator().manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else (0.2 if p.ndim == 2 else 0.1) * noise)
-    return model
 
 
 def _stream():
@@ -200,7 +185,7 @@ def _two_ranks(rank, world, state, tokens, cu):
 
 
 def test_packed_forward_and_cp_gradients_match_hf():
-    model = _hf_model(_config())
+    model = noisy_hf_model(_config(), 3)
     tokens, cu = _stream()
     ref_logp, valid, ref_grads = _hf_reference(model, tokens, cu)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -248,7 +233,7 @@ def test_tp2_cp2_packed_forward_and_gradients_match_hf():
     """4 ranks, TP=2 x CP=2 (a layout of the 4-GPU contract, scaled down to gloo): the
     vocabulary-parallel log-probs of the packed stream, padded or not, and the gradients equal
     the HF model's."""
-    model = _hf_model(_config())
+    model = noisy_hf_model(_config(), 3)
     tokens, cu = _stream()
     ref_logp, valid, ref_grads = _hf_reference(model, tokens, cu)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

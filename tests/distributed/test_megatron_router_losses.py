@@ -19,7 +19,9 @@ import itertools
 import pytest
 import torch
 
+from tests.contract.moe_reference import per_expert
 from tests.spawn import run_distributed
+from tests.tiny_models import TINY_BATCH
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -83,12 +85,7 @@ def _config(attention, pp):
         "backend": "megatron",
         "model": {"hf_config": dict(HF_CONFIG), "init_seed": 3, "max_seq_len": 16},
         "optimizer": {"lr": 1e-3},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "algorithm": {"router_aux_loss_coef": AUX_COEF, "router_z_loss_coef": Z_COEF},
         "megatron": {"attention": attention},
         "parallel": {"pp": pp},
@@ -137,8 +134,6 @@ def _reference(weights):
     loss, and the gradients (per-expert names) of the whole step's loss."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from tests.distributed.test_megatron_moe import _per_expert
-
     fields = {k: v for k, v in HF_CONFIG.items() if k != "model_type"}
     config = transformers.AutoConfig.for_model("qwen3_moe", **fields)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -166,16 +161,14 @@ def _reference(weights):
         values.append((aux.item(), z.item()))
         total = total + lp + (AUX_COEF * aux + Z_COEF * z) * mb.num_tokens / global_tokens
     total.backward()
-    grads = _per_expert({n: p.grad for n, p in model.named_parameters()})
+    grads = per_expert({n: p.grad for n, p in model.named_parameters()})
     return values, grads
 
 
 def _per_expert_to_hf(weights, model, experts=HF_CONFIG["num_experts"]):
     """The exported per-expert state dict in the (fused) names of this transformers' model."""
-    from tests.distributed.test_megatron_moe import _per_expert
-
     names = {k: v for k, v in model.state_dict().items()}
-    split = _per_expert(names)
+    split = per_expert(names)
     if set(split) == set(names):
         return weights
     out = {}

@@ -23,6 +23,7 @@ import torch
 
 from tests.distributed.test_megatron_router_losses import _microbatch, _per_expert_to_hf
 from tests.spawn import run_distributed
+from tests.tiny_models import TINY_BATCH
 from tests.unit.replay_fixtures import MOE_HF
 
 pytestmark = pytest.mark.skipif(
@@ -62,12 +63,7 @@ def _config(mode, ep, pp, tp=1):
         "backend": "megatron",
         "model": {"hf_config": _hf_fields(pp, tp), "init_seed": 5, "max_seq_len": 16},
         "optimizer": {"lr": 1e-3},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "parallel": {"ep": ep, "pp": pp}
         if tp == 1
         else {"ep": ep, "pp": pp, "tp": tp, "etp": 1, "sequence_parallel": True},

@@ -14,13 +14,12 @@ import pytest
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 
 from tests.spawn import run_distributed
+from tests.tiny_models import TINY_BATCH, TINY_LLAMA
 
 PROMPTS = [
     {"prompt": f"{a}+{b}=", "metadata": {"answer": a + b}} for a, b in [(1, 2), (3, 4), (2, 2)]
 ]
-TINY = {"model_type": "llama", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64}  # fmt: skip
+TINY = {**TINY_LLAMA, "vocab_size": 32, "num_hidden_layers": 1}
 
 
 def _rank(rank: int, world: int, prompts: str, log: str, hook_log: str) -> dict:
@@ -36,8 +35,7 @@ def _rank(rank: int, world: int, prompts: str, log: str, hook_log: str) -> dict:
     cfg = config_from_dict(
         {
             "model": {"hf_config": TINY, "max_seq_len": 16, "init_seed": 1},
-            "batch": {"prompts_per_rollout": 2, "samples_per_prompt": 2,
-                      "samples_per_optimizer_step": 4, "micro_batch_size": 2},
+            "batch": dict(TINY_BATCH),
             "parallel": {"world_size": world},
             "rollout": {"prompts": prompts, "reward": "tests.unit.worker_rewards:counted_length",
                         "reward_options": {"log": log}, "max_new_tokens": 4},

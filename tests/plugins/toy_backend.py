@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import torch
 
+from tests.tiny_models import TINY_BATCH
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.hf.loop import LogprobHead, forward_only_pass, training_pass
 from unirl.backends.hf.model import PackedModule
@@ -184,3 +185,17 @@ def build(
 
 
 PLUGIN = BackendPlugin(name="toy", options=ToyOptions, build=build, check=check)
+
+
+def config_data(vocab: int, **sections: Any) -> dict[str, Any]:
+    """The smallest config that trains on ``backend: toy`` (one process, a vocabulary of
+    ``vocab``, two microbatches of 2); ``sections`` add or replace whole sections."""
+    return {
+        "backend": "toy",
+        "toy": {"hidden_size": 8},
+        "model": {"hf_config": {"vocab_size": vocab}, "init_seed": 3, "max_seq_len": 16},
+        "optimizer": {"lr": 0.1, "grad_clip": None},
+        "batch": dict(TINY_BATCH),
+        "parallel": {"world_size": 1},
+        "progress": {"enabled": False},
+    } | sections

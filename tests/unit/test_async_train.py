@@ -8,14 +8,16 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.unit.test_train import EXAMPLES, _run_train_in_subprocess
+from tests.unit.test_train import (
+    EXAMPLES,
+    assert_same_export,
+    run_full_and_resumed,
+)
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.data.sample import RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.mismatch import mismatch_by_staleness
-from unirl.core.run.metrics_log import read_metrics
 from unirl.rollouts.async_source import RolloutsAhead, restore, staleness_metrics
 from unirl.rollouts.collectives import rollout_group
 
@@ -171,18 +173,7 @@ def test_async_run_follows_the_schedule_and_resumes_exactly(tmp_path):
     base = [str(EXAMPLES / "tiny_grpo.yaml"), "--set", "logging.tensorboard=false",
             "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=32",
             "--set", "train.max_staleness=1"]  # fmt: skip
-    full = _run_train_in_subprocess(
-        [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
-        tmp_path,
-    )
-    assert full.returncode == 0, full.stderr[-3000:]
-    cut = [*base, "--set", f"logging.run_dir={tmp_path / 'cut'}", "--set", "checkpoint.every=2"]
-    first = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=2"], tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=4", "--resume"], tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    a, b = run_full_and_resumed(base, tmp_path)
     assert [r["rollout/policy_version"] for r in a] == [0, 0, 1, 2]  # max(0, r - 1)
     assert [r["rollout/staleness_max"] for r in a] == [0, 1, 1, 1]
     assert [r["old_logprobs/source"] for r in a] == ["reuse", "recompute", "recompute", "recompute"]
@@ -193,6 +184,4 @@ def test_async_run_follows_the_schedule_and_resumes_exactly(tmp_path):
         for key in ("reward/mean", "loss", "grad_norm", "entropy", "ppo_kl",
                     "decoupled_weight_mean", "rollout/policy_version"):  # fmt: skip
             assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
-    wa = load_file(str(tmp_path / "full" / "hf" / "model.safetensors"))
-    wb = load_file(str(tmp_path / "cut" / "hf" / "model.safetensors"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_export(tmp_path, "hf")

@@ -38,23 +38,12 @@ def toy_registered():
 
 
 def config_data(**over) -> dict:
-    data = {
-        "backend": "toy",
-        "toy": {"hidden_size": 8},
-        "model": {"hf_config": {"vocab_size": VOCAB}, "init_seed": 3, "max_seq_len": 16},
-        "optimizer": {"lr": 0.1, "grad_clip": None},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
-        "parallel": {"world_size": 1},
-        "algorithm": {"std_normalize": False},
-        "rollout": {"max_new_tokens": 8},
-        "progress": {"enabled": False},
-    }
-    return data | over
+    return (
+        toy_backend.config_data(
+            VOCAB, algorithm={"std_normalize": False}, rollout={"max_new_tokens": 8}
+        )
+        | over
+    )
 
 
 def test_unknown_backend_lists_the_registered_ones():

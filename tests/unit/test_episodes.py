@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.tiny_models import tiny_llama
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.step import _batch_metrics
@@ -236,26 +236,10 @@ def test_episode_metrics():
 # -- the sampler source runs episodes with a real model ---------------------------------------
 
 
-def tiny_model(vocab):
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
 def test_sampler_source_episodes_are_the_engines_ids_and_logprobs():
     torch.set_num_threads(1)
     task = make_task("tool_lookup")
-    model = tiny_model(task.tokenizer.vocab_size)
+    model = tiny_llama(task.tokenizer.vocab_size)
     from unirl.rollouts.environments.registry import environment_factory
 
     source = SamplerRolloutSource(
@@ -370,7 +354,7 @@ def test_multi_turn_loss_and_grads_equal_a_per_turn_loop():
     from unirl.losses import policy_loss
 
     torch.manual_seed(0)
-    model = tiny_model(VOCAB).train()
+    model = tiny_llama(VOCAB).train()
     eps, _, _ = play(
         [[TURN0, TURN1], [([10, 2], [-1.0, -2.0])], [([11], [-0.3]), ([7, 2], [-0.2, -0.1])]],
         EchoTool,

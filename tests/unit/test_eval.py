@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_models import TINY_LLAMA
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError
 from unirl.rollouts.eval_metrics import eval_metrics, pass_at_k, reported_ks
@@ -38,9 +39,7 @@ def test_eval_metrics_by_hand():
     assert m["eval/pass@4"] == 1.0
 
 
-TINY = {"model_type": "llama", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64}  # fmt: skip
+TINY = {**TINY_LLAMA, "vocab_size": 32, "num_hidden_layers": 1}
 TRAIN = [
     {"prompt": f"{a}+{b}=", "metadata": {"answer": a + b}}
     for a, b in [(1, 2), (3, 4), (2, 5), (4, 4)]

@@ -1,5 +1,5 @@
 """Fsdp2Backend in one process (world size 1) against plain transformers / PyTorch references
-(the helpers of tests/unit/test_deepspeed_backend.py): per-sequence log-probs, one optimizer step
+(the helpers of tests/hf_reference.py): per-sequence log-probs, one optimizer step
 (gradient norm before clipping, updated weights) with and without CPU offload, bf16 mixed
 precision, the LR schedule with bit-exact DCP resume, the HF export round trip, the frozen
 reference model. Two-process layouts and Ulysses SP: tests/distributed/test_fsdp2_dp.py.
@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.unit.test_deepspeed_backend import (  # noqa: E402
+from tests.hf_reference import (  # noqa: E402
     assert_logprobs_match,
     bar,
     empty_microbatch,
@@ -24,25 +24,13 @@ from tests.unit.test_deepspeed_backend import (  # noqa: E402
     pack,
     reference_logprobs,
     reference_step,
-    save_tiny_model,
     train_step,
 )
 from unirl.core.backend import TrainingBackend  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
 from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fsdp2_config(folder: Path, options: dict | None = None, **over):

@@ -1,7 +1,7 @@
 """The loss inside the Hugging Face fused head (``model.fused_head`` with ``spec.loss_in_head``) on
 the DeepSpeed (ZeRO-0 and ZeRO-3) and FSDP2 backends, one process: an optimizer step over two
 microbatches and an empty one equals the plain-PyTorch step on the full batch (gradient norm and
-updated weights, the references of tests/unit/test_deepspeed_backend.py), the loss went through
+updated weights, the references of tests/hf_reference.py), the loss went through
 core's `head_loss` (three head matmuls) for each microbatch with tokens, and the metrics are the
 loss's own; without ``loss_in_head`` (a loss that is not separable, e.g. GSPO) the fused head
 gives log-probs and the loss runs after it (four matmuls, no `head_loss`)."""
@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.unit.test_deepspeed_backend import (  # noqa: E402
+from tests.hf_reference import (  # noqa: E402
     bar,
     empty_microbatch,
     make_config,
@@ -24,23 +24,11 @@ from tests.unit.test_deepspeed_backend import (  # noqa: E402
     num_response_tokens,
     pack,
     reference_step,
-    save_tiny_model,
 )
 from unirl.core import backend as core_backend  # noqa: E402
 from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

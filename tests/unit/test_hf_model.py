@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.tiny_models import MICRO_LLAMA  # noqa: E402
 from unirl.backends.causal_lm import (  # noqa: E402
     build_from_config,
     load_policy,
@@ -16,16 +17,7 @@ from unirl.backends.causal_lm import (  # noqa: E402
 from unirl.core.config.run_config import ModelConfig  # noqa: E402
 from unirl.core.errors import ConfigError  # noqa: E402
 
-HF_CONFIG = dict(
-    model_type="llama",
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    vocab_size=40,
-    max_position_embeddings=32,
-)
+HF_CONFIG = dict(MICRO_LLAMA)
 
 
 def _state(model) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (  # noqa: E402
     load_balancing_loss_func,
 )
 
-from tests.unit.test_deepspeed_backend import (  # noqa: E402
+from tests.hf_reference import (  # noqa: E402
     ENTROPY_COEF,
     bar,
     make_config,
@@ -62,12 +62,7 @@ AUX, Z = 0.3, 0.05  # large enough to move the gradient visibly
 SHAPES = [(2, 4), (3, 5), (2, 1), (4, 6)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

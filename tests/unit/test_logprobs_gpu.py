@@ -1,5 +1,6 @@
-"""The Triton path of logprobs_from_logits on a CUDA GPU against fp64 references written here:
-forward, backward, entropy, temperature, padded vocabulary, vocabulary shards, 64-bit offsets."""
+"""The Triton path of logprobs_from_logits on a CUDA GPU against the fp64 references of
+`tests.logprob_reference`: forward, backward, entropy, temperature, padded vocabulary, vocabulary
+shards, 64-bit offsets."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.logprob_reference import logits_reference
 from unirl.core.maths.logprobs import logprobs_from_logits
 
 pytestmark = [
@@ -26,26 +28,6 @@ GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 8e-3}
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def ref_all(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    vocab_size: int,
-    w_logp: torch.Tensor,
-    w_ent: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp64 log_softmax + gather, -sum p log p and d(sum w_logp logp + sum w_ent H)/dlogits."""
-    x = logits.double().requires_grad_(True)
-    logp_all = torch.log_softmax(x[:, :vocab_size] / temperature, dim=-1)
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    loss = (w_logp.double() * logp).sum()
-    if w_ent is not None:
-        loss = loss + (w_ent.double() * entropy).sum()
-    loss.backward()
-    return logp.detach(), entropy.detach(), x.grad
 
 
 def poison_allocator(n_bytes: int) -> None:
@@ -104,7 +86,9 @@ def test_triton_matches_fp64(
     )
     logp, ent = out if entropy != "off" else (out, None)
     use_ent = w_ent if entropy == "grad" else None
-    ref_logp, ref_ent, ref_grad = ref_all(logits, targets, temperature, vocab_size, w_logp, use_ent)
+    ref_logp, ref_ent, ref_grad = logits_reference(
+        logits, targets, temperature, vocab_size, w_logp, use_ent
+    )
     assert rel_err(logp, ref_logp) < FWD_TOL
     if ent is not None:
         assert rel_err(ent, ref_ent) < FWD_TOL
@@ -127,7 +111,7 @@ def test_torch_path_on_cuda_matches_fp64() -> None:
     logp, ent = logprobs_from_logits(
         x, targets, temperature=0.9, vocab_size=5000, with_entropy=True, kernel="torch"
     )
-    ref_logp, ref_ent, ref_grad = ref_all(logits, targets, 0.9, 5000, w_logp, w_ent)
+    ref_logp, ref_ent, ref_grad = logits_reference(logits, targets, 0.9, 5000, w_logp, w_ent)
     assert rel_err(logp, ref_logp) < FWD_TOL and rel_err(ent, ref_ent) < FWD_TOL
     ((w_logp * logp).sum() + (w_ent * ent).sum()).backward()
     assert rel_err(x.grad, ref_grad) < GRAD_TOL[torch.bfloat16]
@@ -139,7 +123,7 @@ def test_row_strided_view_and_large_logits() -> None:
     targets = torch.randint(0, 3001, (19,), device="cuda")
     x = base.clone().requires_grad_(True)
     logp, ent = logprobs_from_logits(x[:, :3001], targets, with_entropy=True)
-    ref_logp, ref_ent, ref_grad = ref_all(
+    ref_logp, ref_ent, ref_grad = logits_reference(
         base[:, :3001], targets, 1.0, 3001, torch.ones(19, device="cuda"), None
     )
     torch.testing.assert_close(logp.double(), ref_logp, atol=5e-4, rtol=0)
@@ -166,7 +150,7 @@ def test_kernels_on_vocabulary_shards() -> None:
     vocab_local, vocab_size, tp, tau = 20011, 57000, 3, 0.7
     logits, targets, w_logp, w_ent = make(29, vocab_local * tp, vocab_size, torch.bfloat16, 5)
     targets[1], targets[2] = vocab_local - 1, vocab_local  # on either side of a shard border
-    ref_logp, ref_ent, ref_grad = ref_all(logits, targets, tau, vocab_size, w_logp, w_ent)
+    ref_logp, ref_ent, ref_grad = logits_reference(logits, targets, tau, vocab_size, w_logp, w_ent)
 
     stats = []
     for r in range(tp):
@@ -207,7 +191,7 @@ def test_rows_past_2_pow_31_elements() -> None:
     logp = logprobs_from_logits(x, targets)
     logp.sum().backward()
     rows = torch.tensor([0, 1, n_tokens // 2, n_tokens - 2, n_tokens - 1], device="cuda")
-    ref_logp, _, ref_grad = ref_all(
+    ref_logp, _, ref_grad = logits_reference(
         x.detach()[rows], targets[rows], 1.0, vocab, torch.ones(len(rows), device="cuda"), None
     )
     assert rel_err(logp[rows], ref_logp) < FWD_TOL

@@ -1,6 +1,7 @@
-"""logprobs_from_hidden on the CPU (the chunked PyTorch path) against plain PyTorch written here:
-``log_softmax(h @ W.T / T).gather``, the entropy, and autograd's gradients for the hidden states
-and the weight under random upstream gradients of both outputs."""
+"""logprobs_from_hidden on the CPU (the chunked PyTorch path) against plain fp64 PyTorch
+(`tests.logprob_reference`): ``log_softmax(h @ W.T / T).gather``, the entropy, and autograd's
+gradients for the hidden states and the weight under random upstream gradients of both
+outputs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.logprob_reference import logp_entropy_backward
 from unirl.core.errors import LossInputError
 from unirl.core.maths.logprobs_hidden import default_chunk_size, logprobs_from_hidden
 
@@ -31,14 +33,8 @@ def reference(
     logits = h @ w.T / temperature
     if vocab_size is not None:
         logits = logits[:, :vocab_size]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    loss = (w_logp.double() * logp).sum()
-    if w_ent is not None:
-        loss = loss + (w_ent.double() * entropy).sum()
-    loss.backward()
-    return {"logp": logp.detach(), "entropy": entropy.detach(), "dh": h.grad, "dw": w.grad}
+    logp, entropy = logp_entropy_backward(logits, targets, w_logp, w_ent)
+    return {"logp": logp, "entropy": entropy, "dh": h.grad, "dw": w.grad}
 
 
 def make(

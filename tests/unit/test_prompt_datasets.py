@@ -3,19 +3,16 @@ folders through the column mapping (rollout.prompt_key / answer_key / metadata_k
 messages through a chat template (built here, nothing downloaded), the system prompt, the row
 checks naming row, field and fix, and resume on a Parquet file."""
 
-import copy
 import logging
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 pytest.importorskip("pyarrow", reason="needs pyarrow (pip install unirl[datasets])")
 
-from tests.unit.test_prompts import make_cfg, write_prompts
+from tests.unit.test_prompts import assert_resumes_where_it_stopped, make_cfg, write_prompts
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.rollouts import build_rollout_source
 from unirl.rollouts.build import build_task
 from unirl.rollouts.data.hf_tokenizer import char_tokenizer_to_hf, save_hf_tokenizer
 from unirl.rollouts.data.tokenizer import CharTokenizer
@@ -29,12 +26,7 @@ TEMPLATE = (
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789+=?;<>|# "
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chat_tokenizer(folder):
@@ -192,17 +184,4 @@ def test_a_parquet_stream_resumes_where_it_stopped(tmp_path):
     rows = [{"question": f"{a}+{a}=?", "answer": f"#### {2 * a}"} for a in range(5)]
     cfg = make_cfg(gsm8k_parquet(tmp_path / "p.parquet", rows), rollout=MAPPING,
                    model=LONGER, prompts_per_rollout=3)  # fmt: skip
-    full = build_rollout_source(cfg)
-    rollouts = [full.next_rollout(k) for k in range(3)]
-    stopped = build_rollout_source(cfg)
-    stopped.next_rollout(0)
-    state = copy.deepcopy(stopped.state_dict())
-    assert state["task_state"]["prompts_drawn"] == 3
-    resumed = build_rollout_source(cfg)
-    resumed.load_state_dict(state)
-    for k in (1, 2):
-        again = resumed.next_rollout(k)
-        for a, b in zip(rollouts[k].samples, again.samples, strict=True):
-            assert a.prompt_tokens.tolist() == b.prompt_tokens.tolist()
-            assert a.response_tokens.tolist() == b.response_tokens.tolist()
-            assert a.reward == b.reward
+    assert_resumes_where_it_stopped(cfg)  # group ids included

@@ -7,10 +7,10 @@ import logging
 from collections import Counter
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
 
+from tests.tiny_models import TINY_LLAMA
 from unirl.cli import main
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
@@ -23,24 +23,10 @@ from unirl.rollouts.rewards.registry import REWARDS, NamedReward
 REWARDS_MODULE = "tests.unit.custom_rewards"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 32,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+TINY = {**TINY_LLAMA, "vocab_size": 32}
 
 
 def write_prompts(path, records):
@@ -168,9 +154,9 @@ def test_stream_goes_round_the_file_in_seeded_epochs(tmp_path):
     assert stream(seed=1) != first
 
 
-def test_sampler_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
-    records = [{"prompt": f"{a}+{a}=", "metadata": {"answer": 2 * a}} for a in range(5)]
-    cfg = make_cfg(write_prompts(tmp_path / "p.jsonl", records), prompts_per_rollout=3)
+def assert_resumes_where_it_stopped(cfg) -> None:
+    """A source of 3 prompts per rollout stopped after rollout 0 and resumed from its state
+    hands out rollouts 1 and 2 of an uninterrupted source, sample for sample."""
     full = build_rollout_source(cfg)
     rollouts = [full.next_rollout(k) for k in range(3)]
     stopped = build_rollout_source(cfg)
@@ -185,6 +171,12 @@ def test_sampler_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
             assert a.prompt_tokens.tolist() == b.prompt_tokens.tolist()
             assert a.response_tokens.tolist() == b.response_tokens.tolist()
             assert a.reward == b.reward and a.group_id == b.group_id
+
+
+def test_sampler_source_on_a_prompt_file_resumes_where_it_stopped(tmp_path):
+    records = [{"prompt": f"{a}+{a}=", "metadata": {"answer": 2 * a}} for a in range(5)]
+    cfg = make_cfg(write_prompts(tmp_path / "p.jsonl", records), prompts_per_rollout=3)
+    assert_resumes_where_it_stopped(cfg)
 
 
 class _EchoEngine:

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from tests.tiny_models import TINY_LLAMA
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.weight_stream import as_buckets
@@ -21,25 +22,10 @@ from unirl.rollouts import (
 )
 from unirl.rollouts.data.tokenizer import CharTokenizer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls gain nothing from threads, and on a shared CPU they wait on each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+TINY = dict(TINY_LLAMA)
 
 
 def make_cfg(rollout=None, model=None, prompts=3, samples=4, seed=3):

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+from tests.tiny_models import TINY_BATCH  # noqa: E402
 from tests.unit.replay_fixtures import MOE_HF  # noqa: E402
 from unirl.core.config.model_shape import moe_shape  # noqa: E402
 from unirl.core.config.run_config import config_from_dict  # noqa: E402
@@ -72,12 +73,7 @@ def _cfg(**rollout) -> dict:
     return {
         "backend": "deepspeed",
         "model": {"hf_config": {**MOE_HF, "vocab_size": 16}, "init_seed": 1, "max_seq_len": 32},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "parallel": {"world_size": 1},
         "algorithm": {"routing_replay": "rollout"},
         "rollout": {"max_new_tokens": 8, **rollout},

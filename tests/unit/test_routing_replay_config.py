@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.tiny_models import TINY_BATCH
 from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
 from unirl.core.backend_plugin import BACKENDS
 from unirl.core.config.model_shape import moe_shape
@@ -26,12 +27,7 @@ def cfg_dict(mode: str = "record", hf: dict | None = None, **top) -> dict:
     return {
         "backend": REPLAY_BACKEND,
         "model": {"hf_config": dict(MOE_HF if hf is None else hf)},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
+        "batch": dict(TINY_BATCH),
         "parallel": {"world_size": 1},
         "algorithm": {"routing_replay": mode},
         **top,

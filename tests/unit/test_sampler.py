@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.tiny_models import tiny_llama
 from unirl.core.errors import ConfigError
 from unirl.rollouts.sampler import Sampler, top_p_filter
 
@@ -11,29 +12,12 @@ EOS = 2
 VOCAB = 14
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls gain nothing from threads, and on a shared CPU they wait on each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed: int, *, tie: bool = False) -> torch.nn.Module:
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
+    """The tiny Llama with this file's vocabulary (also test_stops.py's model)."""
+    return tiny_llama(VOCAB, seed, tie=tie)
 
 
 # Prompts of three lengths, as the tasks make them: <bos> digits <sep>.

@@ -37,19 +37,9 @@ def toys_registered():
 
 
 def config_data(tmp_path, **rollout) -> dict:
-    return {
-        "backend": "toy",
-        "toy": {"hidden_size": 8},
-        "model": {"hf_config": {"vocab_size": VOCAB}, "init_seed": 3, "max_seq_len": 16},
-        "optimizer": {"lr": 0.1, "grad_clip": None},
-        "batch": {
-            "prompts_per_rollout": 2,
-            "samples_per_prompt": 2,
-            "samples_per_optimizer_step": 4,
-            "micro_batch_size": 2,
-        },
-        "parallel": {"world_size": 1},
-        "rollout": {
+    return toy_backend.config_data(
+        VOCAB,
+        rollout={
             "source": "toy",
             "toy": {"response_length": 4, "lag": 1},
             "task": "reverse_digits",
@@ -57,11 +47,10 @@ def config_data(tmp_path, **rollout) -> dict:
             "max_new_tokens": 5,
             **rollout,
         },
-        "train": {"rl_steps": 3},
-        "progress": {"enabled": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False},
-        "checkpoint": {"export_hf": False},
-    }
+        train={"rl_steps": 3},
+        logging={"run_dir": str(tmp_path / "run"), "tensorboard": False},
+        checkpoint={"export_hf": False},
+    )
 
 
 def write(tmp_path, data) -> str:

@@ -30,6 +30,33 @@ def _run_train_in_subprocess(args: list[str], cwd: Path) -> subprocess.Completed
     )  # fmt: skip
 
 
+def run_full_and_resumed(base: list[str], tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """The metrics rows of ``base`` run for 4 RL steps uninterrupted (run dir ``full``) and cut
+    (``cut``): stopped after step 2 (a checkpoint), then resumed in the same run dir to step 4."""
+    full = _run_train_in_subprocess(
+        [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
+        tmp_path,
+    )
+    assert full.returncode == 0, full.stderr[-3000:]
+    cut = [*base, "--set", f"logging.run_dir={tmp_path / 'cut'}", "--set", "checkpoint.every=2"]
+    first = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=4", "--resume"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    return read_metrics(tmp_path / "full" / "metrics.jsonl"), read_metrics(
+        tmp_path / "cut" / "metrics.jsonl"
+    )
+
+
+def assert_same_export(tmp_path: Path, folder: str) -> dict[str, torch.Tensor]:
+    """The ``full`` and ``cut`` runs of `run_full_and_resumed` exported bit-identical weights
+    (the full run's, returned)."""
+    wa = load_file(str(tmp_path / "full" / folder / "model.safetensors"))
+    wb = load_file(str(tmp_path / "cut" / folder / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), folder
+    return wa
+
+
 def test_tiny_run_learns_and_writes_outputs(tmp_path):
     steps = 40
     proc = _run_train_in_subprocess(
@@ -79,28 +106,15 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path):
 
 
 def test_resume_equals_uninterrupted(tmp_path):
+    # stop after step 2 (a checkpoint), then resume the same run dir to step 4
     base = [str(EXAMPLES / "tiny_grpo.yaml"), "--set", "logging.tensorboard=false",
             "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=32"]  # fmt: skip
-    full = _run_train_in_subprocess(
-        [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
-        tmp_path,
-    )
-    assert full.returncode == 0, full.stderr[-3000:]
-    # stop after step 2 (a checkpoint), then resume the same run dir to step 4
-    cut = [*base, "--set", f"logging.run_dir={tmp_path / 'cut'}", "--set", "checkpoint.every=2"]
-    first = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=2"], tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=4", "--resume"], tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    a, b = run_full_and_resumed(base, tmp_path)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for key in ("reward/mean", "loss", "grad_norm", "entropy", "ppo_kl"):
             assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
-    wa = load_file(str(tmp_path / "full" / "hf" / "model.safetensors"))
-    wb = load_file(str(tmp_path / "cut" / "hf" / "model.safetensors"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_export(tmp_path, "hf")
 
 
 def test_train_on_rollout_file(tmp_path):
@@ -146,18 +160,7 @@ def test_ppo_critic_resume_equals_uninterrupted_and_exports_the_critic(tmp_path)
     base = [str(EXAMPLES / "tiny_ppo.yaml"), "--set", "logging.tensorboard=false",
             "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=16",
             "--set", "batch.micro_batch_size=8", "--set", "critic.warmup_steps=1"]  # fmt: skip
-    full = _run_train_in_subprocess(
-        [*base, "--set", f"logging.run_dir={tmp_path / 'full'}", "--set", "train.rl_steps=4"],
-        tmp_path,
-    )
-    assert full.returncode == 0, full.stderr[-3000:]
-    cut = [*base, "--set", f"logging.run_dir={tmp_path / 'cut'}", "--set", "checkpoint.every=2"]
-    first = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=2"], tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _run_train_in_subprocess([*cut, "--set", "train.rl_steps=4", "--resume"], tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    a = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    b = read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    a, b = run_full_and_resumed(base, tmp_path)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a[0]["critic/warmup"] == 1.0 and "loss" not in a[0]  # step 1: the critic alone
     assert a[1]["critic/warmup"] == 0.0 and "loss" in a[1]
@@ -167,10 +170,8 @@ def test_ppo_critic_resume_equals_uninterrupted_and_exports_the_critic(tmp_path)
             assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
         if "loss" in ra:
             assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"]
-    for folder in ("hf", "hf_critic"):
-        wa = load_file(str(tmp_path / "full" / folder / "model.safetensors"))
-        wb = load_file(str(tmp_path / "cut" / folder / "model.safetensors"))
-        assert all(torch.equal(wa[k], wb[k]) for k in wa), folder
+    assert_same_export(tmp_path, "hf")
+    critic = assert_same_export(tmp_path, "hf_critic")
     config = json.loads((tmp_path / "full" / "hf_critic" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForTokenClassification"]
-    assert wa["score.weight"].shape == (1, 128)
+    assert critic["score.weight"].shape == (1, 128)
