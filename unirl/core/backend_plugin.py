@@ -28,23 +28,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+# ``cfg`` is the run config by its typed view: the config reads this registry while it is built
+# (the backend's options class, its rules, whether it has a critic), so `UnirlConfig` is not
+# imported here (`unirl.core.config_view`).
+from unirl.core.config_view import RunConfigView
 from unirl.core.errors import ConfigError
 from unirl.core.registry import Registry
 
 if TYPE_CHECKING:
     from unirl.core.backend import TrainingBackend
 
-# The run config, a `unirl.core.config.run_config.UnirlConfig`. Not imported, not even for type
-# checking: the config reads this registry when it is built (the backend's options class, its
-# rules, whether it has a critic), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
-RunConfig = Any
-
 
 class BackendBuilder(Protocol):
     """A backend's constructor: every backend is built with exactly these arguments."""
 
     def __call__(
-        self, cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+        self, cfg: RunConfigView, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> TrainingBackend: ...
 
 
@@ -56,7 +55,7 @@ class LazyBuilder:
     target: str
 
     def __call__(
-        self, cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+        self, cfg: RunConfigView, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> TrainingBackend:
         module_name, _, name = self.target.partition(":")
         backend_class = getattr(importlib.import_module(module_name), name)
@@ -124,7 +123,7 @@ class ContractLayout:
         return self.world_size // (p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1))
 
 
-def _no_rules(cfg: RunConfig) -> None:
+def _no_rules(cfg: RunConfigView) -> None:
     """A backend without rules of its own."""
 
 
@@ -135,7 +134,7 @@ class BackendPlugin:
     name: str
     options: type
     build: BackendBuilder
-    check: Callable[[RunConfig], None] = _no_rules
+    check: Callable[[RunConfigView], None] = _no_rules
     requires: tuple[str, ...] = ()
     install_hint: str = ""
     layouts: tuple[ContractLayout, ...] = ()
@@ -160,7 +159,7 @@ BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")
 
 
 def build_backend(
-    cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    cfg: RunConfigView, *, total_optimizer_steps: int, needs_reference: bool = False
 ) -> TrainingBackend:
     """Build the backend ``cfg.backend`` names; a missing engine package is a `ConfigError` that
     says how to install it."""
