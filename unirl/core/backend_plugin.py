@@ -11,7 +11,9 @@ it, so adding a backend edits no file under ``unirl/core``:
   it imports the engine lazily (`LazyBuilder`), so registering needs no engine installed;
 - ``requires`` / ``install_hint``: the engine packages it imports, and how to install them;
 - ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on;
-- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy;
+- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy; the
+  critic's contract then runs on its layouts marked ``critic`` (on its first dense layout if it
+  marks none: a critic-capable backend never gets no critic case);
 - ``supports_routing_replay``: whether its forwards record and replay MoE routing
   (``algorithm.routing_replay``, `unirl.core.config.routing_replay`);
   ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features.
@@ -71,7 +73,9 @@ class ContractLayout:
     process count), keys of the backend's own section (e.g. ``attention: padded``) and keys of the
     ``model`` section (e.g. ``fused_head: true``), and which of the suite's fixture models it
     runs: ``dense`` (a tiny Llama) or ``moe`` (a tiny Qwen3-MoE: expert-parallel layouts need
-    experts to split)."""
+    experts to split). ``critic``: the CPU suite (CI) also runs PPO's critic contract on it (a
+    backend with ``supports_critic``; a few layouts keep CI's added time small, the GPU runners
+    run every layout)."""
 
     name: str
     world_size: int
@@ -79,6 +83,7 @@ class ContractLayout:
     options: tuple[tuple[str, Any], ...] = ()
     model: tuple[tuple[str, Any], ...] = ()
     fixture: str = attrs.field(default="dense", validator=attrs.validators.in_(("dense", "moe")))
+    critic: bool = False
 
     @classmethod
     def of(
@@ -88,6 +93,7 @@ class ContractLayout:
         options: Mapping[str, Any] | None = None,
         model: Mapping[str, Any] | None = None,
         fixture: str = "dense",
+        critic: bool = False,
         **parallel: Any,
     ) -> ContractLayout:
         return cls(
@@ -97,6 +103,7 @@ class ContractLayout:
             options=tuple(sorted((options or {}).items())),
             model=tuple(sorted((model or {}).items())),
             fixture=fixture,
+            critic=critic,
         )
 
     def with_model(self, suffix: str, **model: Any) -> ContractLayout:
