@@ -354,7 +354,7 @@ def validate_hidden_inputs(
     )
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class HiddenInputs:
     """The checked inputs of a head pass (`prepare_hidden_inputs`): the tensors (contiguous for
     the Triton kernels), this rank's vocabulary shard and the kernels to use."""
