@@ -13,18 +13,16 @@ and the engines' own chatter only when ``logging.level: DEBUG`` asks for it.
   switched off, and a source's engine processes are told the same through the environment
   variable its plug-in names (`SourcePlugin.log_level_env`, e.g. ``VLLM_LOGGING_LEVEL``; unless
   the user set it). At DEBUG everything passes.
-- `engine_prints` wraps engine calls that ``print`` (DeepSpeed's op build): below DEBUG their
-  output becomes DEBUG records of ``unirl.engines`` instead of terminal lines.
+- The ``unirl.engines`` logger gets what engines ``print`` while a backend drives them
+  (`unirl.backends.engine_output.engine_prints`, DeepSpeed's op build): DEBUG records, shown at
+  DEBUG only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
 import sys
-from collections.abc import Iterator
 
 from tqdm import tqdm
 
@@ -121,21 +119,3 @@ def apply_log_level(level: str) -> None:
         hf_logging.enable_progress_bar()
     else:
         hf_logging.disable_progress_bar()
-
-
-@contextlib.contextmanager
-def engine_prints() -> Iterator[None]:
-    """Below DEBUG, what an engine ``print``s inside becomes DEBUG records of ``unirl.engines``
-    (Python-level prints only; at DEBUG it goes to stdout as usual)."""
-    logger = logging.getLogger("unirl.engines")
-    if logger.isEnabledFor(logging.DEBUG):
-        yield
-        return
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(captured):
-            yield
-    finally:
-        for line in captured.getvalue().splitlines():
-            if line.strip():
-                logger.debug("%s", line)

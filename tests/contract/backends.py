@@ -35,6 +35,17 @@ def skip_reason(
     return None
 
 
+def critic_layouts(entry: BackendPlugin) -> tuple[ContractLayout, ...]:
+    """The layouts the CPU suite runs PPO's critic contract on, from the plug-in's declared
+    capability: none without ``supports_critic``; else the dense layouts it marks ``critic``, or
+    its first dense layout when it marks none (a new critic-capable backend gets a case without
+    an edit here). The first is the baseline of the critic's layout comparison."""
+    if not entry.supports_critic:
+        return ()
+    dense = [layout for layout in entry.layouts if layout.fixture == "dense"]
+    return tuple(layout for layout in dense if layout.critic) or tuple(dense[:1])
+
+
 FusedHeadMode = Literal["declared", "on", "off"]
 FUSED_HEAD_MODES = ("declared", "on", "off")
 

@@ -196,15 +196,11 @@ def run_critic_job(rank: int, world_size: int, job: CriticJob) -> dict[str, Any]
 
 CRITIC_GROUP_TIMEOUT_S = 480.0
 
-# The layouts CI runs, to keep its added time near a minute and a half (the first of each backend
-# is the baseline of the layout comparison); every other layout passed once by hand and runs in
-# the GPU runners. Each is also a contract layout: when both suites run, one group of processes
-# runs both jobs (`contract_then_critic`), so the critic adds no process start-up of its own.
-CPU_LAYOUTS = {
-    "deepspeed": ("zero0-dp1", "zero3-dp2"),
-    "megatron": ("tp2", "pp2-vpp2"),
-    "fsdp2": ("sp2",),
-}
+# The layouts CI runs are those each plug-in marks ``critic`` (`tests.contract.backends.
+# critic_layouts`), to keep its added time near a minute and a half; every other layout passed
+# once by hand and runs in the GPU runners. Each is also a contract layout: when both suites run,
+# one group of processes runs both jobs (`contract_then_critic`), so the critic adds no process
+# start-up of its own.
 
 
 def critic_job(

@@ -1,8 +1,9 @@
 """The critic's contract (`tests/contract/critic.py`): PPO's value model on every backend that
 builds one, against the independent fp32 reference, with the GPU tolerances (1e-5).
 
-On the CPU (CI) a few layouts per backend keep the added time near a minute; the GPU runners
-(`benchmarks/contract_table.py`, `benchmarks/megatron_contract.py`) run every layout.
+On the CPU (CI) the layouts each critic-capable plug-in marks ``critic`` keep the added time
+near a minute (`critic_layouts`: never none); the GPU runners (`benchmarks/contract_table.py`,
+`benchmarks/megatron_contract.py`) run every layout.
 
     python -m pytest tests/contract/test_critic.py -q
 """
@@ -12,24 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 
 from tests.contract import clauses, critic
-from tests.contract.backends import REGISTRY, skip_reason
+from tests.contract.backends import REGISTRY, critic_layouts, skip_reason
 
 TOL = clauses.TOLERANCES["fp32"]
-
-CPU_LAYOUTS = critic.CPU_LAYOUTS  # the layouts CI runs (why: there)
 
 
 def _cases(keep: Callable[[Any, Any], bool] = lambda entry, layout: True) -> list:
     """The CPU layouts of every backend that builds a critic, those ``keep`` selects."""
     params = []
     for entry in REGISTRY.values():
-        if not entry.supports_critic:
-            continue
-        for layout in entry.layouts:
-            if layout.name not in CPU_LAYOUTS.get(entry.name, ()) or not keep(entry, layout):
+        for layout in critic_layouts(entry):
+            if not keep(entry, layout):
                 continue
             reason = skip_reason(entry, layout, device="cpu", devices_available=0)
             marks = [pytest.mark.skip(reason=reason)] if reason else []
@@ -37,6 +35,28 @@ def _cases(keep: Callable[[Any, Any], bool] = lambda entry, layout: True) -> lis
                 pytest.param((entry, layout), id=f"{entry.name}-{layout.name}", marks=marks)
             )
     return params
+
+
+def test_every_critic_capable_backend_gets_cases():
+    """The cases come from the plug-ins' declared capability, not from a list of names: every
+    registered backend with ``supports_critic`` has some, one without has none, only dense
+    layouts of a capable backend are marked ``critic``, and a capable backend that marks none
+    (a new one) still gets its first dense layout."""
+    with_cases = {param.values[0][0].name for param in _cases()}
+    assert with_cases == {e.name for e in REGISTRY.values() if e.supports_critic}
+    wrongly_marked = [
+        f"{entry.name}/{layout.name}"
+        for entry in REGISTRY.values()
+        for layout in entry.layouts
+        if layout.critic and not (entry.supports_critic and layout.fixture == "dense")
+    ]
+    assert wrongly_marked == []
+    capable = next(e for e in REGISTRY.values() if e.supports_critic)
+    unmarked = tuple(attrs.evolve(layout, critic=False) for layout in capable.layouts)
+    new = attrs.evolve(capable, name="new-backend", layouts=unmarked)
+    first_dense = next(layout for layout in unmarked if layout.fixture == "dense")
+    assert critic_layouts(new) == (first_dense,)
+    assert critic_layouts(attrs.evolve(new, supports_critic=False)) == ()
 
 
 class CriticRuns:
@@ -123,8 +143,8 @@ def test_critic_c4_microbatch_split(group):
 
 
 def _baseline(entry: Any) -> Any:
-    """The backend's first CPU critic layout: the one its other layouts equal."""
-    return next(lay for lay in entry.layouts if lay.name == CPU_LAYOUTS[entry.name][0])
+    """The backend's first critic layout: the one its other layouts equal."""
+    return critic_layouts(entry)[0]
 
 
 @pytest.mark.parametrize(

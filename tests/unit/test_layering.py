@@ -1,13 +1,16 @@
 """The architecture's promises, checked: core never imports a backend, a rollout source or an
-engine; neither core nor the CLI and logging set-up branch on a backend's or a source's name; and
-`import unirl` (and `unirl check`) work with neither engine installed, and `import unirl` imports
-no torch (the CLI sets OpenMP's environment before torch loads)."""
+engine; no backend folder imports another (but the Hugging Face engines' shared ``hf/``) and no
+backend imports the app layer; neither core nor the CLI and logging set-up branch on a backend's
+or a source's name; and `import unirl` (and `unirl check`) work with neither engine installed, and
+`import unirl` imports no torch (the CLI sets OpenMP's environment before torch loads)."""
 
 import ast
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.unit.test_import_cycles import import_graph
 
 CORE = Path(__file__).parents[2] / "unirl" / "core"
 UNIRL = CORE.parent
@@ -33,6 +36,88 @@ def test_core_imports_no_backend_or_engine():
         if name.split(".")[0] in ENGINES or name.startswith(("unirl.backends", "unirl.rollouts"))
     ]
     assert offenders == []
+
+
+# The backend folders that may import another one: ``hf/`` is the Hugging Face engines' shared
+# plumbing (loop, models, critic), used by deepspeed/ and fsdp2/. Megatron builds its own
+# models and imports no other folder; what every backend shares sits beside the folders
+# (``unirl/backends/*.py``), open to all.
+MAY_IMPORT = {"deepspeed": {"hf"}, "fsdp2": {"hf"}}
+# The application around the library: what a backend must not reach up into.
+APP_LAYER = ("log_setup", "cli", "train", "convert", "plot")
+
+
+def _folder(module: str, package: str, folders: set[str]) -> str | None:
+    """The backend folder of ``package`` that ``module`` belongs to, or None."""
+    head = module[len(package) + 1 :].split(".")[0] if module.startswith(package + ".") else None
+    return head if head in folders else None
+
+
+def folder_crossings(
+    graph: dict[str, set[str]], package: str, may_import: dict[str, set[str]]
+) -> list[str]:
+    """Imports from one folder of ``package`` into another that ``may_import`` does not allow
+    (every import counts: top-level, function-local, TYPE_CHECKING; `import_graph`)."""
+    folders = {
+        module[len(package) + 1 :].split(".")[0]
+        for module in graph
+        if module.startswith(package + ".") and module.count(".") > package.count(".") + 1
+    }
+    found = []
+    for module, imported in sorted(graph.items()):
+        source = _folder(module, package, folders)
+        for target in sorted(filter(None, (_folder(m, package, folders) for m in imported))):
+            if source is not None and target not in {source, *may_import.get(source, ())}:
+                found.append(f"{module} imports {package}.{target}")
+    return sorted(set(found))
+
+
+def app_imports(graph: dict[str, set[str]], package: str, app: list[str]) -> list[str]:
+    """Imports of an app-layer module (or one under it) from anywhere in ``package``."""
+    return [
+        f"{module} imports {target}"
+        for module, imported in sorted(graph.items())
+        if module == package or module.startswith(package + ".")
+        for target in sorted(imported)
+        if any(target == a or target.startswith(a + ".") for a in app)
+    ]
+
+
+def test_no_backend_folder_imports_another():
+    assert folder_crossings(import_graph(), "unirl.backends", MAY_IMPORT) == []
+
+
+def test_no_backend_imports_the_app_layer():
+    app = [f"unirl.{name}" for name in APP_LAYER]
+    assert app_imports(import_graph(), "unirl.backends", app) == []
+
+
+def test_the_backend_guards_see_a_crossing(tmp_path):
+    """Both guards against a small package: a folder importing another (lazily), an allowed
+    import of the shared folder, a shared module beside the folders, and the app layer."""
+    root = tmp_path / "pkg"
+    for folder in ("backends/a", "backends/b", "backends/hf"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "backends" / "__init__.py").write_text("")
+    (root / "backends" / "shared.py").write_text("")
+    (root / "log_setup.py").write_text("")
+    (root / "backends" / "a" / "x.py").write_text(
+        "from pkg.backends import shared\nfrom pkg.backends.hf import y\n"
+        "def f():\n    from pkg.backends.b import z\n"
+    )
+    (root / "backends" / "hf" / "y.py").write_text("")
+    (root / "backends" / "b" / "z.py").write_text("from pkg.backends.hf import y\n")
+    (root / "backends" / "shared.py").write_text("import pkg.log_setup\n")
+    graph = import_graph(root)
+    assert folder_crossings(graph, "pkg.backends", {"a": {"hf"}}) == [
+        "pkg.backends.a.x imports pkg.backends.b",
+        "pkg.backends.b.z imports pkg.backends.hf",
+    ]
+    assert app_imports(graph, "pkg.backends", ["pkg.log_setup"]) == [
+        "pkg.backends.shared imports pkg.log_setup"
+    ]
 
 
 def test_core_has_no_per_backend_branch():

@@ -16,7 +16,8 @@ import pytest
 from tqdm import tqdm
 
 from unirl import log_setup
-from unirl.log_setup import TqdmHandler, apply_log_level, engine_loggers, engine_prints
+from unirl.backends.engine_output import engine_prints
+from unirl.log_setup import TqdmHandler, apply_log_level, engine_loggers
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_grpo.yaml"

@@ -11,7 +11,9 @@ it, so adding a backend edits no file under ``unirl/core``:
   it imports the engine lazily (`LazyBuilder`), so registering needs no engine installed;
 - ``requires`` / ``install_hint``: the engine packages it imports, and how to install them;
 - ``layouts`` / ``needs_cuda``: the parallel layouts the contract suite runs it on;
-- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy;
+- ``supports_critic``: whether it builds PPO's value model (``critic:``) beside the policy; the
+  critic's contract then runs on its layouts marked ``critic`` (on its first dense layout if it
+  marks none: a critic-capable backend never gets no critic case);
 - ``supports_routing_replay``: whether its forwards record and replay MoE routing
   (``algorithm.routing_replay``, `unirl.core.config.routing_replay`);
   ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features.
@@ -28,23 +30,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+# ``cfg`` is the run config by its typed view: the config reads this registry while it is built
+# (the backend's options class, its rules, whether it has a critic), so `UnirlConfig` is not
+# imported here (`unirl.core.config_view`).
+from unirl.core.config_view import RunConfigView
 from unirl.core.errors import ConfigError
 from unirl.core.registry import Registry
 
 if TYPE_CHECKING:
     from unirl.core.backend import TrainingBackend
 
-# The run config, a `unirl.core.config.run_config.UnirlConfig`. Not imported, not even for type
-# checking: the config reads this registry when it is built (the backend's options class, its
-# rules, whether it has a critic), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
-RunConfig = Any
-
 
 class BackendBuilder(Protocol):
     """A backend's constructor: every backend is built with exactly these arguments."""
 
     def __call__(
-        self, cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+        self, cfg: RunConfigView, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> TrainingBackend: ...
 
 
@@ -56,7 +57,7 @@ class LazyBuilder:
     target: str
 
     def __call__(
-        self, cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+        self, cfg: RunConfigView, *, total_optimizer_steps: int, needs_reference: bool = False
     ) -> TrainingBackend:
         module_name, _, name = self.target.partition(":")
         backend_class = getattr(importlib.import_module(module_name), name)
@@ -72,7 +73,9 @@ class ContractLayout:
     process count), keys of the backend's own section (e.g. ``attention: padded``) and keys of the
     ``model`` section (e.g. ``fused_head: true``), and which of the suite's fixture models it
     runs: ``dense`` (a tiny Llama) or ``moe`` (a tiny Qwen3-MoE: expert-parallel layouts need
-    experts to split)."""
+    experts to split). ``critic``: the CPU suite (CI) also runs PPO's critic contract on it (a
+    backend with ``supports_critic``; a few layouts keep CI's added time small, the GPU runners
+    run every layout)."""
 
     name: str
     world_size: int
@@ -80,6 +83,7 @@ class ContractLayout:
     options: tuple[tuple[str, Any], ...] = ()
     model: tuple[tuple[str, Any], ...] = ()
     fixture: str = attrs.field(default="dense", validator=attrs.validators.in_(("dense", "moe")))
+    critic: bool = False
 
     @classmethod
     def of(
@@ -89,6 +93,7 @@ class ContractLayout:
         options: Mapping[str, Any] | None = None,
         model: Mapping[str, Any] | None = None,
         fixture: str = "dense",
+        critic: bool = False,
         **parallel: Any,
     ) -> ContractLayout:
         return cls(
@@ -98,6 +103,7 @@ class ContractLayout:
             options=tuple(sorted((options or {}).items())),
             model=tuple(sorted((model or {}).items())),
             fixture=fixture,
+            critic=critic,
         )
 
     def with_model(self, suffix: str, **model: Any) -> ContractLayout:
@@ -124,7 +130,7 @@ class ContractLayout:
         return self.world_size // (p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1))
 
 
-def _no_rules(cfg: RunConfig) -> None:
+def _no_rules(cfg: RunConfigView) -> None:
     """A backend without rules of its own."""
 
 
@@ -135,7 +141,7 @@ class BackendPlugin:
     name: str
     options: type
     build: BackendBuilder
-    check: Callable[[RunConfig], None] = _no_rules
+    check: Callable[[RunConfigView], None] = _no_rules
     requires: tuple[str, ...] = ()
     install_hint: str = ""
     layouts: tuple[ContractLayout, ...] = ()
@@ -160,7 +166,7 @@ BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")
 
 
 def build_backend(
-    cfg: RunConfig, *, total_optimizer_steps: int, needs_reference: bool = False
+    cfg: RunConfigView, *, total_optimizer_steps: int, needs_reference: bool = False
 ) -> TrainingBackend:
     """Build the backend ``cfg.backend`` names; a missing engine package is a `ConfigError` that
     says how to install it."""

@@ -37,13 +37,13 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
+# ``cfg`` is the run config by its typed view: the config reads this registry while it is built
+# (the source's options class, its rules), so `UnirlConfig` is not imported here
+# (`unirl.core.config_view`).
+from unirl.core.config_view import RunConfigView
 from unirl.core.errors import ConfigError
 from unirl.core.registry import Registry
 
-# The run config, a `unirl.core.config.run_config.UnirlConfig`. Not imported, not even for type
-# checking: the config reads this registry when it is built (the source's options class, its
-# rules), and unirl/ has no import circle (tests/unit/test_import_cycles.py).
-RunConfig = Any
 WeightReceivers = Literal["rank0", "every_rank", "none"]
 
 
@@ -52,7 +52,7 @@ class SourceBuilder(Protocol):
     what an in-process generator may start from; a source that does not need them ignores them.
     Returns a `unirl.rollouts.source.RolloutSource` (core does not name that type)."""
 
-    def __call__(self, cfg: RunConfig, *, hf_model: Any = None, device: Any = None) -> Any: ...
+    def __call__(self, cfg: RunConfigView, *, hf_model: Any = None, device: Any = None) -> Any: ...
 
 
 @attrs.frozen
@@ -62,17 +62,17 @@ class LazySourceBuilder:
 
     target: str
 
-    def __call__(self, cfg: RunConfig, *, hf_model: Any = None, device: Any = None) -> Any:
+    def __call__(self, cfg: RunConfigView, *, hf_model: Any = None, device: Any = None) -> Any:
         module_name, _, name = self.target.partition(":")
         build = getattr(importlib.import_module(module_name), name)
         return build(cfg, hf_model=hf_model, device=device)
 
 
-def _no_rules(cfg: RunConfig) -> None:
+def _no_rules(cfg: RunConfigView) -> None:
     """A source without rules of its own."""
 
 
-def _no_description(cfg: RunConfig) -> Mapping[str, Any]:
+def _no_description(cfg: RunConfigView) -> Mapping[str, Any]:
     return {}
 
 
@@ -84,14 +84,14 @@ class SourcePlugin:
     name: str
     build: SourceBuilder
     options: type | None = None
-    check: Callable[[RunConfig], None] = _no_rules
-    describe: Callable[[RunConfig], Mapping[str, Any]] = _no_description
+    check: Callable[[RunConfigView], None] = _no_rules
+    describe: Callable[[RunConfigView], Mapping[str, Any]] = _no_description
     generates: bool = True
     requires: tuple[str, ...] = ()
     install_hint: str = ""
     loggers: tuple[str, ...] = ()
     log_level_env: str | None = None
-    weights: WeightReceivers | Callable[[RunConfig], WeightReceivers] = "rank0"
+    weights: WeightReceivers | Callable[[RunConfigView], WeightReceivers] = "rank0"
     # Under rollout.top_p < 1: "truncated", the renormalised distribution it sampled from (a
     # serving engine); "untruncated", the full softmax (the built-in sampler); None: not known.
     top_p_logprobs: Literal["truncated", "untruncated"] | None = None
@@ -102,13 +102,13 @@ class SourcePlugin:
 SOURCES: Registry[SourcePlugin] = Registry("rollout source", key="rollout.source")
 
 
-def weight_receivers(cfg: RunConfig) -> WeightReceivers:
+def weight_receivers(cfg: RunConfigView) -> WeightReceivers:
     """Who receives the weights of ``cfg``'s rollout source (``SourcePlugin.weights``)."""
     weights = SOURCES.get(cfg.rollout.source).weights
     return weights(cfg) if callable(weights) else weights
 
 
-def build_source(cfg: RunConfig, *, hf_model: Any = None, device: Any = None) -> Any:
+def build_source(cfg: RunConfigView, *, hf_model: Any = None, device: Any = None) -> Any:
     """Build the source ``cfg.rollout.source`` names; a missing package it requires is a
     `ConfigError` that says how to install it."""
     plugin = SOURCES.get(cfg.rollout.source)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from unirl.core.backend import TrainingBackend
+from unirl.core.config.run_config import UnirlConfig
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.source_plugin import weight_receivers
 from unirl.core.weight_stream import (
@@ -27,13 +28,11 @@ from unirl.core.weight_stream import (
     WeightBuckets,
 )
 
-RunConfig = Any  # `unirl.core.config.run_config.UnirlConfig`
-
 
 class WeightSync:
     """See the module docstring. ``source``: a `unirl.rollouts.source.RolloutSource`."""
 
-    def __init__(self, cfg: RunConfig, backend: TrainingBackend, source: Any) -> None:
+    def __init__(self, cfg: UnirlConfig, backend: TrainingBackend, source: Any) -> None:
         self.backend = backend
         self.source = source
         self.receiver = weight_receivers(cfg)

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from unirl.backends.engine_output import engine_prints
 from unirl.backends.process_group import ProcessGroupSetup, init_process_group
 from unirl.core.config.run_config import ParallelConfig
-from unirl.log_setup import engine_prints
 
 logger = logging.getLogger(__name__)
 

@@ -130,7 +130,7 @@ PLUGIN = BackendPlugin(
     layouts=(
         ContractLayout.of("full-dp1", 1),
         ContractLayout.of("full-dp2", 2),
-        ContractLayout.of("sp2", 2, options={"sp": 2}),
+        ContractLayout.of("sp2", 2, options={"sp": 2}, critic=True),
         ContractLayout.of("full-dp1-fused", 1, model={"fused_head": True}),
         # the tiny Qwen3-MoE through transformers' own Qwen3MoeForCausalLM (no expert parallel)
         ContractLayout.of("moe-full-dp2", 2, fixture="moe"),

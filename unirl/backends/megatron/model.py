@@ -552,49 +552,18 @@ def build_gpt_model(
     """
     check_experts_option(hf_config, experts_module)
     overrides = dict(config_overrides or {})
-    if model_device().type == "cuda" and "gradient_accumulation_fusion" not in overrides:
-        # weight gradients added straight into DDP's fp32 main_grad (wgrad_fusion's docstring);
-        # a frozen model's weights need no gradient, so the flag changes nothing there
-        overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
     if model_device().type == "cuda":
-        multi_tensor.install()  # the gradient norm without a host sync per gradient
-        # Triton packed RoPE, SwiGLU backward and RMSNorm, the bias in the matmul epilogue (off
-        # with TE, or where the install probe fails)
-        dims = attention_dims(hf_config)
-        tp = max(1, parallel.tp)
-        heads = {dims["num_heads"] // tp, max(1, dims["num_query_groups"] // tp)}
-        # the RoPE kernel takes bf16 / fp32 (an fp16 model's calls go to megatron's function)
-        probed = dtype if dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-        norms = {hf_config.hidden_size} | (
-            {dims["head_dim"]} if hf_config.model_type in QK_NORM_MODEL_TYPES else set()
-        )
-        gpu_fusions.install(
-            gpu_fusions.ProbeShape(
-                dims["head_dim"], tuple(sorted(heads)), probed, tuple(sorted(norms))
-            )
-        )
+        _install_gpu_fusions(hf_config, parallel, dtype, overrides)
     config = transformer_config(hf_config, parallel, dtype=dtype, **overrides)
     rope = rope_settings(hf_config)
-    if is_moe(hf_config):
-        te_compat.install()  # the router's gating reads a name only TE binds
-        spec: ModuleSpec | TransformerBlockSubmodules = moe_block_spec(
-            config,
-            vp_stage=vp_stage,
-            device=model_device(),
-            use_te=use_te,
-            unfused_attention=unfused_attention,
-            experts_module=experts_module,
-        )
-        # megatron's MoE block spec has torch norms wherever TE is not used
-        if config.sequence_parallel and not (use_te if use_te is not None else te_available()):
-            spec = sequence_parallel_norms(spec)
-    else:
-        spec = layer_spec(
-            use_te=use_te, unfused_attention=unfused_attention, qk_layernorm=config.qk_layernorm
-        )
-        te = not unfused_attention and (use_te if use_te is not None else te_available())
-        if config.sequence_parallel and not te:  # the local spec's torch norms, marked for it
-            spec = sequence_parallel_block(spec, config, vp_stage)
+    spec = _block_spec(
+        hf_config,
+        config,
+        vp_stage=vp_stage,
+        use_te=use_te,
+        unfused_attention=unfused_attention,
+        experts_module=experts_module,
+    )
     model = UnirlGPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -614,6 +583,65 @@ def build_gpt_model(
     model = model.to(device=model_device(), dtype=dtype)
     gpu_fusions.convert(model)  # the Triton RMSNorm, where the fusions are on
     return model
+
+
+def _install_gpu_fusions(
+    hf_config: Any, parallel: ParallelConfig, dtype: torch.dtype, overrides: dict[str, Any]
+) -> None:
+    """On CUDA: unirl's kernels for this model's shapes, probed once; sets the weight-gradient
+    fusion in ``overrides`` unless the caller chose it."""
+    if "gradient_accumulation_fusion" not in overrides:
+        # weight gradients added straight into DDP's fp32 main_grad (wgrad_fusion's docstring);
+        # a frozen model's weights need no gradient, so the flag changes nothing there
+        overrides["gradient_accumulation_fusion"] = wgrad_fusion.install()
+    multi_tensor.install()  # the gradient norm without a host sync per gradient
+    # Triton packed RoPE, SwiGLU backward and RMSNorm, the bias in the matmul epilogue (off
+    # with TE, or where the install probe fails)
+    dims = attention_dims(hf_config)
+    tp = max(1, parallel.tp)
+    heads = {dims["num_heads"] // tp, max(1, dims["num_query_groups"] // tp)}
+    # the RoPE kernel takes bf16 / fp32 (an fp16 model's calls go to megatron's function)
+    probed = dtype if dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+    norms = {hf_config.hidden_size} | (
+        {dims["head_dim"]} if hf_config.model_type in QK_NORM_MODEL_TYPES else set()
+    )
+    gpu_fusions.install(
+        gpu_fusions.ProbeShape(dims["head_dim"], tuple(sorted(heads)), probed, tuple(sorted(norms)))
+    )
+
+
+def _block_spec(
+    hf_config: Any,
+    config: TransformerConfig,
+    *,
+    vp_stage: int | None,
+    use_te: bool | None,
+    unfused_attention: bool,
+    experts_module: str,
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """The transformer block's spec: megatron's MoE block or the dense layer spec, with torch
+    norms marked for sequence parallel where TE's are not used."""
+    if is_moe(hf_config):
+        te_compat.install()  # the router's gating reads a name only TE binds
+        spec: ModuleSpec | TransformerBlockSubmodules = moe_block_spec(
+            config,
+            vp_stage=vp_stage,
+            device=model_device(),
+            use_te=use_te,
+            unfused_attention=unfused_attention,
+            experts_module=experts_module,
+        )
+        # megatron's MoE block spec has torch norms wherever TE is not used
+        if config.sequence_parallel and not (use_te if use_te is not None else te_available()):
+            spec = sequence_parallel_norms(spec)
+        return spec
+    spec = layer_spec(
+        use_te=use_te, unfused_attention=unfused_attention, qk_layernorm=config.qk_layernorm
+    )
+    te = not unfused_attention and (use_te if use_te is not None else te_available())
+    if config.sequence_parallel and not te:  # the local spec's torch norms, marked for it
+        spec = sequence_parallel_block(spec, config, vp_stage)
+    return spec
 
 
 def build_model_chunks(

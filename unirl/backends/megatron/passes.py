@@ -140,24 +140,15 @@ class MicrobatchLoop:
         if stage_router is not None:
             stages = self._stage_router_losses(model, stage_router, microbatches, len(items))
 
-        def stage_loss(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            # output: the last stage's logits, hidden states (fused head) or values
-            if item.mb is None:  # VPP padding: a zero that still reaches every parameter
-                return zero_through_graph(output), {}
-            mb = item.mb
-            mb_loss_fn = loss_fn
-            if router_logits:  # core adds the router losses from this forward's logits
-                mb_loss_fn = functools.partial(
-                    loss_fn, router_logits=microbatch_router_logits(model.chunks, item.batch)
-                )
-            loss, mb_metrics = model.head.loss(model.chunks, item, output, spec, mb_loss_fn)
-            if mb.num_tokens == 0:
-                # the backward (and the pipeline's gradient sends) run as for any microbatch
-                loss = loss + zero_through_graph(output)
-            metrics[item.index] = mb_metrics
-            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
-            return loss * scale, {}
-
+        stage_loss = self._train_stage_loss(
+            model,
+            loss_fn,
+            spec,
+            progress,
+            router_logits=router_logits,
+            scale=scale,
+            metrics=metrics,
+        )
         for ddp in model.ddp:
             ddp.train()
         model.grads_pending = True
@@ -179,16 +170,62 @@ class MicrobatchLoop:
         # logits nobody took (no router losses: a critic, megatron's recompute recording in the
         # backward) are dropped, not kept across steps
         collect_router_logits(model.chunks)
+        self._add_stage_metrics(metrics, stages, replay, len(microbatches))
+        return self._in_order(metrics, len(microbatches))
+
+    @staticmethod
+    def _train_stage_loss(
+        model: MegatronModel,
+        loss_fn: HeadLossFn,
+        spec: LogprobSpec | None,
+        progress: MicrobatchProgress,
+        *,
+        router_logits: bool,
+        scale: float,
+        metrics: dict[int, Mapping[str, Metric]],
+    ) -> _StageLoss:
+        """The last stage's loss of one training microbatch, times ``scale``; its metrics go
+        into ``metrics`` by the microbatch's index."""
+
+        def stage_loss(item: ScheduledMicrobatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            # output: the last stage's logits, hidden states (fused head) or values
+            if item.mb is None:  # VPP padding: a zero that still reaches every parameter
+                return zero_through_graph(output), {}
+            mb = item.mb
+            mb_loss_fn = loss_fn
+            if router_logits:  # core adds the router losses from this forward's logits
+                mb_loss_fn = functools.partial(
+                    loss_fn, router_logits=microbatch_router_logits(model.chunks, item.batch)
+                )
+            loss, mb_metrics = model.head.loss(model.chunks, item, output, spec, mb_loss_fn)
+            if mb.num_tokens == 0:
+                # the backward (and the pipeline's gradient sends) run as for any microbatch
+                loss = loss + zero_through_graph(output)
+            metrics[item.index] = mb_metrics
+            progress.report(loss=loss.detach(), tokens=mb.num_tokens)
+            return loss * scale, {}
+
+        return stage_loss
+
+    def _add_stage_metrics(
+        self,
+        metrics: dict[int, Mapping[str, Metric]],
+        stages: StageRouterLosses | None,
+        replay: ScheduleReplay | None,
+        num_microbatches: int,
+    ) -> None:
+        """The pipeline stages' router-loss metrics and routing replay's disagreement, added to
+        the last stage's metrics of each microbatch (every rank joins the disagreement's
+        reduction)."""
         last = self.topology.is_last_pipeline_stage()
         if stages is not None and last:
             for index, router_metrics in stages.metrics().items():
                 metrics[index] = {**metrics[index], **router_metrics}
         if replay is not None:
-            disagreement = replay.disagreement(len(microbatches), self.device)
+            disagreement = replay.disagreement(num_microbatches, self.device)
             if last:
                 for index, metric in enumerate(disagreement):
                     metrics[index] = with_disagreement(dict(metrics[index]), metric)
-        return self._in_order(metrics, len(microbatches))
 
     def _stage_router_losses(
         self,

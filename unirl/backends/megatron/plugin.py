@@ -239,13 +239,13 @@ PLUGIN = BackendPlugin(
             "fused-tp2-sp", 2, model={"fused_head": True}, tp=2, sequence_parallel=True
         ),
         ContractLayout.of("dp2", 2),
-        ContractLayout.of("tp2", 2, tp=2),
+        ContractLayout.of("tp2", 2, tp=2, critic=True),
         ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True),
         ContractLayout.of(
             "padded-tp2-sp", 2, options={"attention": "padded"}, tp=2, sequence_parallel=True
         ),
         ContractLayout.of("pp2", 2, pp=2),
-        ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2),
+        ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2, critic=True),
         ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),
         ContractLayout.of("cp2", 2, cp=2),
         ContractLayout.of("zero1-dp2", 2, zero_stage=1),

@@ -13,18 +13,24 @@ trainer's forwards compute the log-probs of the same sparse model the rollout en
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from unirl.core.backend_plugin import BACKENDS
 from unirl.core.config.model_shape import MoeShape, hf_config_fields, moe_shape
+from unirl.core.config.sections.model import ModelConfig
+from unirl.core.config_view import RunConfigView
 from unirl.core.errors import ConfigError
 
-# The run config, a `unirl.core.config.run_config.UnirlConfig`, which calls `check_routing_replay` while
-# it is built: not imported, not even for type checking (tests/unit/test_import_cycles.py).
-UnirlConfig = Any
+
+class ReplayConfig(RunConfigView, Protocol):
+    """The run config as these rules read it: `UnirlConfig`, which calls `check_routing_replay`
+    while it is built and so cannot be imported here (`unirl.core.config_view`)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
 
 
-def replay_shape(cfg: UnirlConfig) -> MoeShape | None:
+def replay_shape(cfg: ReplayConfig) -> MoeShape | None:
     """The MoE shape that rollouts' ``routed_experts`` are checked against: None when routing
     replay is off (the field is then not needed, and checked only if a sample gives it)."""
     if cfg.algorithm.routing_replay == "off":
@@ -34,7 +40,7 @@ def replay_shape(cfg: UnirlConfig) -> MoeShape | None:
     return shape
 
 
-def check_routing_replay(cfg: UnirlConfig) -> None:
+def check_routing_replay(cfg: ReplayConfig) -> None:
     mode = cfg.algorithm.routing_replay
     if mode == "off":
         return

@@ -62,11 +62,11 @@ import torch
 import torch.distributed as dist
 
 from unirl.core.errors import LossInputError
-from unirl.core.maths.logprobs import Kernel, _combine, _triton_kernels
+from unirl.core.maths.logprobs import Kernel, _combine
 from unirl.core.maths.logprobs_hidden import (
     _accumulate_mm,
     _fp32_out_mm_works,
-    validate_hidden_inputs,
+    prepare_hidden_inputs,
 )
 from unirl.core.maths.losses.metrics import Metric
 from unirl.core.maths.losses.separable import separability
@@ -80,7 +80,10 @@ TokenLoss = Callable[
     [torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, Metric]]
 ]
 
-# How the gradient matmuls overlap the rest on CUDA (`head_loss`'s ``overlap``)
+# How the gradient matmuls overlap the rest (`head_loss`'s ``overlap``), on CUDA with both gradients wanted: "none"; "dw" runs each chunk's
+# weight-gradient addmm on a side stream beside its hidden-gradient matmul (no extra memory);
+# "pipeline" runs both gradient matmuls of a chunk on the side stream while the next chunk's
+# logits are made in a second buffer (twice the chunk's memory).
 Overlap = Literal["none", "dw", "pipeline"]
 _OVERLAPS = ("none", "dw", "pipeline")
 
@@ -556,64 +559,46 @@ def head_loss(
         with_entropy: hand the entropy to the loss (else None).
         entropy_grad: when False the entropy reaches the loss detached (reported only).
         chunk_size: token rows per chunk (default `default_token_chunk`).
-        kernel: "auto" (Triton for CUDA tensors when importable, else PyTorch), "torch" or
-            "triton".
+        kernel: "auto" (Triton on CUDA tensors when importable, else PyTorch), "torch", "triton".
         dweight_fp32: on the kernels' path, sum the weight's gradient over the token chunks in
-            an fp32 accumulator (one rounding at the end) instead of in the weight's dtype (one
-            rounding per chunk); costs twice the weight's bytes (benchmarks/fused_head.py
-            --variants measures both).
-        overlap: on CUDA with both gradients wanted: "none"; "dw" runs each chunk's
-            weight-gradient addmm on a side stream beside its hidden-gradient matmul (no extra
-            memory); "pipeline" runs both gradient matmuls of a chunk on the side stream while
-            the next chunk's logits are made in a second buffer (twice the chunk's memory).
+            fp32 (one rounding at the end) instead of in the weight's dtype (one per chunk), for
+            twice the weight's bytes (benchmarks/fused_head.py --variants measures both).
+        overlap: where the gradient matmuls run on CUDA (`Overlap`).
         graph_loss: on CUDA, capture the loss's per-chunk gradient call in a CUDA graph on the
             second chunk and replay it for the others (`_ChunkLossGrads`); the loss must then be
             capturable (no host syncs, the same work for every chunk), else eager calls.
     """
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    validate_hidden_inputs(
+    inputs = prepare_hidden_inputs(
         "head_loss",
         hidden,
         weight,
         targets,
+        tp_group=tp_group,
         temperature=temperature,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
-        tp_size=tp_size,
         kernel=kernel,
     )
-    n_local = weight.shape[0]
-    vocab_start = tp_rank * n_local
-    true_vocab = vocab_size if vocab_size is not None else n_local * tp_size
-    n_valid = max(0, min(n_local, true_vocab - vocab_start))
-    kernels = None
-    if kernel == "triton" or (kernel == "auto" and hidden.is_cuda):
-        kernels = _triton_kernels()
-        if kernel == "triton" and (kernels is None or not hidden.is_cuda):
-            raise LossInputError(
-                f"head_loss: kernel='triton' needs CUDA tensors and triton installed (hidden on "
-                f"{hidden.device}, triton available: {kernels is not None}); use kernel='auto'"
-            )
     if overlap not in _OVERLAPS:
         raise LossInputError(f"head_loss: overlap={overlap!r}; valid: {', '.join(_OVERLAPS)}")
-    if kernels is not None:
-        hidden, targets = hidden.contiguous(), targets.contiguous()
-    if chunk_size is None:
-        chunk_size = default_token_chunk(n_local, hidden.device, hidden.dtype, hidden.shape[0])
+    hidden = inputs.hidden
+    default_chunk = default_token_chunk(
+        weight.shape[0], hidden.device, hidden.dtype, hidden.shape[0]
+    )
+    chunk = chunk_size if chunk_size is not None else default_chunk
     return _head_loss(
         hidden,
         weight,
-        targets,
+        inputs.targets,
         loss,
-        group=tp_group if tp_size > 1 else None,
+        group=inputs.group,
         inv_temp=1.0 / temperature,
-        vocab_start=vocab_start,
-        n_valid=n_valid,
-        chunk=chunk_size,
+        vocab_start=inputs.vocab_start,
+        n_valid=inputs.n_valid,
+        chunk=chunk,
         with_entropy=with_entropy,
         entropy_grad=with_entropy and entropy_grad,
-        kernels=kernels,
+        kernels=inputs.kernels,
         dweight_fp32=dweight_fp32,
         overlap=overlap,
         graph_loss=graph_loss,

@@ -58,6 +58,7 @@ import math
 from types import ModuleType
 from typing import Any, Literal, overload
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -353,6 +354,70 @@ def validate_hidden_inputs(
     )
 
 
+@attrs.frozen(eq=False)
+class HiddenInputs:
+    """The checked inputs of a head pass (`prepare_hidden_inputs`): the tensors (contiguous for
+    the Triton kernels), this rank's vocabulary shard and the kernels to use."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    # the tensor-parallel group, or None when the vocabulary is whole (one rank)
+    group: Any
+    # the first global token id of this rank's shard, and how many of its rows are real
+    # (not padding beyond the true vocabulary)
+    vocab_start: int
+    n_valid: int
+    kernels: ModuleType | None
+
+
+def prepare_hidden_inputs(
+    where: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: Any,
+    temperature: float,
+    chunk_size: int | None,
+    vocab_size: int | None,
+    kernel: Kernel,
+) -> HiddenInputs:
+    """The common set-up of `logprobs_from_hidden` and `unirl.core.maths.head_loss.head_loss`
+    (``where`` names the caller in the messages): the checks, this rank's vocabulary shard, and
+    the kernels: Triton for CUDA tensors under "auto" when importable, refused loudly when
+    "triton" is asked for and cannot run."""
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    validate_hidden_inputs(
+        where,
+        hidden,
+        weight,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_size=vocab_size,
+        tp_size=tp_size,
+        kernel=kernel,
+    )
+    n_local = weight.shape[0]
+    vocab_start = tp_rank * n_local
+    true_vocab = vocab_size if vocab_size is not None else n_local * tp_size
+    n_valid = max(0, min(n_local, true_vocab - vocab_start))
+    kernels = None
+    if kernel == "triton" or (kernel == "auto" and hidden.is_cuda):
+        kernels = _triton_kernels()
+        if kernel == "triton" and (kernels is None or not hidden.is_cuda):
+            raise LossInputError(
+                f"{where}: kernel='triton' needs CUDA tensors and triton installed "
+                f"(hidden on {hidden.device}, triton available: {kernels is not None}); "
+                "use kernel='auto'"
+            )
+    if kernels is not None:
+        hidden, targets = hidden.contiguous(), targets.contiguous()
+    group = tp_group if tp_size > 1 else None
+    return HiddenInputs(hidden, targets, group, vocab_start, n_valid, kernels)
+
+
 @overload
 def logprobs_from_hidden(
     hidden: torch.Tensor,
@@ -420,50 +485,31 @@ def logprobs_from_hidden(
     Returns:
         ``logp`` or, with ``with_entropy``, ``(logp, entropy)``; both fp32 ``[T]``.
     """
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    validate_hidden_inputs(
+    inputs = prepare_hidden_inputs(
         "logprobs_from_hidden",
         hidden,
         weight,
         targets,
+        tp_group=tp_group,
         temperature=temperature,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
-        tp_size=tp_size,
         kernel=kernel,
     )
-    n_local = weight.shape[0]
-    vocab_start = tp_rank * n_local
-    true_vocab = vocab_size if vocab_size is not None else n_local * tp_size
-    n_valid = max(0, min(n_local, true_vocab - vocab_start))
-
-    kernels = None
-    if kernel == "triton" or (kernel == "auto" and hidden.is_cuda):
-        kernels = _triton_kernels()
-        if kernel == "triton" and (kernels is None or not hidden.is_cuda):
-            raise LossInputError(
-                f"logprobs_from_hidden: kernel='triton' needs CUDA tensors and triton installed "
-                f"(hidden on {hidden.device}, triton available: {kernels is not None}); "
-                "use kernel='auto'"
-            )
-    if kernels is not None:
-        hidden = hidden.contiguous()
-        targets = targets.contiguous()
+    hidden = inputs.hidden
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden.shape[0], hidden.device, hidden.dtype)
-    group = tp_group if tp_size > 1 else None
     logp, entropy = _LogprobsFromHidden.apply(
         hidden,
         weight,
-        targets,
-        group,
+        inputs.targets,
+        inputs.group,
         1.0 / temperature,
-        vocab_start,
-        n_valid,
+        inputs.vocab_start,
+        inputs.n_valid,
         chunk_size,
         with_entropy,
         entropy_grad,
-        kernels,
+        inputs.kernels,
     )
     return (logp, entropy) if with_entropy else logp

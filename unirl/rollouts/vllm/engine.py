@@ -21,9 +21,10 @@ distribution, which differs from the trainer's ``log_softmax(logits / T)`` at an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -74,6 +75,62 @@ def _engine_env() -> None:
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` inside the block, the previous values (or their absence)
+    restored after it, also when the block raises."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _llm_arguments(
+    model_dir: str,
+    options: VllmOptions,
+    *,
+    dtype: str,
+    max_model_len: int,
+    seed: int,
+    stop: Sequence[str],
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The `vllm.LLM` arguments of `VllmEngine.start` (its docstring)."""
+    kv_cache = (
+        {} if options.kv_cache_gb is None
+        else {"kv_cache_memory_bytes": int(options.kv_cache_gb * (1 << 30))}
+    )  # fmt: skip
+    return dict(
+        model=model_dir,
+        # token ids in and out: the tasks tokenize (stop strings need vLLM's detokenizer)
+        skip_tokenizer_init=not stop,
+        dtype=_DTYPES[dtype],
+        enforce_eager=options.enforce_eager,
+        max_model_len=max_model_len,
+        **kv_cache,
+        tensor_parallel_size=options.tensor_parallel_size,
+        logprobs_mode="processed_logprobs",
+        seed=seed,
+        disable_log_stats=True,
+        # A prompt split over scheduler steps (chunked prefill) discards the token sampled for
+        # its first part and rewinds that request's seeded generator, which a CPU generator
+        # cannot do (vLLM 0.32: "CPU Generator does not use offset"); per-sample seeds are what
+        # makes rollouts reproducible, so prompts are never split.
+        enable_chunked_prefill=False,
+        # A multi-turn episode's next turn is prompted with every earlier turn: the cache keeps
+        # their keys and values (reload_weights drops it).
+        enable_prefix_caching=True,
+        use_tqdm_on_load=False,
+        **(extra or {}),
+    )
+
+
 class VllmEngine:
     """A `vllm.LLM` on token ids (no tokenizer: ``skip_tokenizer_init``), sampling with fixed
     settings and returning the sampled tokens' log-probs."""
@@ -117,37 +174,19 @@ class VllmEngine:
         _engine_env()
         import vllm
 
-        kv_cache = (
-            {} if options.kv_cache_gb is None
-            else {"kv_cache_memory_bytes": int(options.kv_cache_gb * (1 << 30))}
-        )  # fmt: skip
         before = set(_child_pids())
-        saved = {k: os.environ.get(k) for k in env or {}}
         try:
-            os.environ.update(env or {})  # the engine's processes inherit it while it starts
-            llm = vllm.LLM(
-                model=model_dir,
-                # token ids in and out: the tasks tokenize (stop strings need vLLM's detokenizer)
-                skip_tokenizer_init=not stop,
-                dtype=_DTYPES[dtype],
-                enforce_eager=options.enforce_eager,
-                max_model_len=max_model_len,
-                **kv_cache,
-                tensor_parallel_size=options.tensor_parallel_size,
-                logprobs_mode="processed_logprobs",
-                seed=seed,
-                disable_log_stats=True,
-                # A prompt split over scheduler steps (chunked prefill) discards the token
-                # sampled for its first part and rewinds that request's seeded generator, which
-                # a CPU generator cannot do (vLLM 0.32: "CPU Generator does not use offset"); per-
-                # sample seeds are what makes rollouts reproducible, so prompts are never split.
-                enable_chunked_prefill=False,
-                # A multi-turn episode's next turn is prompted with every earlier turn: the
-                # cache keeps their keys and values (reload_weights drops it).
-                enable_prefix_caching=True,
-                use_tqdm_on_load=False,
-                **(extra or {}),
-            )
+            with _environment(env or {}):  # the engine's processes inherit it while it starts
+                arguments = _llm_arguments(
+                    model_dir,
+                    options,
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    seed=seed,
+                    stop=stop,
+                    extra=extra,
+                )
+                llm = vllm.LLM(**arguments)
         except Exception as exc:
             _kill(set(_child_pids()) - before)
             raise RunError(
@@ -158,12 +197,6 @@ class VllmEngine:
                 f"{options.tensor_parallel_size}) and the model (its architecture must be one "
                 "vLLM supports); logging.level: DEBUG shows vLLM's own report"
             ) from exc
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         engine = cls(
             llm,
             temperature=temperature,
