@@ -13,6 +13,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.maths.losses.aggregation import token_max_metric
 from unirl.core.maths.losses.metrics import reduce_metrics
 from unirl.rollouts.vllm import sample_seed
+from unirl.rollouts.vllm.plugin import engine_settings
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"
 
@@ -22,8 +23,24 @@ def test_example_section_defaults():
     assert cfg.rollout.source == "vllm"
     v = cfg.rollout.source_options
     assert (v.dtype, v.enforce_eager, v.tensor_parallel_size, v.max_model_len) == (
-        "model", True, 1, None,
+        "model", "auto", 1, None,
     )  # fmt: skip
+
+
+def test_engine_defaults_follow_the_hardware():
+    """auto: the CPU's small fixed cache and eager mode on the CPU; vLLM's own cache sizing and
+    CUDA graphs on a GPU (the CPU values there held ~15 sequences of 600 tokens, eager); a value
+    set in the config wins on both, and `unirl check` says which applies."""
+    v = load_config(EXAMPLE).rollout.source_options
+    cpu, gpu = engine_settings(v, cuda=False), engine_settings(v, cuda=True)
+    assert (cpu.kv_cache_gb, cpu.enforce_eager) == (0.25, True)
+    assert (gpu.kv_cache_gb, gpu.enforce_eager) == (None, False)
+    assert "auto, the defaults for a GPU" in gpu.reason
+    set_ = load_config(EXAMPLE, ["rollout.vllm.kv_cache_gb=2", "rollout.vllm.enforce_eager=true"])
+    on_gpu = engine_settings(set_.rollout.source_options, cuda=True)
+    assert (on_gpu.kv_cache_gb, on_gpu.enforce_eager, on_gpu.reason) == (2.0, True, "as set")
+    no_cache = load_config(EXAMPLE, ["rollout.vllm.kv_cache_gb=null"]).rollout.source_options
+    assert engine_settings(no_cache, cuda=False).kv_cache_gb is None
 
 
 @pytest.mark.parametrize(
@@ -49,6 +66,8 @@ def test_check_prints_the_engine_and_the_old_logprob_source(capsys):
     assert r["source"] == "vllm" and r["dtype"] == "fp32" and r["max_model_len"] == 64
     assert "temperature 0.7" in r["rollout_logprobs"]
     assert "rank 0" in r["engine"]
+    assert r["kv_cache_gb"].startswith("auto: 0.25 GiB on a CPU engine, vLLM's own sizing")
+    assert r["enforce_eager"] == "auto: eager on the CPU, CUDA graphs on a GPU"
     assert report["old_logprobs"]["source"] == "reuse"
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 
 from unirl.core.errors import ConfigError, RunError
-from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions
+from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions, engine_settings
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +102,21 @@ def _llm_arguments(
     extra: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """The `vllm.LLM` arguments of `VllmEngine.start` (its docstring)."""
+    import torch  # loaded with vLLM anyway; this module's import stays light
+
+    settings = engine_settings(options, cuda=torch.cuda.is_available())
+    logger.info("vLLM engine: kv_cache_gb=%s, enforce_eager=%s (%s)",
+                settings.kv_cache_gb, settings.enforce_eager, settings.reason)  # fmt: skip
     kv_cache = (
-        {} if options.kv_cache_gb is None
-        else {"kv_cache_memory_bytes": int(options.kv_cache_gb * (1 << 30))}
+        {} if settings.kv_cache_gb is None
+        else {"kv_cache_memory_bytes": int(settings.kv_cache_gb * (1 << 30))}
     )  # fmt: skip
     return dict(
         model=model_dir,
         # token ids in and out: the tasks tokenize (stop strings need vLLM's detokenizer)
         skip_tokenizer_init=not stop,
         dtype=_DTYPES[dtype],
-        enforce_eager=options.enforce_eager,
+        enforce_eager=settings.enforce_eager,
         max_model_len=max_model_len,
         **kv_cache,
         tensor_parallel_size=options.tensor_parallel_size,

@@ -32,6 +32,18 @@ def _gpu_indices(instance: Any, attribute: attrs.Attribute, value: tuple[int, ..
         )
 
 
+def _auto_or(inner: Any) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value != "auto":
+            inner(instance, attribute, value)
+
+    return check
+
+
+# The KV cache of a CPU engine under kv_cache_gb: auto (vLLM's CPU build has no memory fraction).
+CPU_KV_CACHE_GB = 0.25
+
+
 @attrs.frozen(kw_only=True)
 class VllmOptions:
     """The ``rollout.vllm`` section: engine options of ``rollout.source: vllm``; the defaults run
@@ -43,9 +55,10 @@ class VllmOptions:
     # trainer's to ~1e-6; bf16 engines differ from an fp32 trainer by ~1e-2).
     dtype: Literal["model", "fp32", "bf16"] = "model"
     # KV-cache size in GiB (vLLM's kv_cache_memory_bytes): the engine holds this many tokens'
-    # keys and values at once; null = vLLM sizes it to fill gpu_memory_utilization (GPU only).
-    kv_cache_gb: float | None = attrs.field(
-        default=0.25, validator=attrs.validators.optional(positive)
+    # keys and values at once; null = vLLM sizes it to fill gpu_memory_utilization (GPU only);
+    # auto = null on a GPU, CPU_KV_CACHE_GB on the CPU (`engine_settings`).
+    kv_cache_gb: float | Literal["auto"] | None = attrs.field(
+        default="auto", validator=_auto_or(attrs.validators.optional(positive))
     )
     # The fraction of each engine GPU's memory the engine may take. vLLM refuses to start unless
     # that much is free when it starts, also when kv_cache_gb fixes the KV cache (kv_cache_gb
@@ -56,8 +69,9 @@ class VllmOptions:
     # = sleep level 1 (weights copied to host memory, KV cache freed); discard = level 2 (weights
     # and KV cache freed; the sync that follows rewrites every weight, so nothing is lost).
     sleep: Literal["off", "offload", "discard"] = "off"
-    # No torch.compile / CUDA graphs: starts in seconds; set false on a GPU for speed.
-    enforce_eager: bool = True
+    # No torch.compile / CUDA graphs: starts in seconds, generates slower; auto = true on the
+    # CPU, false (CUDA graphs) on a GPU.
+    enforce_eager: bool | Literal["auto"] = "auto"
     # The longest prompt + response the engine accepts; null = model.max_seq_len.
     max_model_len: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(positive)
@@ -84,6 +98,31 @@ class VllmOptions:
     # Where weight syncs are written for the engine to reload (a tmpfs folder: memory, not
     # disk); null = a fresh folder under /dev/shm when it exists, else the system temp folder.
     sync_dir: str | None = None
+
+
+@attrs.frozen
+class EngineSettings:
+    """``kv_cache_gb`` and ``enforce_eager`` as an engine on this hardware runs them (auto
+    resolved), and why."""
+
+    kv_cache_gb: float | None
+    enforce_eager: bool
+    reason: str
+
+
+def engine_settings(options: VllmOptions, *, cuda: bool) -> EngineSettings:
+    """The hardware defaults: on a GPU vLLM's own KV-cache sizing (gpu_memory_utilization) and
+    CUDA graphs, as vLLM itself defaults; on the CPU a small fixed cache and eager mode (a laptop's
+    memory; compiling takes longer than the tiny examples run). A set value wins."""
+    kv = options.kv_cache_gb
+    eager = options.enforce_eager
+    where = "a GPU" if cuda else "the CPU"
+    auto = [k for k, v in (("kv_cache_gb", kv), ("enforce_eager", eager)) if v == "auto"]
+    return EngineSettings(
+        kv_cache_gb=(None if cuda else CPU_KV_CACHE_GB) if kv == "auto" else kv,
+        enforce_eager=(not cuda) if eager == "auto" else bool(eager),
+        reason=f"{', '.join(auto)}: auto, the defaults for {where}" if auto else "as set",
+    )
 
 
 def engine_dtype(cfg: UnirlConfig) -> str:
@@ -160,7 +199,12 @@ def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
         ),
         "dtype": engine_dtype(cfg),
         "max_model_len": max_model_len(cfg),
-        "kv_cache_gb": v.kv_cache_gb,
+        "kv_cache_gb": (
+            f"auto: {CPU_KV_CACHE_GB} GiB on a CPU engine, vLLM's own sizing (to "
+            "gpu_memory_utilization) on a GPU engine"
+            if v.kv_cache_gb == "auto"
+            else v.kv_cache_gb
+        ),
         "gpu_memory_utilization": (
             f"{v.gpu_memory_utilization:g} of each engine GPU must be free when the engine "
             "starts (GPU only)"
@@ -170,7 +214,11 @@ def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             "offload": "level 1 while the trainer trains: weights to host memory, KV cache freed",
             "discard": "level 2 while the trainer trains: weights and KV cache freed",
         }[v.sleep],
-        "enforce_eager": v.enforce_eager,
+        "enforce_eager": (
+            "auto: eager on the CPU, CUDA graphs on a GPU"
+            if v.enforce_eager == "auto"
+            else v.enforce_eager
+        ),
         "tensor_parallel_size": v.tensor_parallel_size,
         "rollout_logprobs": (
             f"vLLM processed_logprobs: the sampled distribution, temperature {r.temperature} "
