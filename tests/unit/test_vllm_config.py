@@ -52,11 +52,15 @@ def test_engine_defaults_follow_the_hardware():
         ("rollout.vllm.dtype=fp16", "rollout.vllm.dtype"),
         ("rollout.vllm.max_model_len=65", "model.max_seq_len=64"),
         ("rollout.vllm.kv_cache=1", "did you mean 'kv_cache_gb'"),
+        (
+            ["rollout.vllm.sleep=offload", "train.max_staleness=1"],
+            "rollout.vllm.sleep='offload' with train.max_staleness=1: rollouts generated ahead",
+        ),
     ],
 )
 def test_bad_engine_options_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("'", "'")):
-        load_config(EXAMPLE, [override])
+        load_config(EXAMPLE, override if isinstance(override, list) else [override])
 
 
 def test_check_prints_the_engine_and_the_old_logprob_source(capsys):

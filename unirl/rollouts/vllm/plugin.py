@@ -173,6 +173,16 @@ def check(cfg: UnirlConfig) -> None:
             f"{cfg.rollout.environment!r}: multi-turn episodes run on one engine; set "
             "rollout.vllm.engines: 1"
         )
+    if v.sleep != "off" and cfg.train.max_staleness > 0:
+        # the worker generating ahead wakes the engine while the trainer trains on its GPU:
+        # both would hold their memory at once, which sleep mode exists to avoid
+        raise ConfigError(
+            f"rollout.vllm.sleep={v.sleep!r} with train.max_staleness="
+            f"{cfg.train.max_staleness}: rollouts generated ahead run while the trainer trains, "
+            "so the engine cannot sleep then; set rollout.vllm.sleep: off (and fit trainer + "
+            "engine with gpu_memory_utilization or rollout.vllm.devices), or "
+            "train.max_staleness: 0"
+        )
     placement.split_prompts(cfg.batch.prompts_per_rollout, v.engines)
     placement.check_transport(v)
 
