@@ -45,5 +45,8 @@ def test_resume_refuses_another_architecture_or_batch_layout(tmp_path):
     msg = str(info.value)
     assert "batch.samples_per_prompt: checkpoint 8, now 16" in msg
     assert "batch.samples_per_optimizer_step: checkpoint 128, now 256" in msg
+    async_path = _checkpoint(tmp_path / "async", load_config(TINY, ["train.max_staleness=2"]))
+    with pytest.raises(ConfigError, match=r"train.max_staleness: checkpoint 2, now 1"):
+        check_resume_fits(async_path, load_config(TINY, ["train.max_staleness=1"]), run_id="A")
     with pytest.raises(ConfigError, match=r"was written by run A, but logging\.run_dir belongs"):
         check_resume_fits(path, load_config(TINY), run_id="B")

@@ -3,7 +3,8 @@
 A checkpoint of another architecture fails deep inside a backend's load with a shape traceback;
 one written with other batch sizes loads fine and then silently runs another experiment (the
 rollout stream, the LR schedule and the optimizer-step count all depend on them). Both are
-refused here, naming every key that differs. Memory knobs (microbatch sizes), the step budget,
+refused here, naming every key that differs (the async queue's depth too: the checkpoint
+holds that many rollouts generated ahead). Memory knobs (microbatch sizes), the step budget,
 the learning rate and everything else may change on resume.
 """
 
@@ -27,6 +28,9 @@ MUST_MATCH = (
     "batch.samples_per_prompt",
     "batch.samples_per_optimizer_step",
     "batch.epochs_per_rollout",
+    # the rollouts generated ahead that the checkpoint holds: fewer slots would drop some
+    # (their prompts never trained on), more would leave the queue short
+    "train.max_staleness",
 )
 
 
