@@ -102,6 +102,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 # The replay step: the base variant with the rollout's experts replayed in every forward (R3).
 REPLAY = {
-    "overrides": fixtures.merged(_PPO_DUAL, {"algorithm": {"routing_replay": "rollout"}}),
+    # an engine's experts (the data's): the rollouts of a file, as the sampler records none
+    "overrides": fixtures.merged(
+        _PPO_DUAL,
+        {
+            "algorithm": {"routing_replay": "rollout"},
+            "rollout": {"source": "file", "file": "r3.jsonl"},
+        },
+    ),
     "data": (*fixtures.BOTH, "routed_experts"),
 }

@@ -253,4 +253,5 @@ def test_moe_tensor_parallel_needs_sequence_parallel():
     # the contract's moe-tp2-ep2-sp layout checks the numbers)
     data["parallel"]["sequence_parallel"] = True
     data["algorithm"] = {"routing_replay": "rollout"}
+    data["rollout"] = {"source": "file", "file": "r3.jsonl"}  # the sampler records no experts
     assert config_from_dict(data, world_size=WORLD).algorithm.routing_replay == "rollout"

@@ -239,6 +239,7 @@ def test_router_losses_match_hugging_face(attention, pp):
                     "router_z_loss_coef": 0.0,
                     "routing_replay": "rollout",
                 },
+                "rollout": {"source": "file", "file": "r3.jsonl"},
             },
             r"routing_replay='rollout' with model\.gradient_checkpointing",
         ),

@@ -68,6 +68,8 @@ def _config(mode, ep, pp, tp=1):
         if tp == 1
         else {"ep": ep, "pp": pp, "tp": tp, "etp": 1, "sequence_parallel": True},
         "algorithm": {"routing_replay": mode},
+        # rollout: an engine's experts, from a file (the sampler records none)
+        **({"rollout": {"source": "file", "file": "r3.jsonl"}} if mode == "rollout" else {}),
         "train": {"seed": 0},
         "logging": {"tensorboard": False},
     }

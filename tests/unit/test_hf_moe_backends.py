@@ -36,6 +36,7 @@ from tests.hf_reference import (  # noqa: E402
 from tests.unit.test_hf_router_replay import hand_forced, random_experts  # noqa: E402
 from unirl.core.config.model_shape import moe_shape  # noqa: E402
 from unirl.core.config.sections.algorithm import AlgorithmConfig  # noqa: E402
+from unirl.core.config.sections.rollout import RolloutConfig  # noqa: E402
 from unirl.core.data.routed_experts import FREE  # noqa: E402
 from unirl.core.maths.logprob_spec import LogprobSpec  # noqa: E402
 from unirl.core.maths.losses import Metric, reduce_metrics  # noqa: E402
@@ -93,6 +94,8 @@ def config(folder: Path, backend: str, checkpointing: bool = False, **algorithm)
 
         over.update(backend="fsdp2", backend_options=Fsdp2Options())
     algo = AlgorithmConfig(router_aux_loss_coef=AUX, router_z_loss_coef=Z, **algorithm)
+    if algo.routing_replay == "rollout":  # an engine's experts: rollouts from a file
+        over["rollout"] = RolloutConfig(source="file", file="r3.jsonl")
     return make_config(folder, algorithm=algo, **over)
 
 

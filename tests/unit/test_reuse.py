@@ -74,7 +74,13 @@ ENTROPY = {"algorithm__entropy_coef": 0.01}
 # the engine's experts from the data (no need: reuse stays valid).
 _MOE = {"backend": REPLAY_BACKEND, "model__hf_config": MOE_HF}
 RECORD = {**_MOE, "algorithm__routing_replay": "record"}
-R3 = {**_MOE, "algorithm__routing_replay": "rollout"}
+# (from a file of finished rollouts: the sampler records no experts and refuses R3)
+R3 = {
+    **_MOE,
+    "algorithm__routing_replay": "rollout",
+    "rollout__source": "file",
+    "rollout__file": "r3.jsonl",
+}
 
 
 @pytest.fixture(autouse=True)

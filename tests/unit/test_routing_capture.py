@@ -76,7 +76,8 @@ def _cfg(**rollout) -> dict:
         "batch": dict(TINY_BATCH),
         "parallel": {"world_size": 1},
         "algorithm": {"routing_replay": "rollout"},
-        "rollout": {"max_new_tokens": 8, **rollout},
+        # R3 replays an engine's experts: rollouts from a file (the sampler records none)
+        "rollout": {"max_new_tokens": 8, "source": "file", "file": "r.jsonl", **rollout},
     }
 
 

@@ -30,6 +30,8 @@ def cfg_dict(mode: str = "record", hf: dict | None = None, **top) -> dict:
         "batch": dict(TINY_BATCH),
         "parallel": {"world_size": 1},
         "algorithm": {"routing_replay": mode},
+        # R3 replays an engine's experts: rollouts from a file (the sampler records none)
+        **({"rollout": {"source": "file", "file": "r3.jsonl"}} if mode == "rollout" else {}),
         **top,
     }
 

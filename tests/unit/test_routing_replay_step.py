@@ -54,7 +54,9 @@ def setup(mode: str, with_experts: bool):
             },
             "parallel": {"world_size": 1},
             "algorithm": {"routing_replay": mode, "std_normalize": False},
-            "rollout": {"max_new_tokens": 8},
+            "rollout": {"max_new_tokens": 8}
+            if mode != "rollout"
+            else {"max_new_tokens": 8, "source": "file", "file": "r3.jsonl"},
             "progress": {"enabled": False},
         }
     )

@@ -23,11 +23,28 @@ def _describe_sampler(cfg: UnirlConfig) -> Mapping[str, Any]:
             f"{r.max_new_tokens} tokens, {r.max_episode_tokens or cfg.model.max_seq_len} "
             "response tokens in all"
         )
+    k = cfg.train.max_staleness
+    version = (
+        f"generated up to {k} rollout(s) ahead (train.max_staleness={k}): a rollout is up to "
+        f"{k * cfg.layout.optimizer_steps_per_rollout} policy version(s) behind the trained policy"
+        if k
+        else "the weights of the last sync: every rollout is on-policy"
+    )
     return {
         "engine": "the built-in sampler: a copy of the policy on every rank",
-        "policy_version": "the weights of the last sync: every rollout is on-policy",
+        "policy_version": version,
         **episodes,
     }
+
+
+def _check_sampler(cfg: UnirlConfig) -> None:
+    if cfg.algorithm.routing_replay == "rollout":
+        raise ConfigError(
+            "algorithm.routing_replay: rollout replays the experts the rollout engine used, but "
+            "the built-in sampler does not record them; use algorithm.routing_replay: record "
+            "(the trainer records its own routing), or rollouts from a file that carry "
+            "routed_experts (rollout.source: file)"
+        )
 
 
 def _check_file(cfg: UnirlConfig) -> None:
@@ -44,6 +61,7 @@ def _describe_file(cfg: UnirlConfig) -> Mapping[str, Any]:
 SAMPLER = SourcePlugin(
     name="sampler",
     build=LazySourceBuilder("unirl.rollouts.build:build_sampler_source"),
+    check=_check_sampler,
     describe=_describe_sampler,
     requires=("transformers",),
     install_hint="pip install 'unirl[hf]'",
