@@ -28,7 +28,7 @@ parameters takes minutes), takes one RL step on a
 small batch so that the optimizer's state exists (if that runs out of memory, the run is
 repeated without the step and the JSON says so), then measures a sync as `IpcTransport` makes it:
 the stream to a receiving rank 0 with its buckets on the GPU (``stream_weights(device=cuda)``),
-each packed for IPC (`pack_bucket`: a flat bucket is its own packed buffer). It reports the peak
+each packed for IPC (`unirl.rollouts.serving.packing.pack_bucket`: a flat bucket is its own packed buffer). It reports the peak
 GPU memory above the trainer's own (``torch.cuda.max_memory_allocated`` after a reset),
 ``sync_s`` and how many buckets went as they were (``buckets_sent_as_is`` of ``buckets``).
 """
@@ -270,7 +270,7 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
     from unirl.core.data.rollout import RolloutBatch
     from unirl.core.step import RLStep
     from unirl.core.weight_stream import MIB, flat_buffer
-    from unirl.rollouts.vllm.transport import pack_bucket
+    from unirl.rollouts.serving.packing import pack_bucket
 
     cfg = config_from_dict(_backend_config(args.backend, tempfile.mkdtemp(), args.weights))
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Multi-turn episodes on vLLM (`unirl.rollouts.vllm.episodes`), CPU, fp32, one engine for the
+"""Multi-turn episodes on vLLM (`unirl.rollouts.serving.episodes` on a `VllmEngine`), CPU, fp32, one engine for the
 module (its start dominates on a 2-core machine):
 
 - every turn is one engine call holding every episode still going, each prompted with the

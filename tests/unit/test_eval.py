@@ -180,7 +180,7 @@ class _RecordingEngine:
         self.eos_id, self.calls = eos_id, []
 
     def generate(self, requests, **overrides):
-        from unirl.rollouts.vllm.engine import EngineSample
+        from unirl.rollouts.serving.engine import EngineSample
 
         self.calls.append((list(requests), overrides))
         return [

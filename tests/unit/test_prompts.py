@@ -187,7 +187,7 @@ class _EchoEngine:
         self.eos_id, self.prompts = eos_id, []
 
     def generate(self, requests):
-        from unirl.rollouts.vllm.engine import EngineSample
+        from unirl.rollouts.serving.engine import EngineSample
 
         self.prompts += [list(r.prompt_tokens) for r in requests]
         return [

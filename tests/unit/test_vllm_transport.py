@@ -26,6 +26,7 @@ from unirl.core.weight_stream import (
     packed_layout,
 )
 from unirl.rollouts.serving import placement
+from unirl.rollouts.serving.packing import pack_bucket
 from unirl.rollouts.vllm import transport
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import VllmOptions, describe
@@ -37,7 +38,6 @@ from unirl.rollouts.vllm.transport import (
     bucket_device,
     ipc_update_info,
     nccl_update_info,
-    pack_bucket,
 )
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"

@@ -93,6 +93,11 @@ class Registry(Generic[T]):
     def values(self) -> list[T]:
         return [self._loaded()[n] for n in self.names()]
 
+    def in_order(self) -> list[T]:
+        """The entries in the order they were registered (for entries that run in sequence,
+        as config rules do: which error a config meets first stays fixed)."""
+        return list(self._loaded().values())
+
     def unregister(self, name: str) -> None:
         """Remove ``name`` (tests that register a temporary entry clean up with this)."""
         self._entries.pop(name, None)

@@ -10,8 +10,8 @@ sampler, a reader for rollout files from other engines, and vLLM.
         source.sync_weights(policy_state_dict, policy_version=n)  # the next rollout is on-policy
 
 Importing this package registers the built-in sources (``sampler``, ``file``, ``vllm``) in
-`unirl.core.source_plugin.SOURCES` from their light ``plugins`` modules and imports nothing
-else: the names below load on first use (so ``import unirl`` stays free of torch). What a new
+`unirl.core.source_plugin.SOURCES` from their light ``plugins`` modules, and the rules of the
+rollout-owned config keys in `unirl.core.config.rules.CONFIG_RULES`, and imports nothing else: the names below load on first use (so ``import unirl`` stays free of torch). What a new
 source provides, file by file: ``unirl/rollouts/README.md``.
 
 Tasks: ``reverse_digits`` and ``add_small`` (`unirl.rollouts.data.tasks`); add one with
@@ -25,13 +25,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from unirl.core.config.rules import CONFIG_RULES
 from unirl.core.imports import lazy_attributes
 from unirl.core.source_plugin import SOURCES
+from unirl.rollouts.data.rules import check_prompts, check_stops
+from unirl.rollouts.environments.rules import check_environment
+from unirl.rollouts.eval_rules import check_eval
 from unirl.rollouts.plugins import FILE, SAMPLER
 from unirl.rollouts.vllm.plugin import PLUGIN as VLLM
 
 for _plugin in (SAMPLER, FILE, VLLM):
     SOURCES.register(_plugin.name, _plugin)
+
+# The rules of the rollout-owned keys, run when a config is built, in this order.
+for _key, _rule in (
+    ("rollout.prompts", check_prompts),
+    ("rollout.stop", check_stops),
+    ("rollout.environment", check_environment),
+    ("eval", check_eval),
+):
+    CONFIG_RULES.register(_key, _rule)
 
 if TYPE_CHECKING:
     from unirl.rollouts.build import (

@@ -22,6 +22,7 @@ from unirl.core.backend_plugin import BACKENDS
 from unirl.core.config.from_data import _convert, _structure
 from unirl.core.config.overrides import apply_overrides
 from unirl.core.config.routing_replay import check_routing_replay
+from unirl.core.config.rules import check_registered_rules
 from unirl.core.config.sections.algorithm import (
     AlgorithmConfig,
     CriticConfig,
@@ -233,11 +234,10 @@ def _check_combinations(cfg: UnirlConfig) -> None:
         )
     # The chosen rollout source's own rules (what it needs, what its options must fit).
     SOURCES.get(cfg.rollout.source).check(cfg)
-    _check_prompts(cfg)
-    _check_stops(cfg)
-    _check_environment(cfg)
+    # The rules of the rollout-owned keys (prompts, rewards, stops, environment, eval), which
+    # unirl.rollouts registers.
+    check_registered_rules(cfg)
     _check_wandb(cfg)
-    _check_eval(cfg)
     _check_critic(cfg)
     check_routing_replay(cfg)
 
@@ -249,124 +249,6 @@ def _check_wandb(cfg: UnirlConfig) -> None:
         raise ConfigError(
             "logging.wandb is set but Weights & Biases is not installed: pip install -e "
             "'.[wandb]' (or pip install wandb), or remove logging.wandb"
-        )
-
-
-def _check_eval(cfg: UnirlConfig) -> None:
-    """eval: runs through the rollout engine on prompts tokenized as rollout.prompts are."""
-    e, r = cfg.eval, cfg.rollout
-    if e is None:
-        return
-    if not SOURCES.get(r.source).generates:
-        raise ConfigError(
-            f"eval: generates held-out responses with the rollout engine, but rollout.source: "
-            f"{r.source} reads finished rollouts; use a generating source or remove eval"
-        )
-    if r.prompts is None:
-        raise ConfigError(
-            "eval: reads its prompts as rollout.prompts are read (its column mapping, chat "
-            f"template and tokenizer), but rollout.prompts is not set (rollout.task={r.task!r} "
-            "has no held-out file); train on a prompt dataset or remove eval"
-        )
-    if cfg.train.max_staleness:
-        raise ConfigError(
-            f"eval: with train.max_staleness={cfg.train.max_staleness} the rollout engine "
-            "belongs to the worker that generates ahead; set train.max_staleness: 0 or remove eval"
-        )
-    if e.reward is None and e.reward_options:
-        raise ConfigError(
-            "eval.reward_options are the options of eval.reward, which is not set (the eval "
-            "uses rollout.reward with rollout.reward_options); set eval.reward or remove them"
-        )
-
-
-def _check_stops(cfg: UnirlConfig) -> None:
-    r = cfg.rollout
-    if not SOURCES.get(r.source).generates and (r.stop or r.stop_token_ids):
-        raise ConfigError(
-            f"rollout.stop / rollout.stop_token_ids end generation, but rollout.source: "
-            f"{r.source} trains on finished rollouts; remove them or use a generating source"
-        )
-    for i, text in enumerate(r.stop):
-        if not text:
-            raise ConfigError(f"rollout.stop[{i}] is empty; give a non-empty stop string")
-    for i, token in enumerate(r.stop_token_ids):
-        if token < 0:
-            raise ConfigError(f"rollout.stop_token_ids[{i}]={token}; token ids are >= 0")
-
-
-def _check_environment(cfg: UnirlConfig) -> None:
-    """rollout.environment and the keys that only mean something with it."""
-    r, default = cfg.rollout, RolloutConfig()
-    if r.environment is None:
-        for key in (
-            "environment_options",
-            "max_turns",
-            "max_episode_tokens",
-            "env_step_timeout_s",
-            "env_failure_reward",
-        ):
-            if getattr(r, key) != getattr(default, key):
-                raise ConfigError(
-                    f"rollout.{key}={getattr(r, key)!r} applies to multi-turn episodes, but "
-                    "rollout.environment is not set; set rollout.environment or remove the key"
-                )
-        return
-    if not SOURCES.get(r.source).runs_episodes:
-        episodic = " or ".join(sorted(p.name for p in SOURCES.values() if p.runs_episodes))
-        raise ConfigError(
-            f"rollout.environment={r.environment!r}: rollout.source: {r.source} does not run "
-            f"multi-turn episodes; set rollout.source: {episodic}, or remove rollout.environment"
-        )
-    if r.prompts is not None:
-        raise ConfigError(
-            "rollout.environment with rollout.prompts: episodes are drawn from rollout.task "
-            "today (its problems' metadata reach the environment's reset); remove one of them"
-        )
-    if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
-        raise ConfigError(
-            f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
-            f"{r.max_new_tokens} (one turn's budget); raise it or leave it out"
-        )
-
-
-def _check_prompts(cfg: UnirlConfig) -> None:
-    """rollout.prompts and the keys that only mean something with it."""
-    r = cfg.rollout
-    if r.prompts is None:
-        for key, value in (
-            ("rollout.reward", r.reward),
-            ("rollout.reward_options", r.reward_options or None),
-            ("rollout.reward_workers", r.reward_workers or None),
-            ("rollout.skip_long_prompts", r.skip_long_prompts or None),
-            ("model.tokenizer", cfg.model.tokenizer),
-            ("rollout.prompt_key", None if r.prompt_key == "prompt" else r.prompt_key),
-            ("rollout.answer_key", r.answer_key),
-            ("rollout.metadata_keys", r.metadata_keys or None),
-            ("rollout.apply_chat_template", r.apply_chat_template or None),
-            ("rollout.system_prompt", r.system_prompt),
-        ):
-            if value is not None:
-                raise ConfigError(
-                    f"{key}={value!r} applies to prompts read from a file, but rollout.prompts "
-                    f"is not set (the built-in tasks score and tokenize themselves); set "
-                    f"rollout.prompts or remove {key}"
-                )
-        return
-    if not SOURCES.get(r.source).generates:
-        raise ConfigError(
-            f"rollout.prompts is read by a generating source, but rollout.source: {r.source} "
-            "trains on finished rollouts; remove rollout.prompts or set rollout.source: sampler"
-        )
-    if r.reward is None:
-        raise ConfigError(
-            "rollout.prompts needs rollout.reward: a registered reward such as math_answer, or "
-            "'package.module:function'"
-        )
-    if r.task_options:
-        raise ConfigError(
-            "rollout.task_options configure rollout.task, which rollout.prompts replaces; remove "
-            "rollout.task_options"
         )
 
 

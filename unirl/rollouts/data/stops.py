@@ -49,3 +49,11 @@ def save_task_tokenizer(tokenizer: TaskTokenizer, folder: Path) -> None:
             "rollout.stop_token_ids, or give the task a Hugging Face tokenizer"
         )
     save_hf_tokenizer(hf, folder)
+
+
+def stop_text(tokenizer: TaskTokenizer, ids: Sequence[int]) -> str:
+    """The text stop strings are looked for in: ids beyond the tokenizer (a model with spare
+    rows) read as nothing, as a serving engine's detokenizer reads them (the sampler's rule
+    too)."""
+    vocab = tokenizer.vocab_size
+    return tokenizer.decode([t for t in ids if t < vocab])

@@ -27,9 +27,8 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import attrs
-
 from unirl.core.errors import ConfigError, RunError
+from unirl.rollouts.serving.engine import EngineRequest, EngineSample
 from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions, engine_settings
 
 logger = logging.getLogger(__name__)
@@ -48,22 +47,6 @@ def vllm_available() -> bool:
 def require_vllm() -> None:
     if not vllm_available():
         raise ConfigError(f"rollout.source: vllm needs vLLM: {INSTALL_HINT}")
-
-
-@attrs.frozen(kw_only=True)
-class EngineRequest:
-    """One sample to generate: its prompt ids and the seed of its own random stream (a seed per
-    sample makes the output independent of how vLLM batches requests)."""
-
-    prompt_tokens: tuple[int, ...]
-    seed: int
-
-
-@attrs.frozen(kw_only=True)
-class EngineSample:
-    response_tokens: tuple[int, ...]  # ends with the stop token when ``finished``
-    logprobs: tuple[float, ...]  # of each response token, as sampled (temperature applied)
-    finished: bool  # ended by a stop token or stop string, not by max_new_tokens
 
 
 def _engine_env() -> None:

@@ -275,5 +275,5 @@ PLUGIN = SourcePlugin(
     # processed_logprobs: after top-p, the distribution each token was drawn from
     top_p_logprobs="truncated",
     weights=weight_receivers,  # rank 0 for one engine, else every rank (its leaders keep them)
-    runs_episodes=True,  # unirl.rollouts.vllm.episodes (one engine)
+    runs_episodes=True,  # unirl.rollouts.serving.episodes on the engine (one engine)
 )

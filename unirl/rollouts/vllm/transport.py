@@ -1,5 +1,6 @@
 """How one weight sync reaches a running vLLM engine: the bucket stream
-(`unirl.core.weight_stream`) turned into vLLM 0.32's messages, one bucket at a time.
+(`unirl.core.weight_stream`), each bucket packed into one buffer by the engine-neutral
+`unirl.rollouts.serving.packing`, turned into vLLM 0.32's messages, one bucket at a time.
 
     transport = make_transport("ipc", client=LlmClient(llm), folder=folder, device=device,
                                bucket_bytes=1 << 30)
@@ -49,18 +50,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-import attrs
 import torch
 
-from unirl.core.weight_stream import (
-    HOST,
-    Bucket,
-    bucketed,
-    flat_buffer,
-    packed_layout,
-    same_device,
-    spec_of,
-)
+from unirl.core.weight_stream import HOST, Bucket, bucketed
+from unirl.rollouts.serving.packing import PackedBucket, ipc_handle_args, pack_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -97,54 +90,6 @@ class LlmClient:
 
 
 # -- messages ----------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class PackedBucket:
-    """A bucket as one flat uint8 buffer (the tensors' bytes back to back, in order) and what
-    the receiver needs to cut it up again."""
-
-    buffer: torch.Tensor  # uint8, 1-D
-    names: list[str]
-    shapes: list[list[int]]
-    dtype_names: list[str]  # torch attribute names: "bfloat16", "float32", ...
-    tensor_sizes: list[int]  # bytes of each tensor
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def pack_bucket(bucket: Bucket, device: torch.device | str) -> PackedBucket:
-    """``bucket`` as one buffer on ``device`` in vLLM's packed layout (each tensor's bytes,
-    contiguous and row-major, back to back in the order of the names sent:
-    `unirl.core.weight_stream.packed_layout`, widest element first). A stream's bucket already
-    is that buffer on ``device`` (`flat_buffer`): it is sent as it is, no byte copied. Any other
-    bucket is copied into a new buffer, in the same layout."""
-    specs = [spec_of(n, t) for n, t in bucket]
-    layout = packed_layout(specs)
-    buffer = flat_buffer(bucket)
-    if buffer is None or not same_device(buffer.device, device):
-        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        for (_, t), offset, spec in zip(bucket, layout.offsets, specs):
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buffer[offset : offset + spec.nbytes].copy_(flat, non_blocking=True)
-    ordered = [specs[i] for i in layout.order]
-    return PackedBucket(
-        buffer=buffer,
-        names=[s.name for s in ordered],
-        shapes=[list(s.shape) for s in ordered],
-        dtype_names=[dtype_name(s.dtype) for s in ordered],
-        tensor_sizes=[s.nbytes for s in ordered],
-    )
-
-
-def ipc_handle_args(buffer: torch.Tensor) -> tuple:
-    """The arguments of ``rebuild_cuda_tensor`` that map ``buffer`` in another process."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(buffer)
-    return args
 
 
 def ipc_update_info(packed: PackedBucket, handle_args: tuple, gpu_uuid: str) -> dict[str, Any]:

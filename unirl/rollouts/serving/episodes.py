@@ -1,17 +1,17 @@
-"""Multi-turn episodes on vLLM (``rollout.source: vllm`` with ``rollout.environment``), token in
-and token out.
+"""Multi-turn episodes on a served engine (``rollout.environment`` with a serving source such as
+``rollout.source: vllm``), token in and token out; any `TokenEngine` plays them.
 
-Every turn of every episode still going is one request of a single ``LLM.generate`` call (so a
+Every turn of every episode still going is one request of a single ``generate`` call (so a
 rollout's episodes advance together, one engine call per turn). A request's prompt is the
-episode so far as token ids (`EngineRequest`: vLLM's ``TokensPrompt``): the problem's prompt,
-the first observation, and every earlier turn's sampled ids and observation ids, never
-re-tokenised text; vLLM's prefix cache (on, `VllmEngine.start`) finds the earlier turns' keys
-and values, so a turn computes only what is new. The engine's sampled ids and their log-probs
-(``processed_logprobs``: temperature applied) are appended as they come; observation tokens get
-loss mask 0 and no rollout log-prob (`unirl.rollouts.environments.episodes`).
+episode so far as token ids (`EngineRequest`): the problem's prompt, the first observation, and
+every earlier turn's sampled ids and observation ids, never re-tokenised text; an engine with a
+prefix cache (vLLM's, on in `VllmEngine.start`) finds the earlier turns' keys and values, so a
+turn computes only what is new. The engine's sampled ids and their log-probs (temperature
+applied) are appended as they come; observation tokens get loss mask 0 and no rollout log-prob
+(`unirl.rollouts.environments.episodes`).
 
-Seeds. Turn ``k`` of episode ``i`` of rollout ``r`` is drawn with vLLM seed ``hash(train.seed, r,
-i, k)``: the same seed gives the same episodes whatever vLLM's batching (episodes drop out of
+Seeds. Turn ``k`` of episode ``i`` of rollout ``r`` is drawn with seed ``hash(train.seed, r, i,
+k)``: the same seed gives the same episodes whatever the engine's batching (episodes drop out of
 the batch as they end), and a resumed run redraws what the uninterrupted run would have.
 """
 
@@ -20,15 +20,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 
-import torch
-
 from unirl.core.data.rollout import RolloutBatch
+from unirl.rollouts.data.stops import stop_text
 from unirl.rollouts.data.tasks import Problem, Task
 from unirl.rollouts.environments.base import Environment
 from unirl.rollouts.environments.episode_batch import episode_rollout, observation_encoder
 from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.sampler import Generation
-from unirl.rollouts.vllm.engine import EngineRequest, VllmEngine
+from unirl.rollouts.serving.engine import EngineRequest, TokenEngine, as_generation
 
 
 def turn_seed(seed: int, rollout: int, episode: int, turn: int) -> int:
@@ -37,8 +36,8 @@ def turn_seed(seed: int, rollout: int, episode: int, turn: int) -> int:
     return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
-class VllmEpisodes:
-    """Plays one rollout's episodes on a `VllmEngine` (``environment`` builds one episode's
+class ServedEpisodes:
+    """Plays one rollout's episodes on a `TokenEngine` (``environment`` builds one episode's
     environment; ``max_model_len`` bounds prompt + response, as the engine does)."""
 
     def __init__(
@@ -56,14 +55,12 @@ class VllmEpisodes:
         self.encode = observation_encoder(task.tokenizer)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        """A turn's text as vLLM's detokenizer reads it: ids past the tokenizer read as
-        nothing (the sampler's rule too)."""
-        vocab = self.task.tokenizer.vocab_size
-        return self.task.tokenizer.decode([t for t in ids if t < vocab])
+        """A turn's text as an engine's detokenizer reads it (`stop_text`)."""
+        return stop_text(self.task.tokenizer, ids)
 
     def rollout(
         self,
-        engine: VllmEngine,
+        engine: TokenEngine,
         problems: Sequence[Problem],
         *,
         group: int,
@@ -85,14 +82,7 @@ class VllmEpisodes:
                 )
                 for prompt, (episode, turn) in zip(prompts, keys)
             ]
-            return [
-                Generation(
-                    response_tokens=torch.tensor(s.response_tokens, dtype=torch.long),
-                    logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
-                    finished=s.finished,
-                )
-                for s in engine.generate(requests)
-            ]
+            return [as_generation(s) for s in engine.generate(requests)]
 
         runner = EpisodeRunner(
             generate,
