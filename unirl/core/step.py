@@ -26,6 +26,7 @@ from unirl.core.config.derived import (
     forward_logprob_spec,
     loss_settings,
     needs_reference,
+    routing_replay,
     train_logprob_spec,
 )
 from unirl.core.config.model_shape import hf_config_fields, moe_shape
@@ -95,11 +96,11 @@ class RLStep:
         # R3 (routing_replay: rollout): every forward replays the rollout's routed_experts, which
         # each rollout must carry, in the model's shape. Otherwise experts in the data are not
         # replayed (under R2 the old-log-prob forward records its own).
-        self.rollout_experts = (
-            replay_shape(cfg) if cfg.algorithm.routing_replay == "rollout" else None
-        )
+        # (decided once, `routing_replay`; the backends read it from the passes' specs)
+        routing = routing_replay(cfg)
+        self.rollout_experts = replay_shape(cfg) if routing == "replay" else None
         # R2 (routing_replay: record): the old-log-prob forward records, the training replays.
-        self.records_routing = cfg.algorithm.routing_replay == "record"
+        self.records_routing = routing == "record"
         # A mixture-of-experts policy: the router's auxiliary losses join the loss.
         # (a model whose config cannot be read here is the backend's to report: no router term)
         shape = moe_shape(cfg.model) if hf_config_fields(cfg.model) is not None else None
@@ -463,6 +464,8 @@ class RLStep:
     def _logprobs_of(self, role: ModelRole) -> _ForwardPass:
         # run() validated every token id against this vocabulary before any forward
         spec = forward_logprob_spec(self.cfg, self.backend.vocab_size, targets_checked=True)
+        if role != "policy":  # the reference routes freely
+            spec = attrs.evolve(spec, routing="off")
         return lambda mbs, bar: self.backend.forward_logprobs(
             mbs, role=role, spec=spec, progress=bar
         )
