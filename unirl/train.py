@@ -38,13 +38,13 @@ from unirl.core.run.resume import check_resume_fits
 from unirl.core.run.wandb_log import WandbLog
 from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
-from unirl.core.weight_stream import MIB
 from unirl.core.weight_sync import WeightSync
 from unirl.log_setup import apply_log_level
 
 if TYPE_CHECKING:
+    from unirl.core.backend import TrainingBackend
     from unirl.core.data.rollout import RolloutBatch
-    from unirl.rollouts.async_source import RolloutsAhead
+    from unirl.rollouts.source import RolloutSource
 
 logger = logging.getLogger(__name__)
 
@@ -105,32 +105,276 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
     """Run the job. `resume` continues the run in ``logging.run_dir`` from its newest verified
     checkpoint; `overwrite` deletes a previous run there first. Without either, a directory that
     holds another run is refused (`ConfigError`) before anything is built or written."""
-    from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
-    from unirl.rollouts.async_source import RolloutsAhead
-    from unirl.rollouts.async_source import restore as restore_rollouts
-    from unirl.rollouts.build import save_run_tokenizer
-    from unirl.rollouts.eval import build_evaluator
-    from unirl.rollouts.postprocess import apply_postprocess_hook, load_postprocess_hook
-    from unirl.rollouts.source import policy_version_metrics
-
     apply_log_level(cfg.logging.level)
-    run_dir = Path(cfg.logging.run_dir)
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    # Before any work: the directories can be written, and they hold no other run.
-    run_dirs.check_writable(run_dir, "logging.run_dir")
-    run_dirs.check_writable(
-        ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
+    job = _Job.open(cfg, resume=resume, overwrite=overwrite)
+    timed_out = False
+    try:
+        job.start()
+        job.loop()
+        return job.finish()
+    except Exception as exc:
+        if not watchdog.is_collective_timeout(exc):
+            raise
+        timed_out = True  # the process group cannot be torn down: the CLI exits at once
+        raise _collective_timeout() from exc
+    finally:
+        job.close(backend=not timed_out)
+
+
+def _collective_timeout() -> CollectiveTimeoutError:
+    """The error of a run whose collective timed out, after the peers on this host stopped."""
+    killed = watchdog.stop_unresponsive_peers()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CollectiveTimeoutError(
+        f"rank {rank}: a collective waited parallel.timeout_s for another rank that stopped "
+        f"answering (hung, stopped or dead; {len(killed)} rank(s) on this host stopped); the "
+        "newest complete checkpoint is intact: fix the cause and run again with --resume "
+        "(raise parallel.timeout_s if a rank is only slow)"
     )
-    check_local_paths(cfg)
-    resumed_id = run_dirs.claim(run_dir, ckpt_root, resume=resume, overwrite=overwrite)
-    found = checkpointing.latest_complete(ckpt_root) if resume else None
-    if found is not None:
-        check_resume_fits(found[1], cfg, run_id=resumed_id)
-    source = build_rollout_source(cfg)
-    hook = load_postprocess_hook(cfg)
-    # the eval section's prompts, read and checked before the backend is built; its reward
-    # workers, if any, start at its first run
-    evaluator = build_evaluator(cfg, source)
+
+
+class _Job:
+    """One run's state: `open` checks and builds (nothing written yet), `start` claims the run
+    directory and resumes, `loop` runs the RL steps, `finish` exports, `close` releases."""
+
+    def __init__(
+        self,
+        cfg: UnirlConfig,
+        *,
+        source: RolloutSource,
+        backend: TrainingBackend,
+        total: int,
+        resume: bool,
+        overwrite: bool,
+    ) -> None:
+        self.cfg, self.source, self.backend, self.total = cfg, source, backend, total
+        self.resume, self.overwrite = resume, overwrite
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.ckpt_root = _checkpoint_root(cfg)
+        self.topo = backend.topology
+        # set by `open` after the checks, by `start` and by `loop`
+        self.resumed_id: str | None = None
+        self.found: tuple[int, Path] | None = None
+        self.hook: Any = None
+        self.evaluator: Any = None
+        self.run_id = ""
+        self.start_step = 0
+        self.resumed_from: int | None = None
+        self.version = 0  # the optimizer steps the policy has taken: each sync sends it
+        self.metrics_log: MetricsLog | None = None
+        self.sync: WeightSync | None = None
+        self.sync_s = 0.0  # logged with the step whose rollout came from that sync's weights
+        self.metrics: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, cfg: UnirlConfig, *, resume: bool, overwrite: bool) -> _Job:
+        """Check the directories, the paths and a checkpoint to resume from before any work,
+        then build the rollout source, the evaluator and the backend."""
+        from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
+        from unirl.rollouts.eval import build_evaluator
+        from unirl.rollouts.postprocess import load_postprocess_hook
+
+        run_dir, ckpt_root = Path(cfg.logging.run_dir), _checkpoint_root(cfg)
+        # Before any work: the directories can be written, and they hold no other run.
+        run_dirs.check_writable(run_dir, "logging.run_dir")
+        run_dirs.check_writable(
+            ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
+        )
+        check_local_paths(cfg)
+        resumed_id = run_dirs.claim(run_dir, ckpt_root, resume=resume, overwrite=overwrite)
+        found = checkpointing.latest_complete(ckpt_root) if resume else None
+        if found is not None:
+            check_resume_fits(found[1], cfg, run_id=resumed_id)
+        source = build_rollout_source(cfg)
+        hook = load_postprocess_hook(cfg)
+        # the eval section's prompts, read and checked before the backend is built; its reward
+        # workers, if any, start at its first run
+        evaluator = build_evaluator(cfg, source)
+        total = _rl_steps(cfg, source)
+        backend = build_backend(
+            cfg,
+            # the policy's steps (its LR schedule); the critic adds its warm-up steps
+            total_optimizer_steps=policy_rl_steps(cfg, total)
+            * cfg.layout.optimizer_steps_per_rollout,
+            needs_reference=needs_reference(cfg),
+        )
+        job = cls(
+            cfg, source=source, backend=backend, total=total, resume=resume, overwrite=overwrite
+        )
+        job.resumed_id, job.found, job.hook, job.evaluator = resumed_id, found, hook, evaluator
+        return job
+
+    def start(self) -> None:
+        """Claim the run directory (one run id on every rank), resume from the checkpoint, open
+        the metrics log and hand the source the weights the run starts from."""
+        from unirl.rollouts.async_source import generating_ahead, restore
+
+        cfg = self.cfg
+        self.run_id = _same_on_every_rank(self.resumed_id or run_dirs.new_run_id())
+        if _is_rank0():
+            if self.overwrite:
+                run_dirs.clear_previous_run(self.run_dir, self.ckpt_root)
+            run_dirs.write_run_id(self.run_dir, self.run_id)
+        _barrier()
+        # rollouts generated ahead in a worker, if the config asks (rollouts/async_source)
+        self.source = generating_ahead(self.source, cfg)
+        client = None
+        if self.found is not None:
+            self.resumed_from, path = self.found
+            client = self.backend.load_checkpoint(path)
+            self.start_step = int(client["rl_step"])
+            restore(self.source, client["rollout_source"])
+        if self.resume and self.topo.is_reporting_rank:
+            if self.found is None:
+                logger.info(
+                    "--resume: no complete checkpoint in %s, starting fresh", self.ckpt_root
+                )
+            else:
+                logger.info("resumed from %s (RL step %d)", self.found[1], self.start_step)
+        if self.topo.is_reporting_rank:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+            )
+            self.metrics_log = _metrics_log(cfg, self.run_dir, self.start_step, self.run_id)
+        self.version = _initial_policy_version(cfg, client)
+        self.sync = WeightSync(cfg, self.backend, self.source)
+        self.sync_s = self.sync.initial(self.version)
+
+    def loop(self) -> None:
+        """The RL steps, from the first this run has not done to ``total``."""
+        cfg, topo = self.cfg, self.topo
+        rl_step = RLStep(cfg, self.backend)
+        if topo.is_reporting_rank and self.backend.critic is not None:
+            logger.info("critic: %s", critic_summary(cfg))
+        guard = DivergenceGuard(cfg.train.max_consecutive_skipped_steps)
+        bars = progress_enabled(cfg.progress.enabled)
+        every = cfg.progress.log_every
+        with RunProgress(
+            self.total, topo, bars, initial=self.start_step, show=RUN_BAR_KEYS, log_every=every
+        ) as bar:
+            for k in range(self.start_step, self.total):
+                self._step(k, rl_step, guard, bars)
+                self._after_step(k + 1, bar)
+                bar.advance(self.metrics)
+
+    def _rollout(self, k: int, bars: bool) -> RolloutBatch:
+        """Rollout k from the source, under a generation bar when the source generates
+        (reading finished rollouts, from a file, is no phase worth a bar)."""
+        cfg = self.cfg
+        if not SOURCES.get(cfg.rollout.source).generates:
+            return self.source.next_rollout(k)
+        log_summary = logs_step(k + 1, cfg.progress.log_every, self.total)
+        with GenerationProgress(
+            "generate", cfg.layout.rollout_samples, self.topo, enabled=bars, log_summary=log_summary
+        ) as gen_bar:
+            return self.source.next_rollout(k, progress=gen_bar)
+
+    def _step(self, k: int, rl_step: RLStep, guard: DivergenceGuard, bars: bool) -> None:
+        """RL step k: the rollout, the core step, its metrics, then the weights checked and
+        synced to the source (the non-finite check comes before any sync, save or export)."""
+        from unirl.rollouts.postprocess import apply_postprocess_hook
+        from unirl.rollouts.source import MeasuresRollouts, policy_version_metrics
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batch = self._rollout(k, bars)
+        generation_s = time.perf_counter() - t0
+        source_metrics = (
+            self.source.rollout_metrics() if isinstance(self.source, MeasuresRollouts) else {}
+        )
+        if self.hook is not None:
+            hook_name = str(cfg.algorithm.rollout_postprocess_hook)
+            batch = apply_postprocess_hook(self.hook, batch, k, hook_name)
+        result = rl_step.run(batch, rl_step=k, policy_version=self.version)
+        self.metrics = (
+            result.metrics
+            | policy_version_metrics(batch, self.version)
+            | {
+                "old_logprobs/source": result.decision.source,
+                "time/generation_s": generation_s,
+                "time/weight_sync_s": self.sync_s,
+            }
+            | source_metrics
+        )
+        self.version += int(result.metrics["optimizer_steps"])
+        if self.metrics_log is not None:
+            self.metrics_log.write(k + 1, self.metrics)
+        assert self.sync is not None, "start() comes before loop()"
+        self.sync_s = self.sync.after_step(k + 1, self.metrics, guard, self.version)
+
+    def _after_step(self, done: int, bar: RunProgress) -> None:
+        """The eval and the checkpoint due after ``done`` RL steps, kept out of the ETA (neither
+        is a step)."""
+        cfg = self.cfg
+        if self.evaluator is not None and self.evaluator.due(done, self.total):
+            with bar.excluded():
+                eval_metrics = self.evaluator.run(done)
+            if self.metrics_log is not None:
+                self.metrics_log.write(done, eval_metrics)
+        if done == self.total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+            with bar.excluded():
+                _save(
+                    self.backend, self.ckpt_root, done, self.version, cfg, self.source,
+                    self.run_id, self.topo.is_reporting_rank,
+                )  # fmt: skip
+
+    def finish(self) -> RunSummary:
+        """Export the policy (and critic) in Hugging Face layout; close the metrics log."""
+        export = self.run_dir / "hf" if self.cfg.checkpoint.export_hf else None
+        if export is not None:
+            self._export(export)
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+        return RunSummary(
+            run_dir=self.run_dir,
+            steps_done=self.total,
+            resumed_from=self.resumed_from,
+            last_metrics={k: v for k, v in self.metrics.items() if isinstance(v, float)},
+            hf_export=export,
+            reporting=self.topo.is_reporting_rank,
+        )
+
+    def _export(self, export: Path) -> None:
+        from unirl.rollouts.build import save_run_tokenizer
+
+        reporting = self.topo.is_reporting_rank
+        self.backend.export_hf(export)
+        if _is_rank0():  # the tokenizer the rollouts used, for AutoTokenizer and engines
+            save_run_tokenizer(self.cfg, export)
+        _barrier()
+        if reporting:
+            logger.info("policy exported in Hugging Face layout to %s", export)
+        if self.backend.critic is not None:
+            self.backend.critic.export_hf(self.run_dir / "hf_critic")
+            _barrier()
+            if reporting:
+                logger.info(
+                    "critic exported in Hugging Face layout to %s", self.run_dir / "hf_critic"
+                )
+
+    def close(self, *, backend: bool) -> None:
+        """Release the evaluator and the source (an engine's processes go also when the run
+        failed), then the backend unless a collective timed out (its group cannot be torn
+        down)."""
+        if self.evaluator is not None:
+            self.evaluator.close()
+        self.source.close()
+        if backend:
+            self.backend.close()
+
+
+def _checkpoint_root(cfg: UnirlConfig) -> Path:
+    return (
+        Path(cfg.checkpoint.dir)
+        if cfg.checkpoint.dir
+        else Path(cfg.logging.run_dir) / "checkpoints"
+    )
+
+
+def _rl_steps(cfg: UnirlConfig, source: RolloutSource) -> int:
+    """The RL steps this run takes: ``train.rl_steps``, or fewer if a rollout file holds fewer;
+    the policy must get at least one after the critic's warm-up."""
     total = cfg.train.rl_steps
     if source.num_rollouts is not None and source.num_rollouts < total:
         logger.info(
@@ -138,206 +382,24 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
             source.num_rollouts, source.num_rollouts, total,
         )  # fmt: skip
         total = source.num_rollouts
-
-    policy_steps = policy_rl_steps(cfg, total)
-    if policy_steps < 1:
+    if policy_rl_steps(cfg, total) < 1:
         raise ConfigError(
             f"critic.warmup_steps={cfg.critic.warmup_steps} leaves the policy no RL step of the "
             f"{total} this run takes (the rollout file's length); lower critic.warmup_steps"
         )
-    backend = build_backend(
-        cfg,
-        # the policy's steps (its LR schedule); the critic adds its warm-up steps
-        total_optimizer_steps=policy_steps * cfg.layout.optimizer_steps_per_rollout,
-        needs_reference=needs_reference(cfg),
+    return total
+
+
+def _metrics_log(cfg: UnirlConfig, run_dir: Path, start: int, run_id: str) -> MetricsLog:
+    """The reporting rank's metrics log (JSONL, TensorBoard, W&B as configured)."""
+    wandb = (
+        None
+        if cfg.logging.wandb is None
+        else WandbLog(cfg.logging.wandb, run_dir, run_id=run_id, config=cfg.to_dict())
     )
-    topo = backend.topology
-    timed_out = False
-    # train.max_staleness > 0: rollouts generated ahead, in a worker (rollouts/async_source)
-    ahead: RolloutsAhead | None = None
-    try:
-        run_id = _same_on_every_rank(resumed_id or run_dirs.new_run_id())
-        if _is_rank0():
-            if overwrite:
-                run_dirs.clear_previous_run(run_dir, ckpt_root)
-            run_dirs.write_run_id(run_dir, run_id)
-        _barrier()
-        start, resumed_from, client = 0, None, None
-        if cfg.train.max_staleness:
-            bucket_bytes = int(cfg.rollout.weight_bucket_mb) * MIB
-            ahead = RolloutsAhead(source, cfg.train.max_staleness, bucket_bytes=bucket_bytes)
-        if resume:
-            if found is not None:
-                resumed_from, path = found
-                client = backend.load_checkpoint(path)
-                start = int(client["rl_step"])
-                restore_rollouts(source, ahead, client["rollout_source"])
-            if topo.is_reporting_rank:
-                if found is None:
-                    logger.info("--resume: no complete checkpoint in %s, starting fresh", ckpt_root)
-                else:
-                    logger.info("resumed from %s (RL step %d)", found[1], start)
-        if topo.is_reporting_rank:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        metrics_log = (
-            MetricsLog(
-                run_dir,
-                tensorboard=cfg.logging.tensorboard,
-                resume_from_step=start,
-                wandb=None
-                if cfg.logging.wandb is None
-                else WandbLog(cfg.logging.wandb, run_dir, run_id=run_id, config=cfg.to_dict()),
-            )
-            if topo.is_reporting_rank
-            else None
-        )
-        # The optimizer steps the policy has taken: the version of the weights each sync sends.
-        version = _initial_policy_version(cfg, client)
-        sync = WeightSync(cfg, backend, source)
-        # Logged with the step whose rollout came from the weights this sync delivered.
-        sync_s = 0.0
-        if ahead is None:
-            sync_s = sync.initial(version)
-        else:  # the first k rollouts: restored, or generated from the weights we start from
-            for r in range(start, start + ahead.max_staleness):
-                if not ahead.has(r):
-                    ahead.submit(r, sync.snapshot(), version)
-        rl_step = RLStep(cfg, backend)
-        if topo.is_reporting_rank and backend.critic is not None:
-            logger.info("critic: %s", critic_summary(cfg))
-        guard = DivergenceGuard(cfg.train.max_consecutive_skipped_steps)
-        metrics: dict[str, float] = {}
-        bars = progress_enabled(cfg.progress.enabled)
-        every = cfg.progress.log_every
-        # reading finished rollouts (a file) is no phase worth a bar
-        generates = SOURCES.get(cfg.rollout.source).generates
-        with RunProgress(
-            total, topo, bars, initial=start, show=RUN_BAR_KEYS, log_every=every
-        ) as bar:
-            for k in range(start, total):
-                t0 = time.perf_counter()
-                async_metrics: dict[str, float] = {}
-                if ahead is not None:
-                    batch, generation_s, sync_s, async_metrics = _take_ahead(
-                        ahead, k, sync, version
-                    )
-                elif generates:
-                    with GenerationProgress(
-                        "generate",
-                        cfg.layout.rollout_samples,
-                        topo,
-                        enabled=bars,
-                        log_summary=logs_step(k + 1, every, total),
-                    ) as gen_bar:
-                        batch = source.next_rollout(k, progress=gen_bar)
-                else:
-                    batch = source.next_rollout(k)
-                if ahead is None:
-                    generation_s = time.perf_counter() - t0
-                if hook is not None:
-                    batch = apply_postprocess_hook(
-                        hook, batch, k, str(cfg.algorithm.rollout_postprocess_hook)
-                    )
-                result = rl_step.run(batch, rl_step=k, policy_version=version)
-                metrics = (
-                    result.metrics
-                    | policy_version_metrics(batch, version)
-                    | async_metrics
-                    | {
-                        "old_logprobs/source": result.decision.source,
-                        "time/generation_s": generation_s,
-                        "time/weight_sync_s": sync_s,
-                    }
-                )
-                version += int(result.metrics["optimizer_steps"])
-                if metrics_log is not None:
-                    metrics_log.write(k + 1, metrics)
-                # the non-finite check comes before any sync, save or export
-                if ahead is None:
-                    sync_s = sync.after_step(k + 1, metrics, guard, version)
-                else:  # the worker syncs its own snapshot (`_take_ahead`)
-                    guard.after_step(k + 1, metrics, backend.non_finite_weight())
-                done = k + 1
-                if evaluator is not None and evaluator.due(done, total):
-                    with bar.excluded():  # an eval is not a step: keep it out of the ETA
-                        eval_metrics = evaluator.run(done)
-                    if metrics_log is not None:
-                        metrics_log.write(done, eval_metrics)
-                if done == total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
-                    with bar.excluded():  # a save is not a step: keep it out of the ETA
-                        _save(
-                            backend, ckpt_root, done, version, cfg, ahead or source, run_id,
-                            topo.is_reporting_rank,
-                        )  # fmt: skip
-                bar.advance(metrics)
-        export = None
-        if cfg.checkpoint.export_hf:
-            export = run_dir / "hf"
-            backend.export_hf(export)
-            if _is_rank0():  # the tokenizer the rollouts used, for AutoTokenizer and engines
-                save_run_tokenizer(cfg, export)
-            _barrier()
-            if topo.is_reporting_rank:
-                logger.info("policy exported in Hugging Face layout to %s", export)
-            if backend.critic is not None:
-                backend.critic.export_hf(run_dir / "hf_critic")
-                _barrier()
-                if topo.is_reporting_rank:
-                    logger.info(
-                        "critic exported in Hugging Face layout to %s", run_dir / "hf_critic"
-                    )
-        if metrics_log is not None:
-            metrics_log.close()
-        return RunSummary(
-            run_dir=run_dir,
-            steps_done=total,
-            resumed_from=resumed_from,
-            last_metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
-            hf_export=export,
-            reporting=topo.is_reporting_rank,
-        )
-    except Exception as exc:
-        if not watchdog.is_collective_timeout(exc):
-            raise
-        timed_out = True  # the process group cannot be torn down: the CLI exits at once
-        killed = watchdog.stop_unresponsive_peers()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise CollectiveTimeoutError(
-            f"rank {rank}: a collective waited parallel.timeout_s for another rank that stopped "
-            f"answering (hung, stopped or dead; {len(killed)} rank(s) on this host stopped); the "
-            "newest complete checkpoint is intact: fix the cause and run again with --resume "
-            "(raise parallel.timeout_s if a rank is only slow)"
-        ) from exc
-    finally:
-        if ahead is not None:
-            ahead.close()
-        if evaluator is not None:
-            evaluator.close()
-        source.close()  # an engine's processes go also when the run failed
-        if not timed_out:
-            backend.close()
-
-
-def _take_ahead(
-    ahead: RolloutsAhead, k: int, sync: WeightSync, version: int
-) -> tuple[RolloutBatch, float, float, dict[str, float]]:
-    """train.max_staleness > 0: queue rollout k + max_staleness from the weights now (version
-    ``version``), then take rollout k (unirl.rollouts.async_source has the schedule). Returns the
-    batch, its generation and weight-sync seconds in the worker, and the async metrics."""
-    from unirl.rollouts.async_source import staleness_metrics
-
-    # Queued even past the run's last step: the final checkpoint then holds the rollouts a
-    # --resume with more train.rl_steps continues from, exactly.
-    ahead.submit(k + ahead.max_staleness, sync.snapshot(), version)
-    generated, wait_s = ahead.take(k)
-    busy = generated.sync_s + generated.generation_s
-    metrics = staleness_metrics(generated.batch, version) | {
-        "time/rollout_wait_s": wait_s,  # the trainer idle, waiting for the rollout
-        "time/overlap_s": max(0.0, busy - wait_s),  # its generation hidden behind training
-        "time/generator_idle_s": generated.idle_s,  # the worker waiting for these weights
-    }
-    return generated.batch, generated.generation_s, generated.sync_s, metrics
+    return MetricsLog(
+        run_dir, tensorboard=cfg.logging.tensorboard, resume_from_step=start, wandb=wandb
+    )
 
 
 def _write_error(exc: BaseException) -> str:

@@ -184,11 +184,17 @@ class SplitSpy:
 
 
 def forward_only(
-    backend: Any, records: list[dict[str, Any]], role: str, data: tuple[str, ...] = ()
+    backend: Any,
+    records: list[dict[str, Any]],
+    role: str,
+    data: tuple[str, ...] = (),
+    *,
+    routing: str = "off",
 ) -> tuple[dict[int, list[float]], int]:
     """Per-sample response log-probs from `backend.forward_logprobs` over this rank's share
     (samples ``i`` with ``i % dp == dp_rank``, in microbatches of `FORWARD_MICROBATCH`), and the
-    number of microbatches; ``data``: the optional per-token fields the microbatches carry."""
+    number of microbatches; ``data``: the optional per-token fields the microbatches carry;
+    ``routing``: the pass's routing replay (`LogprobSpec.routing`)."""
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.data.microbatch import build_microbatch
     from unirl.core.data.rollout import RolloutBatch
@@ -204,7 +210,9 @@ def forward_only(
         build_microbatch(p, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_group=topo.groups.cp)
         for p in packs
     ]
-    spec = LogprobSpec(temperature=fixtures.TEMPERATURE, vocab_size=backend.vocab_size)
+    spec = LogprobSpec(
+        temperature=fixtures.TEMPERATURE, vocab_size=backend.vocab_size, routing=routing
+    )
     with MicrobatchProgress("contract forward", len(mbs), topo, enabled=False) as bar:
         results = backend.forward_logprobs(mbs, role=role, spec=spec, progress=bar)
     out: dict[int, list[float]] = {}
@@ -452,7 +460,9 @@ class _GroupRun:
             cfg = self.cfg_of(variant)
             backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
             spy = SplitSpy(backend)
-            res["forward"] = forward_only(backend, records, "policy", ("routed_experts",))[0]
+            res["forward"] = forward_only(
+                backend, records, "policy", ("routed_experts",), routing="replay"
+            )[0]
             spy.take()
             result = RLStep(cfg, backend).run(self.batch_of(variant, records), rl_step=0)
             res["metrics"] = dict(result.metrics)

@@ -99,7 +99,10 @@ def _worker(rank, world_size, ep, pp, tp):
         backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
         state = _decisive(backend.hf_state_dict())
         load_hf_weights(backend.model, state, backend.hf_config, backend.topology)
-        spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
+        # the forward-only pass records (R2) or replays (R3); the training pass replays
+        forward = "replay" if mode == "rollout" else "record"
+        spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size, routing=forward)
+        train_spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size, routing="replay")
         vocab = MOE_HF["vocab_size"]
         if mode == "rollout":
             forced = _forced(_hf_fields(pp, tp))
@@ -116,7 +119,9 @@ def _worker(rank, world_size, ep, pp, tp):
             loss_fn = LossWithRouterTerm(policy=policy, router=None, global_tokens=mb.num_tokens)
 
             with MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
-                metrics = backend.forward_backward([mb], loss_fn=loss_fn, spec=spec, progress=bar)
+                metrics = backend.forward_backward(
+                    [mb], loss_fn=loss_fn, spec=train_spec, progress=bar
+                )
             out["disagreement"] = metrics[0]["router/disagreement"] if metrics else None
             out["state"] = state
         else:

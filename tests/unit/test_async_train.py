@@ -20,6 +20,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.mismatch import mismatch_by_staleness
 from unirl.rollouts.async_source import RolloutsAhead, restore, staleness_metrics
 from unirl.rollouts.collectives import rollout_group
+from unirl.rollouts.source import MeasuresRollouts
 
 
 class _RecordingSource:
@@ -49,6 +50,9 @@ class _RecordingSource:
     def load_state_dict(self, state) -> None:
         self.drawn = state["drawn"]
 
+    def close(self) -> None:
+        self.calls.append(("close", -1))
+
 
 def test_worker_generates_in_order_from_a_copy_of_the_weights():
     source = _RecordingSource()
@@ -66,7 +70,33 @@ def test_worker_generates_in_order_from_a_copy_of_the_weights():
         ahead.close()
     assert [float(g.batch.rewards[0]) for g in (first, second, third)] == [1.0, 1.0, 11.0]
     assert source.calls == [("sync", 0), ("generate", 0), ("sync", 0), ("generate", 1),
-                            ("sync", 1), ("generate", 2)]  # fmt: skip
+                            ("sync", 1), ("generate", 2), ("close", -1)]  # fmt: skip
+
+
+def test_as_a_source_it_follows_the_schedule_of_the_loop():
+    """The loop syncs W_j then asks for rollout j: k = 1 queues rollouts 0 and 1 from W_0 at
+    the first call, then j + 1 from W_j; rollout r comes from W_max(0, r - 1). The metrics say
+    how stale each is; close stops the worker, then closes the wrapped source."""
+    source = _RecordingSource()
+    ahead = RolloutsAhead(source, max_staleness=1)
+    rewards, stale = [], []
+    try:
+        for j in range(3):
+            w = torch.tensor(float(j + 1))  # W_j
+            ahead.sync_weights([[("w", w)]], policy_version=j)
+            batch = ahead.next_rollout(j)
+            w.add_(100.0)  # the trainer's step: the copies in flight keep what they were given
+            rewards.append(float(batch.rewards[0]))
+            stale.append(ahead.rollout_metrics()["rollout/staleness_max"])
+            assert ahead.rollout_metrics()["time/rollout_wait_s"] >= 0
+        assert sorted(ahead.state_dict()["in_flight"]) == ["3"]  # queued past the last step
+    finally:
+        ahead.close()
+    assert rewards == [1.0, 1.0, 2.0] and stale == [0.0, 1.0, 1.0]
+    assert source.calls == [("sync", 0), ("generate", 0), ("sync", 0), ("generate", 1),
+                            ("sync", 1), ("generate", 2), ("sync", 2), ("generate", 3),
+                            ("close", -1)]  # fmt: skip
+    assert isinstance(ahead, MeasuresRollouts)
 
 
 def test_the_snapshot_reaches_the_source_in_buckets_of_the_sync_size():
@@ -126,13 +156,13 @@ def test_state_round_trips_the_rollouts_in_flight():
     ahead.close()
     assert state["source"] == {"drawn": 2} and sorted(state["in_flight"]) == ["5", "6"]
     again = RolloutsAhead(_RecordingSource(), max_staleness=2)
-    restore(again.source, again, state)
+    restore(again, state)
     assert again.source.drawn == 2 and again.has(5) and again.has(6)
     batch = again.take(6)[0].batch
     again.close()
     assert float(batch.rewards[0]) == 4.0 and batch.samples[0].policy_version == 5
     with pytest.raises(ConfigError, match=r"resume with the train\.max_staleness"):
-        restore(_RecordingSource(), None, state)
+        restore(_RecordingSource(), state)
 
 
 def test_staleness_metrics_per_sample():

@@ -194,7 +194,12 @@ def train(backend, cfg, mbs, seqs_per_mb, seen=None):
         metrics = backend.forward_backward(
             mbs,
             loss_fn=moe_loss_fn(cfg, resp, tokens, seen),
-            spec=LogprobSpec(with_entropy=True, entropy_grad=True),
+            # the training pass replays (R2 and R3) whenever routing replay is on
+            spec=LogprobSpec(
+                with_entropy=True,
+                entropy_grad=True,
+                routing="off" if cfg.algorithm.routing_replay == "off" else "replay",
+            ),
             progress=progress,
         )
     return reduce_metrics(metrics), backend.optimizer_step()
@@ -296,7 +301,7 @@ def test_rollout_replay_equals_the_hand_forced_forward(moe_folder, backend_name)
         expected = forced_reference(reference_model(moe_folder), seqs, experts)
         with bar(backend, 1) as progress:
             (logp,) = backend.forward_logprobs(
-                [mb], role="policy", spec=LogprobSpec(), progress=progress
+                [mb], role="policy", spec=LogprobSpec(routing="replay"), progress=progress
             )
         torch.testing.assert_close(
             without_last(logp, seqs), without_last(expected, seqs), atol=1e-5, rtol=0
@@ -322,7 +327,8 @@ def test_record_then_replay_after_the_router_changed(moe_folder):
     try:
         mb = pack(seqs)
         with bar(backend, 1) as progress:
-            backend.forward_logprobs([mb], role="policy", spec=LogprobSpec(), progress=progress)
+            spec = LogprobSpec(routing="record")
+            backend.forward_logprobs([mb], role="policy", spec=spec, progress=progress)
         (recorded,) = backend.recorded_routing()
         ref = reference_model(moe_folder)
         free = []

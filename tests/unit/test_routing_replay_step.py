@@ -142,3 +142,34 @@ def test_record_mode_needs_a_backend_that_hands_back_recordings(toy_replaying):
     cfg, backend, batch, _ = setup("record", with_experts=False)
     with pytest.raises(ConfigError, match=r"does not hand back recorded routing"):
         RLStep(cfg, backend).run(batch)
+
+
+@pytest.mark.parametrize(
+    ("mode", "forward_only", "training"),
+    [("off", "off", "off"), ("rollout", "replay", "replay"), ("record", "record", "replay")],
+)
+def test_each_pass_carries_the_routing_core_decided(toy_replaying, mode, forward_only, training):
+    """The backends read routing replay from the passes' specs, never from the config: the
+    policy's forward-only pass records (R2) or replays (R3), every training pass replays when
+    replay is on."""
+    cfg, backend, batch, _ = setup(mode, with_experts=True)
+    cfg = attrs.evolve(cfg, old_logprobs="recompute")  # a forward-only pass in every mode
+    passes: list[tuple[str, str]] = []
+    forward, train = backend.forward_logprobs, backend.forward_backward
+
+    def forward_logprobs(mbs, **kw):
+        passes.append((kw["role"], kw["spec"].routing))
+        return forward(mbs, **kw)
+
+    def forward_backward(mbs, **kw):
+        passes.append(("train", kw["spec"].routing))
+        return train(mbs, **kw)
+
+    backend.forward_logprobs = forward_logprobs  # type: ignore[method-assign]
+    backend.forward_backward = forward_backward  # type: ignore[method-assign]
+    backend.recorded_routing = lambda: [  # type: ignore[attr-defined]
+        torch.zeros(mb.num_tokens, 2, 2, dtype=torch.int32) for mb in recorded_for
+    ]
+    recorded_for = [batch.pack([0]), batch.pack([1])]
+    RLStep(cfg, backend).run(batch)
+    assert passes == [("policy", forward_only), ("train", training)]

@@ -71,7 +71,7 @@ class LossFn(Protocol):
 
 @runtime_checkable
 class RecordsRouting(Protocol):
-    """A backend whose policy forward-only pass records MoE routing (``routing_replay: record``,
+    """A backend whose policy forward-only pass records MoE routing (``spec.routing: record``,
     R2): after `TrainingBackend.forward_logprobs` with ``role="policy"`` it hands back, per
     microbatch of that call, the experts its routers chose ``[T_local, moe_layers, top_k]`` int32
     (CP-local rows, as the log-probs)."""
@@ -247,7 +247,9 @@ class TrainingBackend(Protocol):
         progress: MicrobatchProgress,
     ) -> list[torch.Tensor]:
         """Forward-only pass; per microbatch the detached fp32 log-probs ``[T]`` (logit-position
-        alignment, CP-local). Ranks that hold no loss (non-last pipeline stages) return []."""
+        alignment, CP-local). Ranks that hold no loss (non-last pipeline stages) return [].
+        An MoE policy's routers run as ``spec.routing`` says (decided by core): ``record``
+        (then `RecordsRouting`), ``replay`` each microbatch's ``routed_experts``, or ``off``."""
         ...
 
     def forward_backward(
@@ -259,7 +261,8 @@ class TrainingBackend(Protocol):
         progress: MicrobatchProgress,
     ) -> list[Mapping[str, Metric]]:
         """Accumulate gradients of every microbatch of one optimizer step; per-microbatch metrics
-        (empty on ranks without the loss)."""
+        (empty on ranks without the loss). Under ``spec.routing: replay`` a microbatch that
+        carries ``routed_experts`` has them replayed (and ``router/disagreement`` reported)."""
         ...
 
     def optimizer_step(self) -> OptimizerStepStats: ...

@@ -26,6 +26,7 @@ from unirl.core.config.derived import (
     forward_logprob_spec,
     loss_settings,
     needs_reference,
+    routing_replay,
     train_logprob_spec,
 )
 from unirl.core.config.model_shape import hf_config_fields, moe_shape
@@ -36,11 +37,12 @@ from unirl.core.data.context_parallel import gather_from_cp
 from unirl.core.data.counts import GlobalCounts
 from unirl.core.data.microbatch import TrainMicrobatch, build_microbatch
 from unirl.core.data.plan import MicrobatchPlan
-from unirl.core.data.rollout import PackedMicrobatch, RolloutBatch
+from unirl.core.data.rollout import PackedMicrobatch, PaddedResponses, RolloutBatch
 from unirl.core.data.routed_experts import recorded_per_sample
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.maths.advantages import (
     AdvantageInputs,
+    AdvantageOutput,
     compute_advantages,
     rewards_for_estimator,
 )
@@ -68,6 +70,18 @@ class StepResult:
     decision: OldLogprobDecision
 
 
+@attrs.frozen(kw_only=True)
+class _Passes:
+    """What the forward-only phase hands on: the rollout (with recorded experts under R2), its
+    padded responses, and the old, reference and value ``[B, L]`` tensors (None: not used)."""
+
+    batch: RolloutBatch
+    padded: PaddedResponses
+    old_bl: torch.Tensor | None
+    ref_bl: torch.Tensor | None
+    values_bl: torch.Tensor | None
+
+
 class RLStep:
     """Runs RL steps for one run: built once (settings, decision log), called per rollout."""
 
@@ -82,11 +96,11 @@ class RLStep:
         # R3 (routing_replay: rollout): every forward replays the rollout's routed_experts, which
         # each rollout must carry, in the model's shape. Otherwise experts in the data are not
         # replayed (under R2 the old-log-prob forward records its own).
-        self.rollout_experts = (
-            replay_shape(cfg) if cfg.algorithm.routing_replay == "rollout" else None
-        )
+        # (decided once, `routing_replay`; the backends read it from the passes' specs)
+        routing = routing_replay(cfg)
+        self.rollout_experts = replay_shape(cfg) if routing == "replay" else None
         # R2 (routing_replay: record): the old-log-prob forward records, the training replays.
-        self.records_routing = cfg.algorithm.routing_replay == "record"
+        self.records_routing = routing == "record"
         # A mixture-of-experts policy: the router's auxiliary losses join the loss.
         # (a model whose config cannot be read here is the backend's to report: no router term)
         shape = moe_shape(cfg.model) if hf_config_fields(cfg.model) is not None else None
@@ -105,9 +119,51 @@ class RLStep:
     ) -> StepResult:
         """One RL step on ``batch``. ``policy_version`` (the optimizer steps the policy has
         taken) tells the decision how stale the samples are; None: treat them as on-policy."""
-        cfg, topo = self.cfg, self.topology
         t_start = time.perf_counter()
-        self.log_phases = logs_step(rl_step + 1, cfg.progress.log_every, cfg.train.rl_steps)
+        self.log_phases = logs_step(
+            rl_step + 1, self.cfg.progress.log_every, self.cfg.train.rl_steps
+        )
+        decision, staleness = self._decide(batch, policy_version)
+        plans = self._plans(batch, rl_step)
+        critic_plans = (
+            self._plans(batch, rl_step, micro_batch_size=self.cfg.critic.micro_batch_size)
+            if self.critic is not None and self.cfg.critic.micro_batch_size is not None
+            else plans
+        )
+        warming_up = self.critic is not None and critic_warming_up(self.cfg, rl_step)
+        timings: dict[str, float] = {}
+        passes = self._forward_passes(batch, decision, plans, critic_plans, timings)
+        batch = passes.batch  # with the experts the old-log-prob forward recorded (R2)
+        adv, response_mask = self._advantages(passes, timings)
+        t0 = time.perf_counter()
+        step_metrics = [] if warming_up else self._policy_steps(passes, plans, adv, decision)
+        timings["time/train_s"] = time.perf_counter() - t0
+        critic_metrics = self._critic_steps(passes, critic_plans, adv, timings)
+        timings["time/step_s"] = time.perf_counter() - t_start
+        metrics = self._metrics(passes, adv, response_mask, step_metrics, critic_metrics)
+        if self.critic is not None:
+            metrics["critic/warmup"] = float(warming_up)
+        metrics.update(_batch_metrics(batch))
+        metrics.update(
+            self._mismatch_by_staleness(
+                batch, decision, policy_version, staleness, passes.old_bl, response_mask, metrics
+            )
+        )
+        metrics.update(timings)
+        tokens = int(batch.lengths.sum()) * self.cfg.batch.epochs_per_rollout
+        metrics["throughput/train_tokens_per_s"] = tokens / max(timings["time/train_s"], 1e-9)
+        metrics["optimizer_steps"] = float(len(step_metrics))  # the policy's
+        metrics["old_logprobs/recompute"] = float(decision.source == "recompute")
+        return StepResult(metrics=metrics, decision=decision)
+
+    # -- the phases -----------------------------------------------------------------------
+
+    def _decide(
+        self, batch: RolloutBatch, policy_version: int | None
+    ) -> tuple[OldLogprobDecision, int]:
+        """Validate the rollout, then decide where the old log-probs come from (and whether
+        decoupled PPO is on) for it; returns the decision and the rollout's staleness."""
+        cfg = self.cfg
         batch.validate(
             vocab_size=self.backend.vocab_size,
             max_seq_len=cfg.model.max_seq_len,
@@ -121,23 +177,27 @@ class RLStep:
         )
         # algorithm.decoupled: auto is decided per rollout, with the proximal source
         self.loss_settings = attrs.evolve(self.loss_settings, decoupled=decision.decoupled.on)
-        if topo.is_reporting_rank:
+        if self.topology.is_reporting_rank:
             self.decisions.update(decision)
             warning = uncorrected_staleness(cfg, staleness, has_behaviour=has_behaviour)
             if warning is not None and not self._warned_stale:
                 logger.warning("%s", warning)
                 self._warned_stale = True
         self._check_data_for(decision, batch)
-        plans = self._plans(batch, rl_step)
-        critic_plans = (
-            self._plans(batch, rl_step, micro_batch_size=cfg.critic.micro_batch_size)
-            if self.critic is not None and cfg.critic.micro_batch_size is not None
-            else plans
-        )
-        warming_up = self.critic is not None and critic_warming_up(cfg, rl_step)
-        timings: dict[str, float] = {}
+        return decision, staleness
 
-        # Forward-only passes over this rank's share (the first epoch's microbatches).
+    def _forward_passes(
+        self,
+        batch: RolloutBatch,
+        decision: OldLogprobDecision,
+        plans: Sequence[MicrobatchPlan],
+        critic_plans: Sequence[MicrobatchPlan],
+        timings: dict[str, float],
+    ) -> _Passes:
+        """The forward-only passes over this rank's share (the first epoch's microbatches):
+        old log-probs when recomputed, reference log-probs when the rollout lacks them, the
+        critic's values; what the rollout carries stands in for the rest."""
+        topo = self.topology
         needs_ref_forward = self.uses_reference and not batch.has("ref_logprobs")
         first = (
             [batch.pack(idx) for step in plans[0].steps for idx in step.microbatches(topo.dp_rank)]
@@ -167,20 +227,34 @@ class RLStep:
         values_bl = padded.values
         if self.critic is not None:
             t0 = time.perf_counter()
-            critic = self.critic
-            values_bl = self._forward_to_responses(
-                batch,
-                [
-                    batch.pack(i)
-                    for step in critic_plans[0].steps
-                    for i in step.microbatches(topo.dp_rank)
-                ],
-                lambda mbs, bar: critic.forward_values(mbs, progress=bar),
-                "critic forward",
-            )
+            values_bl = self._critic_values(batch, critic_plans)
             timings["time/critic_forward_s"] = time.perf_counter() - t0
+        return _Passes(
+            batch=batch, padded=padded, old_bl=old_bl, ref_bl=ref_bl, values_bl=values_bl
+        )
 
+    def _critic_values(
+        self, batch: RolloutBatch, critic_plans: Sequence[MicrobatchPlan]
+    ) -> torch.Tensor:
+        """The critic's values of every response token, from its own first-epoch plan."""
+        critic, topo = self.critic, self.topology
+        assert critic is not None
+        packs = [
+            batch.pack(i) for step in critic_plans[0].steps for i in step.microbatches(topo.dp_rank)
+        ]
+        return self._forward_to_responses(
+            batch,
+            packs,
+            lambda mbs, bar: critic.forward_values(mbs, progress=bar),
+            "critic forward",
+        )
+
+    def _advantages(
+        self, passes: _Passes, timings: dict[str, float]
+    ) -> tuple[AdvantageOutput, torch.Tensor]:
+        """The advantages (and returns) of the rollout, and its response mask."""
         t0 = time.perf_counter()
+        batch, padded = passes.batch, passes.padded
         response_mask = padded.loss_mask.to(torch.float32) * padded.mask
         rewards, token_rewards = rewards_for_estimator(
             batch.rewards.to(torch.float32),
@@ -193,53 +267,71 @@ class RLStep:
                 group_ids=batch.group_ids,
                 response_mask=response_mask,
                 token_rewards=token_rewards,
-                old_logprobs=old_bl,
-                ref_logprobs=ref_bl,
-                values=values_bl,
-                teacher_logprobs=ref_bl if cfg.algorithm.distillation_coef > 0 else None,
+                old_logprobs=passes.old_bl,
+                ref_logprobs=passes.ref_bl,
+                values=passes.values_bl,
+                teacher_logprobs=passes.ref_bl
+                if self.cfg.algorithm.distillation_coef > 0
+                else None,
             ),
             self.advantage_settings,
         )
         timings["time/advantages_s"] = time.perf_counter() - t0
+        return adv, response_mask
 
+    def _policy_steps(
+        self,
+        passes: _Passes,
+        plans: Sequence[MicrobatchPlan],
+        adv: AdvantageOutput,
+        decision: OldLogprobDecision,
+    ) -> list[dict[str, float]]:
+        """The policy's optimizer steps, every epoch's; their metrics, step by step."""
+        compare = _compares_rollout(decision)
+        return [
+            self._optimizer_step(
+                passes.batch, step, adv.advantages, passes.old_bl, passes.ref_bl, compare
+            )
+            for plan in plans
+            for step in plan.steps
+        ]
+
+    def _critic_steps(
+        self,
+        passes: _Passes,
+        critic_plans: Sequence[MicrobatchPlan],
+        adv: AdvantageOutput,
+        timings: dict[str, float],
+    ) -> list[dict[str, float]]:
+        """The critic's optimizer steps (none without a critic); their metrics, step by step."""
+        if self.critic is None:
+            return []
+        values_bl = passes.values_bl
+        assert values_bl is not None
         t0 = time.perf_counter()
-        step_metrics: list[dict[str, float]] = []
-        for plan in [] if warming_up else plans:
-            for step in plan.steps:
-                step_metrics.append(
-                    self._optimizer_step(
-                        batch, step, adv.advantages, old_bl, ref_bl, _compares_rollout(decision)
-                    )
-                )
-        timings["time/train_s"] = time.perf_counter() - t0
-        critic_metrics: list[dict[str, float]] = []
-        if self.critic is not None:
-            assert values_bl is not None
-            t0 = time.perf_counter()
-            for plan in critic_plans:
-                for step in plan.steps:
-                    critic_metrics.append(self._critic_step(batch, step, adv.returns, values_bl))
-            timings["time/critic_train_s"] = time.perf_counter() - t0
-        timings["time/step_s"] = time.perf_counter() - t_start
+        out = [
+            self._critic_step(passes.batch, step, adv.returns, values_bl)
+            for plan in critic_plans
+            for step in plan.steps
+        ]
+        timings["time/critic_train_s"] = time.perf_counter() - t0
+        return out
 
+    def _metrics(
+        self,
+        passes: _Passes,
+        adv: AdvantageOutput,
+        response_mask: torch.Tensor,
+        step_metrics: Sequence[Mapping[str, float]],
+        critic_metrics: Sequence[Mapping[str, float]],
+    ) -> dict[str, float]:
+        """The policy's metrics averaged over its optimizer steps; the critic's, prefixed."""
         metrics = _mean_over_steps(step_metrics)
         if self.critic is not None:
-            assert values_bl is not None
+            assert passes.values_bl is not None
             metrics.update({f"critic/{k}": v for k, v in _mean_over_steps(critic_metrics).items()})
-            metrics.update(value_metrics(values_bl, adv.returns, response_mask))
-            metrics["critic/warmup"] = float(warming_up)
-        metrics.update(_batch_metrics(batch))
-        metrics.update(
-            self._mismatch_by_staleness(
-                batch, decision, policy_version, staleness, old_bl, response_mask, metrics
-            )
-        )
-        metrics.update(timings)
-        tokens = int(batch.lengths.sum()) * cfg.batch.epochs_per_rollout
-        metrics["throughput/train_tokens_per_s"] = tokens / max(timings["time/train_s"], 1e-9)
-        metrics["optimizer_steps"] = float(len(step_metrics))  # the policy's
-        metrics["old_logprobs/recompute"] = float(decision.source == "recompute")
-        return StepResult(metrics=metrics, decision=decision)
+            metrics.update(value_metrics(passes.values_bl, adv.returns, response_mask))
+        return metrics
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -372,6 +464,8 @@ class RLStep:
     def _logprobs_of(self, role: ModelRole) -> _ForwardPass:
         # run() validated every token id against this vocabulary before any forward
         spec = forward_logprob_spec(self.cfg, self.backend.vocab_size, targets_checked=True)
+        if role != "policy":  # the reference routes freely
+            spec = attrs.evolve(spec, routing="off")
         return lambda mbs, bar: self.backend.forward_logprobs(
             mbs, role=role, spec=spec, progress=bar
         )

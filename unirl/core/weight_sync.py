@@ -15,8 +15,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from unirl.core.backend import TrainingBackend
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.run.divergence import DivergenceGuard
@@ -52,15 +50,6 @@ class WeightSync:
         if device == HOST:
             return self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
         return self.backend.stream_weights(self.bucket_bytes, dst=self.dst, device=device)
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """The policy's weights in Hugging Face names, on the receiving rank(s), for the
-        rollouts generated ahead (`unirl.rollouts.async_source`): the stream gathered into one
-        dict on the host (empty on a rank that receives nothing; it is kept while the trainer
-        trains, so not on the GPU), non-finite weights refused before any bucket exists.
-        Collective: every rank calls it, in the main thread."""
-        stream = self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
-        return {name: t for bucket in stream for name, t in bucket}
 
     def initial(self, version: int) -> float:
         """The weights the run starts from, to the source (seconds it took; 0 without a sync)."""

@@ -93,6 +93,15 @@ class RolloutSource(Protocol):
         ...
 
 
+@runtime_checkable
+class MeasuresRollouts(Protocol):
+    """A source that knows more of a rollout than its samples say (a wrapper generating ahead in
+    a worker: its staleness, the worker's seconds); the training loop logs `rollout_metrics`
+    with the step that trains the rollout handed out last, over its own keys of the same name."""
+
+    def rollout_metrics(self) -> dict[str, float]: ...
+
+
 def policy_version_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
     """How old the rollout is: ``rollout/policy_version``, the oldest version among its samples,
     and ``rollout/staleness``, how many optimizer steps the trained weights (``trainer_version``)

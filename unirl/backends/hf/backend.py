@@ -62,8 +62,7 @@ class HFBackend(EngineBackend):
         self.vocab_size = int(model.config.vocab_size)
         # A mixture-of-experts policy: its router logits for core's auxiliary losses, and routing
         # replay (`unirl.backends.hf.moe`); the reference and the critic route freely.
-        mode = cfg.algorithm.routing_replay
-        self._routing = PolicyRouting(model, mode) if moe_routers(model) else None
+        self._routing = PolicyRouting(model) if moe_routers(model) else None
         self.policy = self._trained(
             model, Training("policy", cfg.optimizer, "optimizer", total_optimizer_steps)
         )
@@ -135,7 +134,7 @@ class HFBackend(EngineBackend):
         model = self.policy if role == "policy" else self._reference_model()
         routing = self._routing if role == "policy" else None
         if routing is not None:
-            routing.begin_forward_only()
+            routing.begin_forward_only(run.spec.routing)
         return forward_only_pass(
             model,
             LogprobHead(self._heads[role], run.spec),
@@ -154,6 +153,8 @@ class HFBackend(EngineBackend):
 
     def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
         routing = self._routing
+        if routing is not None:
+            routing.begin(run.spec.routing)
 
         def loss(mb: TrainMicrobatch, out: HeadOutput):
             if routing is None:

@@ -1,7 +1,7 @@
 """The policy's mixture-of-experts routing on a Hugging Face engine, per microbatch: the router
 logits the loss reads (core adds the auxiliary losses, `unirl.core.moe_loss`) and routing replay
-(`RouterReplay`, ``algorithm.routing_replay``), wired as `unirl.backends.hf.router_replay`'s
-docstring says.
+(`RouterReplay`, as each pass's spec says: its ``routing``, decided by core), wired as
+`unirl.backends.hf.router_replay`'s docstring says.
 
 The router logits come from a forward hook on each router (what transformers' own
 ``output_router_logits`` records, `OutputRecorder(Qwen3MoeTopKRouter, index=0)`), so the model
@@ -21,6 +21,7 @@ from torch import nn
 
 from unirl.backends.hf.router_replay import ROUTER_TYPES, RouterReplay
 from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.logprob_spec import RoutingReplay
 from unirl.core.maths.losses import Metric
 from unirl.core.maths.losses.router_disagreement import ROUTER_DISAGREEMENT
 
@@ -31,12 +32,14 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
 
 
 class PolicyRouting:
-    """Router-logit capture and (``mode`` not ``off``) routing replay on the policy model."""
+    """Router-logit capture and routing replay on the policy model. Each pass says how its
+    routers run (its spec's ``routing``, decided by core): `begin` sets it. The replay hooks
+    are idle (no effect) in a pass whose routing is ``off``."""
 
-    def __init__(self, model: nn.Module, mode: str) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.routers = moe_routers(model)
-        self.mode = mode
-        self.replay = RouterReplay(model) if mode != "off" else None
+        self.mode: RoutingReplay = "off"  # of the pass running now
+        self.replay = RouterReplay(model)
         self._logits: dict[int, torch.Tensor] | None = None  # collecting when not None
         self._recorded: list[torch.Tensor] = []
         self._handles = [
@@ -56,7 +59,8 @@ class PolicyRouting:
     @contextlib.contextmanager
     def training(self, mb: TrainMicrobatch) -> Iterator[None]:
         """Around one microbatch's forward AND backward: replay ``mb.routed_experts`` (when
-        given) and collect the router logits of the forward."""
+        given: core hands them only to a pass that replays) and collect the router logits of
+        the forward."""
         self._logits = {}
         try:
             with self._replaying(mb):
@@ -74,26 +78,34 @@ class PolicyRouting:
         return [logits[i] for i in range(len(self.routers))]
 
     def training_metrics(self, mb: TrainMicrobatch) -> Mapping[str, Metric]:
-        """``router/disagreement`` of the microbatch just trained on, when replay is on (every
-        microbatch reports it, also an empty one or one without experts: 0 of 0)."""
-        if self.replay is None:
+        """``router/disagreement`` of the microbatch just trained on, when the pass replays
+        (every microbatch reports it, also an empty one or one without experts: 0 of 0)."""
+        if self.mode == "off":
             return {}
         return {ROUTER_DISAGREEMENT: self.replay.disagreement_metric()}
 
     # -- the forward-only pass -------------------------------------------------------------
 
-    def begin_forward_only(self) -> None:
-        """Before a policy forward-only pass: forget the last pass's recorded experts."""
+    def begin(self, mode: RoutingReplay) -> None:
+        """Before a policy pass: how its routers run (its spec's ``routing``)."""
+        self.mode = mode
+
+    def begin_forward_only(self, mode: RoutingReplay) -> None:
+        """Before a policy forward-only pass: its routing; forget the last pass's records."""
+        self.begin(mode)
         self._recorded = []
 
     @contextlib.contextmanager
     def forward_only(self, mb: TrainMicrobatch) -> Iterator[None]:
-        """Around one forward-only microbatch of the policy: ``record`` records (R2), ``rollout``
-        replays the microbatch's experts (R3)."""
-        if self.replay is not None and self.mode == "record":
+        """Around one forward-only microbatch of the policy: ``record`` records (R2), ``replay``
+        replays the microbatch's experts (R3), ``off`` routes freely."""
+        if self.mode == "record":
             with self.replay.recording():
                 yield
             self._recorded.append(self.replay.recorded())
+            return
+        if self.mode == "off":
+            yield
             return
         with self._replaying(mb):
             yield
@@ -101,14 +113,13 @@ class PolicyRouting:
     def recorded(self) -> list[torch.Tensor]:
         """Per microbatch of the last policy forward-only pass, ``[T_local, moe_layers, top_k]``
         int32 on the CPU (an empty microbatch: its one pad-token row)."""
-        if self.replay is None or self.mode != "record":
-            raise RuntimeError("recorded routing: algorithm.routing_replay is not 'record'")
+        if self.mode != "record":
+            raise RuntimeError("recorded routing: the last policy pass did not record")
         return [e.cpu() for e in self._recorded]
 
     def _replaying(self, mb: TrainMicrobatch) -> contextlib.AbstractContextManager[None]:
-        if self.replay is None or mb.routed_experts is None or mb.num_tokens == 0:
-            if self.replay is not None:
-                self.replay.clear_disagreement()  # 0 of 0 decisions for this microbatch
+        if mb.routed_experts is None or mb.num_tokens == 0:
+            self.replay.clear_disagreement()  # 0 of 0 decisions for this microbatch
             return contextlib.nullcontext()
         return self.replay.replaying(mb.routed_experts)
 
@@ -116,5 +127,4 @@ class PolicyRouting:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self.replay is not None:
-            self.replay.remove()
+        self.replay.remove()

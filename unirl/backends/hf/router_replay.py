@@ -31,12 +31,12 @@ order of the tokens the model is given, for HF's packed ``[1, T]`` stream the mi
     experts_t = replay.recorded()                 # [T, moe_layers, top_k] int32
 
 Wiring in a Hugging Face backend (what the backend passes, per microbatch): build one
-`RouterReplay` on the policy model when ``algorithm.routing_replay`` is not ``off`` (not on the
-reference or the critic: they route freely); in the training pass, when ``mb.routed_experts`` is
-not None, enter ``replaying(mb.routed_experts)`` (moved to the device) before the forward and leave
+`RouterReplay` on a mixture-of-experts policy model (not on the reference or the critic: they
+route freely), idle in a pass whose spec's ``routing`` (decided by core) is ``off``; in a
+training pass whose ``routing`` is ``replay``, when ``mb.routed_experts`` is not None, enter ``replaying(mb.routed_experts)`` (moved to the device) before the forward and leave
 it after the backward, and put `disagreement_metric` in the microbatch's metrics under
 `unirl.core.maths.losses.router_disagreement.ROUTER_DISAGREEMENT` (also for an empty microbatch);
-in the policy's forward-only pass replay the same way under ``rollout`` and, under ``record``,
+in the policy's forward-only pass replay the same way under ``replay`` and, under ``record``,
 run inside `recording` and hand back `recorded` per microbatch (core maps the rows to samples with
 `unirl.core.data.routed_experts.recorded_per_sample`). Rows are in the order of the model's input
 rows: the packed ``[1, T]`` stream, under Ulysses the rank's CP-local tokens, which is exactly

@@ -55,6 +55,7 @@ from unirl.core.backend import OptimizerStepStats
 from unirl.core.config.model_shape import moe_shape
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.errors import ConfigError
+from unirl.core.maths.logprob_spec import RoutingReplay
 from unirl.core.maths.losses import Metric
 from unirl.core.weight_stream import HOST, WeightBuckets
 
@@ -120,7 +121,6 @@ class MegatronBackend(EngineBackend):
         # the plug-in's check refuses non-zero coefficients then)
         self._router_logits = is_moe(source.hf_config) and not cfg.model.gradient_checkpointing
         self._router_shape = moe_shape(cfg.model) if is_moe(source.hf_config) else None
-        self._records = cfg.algorithm.routing_replay == "record"
         self._recorded: list[torch.Tensor] | None = None
         self._reference: MegatronModel | None = None
         self._closed = False
@@ -178,8 +178,10 @@ class MegatronBackend(EngineBackend):
 
     def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
         model = self.policy if run.role == "policy" else self.reference()
-        # the policy replays (R3) or records (R2); the reference routes freely
-        replay = self._replay(record=self._records) if run.role == "policy" else None
+        # the policy replays (R3) or records (R2), as the pass's spec says (decided by core);
+        # the reference routes freely
+        records = run.spec.routing == "record"
+        replay = self._replay(run.spec.routing) if run.role == "policy" else None
         try:
             out = self.loop.forward_only(
                 model,
@@ -189,7 +191,7 @@ class MegatronBackend(EngineBackend):
                 progress=run.progress,
                 replay=replay,
             )
-            if replay is not None and self._records:
+            if replay is not None and records:
                 shape = self._router_shape
                 assert shape is not None
                 self._recorded = replay.recorded_routing(run.microbatches, shape.num_moe_layers)
@@ -208,15 +210,17 @@ class MegatronBackend(EngineBackend):
         out, self._recorded = self._recorded, None
         return out
 
-    def _replay(self, *, record: bool) -> ScheduleReplay | None:
-        if self.cfg.algorithm.routing_replay == "off" or self._router_shape is None:
+    def _replay(self, routing: RoutingReplay) -> ScheduleReplay | None:
+        """The policy's routers for one schedule call of a pass whose spec's routing is
+        ``routing`` (None: they route freely)."""
+        if routing == "off" or self._router_shape is None:
             return None
         return ScheduleReplay(
-            self.policy.chunks, self.policy.hf_config, self.topology, record=record
+            self.policy.chunks, self.policy.hf_config, self.topology, record=routing == "record"
         )
 
     def _forward_backward(self, run: TrainingPass) -> list[Mapping[str, Metric]]:
-        replay = self._replay(record=False)
+        replay = self._replay(run.spec.routing)
         try:
             return self._train(run, replay)
         finally:

@@ -1,6 +1,7 @@
 """What the RL step derives from the algorithm section: the loss and advantage settings (built by
 `AlgorithmConfig` from the keys declared on the settings fields, `unirl.core.config.sections.feeds`),
-whether the reference model runs, and the log-prob specs of the forwards."""
+whether the reference model runs, and the log-prob specs of the forwards (the head path and the
+routing replay they carry to the backends)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 from unirl.core.backend_plugin import BACKENDS
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.head_loss import HeadPath, choose_head_path
-from unirl.core.maths.logprob_spec import LogprobSpec
+from unirl.core.maths.logprob_spec import LogprobSpec, RoutingReplay
 from unirl.core.maths.losses import LossSettings
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ def train_logprob_spec(
         with_entropy=True,  # entropy is always reported; its gradient only when it is in the loss
         entropy_grad=entropy_in_loss,
         loss_in_head=head_path(cfg).loss_in_head,
+        # R2 and R3 alike replay in training: the experts each microbatch carries
+        routing="off" if routing_replay(cfg) == "off" else "replay",
     )
 
 
@@ -70,9 +73,19 @@ def head_path(cfg: UnirlConfig) -> HeadPath:
 def forward_logprob_spec(
     cfg: UnirlConfig, vocab_size: int, *, targets_checked: bool = False
 ) -> LogprobSpec:
-    """``targets_checked``: the caller validated the batch's token ids on the host."""
+    """The policy's forward-only spec (the reference's: routing ``off``). ``targets_checked``:
+    the caller validated the batch's token ids on the host."""
     return LogprobSpec(
         temperature=cfg.rollout.temperature,
         vocab_size=vocab_size,
         targets_checked=targets_checked,
+        routing=routing_replay(cfg),
     )
+
+
+def routing_replay(cfg: UnirlConfig) -> RoutingReplay:
+    """The policy's forward-only pass under ``algorithm.routing_replay``: ``record`` (R2: it
+    records, the training replays that), ``replay`` (R3, ``rollout``: every policy pass replays
+    the rollout's experts) or ``off``. The reference and the critic always route freely."""
+    mode = cfg.algorithm.routing_replay
+    return "replay" if mode == "rollout" else "record" if mode == "record" else "off"
