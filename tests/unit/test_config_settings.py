@@ -58,6 +58,7 @@ def test_the_keys_and_the_settings_fields_they_set():
         "value_clip": "value_clip",
         "decoupled": "decoupled",
         "decoupled_cap": "decoupled_cap",
+        "decoupled_cap_mode": "decoupled_cap_mode",
     }
     assert fed_fields(AlgorithmConfig, AdvantageSettings) == {
         "estimator": "advantage_estimator",
