@@ -233,9 +233,8 @@ class _Job:
                 logger.info("resumed from %s (RL step %d)", self.found[1], self.start_step)
         if self.topo.is_reporting_rank:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(
-                yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-            )
+            if self.found is None:  # a resumed run's config replaces the old one after a step
+                self._write_config()
             self.metrics_log = _metrics_log(cfg, self.run_dir, self.start_step, self.run_id)
         self.version = _initial_policy_version(cfg, client)
         self.sync = WeightSync(cfg, self.backend, self.source)
@@ -303,10 +302,18 @@ class _Job:
         assert self.sync is not None, "start() comes before loop()"
         self.sync_s = self.sync.after_step(k + 1, self.metrics, guard, self.version)
 
+    def _write_config(self) -> None:
+        (self.run_dir / "config.yaml").write_text(
+            yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+        )
+
     def _after_step(self, done: int, bar: RunProgress) -> None:
         """The eval and the checkpoint due after ``done`` RL steps, kept out of the ETA (neither
-        is a step)."""
+        is a step). A resumed run's config.yaml is written after its first step: a resume that
+        fails before it leaves the run's own config in place."""
         cfg = self.cfg
+        if self.found is not None and done == self.start_step + 1 and self.topo.is_reporting_rank:
+            self._write_config()
         if self.evaluator is not None and self.evaluator.due(done, self.total):
             with bar.excluded():
                 eval_metrics = self.evaluator.run(done)

@@ -14,3 +14,8 @@ def zero_rewards_hook(batch, *, rl_step):
 
 def hook_without_rl_step(batch):
     return batch
+
+
+def raising_hook(batch, *, rl_step):
+    """A hook that fails on every rollout: a run that uses it dies at its first step."""
+    raise RuntimeError("this hook always fails")

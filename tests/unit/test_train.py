@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
@@ -103,6 +104,28 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path):
     assert tokenizer("3071")["input_ids"] == CharTokenizer("0123456789").encode(
         "3071", bos=True, sep=True
     )
+
+
+def test_a_resume_that_fails_before_its_first_step_keeps_the_runs_config(tmp_path):
+    """config.yaml says how the run's checkpoints were made: a --resume that dies before it
+    trains a step (here its post-processing hook raises) leaves it as it was; the first step a
+    resumed run completes writes the config it resumed with."""
+    run = tmp_path / "run"
+    base = [str(EXAMPLES / "tiny_grpo.yaml"), "--set", f"logging.run_dir={run}",
+            "--set", "logging.tensorboard=false", "--set", "batch.prompts_per_rollout=4",
+            "--set", "batch.samples_per_optimizer_step=32", "--set", "batch.micro_batch_size=16"]  # fmt: skip
+    first = _run_train_in_subprocess([*base, "--set", "train.rl_steps=1"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = (run / "config.yaml").read_text()
+    hook = "algorithm.rollout_postprocess_hook=tests.unit.custom_hooks:raising_hook"
+    failed = _run_train_in_subprocess(
+        [*base, "--set", "train.rl_steps=2", "--set", hook, "--resume"], tmp_path
+    )
+    assert failed.returncode != 0 and "this hook always fails" in failed.stderr
+    assert (run / "config.yaml").read_text() == written
+    resumed = _run_train_in_subprocess([*base, "--set", "train.rl_steps=2", "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["rl_steps"] == 2
 
 
 def test_resume_equals_uninterrupted(tmp_path):
