@@ -24,6 +24,7 @@ from unirl.core.config.paths import check_local_paths
 from unirl.core.config.run_config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.critic import critic_summary
 from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
+from unirl.core.old_logprobs import configured_staleness, decide_old_logprobs
 from unirl.core.progress.bars import (
     GenerationProgress,
     RunProgress,
@@ -181,6 +182,9 @@ class _Job:
             ckpt_root, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir"
         )
         check_local_paths(cfg)
+        # what `unirl check` decides and refuses for the staleness the config allows (reuse
+        # under async generation): refused here too, before any work, not at the first stale step
+        decide_old_logprobs(cfg, staleness=configured_staleness(cfg))
         resumed_id = run_dirs.claim(run_dir, ckpt_root, resume=resume, overwrite=overwrite)
         found = checkpointing.latest_complete(ckpt_root) if resume else None
         if found is not None:

@@ -165,3 +165,14 @@ def test_a_reader_that_closes_the_pipe_is_not_a_disk_error():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "unirl: error" not in err and "Traceback" not in err, err
+
+
+def test_train_refuses_what_check_refuses_before_any_work(capsys, tmp_path):
+    """old_logprobs: reuse with rollouts generated ahead: check refused it, train ran a step and
+    died at the first stale rollout."""
+    run = tmp_path / "run"
+    argv = ["--set", "old_logprobs=reuse", "--set", "train.max_staleness=1",
+            "--set", f"logging.run_dir={run}"]  # fmt: skip
+    assert "old_logprobs: reuse is invalid" in _error(capsys, ["check", TINY, *argv])
+    assert "old_logprobs: reuse is invalid" in _error(capsys, ["train", TINY, *argv])
+    assert not (run / "run.json").exists() and not (run / "metrics.jsonl").exists()
