@@ -3,7 +3,9 @@ weights the worker generates from, the metrics, and an exact resume through the 
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from typing import Any
 
 import pytest
@@ -54,16 +56,16 @@ class _RecordingSource:
         self.calls.append(("close", -1))
 
 
-def test_worker_generates_in_order_from_a_copy_of_the_weights():
+def test_worker_generates_in_order_from_the_weights_it_was_given():
     source = _RecordingSource()
     ahead = RolloutsAhead(source, max_staleness=1)
-    w = torch.tensor(1.0)
+    w = torch.tensor(1.0)  # the trainer's parameter; a sync hands over a copy (the stream's bucket)
     try:
-        ahead.submit(0, {"w": w}, 0)
-        ahead.submit(1, {"w": w}, 0)
+        ahead.submit(0, {"w": w.clone()}, 0)
+        ahead.submit(1, {"w": w.clone()}, 0)
         w.add_(10.0)  # the trainer moves on: the queued rollouts keep the weights they were given
         first, _ = ahead.take(0)
-        ahead.submit(2, {"w": w}, 1)
+        ahead.submit(2, {"w": w.clone()}, 1)
         second, _ = ahead.take(1)
         third, _ = ahead.take(2)
     finally:
@@ -71,6 +73,36 @@ def test_worker_generates_in_order_from_a_copy_of_the_weights():
     assert [float(g.batch.rewards[0]) for g in (first, second, third)] == [1.0, 1.0, 11.0]
     assert source.calls == [("sync", 0), ("generate", 0), ("sync", 0), ("generate", 1),
                             ("sync", 1), ("generate", 2), ("close", -1)]  # fmt: skip
+
+
+def test_no_copy_of_the_weights_and_each_released_once_synced():
+    """The sync's buckets are the consumer's own memory: the wrapped source gets those very
+    tensors (the wrapper used to clone them per queued rollout: k + 2 copies of the model per
+    rank), and once the rollouts queued from them have synced them, nothing in the wrapper keeps
+    them alive."""
+    seen: list[int] = []
+
+    class Keeping(_RecordingSource):
+        def sync_weights(self, buckets, *, policy_version: int) -> None:
+            buckets = list(buckets)
+            seen.extend(t.data_ptr() for bucket in buckets for _, t in bucket)
+            super().sync_weights(buckets, policy_version=policy_version)
+
+    ahead = RolloutsAhead(Keeping(), max_staleness=1)
+    try:
+        w0 = torch.tensor(1.0)
+        alive = weakref.ref(w0)
+        ahead.sync_weights([[("w", w0)]], policy_version=0)
+        ahead.next_rollout(0)  # rollouts 0 and 1 from W_0
+        assert seen and set(seen) == {w0.data_ptr()}
+        w1 = torch.tensor(2.0)
+        ahead.sync_weights([[("w", w1)]], policy_version=1)
+        ahead.next_rollout(1)  # rollout 1 (W_0) taken, rollout 2 queued from W_1
+        del w0
+        gc.collect()
+        assert alive() is None, "the wrapper still holds W_0 after every rollout synced it"
+    finally:
+        ahead.close()
 
 
 def test_as_a_source_it_follows_the_schedule_of_the_loop():
@@ -82,10 +114,10 @@ def test_as_a_source_it_follows_the_schedule_of_the_loop():
     rewards, stale = [], []
     try:
         for j in range(3):
-            w = torch.tensor(float(j + 1))  # W_j
-            ahead.sync_weights([[("w", w)]], policy_version=j)
+            w = torch.tensor(float(j + 1))  # W_j, the trainer's; the stream hands over a copy
+            ahead.sync_weights([[("w", w.clone())]], policy_version=j)
             batch = ahead.next_rollout(j)
-            w.add_(100.0)  # the trainer's step: the copies in flight keep what they were given
+            w.add_(100.0)  # the trainer's step: the weights in flight keep what they were given
             rewards.append(float(batch.rewards[0]))
             stale.append(ahead.rollout_metrics()["rollout/staleness_max"])
             assert ahead.rollout_metrics()["time/rollout_wait_s"] >= 0

@@ -12,7 +12,9 @@ weights more than ``k`` RL steps older than the weights that train on it (``k x`
 steps per rollout policy versions). The schedule is fixed by ``r`` and ``k`` alone, and one
 worker thread calls the wrapped source (sync, then generate) in rollout order on a copy of the
 weights taken at submission, so a seeded run gives the same rollouts and metrics for a given k
-whatever the timing.
+whatever the timing. No copy of the weights is taken beyond the sync's buckets (the stream's
+own memory): one model copy at a time in the steady state, a second only while a rollout waits in
+the queue for the worker, and none on a rank that receives no weights.
 
 Several trainer processes (torchrun): every rank runs a worker and submits the same schedule. A
 source generates as in the synchronous loop (the built-in sampler on every rank, from its own full
@@ -90,7 +92,8 @@ class RolloutsAhead:
     To the training loop it is a source like any other: ``sync_weights`` keeps a copy of the
     weights it is handed (the trainer moves on while the worker reads them);
     ``next_rollout(j)`` queues rollouts ``j .. j + max_staleness`` not yet queued, generated from
-    that copy, then takes rollout ``j``; `rollout_metrics` reports its staleness and where the
+    those weights (held by the queued rollouts alone, each releasing them once synced), then takes
+    rollout ``j``; `rollout_metrics` reports its staleness and where the
     time went. Only the worker thread touches the wrapped source while rollouts are in flight;
     `state_dict` waits for them first.
     """
@@ -159,6 +162,9 @@ class RolloutsAhead:
         for r in range(rl_step, rl_step + self.max_staleness + 1):
             if not self.has(r):
                 self.submit(r, self._weights, self._version)
+        # the queued rollouts hold the weights now; they go with the last of them (the next
+        # call comes after the next sync)
+        self._weights = None
         generated, wait_s = self.take(rl_step)
         if progress is not None:  # the rollout arrived (its tokens were counted in the worker)
             progress.update(samples=len(generated.batch))
@@ -210,10 +216,13 @@ class RolloutsAhead:
     # -- the worker's queue -------------------------------------------------------------------
 
     def submit(self, rl_step: int, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Queue rollout ``rl_step``, generated from a copy of ``weights`` (version ``version``):
-        the trainer keeps updating its own tensors while the worker reads the copy."""
-        snapshot = {name: t.detach().clone() for name, t in weights.items()}
-        self._pending[rl_step] = self._pool.submit(self._generate, rl_step, snapshot, version)
+        """Queue rollout ``rl_step``, generated from ``weights`` (version ``version``). They are
+        the sync's buckets, the consumer's own memory (the weight stream copies every tensor into
+        a bucket of its own, `unirl.core.weight_stream.planned_buckets`): the trainer's updates
+        never reach them, so no second copy is taken; the worker lets go of them once the wrapped
+        source has synced them."""
+        held = dict(weights)  # this rollout's references: dropped after its sync
+        self._pending[rl_step] = self._pool.submit(self._generate, rl_step, held, version)
 
     def _generate(self, rl_step: int, weights: dict[str, torch.Tensor], version: int) -> Generated:
         t0 = time.perf_counter()
@@ -221,6 +230,7 @@ class RolloutsAhead:
         self.source.sync_weights(
             bucketed(weights.items(), self.bucket_bytes), policy_version=version
         )
+        weights.clear()  # synced into the engine: released unless a later rollout still waits
         t1 = time.perf_counter()
         batch = self.source.next_rollout(rl_step)
         self._last_done = time.perf_counter()
