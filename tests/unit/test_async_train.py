@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import math
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -247,3 +249,49 @@ def test_async_run_follows_the_schedule_and_resumes_exactly(tmp_path):
                     "decoupled_weight_mean", "rollout/policy_version"):  # fmt: skip
             assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
     assert_same_export(tmp_path, "hf")
+
+
+class _Blocking(_RecordingSource):
+    """A generation that runs until the source is closed (an engine killed mid-generation), or
+    20 s at most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop = threading.Event()
+
+    def next_rollout(self, rl_step: int, progress: Any = None) -> RolloutBatch:
+        self.stop.wait(20)
+        return super().next_rollout(rl_step, progress)
+
+    def close(self) -> None:
+        self.stop.set()
+        super().close()
+
+
+def test_close_on_a_failure_does_not_wait_for_the_generation_in_flight():
+    """A run that fails while the worker generates: close stops the engine (the source) first
+    and returns, instead of waiting for the generation to run to its end (up to the generation
+    timeout)."""
+    source = _Blocking()
+    ahead = RolloutsAhead(source, max_staleness=1)
+    ahead.submit(0, {"w": torch.tensor(1.0)}, 0)
+    time.sleep(0.2)  # the worker is inside the generation
+    closer = threading.Thread(target=ahead.close)
+    t0 = time.monotonic()
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive() and time.monotonic() - t0 < 10
+    assert ("close", -1) in source.calls
+
+
+def test_the_source_is_closed_even_when_stopping_the_worker_raises(monkeypatch):
+    source = _RecordingSource()
+    ahead = RolloutsAhead(source, max_staleness=1)
+
+    def broken(**_: Any) -> None:
+        raise RuntimeError("the pool would not stop")
+
+    monkeypatch.setattr(ahead._pool, "shutdown", broken)
+    with pytest.raises(RuntimeError, match="would not stop"):
+        ahead.close()
+    assert source.calls[-1] == ("close", -1)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
 
 logger = logging.getLogger(__name__)
+
+# How long `RolloutsAhead.close` waits for a generation in flight once its source is closed.
+CLOSE_WAIT_S = 30.0
 
 
 @attrs.frozen(kw_only=True)
@@ -204,14 +207,23 @@ class RolloutsAhead:
             self.put_ready(int(r), RolloutBatch.from_records(records))
 
     def close(self) -> None:
-        """Stop the worker (rollouts not started are cancelled), its group, then the source."""
-        for fut in self._pending.values():
-            fut.cancel()
-        self._pool.shutdown(wait=True)
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None
-        self.source.close()
+        """Stop the worker and close the source, also when a rollout is being generated (a run
+        that failed): rollouts not started are cancelled, the source is closed first (an engine
+        stops, so a generation in flight ends at once instead of running to its timeout), then
+        the worker is given `CLOSE_WAIT_S` to return before its group goes. The source is closed
+        whatever else raises: no engine process outlives the run."""
+        running = [fut for fut in self._pending.values() if not fut.cancel()]
+        try:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            try:
+                self.source.close()
+            finally:
+                done, _ = wait(running, timeout=CLOSE_WAIT_S)
+                if self._group is not None and len(done) == len(running):
+                    # a worker still inside a collective would abort the process with it
+                    dist.destroy_process_group(self._group)
+                    self._group = None
 
     # -- the worker's queue -------------------------------------------------------------------
 
