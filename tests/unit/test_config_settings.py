@@ -85,7 +85,7 @@ def test_a_key_has_the_type_of_the_settings_field_it_sets():
     """The YAML converter checks the config field's type; it must be the settings field's, or a
     value could pass one and fail the other."""
     fields = list(_fed_config_fields(AlgorithmConfig))
-    assert len(fields) == 25  # 2 MoE router coefficients, 2 decoupled-PPO keys
+    assert len(fields) == 26  # 2 MoE router coefficients, 3 decoupled-PPO keys
     for cls, field, hint in fields:
         settings_cls, name = field.metadata[FEEDS]
         want = typing.get_type_hints(settings_cls)[name]
