@@ -158,6 +158,23 @@ def test_fit_check_names_the_knobs():
     assert "rollout.vllm.sleep" in msg and "rollout.vllm.devices" in msg
 
 
+def test_fit_check_covers_every_gpu_of_a_tensor_parallel_engine():
+    """A colocated TP-2 engine takes its leader's GPU and the next rank's: the trainer on the
+    second may leave less free than the leader's (only the leader's was checked)."""
+    launch = plan_launch(
+        VllmOptions(tensor_parallel_size=2), engine=0, cuda=True, local_rank=0, world_size=2,
+        local_world_size=2,
+    )  # fmt: skip
+    assert launch.devices == (0, 1)
+    free = {0: 100 * GIB, 1: 30 * GIB}  # the second trainer rank holds more
+    with pytest.raises(ConfigError, match=r"cannot start on cuda:1: .* leaves 30.0 GiB free"):
+        placement.check_engine_gpus_fit(
+            launch.devices, lambda i: (free[i], 140 * GIB), utilization=0.5, sleep="off"
+        )
+    placement.check_engine_gpus_fit((0,), lambda i: (free[i], 140 * GIB), utilization=0.5,
+                                    sleep="off")  # fmt: skip
+
+
 def test_launch_on_the_cpu_is_the_file_reload():
     launch = plan_launch(
         VllmOptions(), engine=0, cuda=False, local_rank=0, world_size=2, local_world_size=2

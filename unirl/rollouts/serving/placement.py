@@ -20,6 +20,7 @@ module imports neither torch nor vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -217,3 +218,23 @@ def check_fit(
         "what fits in it), reserve GPUs for generation with rollout.vllm.devices, or shrink "
         f"the trainer's memory (parallel.zero_stage, micro_batch_size){hint}"
     )
+
+
+def check_engine_gpus_fit(
+    devices: tuple[int, ...],
+    mem_get_info: Callable[[int], tuple[int, int]],
+    *,
+    utilization: float,
+    sleep: str,
+) -> None:
+    """`check_fit` on every GPU of a colocated engine (its tensor-parallel ranks' GPUs too,
+    each shared with its own trainer rank): ``mem_get_info(index)`` -> (free, total) bytes."""
+    for index in devices:
+        free, total = mem_get_info(index)
+        check_fit(
+            free_bytes=free,
+            total_bytes=total,
+            utilization=utilization,
+            device=f"cuda:{index}",
+            sleep=sleep,
+        )

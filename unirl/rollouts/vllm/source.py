@@ -68,7 +68,7 @@ from unirl.rollouts.serving.episodes import ServedEpisodes
 from unirl.rollouts.serving.exchange import RolloutExchange, world
 from unirl.rollouts.serving.placement import (
     check_engine_count,
-    check_fit,
+    check_engine_gpus_fit,
     choose_transport,
     engine_of,
     split_prompts,
@@ -249,12 +249,11 @@ class VllmRolloutSource(GeneratingSource):
         if r.stop:  # vLLM matches stop strings on text: it needs the task's tokenizer
             save_task_tokenizer(self.task.tokenizer, self._folder.path)
         if launch.cuda and self.options.devices is None:
-            free, total = torch.cuda.mem_get_info(device)
-            check_fit(
-                free_bytes=free,
-                total_bytes=total,
+            # every GPU the engine takes: under tensor parallel its other ranks' GPUs too
+            check_engine_gpus_fit(
+                launch.devices or (device.index or 0,),
+                torch.cuda.mem_get_info,
                 utilization=self.options.gpu_memory_utilization,
-                device=str(device),
                 sleep=self.options.sleep,
             )
         logger.info(
