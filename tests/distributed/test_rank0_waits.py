@@ -4,7 +4,8 @@ bounded by its own timeout, never by a training collective's (issue 44 items 1 a
 The training group here has a 3-second timeout (what ``parallel.timeout_s: 3`` gives it): an
 evaluation of 4 s on rank 0 still ends with rank 0's metrics on both ranks (reward mean 3/6, as
 `tests/unit/test_eval.py` computes it by hand), and the training group works after it; an
-evaluation longer than ``eval.timeout_s`` is one error on rank 1 naming that key. Multi-turn
+evaluation longer than ``eval.timeout_s`` is one error on rank 1 naming that key; a
+post-processing hook of 4.5 s finishes too. Multi-turn
 episodes on the built-in sampler run once, on rank 0, with an environment whose observations and
 rewards depend on the process that plays it: one process played, both ranks hold its batch.
 """
@@ -93,6 +94,41 @@ def test_an_eval_longer_than_eval_timeout_is_one_named_error(tmp_path):
     assert r1["error"].startswith(
         "RunError: rank 1 waited more than eval.timeout_s=1 s for the evaluation after RL step 1"
     ), r1
+
+
+def slow_hook(batch, *, rl_step):
+    """Every reward 7.0, after a wait longer than the training group's timeout."""
+    import attrs
+
+    from unirl.core.data.rollout import RolloutBatch
+
+    time.sleep(TRAINING_TIMEOUT_S + 1.5)
+    return RolloutBatch(tuple(attrs.evolve(s, reward=7.0) for s in batch.samples))
+
+
+def _hook_rank(rank: int, world: int, tmp: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.rollouts.postprocess import apply_postprocess_hook
+
+    _short_training_group(rank, world, f"{tmp}/store")
+    batch = RolloutBatch.from_records(
+        [{"prompt_tokens": [1, 2], "response_tokens": [3], "reward": 0.0, "group_id": 0}] * 2
+    )
+    t0 = time.monotonic()
+    hooked = apply_postprocess_hook(slow_hook, batch, 0, "slow_hook")
+    waited = time.monotonic() - t0
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the training group still works
+    return {"rewards": [s.reward for s in hooked.samples], "waited": waited, "total": total.item()}
+
+
+def test_a_hook_longer_than_the_training_timeout_finishes(tmp_path):
+    r0, r1 = run_distributed(_hook_rank, 2, str(tmp_path))
+    assert r0["rewards"] == r1["rewards"] == [7.0, 7.0]
+    assert r1["waited"] > TRAINING_TIMEOUT_S and r0["total"] == r1["total"] == 2.0
 
 
 class PidTool:
