@@ -51,20 +51,19 @@ def _portable(exc: BaseException, what: str) -> BaseException:
     return exc
 
 
-_groups: dict[
-    int, Any
-] = {}  # the waits group per default group (a re-initialised job gets its own)
+_waits: tuple[Any, Any] | None = None  # (the default group, its waits group)
 
 
 def waits_group() -> dist.ProcessGroup:
     """The gloo group `on_rank0`'s waits run on outside the rollout worker, made at its first
-    call (collective: every rank at the same point). Its gloo timeout is long: each wait's
-    deadline is the exchange's poll."""
+    call under the current default group (collective: every rank at the same point). Its gloo
+    timeout is long: each wait's deadline is the exchange's poll."""
+    global _waits
     world_group = dist.group.WORLD
-    key = id(world_group)
-    if key not in _groups:
-        _groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=UNBOUNDED_S))
-    return _groups[key]  # type: ignore[no-any-return]
+    if _waits is None or _waits[0] is not world_group:  # a re-initialised job gets its own
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=UNBOUNDED_S))
+        _waits = (world_group, group)
+    return _waits[1]  # type: ignore[no-any-return]
 
 
 def on_rank0(
