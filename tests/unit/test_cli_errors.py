@@ -81,6 +81,50 @@ def test_check_accepts_a_good_hook(capsys):
     assert main(["check", TINY, "--set", f"{HOOK}={hook}"]) == 0
 
 
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    "example, override, words",
+    [
+        # issue 44 item 17: `check` itself crashed (TypeError) on the first, passed the others
+        (
+            "tiny_grpo.yaml",
+            "eval={every: 2}",
+            "eval has no eval.prompts, which it needs; set it (the section's keys: ['every', ",
+        ),
+        (
+            "tiny_multiturn.yaml",
+            "rollout.environment=no_such_env",
+            "rollout.environment='no_such_env' is not a registered environment; valid: "
+            "['hidden_number'], or an environment class as 'package.module:Class'",
+        ),
+        (
+            "tiny_multiturn.yaml",
+            "rollout.environment=tests.unit.custom_hooks:no_env",
+            "has no callable 'no_env'",
+        ),
+        # the sample's "answer" column is not mapped: no prompt has metadata["answer"]
+        (
+            "gsm8k.yaml",
+            "rollout.answer_key=null",
+            "train.parquet prompt 0: the prompt's "
+            "metadata has no 'answer' (keys: []); map the dataset's solution column with "
+            "rollout.answer_key",
+        ),
+        # a column of bare numbers is not a GSM8K solution
+        (
+            "gsm8k.yaml",
+            "rollout.answer_key=question",
+            "train.parquet prompt 0: metadata 'answer'=",
+        ),
+    ],
+)
+def test_check_refuses_what_the_run_would_meet_later(capsys, example, override, words):
+    line = _error(capsys, ["check", str(EXAMPLES / example), "--set", override])
+    assert words in line, line
+
+
 def test_train_errors_before_any_work_are_one_line(capsys, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

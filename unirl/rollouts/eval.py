@@ -13,7 +13,8 @@ prompt file and never hands a sample to the trainer: the training run, its rollo
 checkpoints are the same with and without it, and a resumed run evaluates what the uninterrupted
 one did. It runs on global rank 0 (`unirl.rollouts.once`), in chunks of
 ``batch.prompts_per_rollout`` prompts (a rollout's size, which the engine already fits), and the
-other ranks receive its metrics.
+other ranks receive its metrics, waiting for them at most ``eval.timeout_s`` on a group of their
+own (never in a training collective, whose ``parallel.timeout_s`` a long eval outlasts).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class Evaluator:
         self.every, self.samples = e.every, e.samples_per_prompt
         self.temperature = r.temperature if e.temperature is None else e.temperature
         self.max_new_tokens = r.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens
-        self.threshold = e.pass_threshold
+        self.threshold, self.timeout_s = e.pass_threshold, e.timeout_s
         self.chunk = cfg.batch.prompts_per_rollout
         train_reward = source.task.reward_fn if isinstance(source.task, PromptFileTask) else None
         self.task = build_eval_task(cfg, source.task.tokenizer, train_reward)
@@ -120,7 +121,14 @@ class Evaluator:
 
     def run(self, step: int) -> dict[str, float]:
         """The ``eval/*`` metrics after RL step ``step`` (on every rank; computed on rank 0)."""
-        return on_rank0(lambda: self._evaluate(step), "the evaluation")
+        return on_rank0(
+            lambda: self._evaluate(step),
+            f"the evaluation after RL step {step}",
+            timeout_s=self.timeout_s,
+            key="eval.timeout_s",
+            advice="evaluate less (fewer eval.prompts, eval.samples_per_prompt or "
+            "eval.max_new_tokens)",
+        )
 
     def _evaluate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()

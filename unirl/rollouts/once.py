@@ -1,28 +1,36 @@
 """Work done once per job, on global rank 0, with its result (or its failure) on every rank.
 
-Every rank holds the same rollout, so a reward function, a post-processing hook or an
-evaluation gives every rank the same answer; running it on each would call a remote reward
-model or a sandbox once per rank. `on_rank0` runs it on global rank 0 only and broadcasts what
-it returned over the default process group (``broadcast_object_list``, one object per call).
-A failure on rank 0 is broadcast too, so every rank raises it instead of waiting in a
-collective for a result that never comes. One process (or no process group): a plain call.
+Every rank holds the same rollout, so a reward function, a post-processing hook, a multi-turn
+episode or an evaluation gives every rank the same answer; running it on each would call a remote
+reward model, a tool or a sandbox once per rank. `on_rank0` runs it on global rank 0 only and
+broadcasts what it returned. A failure on rank 0 is broadcast too, so every rank raises it instead
+of waiting for a result that never comes. One process (or no process group): a plain call.
 
-The broadcast is a collective: every rank must call `on_rank0` at the same point of the job. It
-runs on the default group, or in the rollout worker (``train.max_staleness > 0``) on that
-thread's own group (`unirl.rollouts.collectives.rollout_group`), so it never interleaves with
-the trainer's collectives.
+The other ranks wait on the bounded exchange the vLLM rollouts use (`RolloutExchange`: a gloo
+group of its own, polled), never in a training collective: a long evaluation is bounded by
+``eval.timeout_s``, not by ``parallel.timeout_s``. Work without a deadline of its own here
+(``timeout_s`` None: rewards, whose samples rank 0 bounds by ``rollout.reward_timeout_s``;
+episodes, whose environment calls it bounds by ``rollout.env_step_timeout_s``; the hook) is
+waited for as long as rank 0 works on it.
+
+The broadcast is a collective: every rank must call `on_rank0` at the same point of the job. In
+the rollout worker (``train.max_staleness > 0``) it runs on that thread's own group
+(`unirl.rollouts.collectives.rollout_group`), elsewhere on one gloo group of its own made at the
+first call (`waits_group`).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from typing import TypeVar
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from unirl.core.errors import RunError
 from unirl.rollouts.collectives import rollout_group
+from unirl.rollouts.serving.exchange import UNBOUNDED_S, RolloutExchange
 
 T = TypeVar("T")
 
@@ -43,22 +51,46 @@ def _portable(exc: BaseException, what: str) -> BaseException:
     return exc
 
 
-def on_rank0(fn: Callable[[], T], what: str) -> T:
+_waits: tuple[Any, Any] | None = None  # (the default group, its waits group)
+
+
+def waits_group() -> dist.ProcessGroup:
+    """The gloo group `on_rank0`'s waits run on outside the rollout worker, made at its first
+    call under the current default group (collective: every rank at the same point). Its gloo
+    timeout is long: each wait's deadline is the exchange's poll."""
+    global _waits
+    world_group = dist.group.WORLD
+    if _waits is None or _waits[0] is not world_group:  # a re-initialised job gets its own
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=UNBOUNDED_S))
+        _waits = (world_group, group)
+    return _waits[1]  # type: ignore[no-any-return]
+
+
+def on_rank0(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    timeout_s: float | None = None,
+    key: str = "",
+    advice: str = "",
+) -> T:
     """``fn()`` run on global rank 0, its result on every rank; ``what`` names the work in the
-    error other ranks raise when it cannot be shipped as it was."""
+    errors of the other ranks. They wait at most ``timeout_s`` (the setting ``key``; None: as long
+    as rank 0 works), then raise a `RunError` naming ``key`` and ending with ``advice``."""
     rank, world = _world()
     if world == 1:
         return fn()
-    box: list[object] = [None]
+    group = None if rollout_group() is not None else waits_group()
+    exchange = RolloutExchange(timeout_s, key=key, advice=advice, group=group)
+    box: object = None
     failure: BaseException | None = None
     if rank == 0:
         try:
-            box[0] = ("ok", fn())
+            box = ("ok", fn())
         except Exception as exc:
             failure = exc
-            box[0] = ("error", _portable(exc, what))
-    dist.broadcast_object_list(box, src=0, group=rollout_group())
-    status, value = box[0]  # type: ignore[misc]
+            box = ("error", _portable(exc, what))
+    status, value = exchange.broadcast(box, src=0, what=what)  # type: ignore[misc]
     if failure is not None:
         raise failure  # rank 0: its own exception, traceback intact
     if status == "error":

@@ -176,19 +176,26 @@ class SamplerRolloutSource(GeneratingSource):
         problems: Sequence[Problem],
         progress: GenerationProgress | None,
     ) -> RolloutBatch:
-        """One multi-turn episode per sample, all played together (`episode_rollout`)."""
+        """One multi-turn episode per sample, all played together (`episode_rollout`), on global
+        rank 0 only and broadcast (`on_rank0`): a tool then runs once per call, and every rank
+        trains on the same batch even when a tool's answers are not reproducible. Only rank 0's
+        sampler draws (the other ranks' generators rest; they generate nothing else)."""
         assert self.episodes is not None and self.environment is not None
-        batch = episode_rollout(
-            self.episodes,
-            self.environment,
-            problems,
-            group=self.samples_per_prompt,
-            rl_step=rl_step,
-            first_group=self.first_group,
-            task_name=self.task.name,
-            decode=self.tokenizer.decode,
-            policy_version=self._policy_version,
-            progress=progress,
+        episodes, environment = self.episodes, self.environment
+        batch = on_rank0(
+            lambda: episode_rollout(
+                episodes,
+                environment,
+                problems,
+                group=self.samples_per_prompt,
+                rl_step=rl_step,
+                first_group=self.first_group,
+                task_name=self.task.name,
+                decode=self.tokenizer.decode,
+                policy_version=self._policy_version,
+                progress=progress,
+            ),
+            f"the episodes of rollout {rl_step}",
         )
         logger.debug(
             "rollout %d: %s -> %r",

@@ -126,6 +126,13 @@ def _structure(
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown key '{full}'{hint}; valid keys here: {valid}")
         kwargs[key] = _convert(value, hints[key], full)
+    missing = [n for n, f in fields.items() if f.default is attrs.NOTHING and n not in kwargs]
+    if missing:
+        where = f"{path}." if path else ""
+        raise ConfigError(
+            f"{path or 'the config'} has no {where}{missing[0]}, which it needs; set it "
+            f"(the section's keys: {sorted(fields)}) or remove {path or 'the section'}"
+        )
     try:
         return cls(**kwargs)
     except KeyedConfigError as exc:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from unirl.core.config.sections.rollout import RolloutConfig
 from unirl.core.errors import ConfigError
 from unirl.core.source_plugin import SOURCES
+from unirl.rollouts.environments.registry import ENVIRONMENTS
 
 if TYPE_CHECKING:  # the config module imports torch; the rules run on a built one
     from unirl.core.config.run_config import UnirlConfig
@@ -34,6 +35,8 @@ def check_environment(cfg: UnirlConfig) -> None:
                     "rollout.environment is not set; set rollout.environment or remove the key"
                 )
         return
+    if ":" not in r.environment:  # a name (not a class path): registered, or refused here
+        ENVIRONMENTS.get(r.environment, hint="or an environment class as 'package.module:Class'")
     if not SOURCES.get(r.source).runs_episodes:
         episodic = " or ".join(sorted(p.name for p in SOURCES.values() if p.runs_episodes))
         raise ConfigError(

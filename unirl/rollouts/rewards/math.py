@@ -28,7 +28,7 @@ number. The reference is an int, a float (read through its shortest decimal form
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -201,3 +201,21 @@ def exact_match(
             )
         rewards.append(1.0 if response.strip() == str(meta[answer_key]).strip() else 0.0)
     return rewards
+
+
+def _has_key(metadata: Mapping[str, Any], key: str) -> str:
+    if key not in metadata:
+        raise ValueError(
+            f"the prompt's metadata has no {key!r} (keys: {sorted(metadata)}); map the "
+            "dataset's answer column with rollout.answer_key"
+        )
+    return str(metadata[key])
+
+
+# How each built-in reward reads a prompt's reference (``metadata[answer_key]``): `unirl check`
+# reads every prompt's with it, so a dataset without one fails there, not at the first reward.
+REFERENCE_READERS: dict[str, Callable[[Mapping[str, Any], str], object]] = {
+    "math_answer": reference_answer,
+    "gsm8k": gsm8k_reference,
+    "exact_match": _has_key,
+}

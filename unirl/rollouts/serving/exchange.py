@@ -28,6 +28,13 @@ from unirl.rollouts.collectives import rollout_group
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+# gloo's own timeout for a group whose waits have no deadline: the work they wait for is bounded
+# where it runs (a reward's or an environment call's timeout), so gloo must not end it first
+UNBOUNDED_S = 7 * 24 * 3600.0
+_GENERATION_ADVICE = (
+    "generate less per rollout (rollout.max_new_tokens, batch.prompts_per_rollout) or with more "
+    "engines (rollout.vllm.engines)"
+)
 
 
 def world() -> tuple[int, int]:
@@ -39,28 +46,41 @@ def world() -> tuple[int, int]:
 class RolloutExchange:
     """See the module docstring."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(
+        self,
+        timeout_s: float | None,
+        *,
+        key: str = "rollout.vllm.generation_timeout_s",
+        advice: str = _GENERATION_ADVICE,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``timeout_s`` (None: no deadline of its own) is the setting ``key``; ``advice`` ends
+        the error of a wait past it. ``group``: a gloo group made by the caller (`waits_group`)
+        instead of a new one."""
+        self.timeout_s, self.key, self.advice = timeout_s, key, advice
         self.rank, self.world = world()
         # In the rollout worker (train.max_staleness > 0) its own group, made by every rank at
         # the same point (unirl/rollouts/collectives.py): a new_group here would be a collective
         # on the default group from the worker thread, racing the trainer's. Otherwise a group of
         # the exchange's own; gloo's timeout stays above the poll's, so the poll is what reports.
         bound = rollout_group()
-        self.group = (
-            bound
-            if bound is not None or self.world == 1
-            else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + 60))
-        )
+        if bound is not None or self.world == 1:
+            self.group = bound
+        elif group is not None:
+            self.group = group
+        else:
+            wait_s = UNBOUNDED_S if timeout_s is None else timeout_s + 60
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
+
+    def _deadline(self) -> float:
+        return float("inf") if self.timeout_s is None else time.monotonic() + self.timeout_s
 
     def _wait(self, work: Any, deadline: float, what: str) -> None:
         while not work.is_completed():
             if time.monotonic() > deadline:
                 raise RunError(
-                    f"rank {self.rank} waited more than rollout.vllm.generation_timeout_s="
-                    f"{self.timeout_s:g} s for {what}; raise it, or generate less per rollout "
-                    "(rollout.max_new_tokens, batch.prompts_per_rollout) or with more engines "
-                    "(rollout.vllm.engines)"
+                    f"rank {self.rank} waited more than {self.key}={self.timeout_s:g} s for "
+                    f"{what}; raise it, or {self.advice}"
                 )
             time.sleep(_POLL_S)
         work.wait()
@@ -69,7 +89,7 @@ class RolloutExchange:
         """Every rank's ``obj``, in rank order."""
         if self.group is None:
             return [obj]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self._deadline()
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
@@ -85,7 +105,7 @@ class RolloutExchange:
         """``src``'s ``obj`` on every rank."""
         if self.group is None:
             return obj
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self._deadline()
         own = self.rank == src
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if own else None
         size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)

@@ -23,7 +23,8 @@ class EvalConfig:
     of it evaluated each time. ``samples_per_prompt`` responses per prompt (k of pass@k);
     ``temperature`` and ``max_new_tokens`` None: the rollout's; ``reward`` None: the rollout's
     (``reward_options`` then the rollout's too). A sample passes when its reward is at least
-    ``pass_threshold`` (1.0: a right answer of the built-in rewards)."""
+    ``pass_threshold`` (1.0: a right answer of the built-in rewards). The other ranks wait for
+    the evaluation (which runs on global rank 0) at most ``timeout_s`` seconds."""
 
     prompts: str
     # Every this many RL steps (0: only after the last step); always after the last step.
@@ -34,3 +35,6 @@ class EvalConfig:
     reward: str | None = None
     reward_options: dict[str, Any] = attrs.field(factory=dict)
     pass_threshold: float = attrs.field(default=1.0, validator=finite)
+    # How long the other ranks wait for one evaluation on rank 0 (on a group of their own, not a
+    # training collective, so parallel.timeout_s does not bound it).
+    timeout_s: float = attrs.field(default=3600.0, validator=positive)

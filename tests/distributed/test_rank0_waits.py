@@ -1,0 +1,194 @@
+"""What runs once on global rank 0 (`unirl.rollouts.once`) is waited for on a group of its own,
+bounded by its own timeout, never by a training collective's (issue 44 items 1 and 4).
+
+The training group here has a 3-second timeout (what ``parallel.timeout_s: 3`` gives it): an
+evaluation of 4 s on rank 0 still ends with rank 0's metrics on both ranks (reward mean 3/6, as
+`tests/unit/test_eval.py` computes it by hand), and the training group works after it; an
+evaluation longer than ``eval.timeout_s`` is one error on rank 1 naming that key; a
+post-processing hook of 4.5 s finishes too. Multi-turn
+episodes on the built-in sampler run once, on rank 0, with an environment whose observations and
+rewards depend on the process that plays it: one process played, both ranks hold its batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
+
+from tests.spawn import run_distributed
+from tests.unit.test_eval import HELD_OUT, _data, _SetResponses, _write
+
+TRAINING_TIMEOUT_S = 3.0
+
+
+def _short_training_group(rank: int, world: int, store: str) -> None:
+    """The default group again, with the short timeout ``parallel.timeout_s`` would give it."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TRAINING_TIMEOUT_S),
+    )
+
+
+class _SlowResponses(_SetResponses):
+    """`_SetResponses` that takes ``delay_s`` per call (the eval calls it twice)."""
+
+    def __init__(self, task, texts, delay_s):
+        super().__init__(task, texts)
+        self.delay_s = delay_s
+
+    def generate_eval(self, prompts, **kwargs):
+        time.sleep(self.delay_s)
+        return super().generate_eval(prompts, **kwargs)
+
+
+def _eval_rank(rank: int, world: int, tmp: str, delay_s: float, timeout_s: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from unirl.core.config.run_config import config_from_dict
+    from unirl.rollouts.build import build_task
+    from unirl.rollouts.eval import Evaluator
+
+    torch.set_num_threads(1)
+    _short_training_group(rank, world, f"{tmp}/store")
+    tmp_path = Path(tmp) / f"rank{rank}"
+    tmp_path.mkdir()
+    held = _write(tmp_path / "held.jsonl", HELD_OUT)
+    section = {"prompts": held, "samples_per_prompt": 2, "timeout_s": timeout_s}
+    cfg = config_from_dict(_data(tmp_path, eval_section=section))
+    engine = _SlowResponses(build_task(cfg), ["3", "1", "2", "4", "5", "5"], delay_s)
+    try:
+        metrics = Evaluator(cfg, engine).run(1)
+    except Exception as exc:  # rank 0 may fail too once rank 1 gave up: reported, not raised
+        return {"error": f"{type(exc).__name__}: {exc}", "calls": len(engine.calls)}
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the training group still works
+    return {"metrics": metrics, "calls": len(engine.calls), "total": float(total.item())}
+
+
+def test_an_eval_longer_than_the_training_timeout_finishes(tmp_path):
+    r0, r1 = run_distributed(_eval_rank, 2, str(tmp_path), 2.0, 60.0)
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    # rank 0 evaluated (2 chunks), rank 1 received: answers 3, 6, 5 -> 3 of 6 right
+    assert (r0["calls"], r1["calls"]) == (2, 0)
+    assert r0["metrics"] == r1["metrics"]
+    assert r1["metrics"]["eval/reward_mean"] == pytest.approx(3 / 6)
+    assert r1["metrics"]["time/eval_s"] >= 2 * 2.0 > TRAINING_TIMEOUT_S
+    assert r0["total"] == r1["total"] == 2.0
+
+
+def test_an_eval_longer_than_eval_timeout_is_one_named_error(tmp_path):
+    _, r1 = run_distributed(_eval_rank, 2, str(tmp_path), 2.0, 1.0)
+    assert r1["error"].startswith(
+        "RunError: rank 1 waited more than eval.timeout_s=1 s for the evaluation after RL step 1"
+    ), r1
+
+
+def slow_hook(batch, *, rl_step):
+    """Every reward 7.0, after a wait longer than the training group's timeout."""
+    import attrs
+
+    from unirl.core.data.rollout import RolloutBatch
+
+    time.sleep(TRAINING_TIMEOUT_S + 1.5)
+    return RolloutBatch(tuple(attrs.evolve(s, reward=7.0) for s in batch.samples))
+
+
+def _hook_rank(rank: int, world: int, tmp: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.rollouts.postprocess import apply_postprocess_hook
+
+    _short_training_group(rank, world, f"{tmp}/store")
+    batch = RolloutBatch.from_records(
+        [{"prompt_tokens": [1, 2], "response_tokens": [3], "reward": 0.0, "group_id": 0}] * 2
+    )
+    t0 = time.monotonic()
+    hooked = apply_postprocess_hook(slow_hook, batch, 0, "slow_hook")
+    waited = time.monotonic() - t0
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the training group still works
+    return {"rewards": [s.reward for s in hooked.samples], "waited": waited, "total": total.item()}
+
+
+def test_a_hook_longer_than_the_training_timeout_finishes(tmp_path):
+    r0, r1 = run_distributed(_hook_rank, 2, str(tmp_path))
+    assert r0["rewards"] == r1["rewards"] == [7.0, 7.0]
+    assert r1["waited"] > TRAINING_TIMEOUT_S and r0["total"] == r1["total"] == 2.0
+
+
+class PidTool:
+    """An environment whose answers depend on the process playing it: each step's observation
+    is the last digit of its pid, the reward the pid; every call is a line in ``$PID_TOOL_LOG``
+    (a side effect). Done at the second turn."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def reset(self, prompt, metadata) -> None:
+        self.turns = 0
+
+    def step(self, turn):
+        with open(os.environ["PID_TOOL_LOG"], "a") as handle:
+            handle.write(f"{os.getpid()}\n")
+        self.turns += 1
+        return "=" + str(os.getpid() % 10), float(os.getpid()), self.turns == 2
+
+
+def _episode_rank(rank: int, world: int, log: str) -> dict:
+    import torch
+
+    from tests.tiny_models import tiny_llama
+    from unirl.rollouts.data.tasks import make_task
+    from unirl.rollouts.environments.episodes import EpisodeLimits
+    from unirl.rollouts.sampler_source import SamplerRolloutSource
+
+    torch.set_num_threads(1)
+    os.environ["PID_TOOL_LOG"] = log
+    task = make_task("tool_lookup")
+    source = SamplerRolloutSource(
+        task,
+        tiny_llama(task.tokenizer.vocab_size),
+        prompts_per_rollout=2,
+        samples_per_prompt=2,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=3,
+        seed=3,
+        environment=PidTool,
+        episode_limits=EpisodeLimits(max_turns=3, max_tokens=16),
+        max_seq_len=24,
+    )
+    batch = source.next_rollout(0)
+    return {
+        "pid": os.getpid(),
+        "rewards": [s.reward for s in batch.samples],
+        "tokens": [s.response_tokens.tolist() for s in batch.samples],
+        "mask": [s.loss_mask.tolist() for s in batch.samples],
+    }
+
+
+def test_sampler_episodes_run_once_on_rank0_and_every_rank_holds_its_batch(tmp_path):
+    log = tmp_path / "calls.txt"
+    r0, r1 = run_distributed(_episode_rank, 2, str(log))
+    callers = log.read_text().split()
+    # 4 episodes of at most 2 environment steps each, every one played by rank 0
+    assert 4 <= len(callers) <= 8 and set(callers) == {str(r0["pid"])}
+    # an episode's reward is the sum of its turns' (each rank 0's pid): rank 0's, on both ranks
+    assert r0["rewards"] == r1["rewards"]
+    assert set(r0["rewards"]) <= {0.0, float(r0["pid"]), 2.0 * r0["pid"]} and any(r0["rewards"])
+    assert r0["tokens"] == r1["tokens"] and r0["mask"] == r1["mask"]
