@@ -6,7 +6,8 @@
 - values: one sequence at a time, eager attention; the value before response token j is the
   head's output at position ``p + j - 1`` (the position whose logits predict that token);
 - GAE: a Python loop over each response's valid tokens, backwards (masked tokens skipped);
-- the value loss ``0.5 max((v - R)^2, (v_clip - R)^2)``, token-mean over the valid tokens of the
+- the value loss ``0.5 max((v - R)^2, (v_clip - R)^2)`` with ``v_clip`` = v clamped into
+  ``old +- value_clip`` (a token counts in ``vf_clipfrac`` only where the clamp moved it), token-mean over the valid tokens of the
   batch, times value_coef; gradient norm by hand, clipping ``g *= min(1, clip / (norm + 1e-6))``,
   `torch.optim.AdamW` (decay on matrices only).
 """
@@ -114,9 +115,12 @@ class CriticReference:
                     if not m:
                         continue
                     err = (v[j] - ret[j]) ** 2
-                    v_clip = v_old[j] + (v[j] - v_old[j]).clamp(-clip, clip)
+                    v_clip = v[j].clamp(v_old[j] - clip, v_old[j] + clip)
                     err_clip = (v_clip - ret[j]) ** 2
-                    clipped += int(err_clip.item() > err.item())
+                    # clipped: the clip moved the value (|v - old| > c) and its error is the
+                    # larger; a value inside the range is never counted
+                    outside = abs(float(v[j].detach()) - float(v_old[j])) > clip
+                    clipped += int(outside and err_clip.item() > err.item())
                     total = total + 0.5 * torch.maximum(err, err_clip)
             loss = total / n_valid
             (coef * loss).backward()
@@ -131,6 +135,7 @@ class CriticReference:
                 {
                     "value_loss": float(loss.detach()),
                     "vf_clipfrac": clipped / n_valid,
+                    "value_clipped": clipped,
                     "grad_norm": norm,
                     "clipped": scale < 1.0,
                 }
@@ -151,5 +156,7 @@ class CriticReference:
                 1 - (r64 - v64).var(unbiased=False) / (r64.var(unbiased=False) + EV_EPS)
             ),
             "critic/values_abs_error": float((r64 - v64).abs().mean()),
+            # the policy waits one RL step (the contract's ``critic.warmup_steps: 1``)
+            "critic/warmup": 1.0,
         }
         return {"metrics": metrics, "steps": steps}

@@ -69,6 +69,8 @@ SAMPLES: tuple[tuple[int, int, int, float, tuple[int, ...] | None], ...] = (
 )
 NUM_SAMPLES = len(SAMPLES)
 NUM_GROUPS = NUM_SAMPLES // SAMPLES_PER_PROMPT
+# The tokens the loss sees (loss mask 1): the denominator of every fraction-of-tokens metric.
+VALID_TOKENS = sum(sum(mask) if mask is not None else r for _, _, r, _, mask in SAMPLES)
 
 # Optimizer settings. eps is of the order of the gradient entries so that the first AdamW update
 # depends on each gradient's size, not only its sign (with eps << |g| the first update is

@@ -5,7 +5,10 @@ experts a rollout engine "used" for the routing-replay section.
   experts, top-2 with renormalised weights (``norm_topk_prob``), expert FFN 16 (``etp = 2``
   splits it). The routers are drawn with a larger std (`ROUTER_STD`) than the rest so that each
   token's top-2 is decided by a clear margin: a near tie between the 2nd and 3rd expert would let
-  summation order flip a routing decision between a backend and the reference.
+  summation order flip a routing decision between a backend and the reference. The regime real
+  checkpoints start from (transformers' init, ``initializer_range`` 0.02: near-uniform routing,
+  where the load-balancing gradient pulls hard) is `tests.contract.router_init`'s: the same
+  shape, every MoE layout, a step whose gradient is the router term's alone.
 - Router coefficients (`ROUTER_COEFS`, for the backend the group builds and every variant but
   one): large (aux 0.5, z-loss 0.05), so the router term moves every variant's gradient well above
   the tolerance (at the default aux 0.001 and no z-loss its share of the gradient norm is ~1e-6,

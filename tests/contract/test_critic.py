@@ -159,5 +159,31 @@ def test_critic_c4_data_parallel_size(case, group, critic_runs):
     _assert(critic.compare_critic_layouts, group, other, TOL, label)
 
 
+def _first_capable() -> Any:
+    """The first backend with critic layouts: the one every other backend's critic equals."""
+    return next(entry for entry in REGISTRY.values() if critic_layouts(entry))
+
+
+@pytest.mark.parametrize(
+    "case",
+    _cases(
+        lambda entry, layout: entry.name != _first_capable().name and layout == _baseline(entry)
+    ),
+    scope="module",
+)
+def test_critic_c6_across_backends(case, group, critic_runs):
+    """Each backend's first critic layout logs the same metrics as the first critic-capable
+    backend's, every one of them (on top of both matching the reference: a metric the reference
+    does not compute is still compared here), each within its kind's tolerance."""
+    first = _first_capable()
+    reason = skip_reason(first, _baseline(first), device="cpu", devices_available=0)
+    if reason:
+        pytest.skip(f"{first.name}, the baseline backend, cannot run here: {reason}")
+    entry, layout = case
+    other = critic_runs.get(first, _baseline(first))
+    label = f"{entry.name}/{layout.name} vs {first.name}/{_baseline(first).name}"
+    _assert(critic.compare_critic_layouts, group, other, TOL, label)
+
+
 def test_critic_c5_hf_export(group, contract_data):
     _assert(critic.clause_c5_export, group, contract_data[1], TOL)
