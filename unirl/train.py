@@ -114,7 +114,7 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         job.loop()
         return job.finish()
     except Exception as exc:
-        if not watchdog.is_collective_timeout(exc):
+        if not (watchdog.is_collective_timeout(exc) or watchdog.is_peer_gone(exc)):
             raise
         timed_out = True  # the process group cannot be torn down: the CLI exits at once
         raise _collective_timeout() from exc
@@ -127,8 +127,9 @@ def _collective_timeout() -> CollectiveTimeoutError:
     killed = watchdog.stop_unresponsive_peers()
     rank = dist.get_rank() if dist.is_initialized() else 0
     return CollectiveTimeoutError(
-        f"rank {rank}: a collective waited parallel.timeout_s for another rank that stopped "
-        f"answering (hung, stopped or dead; {len(killed)} rank(s) on this host stopped); the "
+        f"rank {rank}: a collective lost another rank, which died or stopped answering within "
+        f"parallel.timeout_s (hung, stopped or killed; {len(killed)} rank(s) on this host "
+        "stopped; the first rank's own error, if it had one, says why); the "
         "newest complete checkpoint is intact: fix the cause and run again with --resume "
         "(raise parallel.timeout_s if a rank is only slow)"
     )

@@ -65,7 +65,7 @@ def job(tmp_path):
         entry = ["-m", "tests.faults.inject", fault, "--"] if fault else ["-m", "unirl.cli"]
         if torchrun:
             launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                      str(torchrun), "--master_port", str(_free_port()), *entry[1:]]  # fmt: skip
+                      str(torchrun), "--master_port", str(_free_port()), *entry]  # fmt: skip
         else:
             launch = [sys.executable, *entry]
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)

@@ -4,7 +4,7 @@ one of unirl's own errors whose message happens to say "timed out"."""
 
 import torch.distributed as dist
 
-from unirl.backends.watchdog import is_collective_timeout
+from unirl.backends.watchdog import is_collective_timeout, is_peer_gone
 from unirl.rollouts.rewards.workers import RewardTimeoutError
 
 
@@ -26,3 +26,15 @@ def test_a_reward_that_timed_out_is_not_a_hung_rank():
         "longer than rollout.reward_timeout_s=1.0"
     )
     assert not is_collective_timeout(reward)
+
+
+def test_a_collective_whose_peer_died_is_a_lost_rank():
+    """gloo's error when the rank at the other end was killed: a lost rank (one error line),
+    not a traceback; unirl's own errors never are."""
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [127.0.0.1]:13696. This is typically caused by a remote worker crashing."
+    )
+    assert is_peer_gone(gloo) and not is_collective_timeout(gloo)
+    assert not is_peer_gone(RewardTimeoutError("Connection closed by peer, said the judge"))
+    assert not is_peer_gone(RuntimeError("CUDA out of memory"))

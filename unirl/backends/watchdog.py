@@ -54,6 +54,28 @@ def is_collective_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("Timed out waiting" in text or "timed out" in text)
 
 
+# What gloo and NCCL say when the rank at the other end of a collective is gone (killed, crashed):
+# the connection closes before any timeout.
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited",
+    "Broken pipe",
+)
+
+
+def is_peer_gone(exc: BaseException) -> bool:
+    """A collective that failed because another rank's process is gone; never one of unirl's
+    own errors."""
+    if isinstance(exc, UnirlError):
+        return False
+    dist_error = getattr(dist, "DistError", ())
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, *((dist_error,) if dist_error else ()))) and any(
+        words in text for words in _PEER_GONE
+    )
+
+
 def stop_unresponsive_peers() -> list[int]:
     """Kill the other ranks on this host (SIGCONT first, so that a stopped one dies at once).
     Returns the pids signalled."""
