@@ -370,7 +370,7 @@ def test_packed_moe_forward_and_router_logits_on_gpu_bf16(moe_folder):
     model.to(device).eval()
     ref = reference_model(moe_folder).to(device=device, dtype=torch.bfloat16).eval()
     use_packed_attention(model)
-    routing = PolicyRouting(model, "off")
+    routing = PolicyRouting(model)  # routing "off" until a pass begins another
     seqs = sequences(4)
     mb = pack(seqs)
     with torch.no_grad(), routing.training(mb):
