@@ -119,8 +119,8 @@ def _run_layout(sizes, cases, world):
         initialize_parallel_state,
         topology_from_parallel_state,
     )
-    from unirl.backends.megatron.weight_stream import stream_weights
     from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights
+    from unirl.backends.megatron.weights.stream import stream_weights
     from unirl.core.config.run_config import ParallelConfig
     from unirl.core.topology import Topology
     from unirl.core.weight_stream import HOST

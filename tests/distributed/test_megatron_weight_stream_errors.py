@@ -43,7 +43,7 @@ def _stage_buckets(stage: int, failure: str):
 def _stream(rank: int, world: int, failure: str) -> dict:
     import torch.distributed as dist
 
-    from unirl.backends.megatron.weight_stream import _pipeline_buckets
+    from unirl.backends.megatron.weights.stream import _pipeline_buckets
     from unirl.core.topology import ProcessGroups, Topology
 
     topology = Topology.from_rank(rank, world, pp=2, groups=ProcessGroups(pp=dist.group.WORLD))

@@ -83,7 +83,7 @@ def _stream_to_mark(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(weight_stream, "FlatBucket", Recorded)
         if backend_name == "megatron":  # its pipeline's receive buffers
-            mp.setattr("unirl.backends.megatron.weight_stream.FlatBucket", Recorded)
+            mp.setattr("unirl.backends.megatron.weights.stream.FlatBucket", Recorded)
         for bucket in backend.stream_weights(BUCKET_BYTES, dst=0, device=MARK):
             flat = weight_stream.flat_buffer(bucket)  # checked now: addresses are reused later
             out.append((bucket, flat is not None and made.get(flat.data_ptr()) == MARK))

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from unirl.backends.megatron.weight_stream import _maker, _Unit
+from unirl.backends.megatron.weights.stream import _maker, _Unit
 
 
 def test_vocab_rows_are_a_view_of_the_parameter_at_tp1():

@@ -39,8 +39,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.megatron import checkpoint, sequence_parallel
+from unirl.backends.megatron import checkpoint
 from unirl.backends.megatron.compat import cpu as cpu_compat
+from unirl.backends.megatron.compat import sequence_parallel
 from unirl.backends.megatron.critic import MegatronCritic, critic_plan
 from unirl.backends.megatron.heads import LogprobHead
 from unirl.backends.megatron.moe.layers import is_moe

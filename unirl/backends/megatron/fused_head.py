@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
-from unirl.backends.megatron.sequence_parallel import gather_hidden
+from unirl.backends.megatron.compat.sequence_parallel import gather_hidden
 
 
 class HiddenOutputLayer(ColumnParallelLinear):

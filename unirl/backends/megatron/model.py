@@ -49,6 +49,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from unirl.backends.megatron.compat import te as te_compat
+from unirl.backends.megatron.compat.sequence_parallel import (
+    sequence_parallel_block,
+    sequence_parallel_norms,
+)
 from unirl.backends.megatron.compat.te import te_available
 from unirl.backends.megatron.kernels import gpu_fusions, multi_tensor, wgrad_fusion
 from unirl.backends.megatron.kernels.varlen_attention import (
@@ -67,10 +71,6 @@ from unirl.backends.megatron.moe.layers import (
     check_moe_config,
     is_moe,
     moe_transformer_fields,
-)
-from unirl.backends.megatron.sequence_parallel import (
-    sequence_parallel_block,
-    sequence_parallel_norms,
 )
 from unirl.backends.megatron.weights.hf_layout import attention_dims, padded_vocab_size
 from unirl.core.config.run_config import ParallelConfig

@@ -18,7 +18,6 @@ from typing import Any
 import attrs
 import torch
 
-from unirl.backends.megatron import weight_stream
 from unirl.backends.megatron.checkpoint import ExtraModel
 from unirl.backends.megatron.fused_head import emit_hidden
 from unirl.backends.megatron.heads import Head, install_value_head
@@ -26,6 +25,7 @@ from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
 from unirl.backends.megatron.schedule import schedule_config
 from unirl.backends.megatron.sources import ModelSource
+from unirl.backends.megatron.weights import stream as weight_stream
 from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights, save_hf
 from unirl.backends.megatron.weights_folder import MegatronWeights
 from unirl.core.backend import OptimizerStepStats

@@ -375,7 +375,7 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             "optimizer/distrib_optimizer.py:582",
         ),
     ),
-    # parallel.sequence_parallel (`unirl.backends.megatron.sequence_parallel`): the outputs of
+    # parallel.sequence_parallel (`unirl.backends.megatron.compat.sequence_parallel`): the outputs of
     # the sequence all-gather and reduce-scatter, mappings.py:141 / :181, patched by the one
     # ModulePatch of tensor_parallel.mappings below (a module's torch is replaced once)
     ModulePatch(

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from unirl.backends.megatron.compat.sequence_parallel import gather_hidden
 from unirl.backends.megatron.padded import PaddedBatch
-from unirl.backends.megatron.sequence_parallel import gather_hidden
 from unirl.core.config.run_config import ParallelConfig
 from unirl.core.data.routed_experts import DTYPE, FREE
 from unirl.core.errors import ConfigError, LossInputError
