@@ -40,7 +40,7 @@ def _stage_buckets(stage: int, failure: str):
         raise RuntimeError("the planned shapes and the gathers disagree")
 
 
-def _stream(rank: int, world: int, failure: str) -> dict:
+def _stream(rank: int, world: int, failure: str, dst: int | None) -> dict:
     import torch.distributed as dist
 
     from unirl.backends.megatron.weights.stream import _pipeline_buckets
@@ -51,8 +51,9 @@ def _stream(rank: int, world: int, failure: str) -> dict:
     received: list[tuple[str, list[float]]] = []
     error = None
     try:
+        keep = dst is None or dst == rank
         stream = _pipeline_buckets(
-            lambda where: _stage_buckets(topology.pp_rank, failure), topology, cpu, True, cpu
+            lambda where: _stage_buckets(topology.pp_rank, failure), topology, cpu, keep, cpu, dst
         )
         for bucket in stream:
             received.extend((n, t.tolist()) for n, t in bucket)
@@ -82,11 +83,15 @@ def _stream(rank: int, world: int, failure: str) -> dict:
     ],
     ids=["not-flat", "raises"],
 )
-def test_a_failing_stage_raises_on_every_rank(failure, message, cause):
-    ranks = run_distributed(_stream, 2, failure, timeout=90)
+@pytest.mark.parametrize("dst", [None, 0], ids=["to-every-rank", "to-rank0"])
+def test_a_failing_stage_raises_on_every_rank(failure, message, cause, dst):
+    """Broadcast to every rank or sent to rank 0 alone: the sending stage's failure reaches
+    every rank that waits for it, none is left waiting."""
+    ranks = run_distributed(_stream, 2, failure, dst, timeout=90)
     for rank, out in enumerate(ranks):
-        # stage 0's bucket, then stage 1's first one, on both ranks; then the error
-        assert out["received"] == [("stage0.a", [0.0, 1.0]), ("stage1.a", [1.0, 1.0])], rank
+        # stage 0's bucket, then stage 1's first one, on every receiving rank; then the error
+        want = [("stage0.a", [0.0, 1.0]), ("stage1.a", [1.0, 1.0])]
+        assert out["received"] == (want if dst in (None, rank) else []), rank
         assert out["error"] is not None, rank
         assert out["error"][0] == message, rank
         # the sending rank keeps its own error as the cause; the other only has the text
