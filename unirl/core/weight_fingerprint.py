@@ -193,8 +193,9 @@ def compare(sent: Fingerprint, held: Fingerprint, *, receiver: str, version: int
             raise SyncVerificationError(
                 f"{what} did not land: {key} holds other weights than were sent (sent "
                 f"{_show(expected[key])}; held {_show(held.keys[key])}). A bucket was lost, cut "
-                "or altered on the way, or the receiver did not load it; check the transport "
-                "(rollout.vllm.weight_transfer) and the receiver's log (logging.level: DEBUG). "
+                "or altered on the way, or the receiver did not load it; check the source's "
+                "weight transfer (its rollout section; unirl check prints it) and the receiver's "
+                "log (logging.level: DEBUG). "
                 "The newest complete checkpoint is intact: run again with --resume",
                 key,
             )
