@@ -1,7 +1,7 @@
 """The engine's side of the verified sync (`unirl.core.weight_fingerprint`): each vLLM worker
 fingerprints the parameters it has loaded, its own tensor-parallel shard of them.
 
-`FingerprintWorker` is mixed into vLLM's workers (``LLM(worker_extension_cls=...)``, launch.py), so
+`worker.FingerprintWorker` is mixed into vLLM's workers (``LLM(worker_extension_cls=...)``), so
 the leader asks every worker with ``llm.collective_rpc("unirl_fingerprint", ...)`` and merges the
 shards' answers (`engine_fingerprint`). Plain data crosses vLLM's channel: key -> four floats.
 
@@ -11,9 +11,10 @@ What a worker counts, so that the merged fingerprint is that of the Hugging Face
   fused q/k/v whose k/v heads are replicated over ranks (more ranks than k/v heads): the k/v rows
   only on the first rank of each replica group;
 - of an embedding or output head, only the rows of real tokens (vLLM pads the vocabulary);
-- a CPU linear whose weight vLLM moved into a packed kernel (``cpu_linear``; the parameter is
-  then empty): the weight the kernel multiplies with, read back through the kernel itself
-  (input the identity, in blocks), so the check covers what the engine computes with.
+- a CPU linear's weight as the parameter vLLM packed its kernel from (worker.py keeps it: vLLM
+  on the CPU empties it after packing); should it be empty anyway, the weight the kernel
+  multiplies with, read back through the kernel (input the identity, in blocks: exact, but
+  K times the reading's work).
 """
 
 from __future__ import annotations
@@ -113,15 +114,9 @@ def worker_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
     return {k: list(v) for k, v in out.keys.items()}
 
 
-class FingerprintWorker:
-    """Mixed into vLLM's worker class: ``collective_rpc("unirl_fingerprint")``."""
-
-    def unirl_fingerprint(self) -> dict[str, list[float]]:
-        with torch.no_grad():
-            return worker_fingerprint(self.model_runner.model)  # type: ignore[attr-defined]
-
-
-WORKER_EXTENSION = f"{FingerprintWorker.__module__}.{FingerprintWorker.__qualname__}"
+# The worker extension vLLM mixes into its workers (worker.py; named, not imported: the trainer's
+# process never loads it).
+WORKER_EXTENSION = "unirl.rollouts.vllm.worker.FingerprintWorker"
 
 
 def engine_fingerprint(llm: Any) -> Fingerprint:

@@ -292,8 +292,9 @@ class VllmRolloutSource(GeneratingSource):
                 self.task.tokenizer.eos_id, r.stop_token_ids, vocab_size=self._vocab_size
             ),
             stop=r.stop,
-            # the workers' fingerprint call for the verified sync (fingerprint.py)
-            extra=launch.llm_kwargs() | {"worker_extension_cls": WORKER_EXTENSION},
+            # the workers' fingerprint call for the verified sync (fingerprint.py, worker.py)
+            extra=launch.llm_kwargs()
+            | ({"worker_extension_cls": WORKER_EXTENSION} if r.verify_sync else {}),
             env=launch.env,
         )
         self._sleep = SleepCycle(self._engine.llm, launch.sleep)
