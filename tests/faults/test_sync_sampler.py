@@ -109,3 +109,41 @@ def test_a_skipped_sync_is_caught_and_the_loop_names_the_step(tmp_path, monkeypa
     with pytest.raises(SyncVerificationError, match=r"after RL step 5: .*policy version 7") as e:
         sync.after_step(5, {}, Guard(), 7)
     assert e.value.layer == "layer 0"
+
+
+# `unirl train` with the sampler's load skipping one tensor from the second sync on: the run stops
+# in that step with one `unirl: error:` line naming the layer, the version and the RL step.
+_JOB = """
+import sys
+from unirl.rollouts.sampler import Sampler
+load, calls = Sampler._load_part, []
+def partial(self, part, own, loaded, unexpected):
+    skip = "model.layers.0.self_attn.o_proj.weight"
+    calls.append(skip in part)
+    if sum(calls) > 1 and skip in part:  # past the initial sync: drop one tensor
+        part = {k: v for k, v in part.items() if k != skip}
+        loaded.add(skip)
+    load(self, part, own, loaded, unexpected)
+Sampler._load_part = partial
+from unirl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_unirl_train_stops_in_the_step_with_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    sets = [f"logging.run_dir={tmp_path / 'run'}", "train.rl_steps=3", "progress.enabled=false",
+            "logging.tensorboard=false", "batch.prompts_per_rollout=4",
+            "batch.samples_per_optimizer_step=32", "checkpoint.export_hf=false"]  # fmt: skip
+    cmd = [sys.executable, "-c", _JOB, "train", str(EXAMPLE)]
+    for s in sets:
+        cmd += ["--set", s]
+    root = Path(__file__).parents[2]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("unirl: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "after RL step 1: " in errors[0] and "policy version 1" in errors[0], errors[0]
+    assert "layer 0 holds other weights" in errors[0], errors[0]
