@@ -64,6 +64,7 @@ def main() -> None:
         top_p=r.top_p,
         max_new_tokens=r.max_new_tokens,
         seed=cfg.train.seed,
+        verify_sync=cfg.rollout.verify_sync,
     )
     weights = model.state_dict()
     try:

@@ -70,7 +70,22 @@ def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.core.source_plugin import SOURCES
 
     source = cfg.rollout.source
-    return {"source": source, **SOURCES.get(source).describe(cfg)}
+    return {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}
+
+
+def _verify_note(cfg: UnirlConfig) -> str:
+    """What ``rollout.verify_sync`` does for this source (unirl/core/weight_fingerprint.py)."""
+    from unirl.core.source_plugin import weight_receivers
+
+    if weight_receivers(cfg) == "none":
+        return "no weight sync: the source receives no weights"
+    if not cfg.rollout.verify_sync:
+        return "off (rollout.verify_sync: false): a sync that lands partly goes unnoticed"
+    return (
+        "on: after every sync the receiver fingerprints the weights it holds per layer "
+        "(float64 count, sum, sum of squares, max |x|) and they must match what the trainer "
+        "sent, else the run stops naming the layer and step (time/verify_s)"
+    )
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:

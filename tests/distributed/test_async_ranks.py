@@ -125,6 +125,7 @@ def test_async_two_ranks_vllm(tmp_path):
     assert [r["rollout/policy_version"] for r in full] == [0, 0, 1]
     # step 1's rollout came from the initial weights the engine started with: trainer = engine
     assert full[0]["mismatch/staleness_0/abs_diff"] < 1e-4
+    assert all(r["time/verify_s"] > 0 for r in full)  # the worker's syncs were verified
     assert all(r["mismatch/staleness_1/abs_diff"] > 1e-3 for r in full[1:])  # one step behind
     ranks = [json.loads((tmp_path / f"full.rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["reward/mean"] == ranks[1]["reward/mean"]

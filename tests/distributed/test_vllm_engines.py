@@ -52,6 +52,7 @@ def test_two_engines_follow_the_trainer_and_keep_the_plan_order(tmp_path):
     for row, one_engine in zip(rows, recorded):
         assert row["train_rollout_logprob_abs_diff_max"] < 1e-4, row
         assert row["time/weight_sync_s"] > 0
+        assert row["time/verify_s"] > 0  # each leader verified its engine's sync
         assert row["reward/mean"] == pytest.approx(one_engine["reward/mean"], abs=1e-6)
         assert row["loss"] == pytest.approx(one_engine["loss"], abs=1e-5)
 

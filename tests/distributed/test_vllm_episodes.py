@@ -177,6 +177,7 @@ def test_greedy_episodes_equal_the_samplers(engine_and_model, tmp_path):
         top_p=1.0,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.train.seed,
+        verify_sync=cfg.rollout.verify_sync,
         stop=cfg.rollout.stop,
         environment=Countdown,
         episode_limits=LIMITS,

@@ -251,6 +251,7 @@ def test_sampler_source_episodes_are_the_engines_ids_and_logprobs():
         top_p=1.0,
         max_new_tokens=4,
         seed=3,
+        verify_sync=True,
         stop=("c",),
         environment=environment_factory("hidden_number"),
         episode_limits=EpisodeLimits(max_turns=3, max_tokens=16),

@@ -19,6 +19,7 @@ from unirl.core.backend import TrainingBackend
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.source_plugin import weight_receivers
+from unirl.core.weight_fingerprint import SyncVerificationError
 from unirl.core.weight_stream import (
     HOST,
     MIB,
@@ -73,5 +74,8 @@ class WeightSync:
             guard.after_step(rl_step, metrics, exc.parameter)
             raise  # the guard raised already; kept for type checkers
         guard.after_step(rl_step, metrics, None)
-        self.source.sync_weights(stream, policy_version=version)
+        try:
+            self.source.sync_weights(stream, policy_version=version)
+        except SyncVerificationError as exc:  # the receiver's check (rollout.verify_sync)
+            raise exc.at_step(rl_step) from None
         return time.perf_counter() - t0

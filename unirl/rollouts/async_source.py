@@ -46,7 +46,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weight_stream import HOST, MIB, Bucket, bucketed
 from unirl.rollouts.collectives import bind_rollout_group, new_rollout_group
-from unirl.rollouts.source import RolloutSource
+from unirl.rollouts.source import MeasuresRollouts, RolloutSource
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -66,6 +66,7 @@ class Generated:
     sync_s: float
     generation_s: float
     idle_s: float = 0.0
+    verify_s: float = 0.0  # of its sync, inside sync_s (rollout.verify_sync)
 
 
 def staleness_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
@@ -179,6 +180,7 @@ class RolloutsAhead:
             # the worker's seconds, in place of the trainer's wait and hand-over
             "time/generation_s": generated.generation_s,
             "time/weight_sync_s": generated.sync_s,
+            "time/verify_s": generated.verify_s,
         }
         return generated.batch
 
@@ -246,8 +248,17 @@ class RolloutsAhead:
         t1 = time.perf_counter()
         batch = self.source.next_rollout(rl_step)
         self._last_done = time.perf_counter()
+        verify_s = (
+            self.source.rollout_metrics().get("time/verify_s", 0.0)
+            if isinstance(self.source, MeasuresRollouts)
+            else 0.0
+        )
         return Generated(
-            batch=batch, sync_s=t1 - t0, generation_s=self._last_done - t1, idle_s=idle
+            batch=batch,
+            sync_s=t1 - t0,
+            generation_s=self._last_done - t1,
+            idle_s=idle,
+            verify_s=verify_s,
         )
 
     def put_ready(self, rl_step: int, batch: RolloutBatch) -> None:

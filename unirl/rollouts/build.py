@@ -73,6 +73,7 @@ def _sampler_source(
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=seed,
+        verify_sync=cfg.rollout.verify_sync,
         device=device,
         stop=cfg.rollout.stop,
         stop_token_ids=cfg.rollout.stop_token_ids,

@@ -63,10 +63,17 @@ class GeneratingSource:
         self._prompt_rng = random.Random(seed)
         self._rollouts_drawn = 0
         self._policy_version = policy_version
+        # seconds the last weight sync's verification took (rollout.verify_sync; 0: none)
+        self.last_verify_s = 0.0
 
     @property
     def num_rollouts(self) -> None:
         return None
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """``time/verify_s``: the verification of the sync whose weights generated the rollout
+        handed out last (`unirl.core.weight_fingerprint`), logged beside its sync's seconds."""
+        return {"time/verify_s": self.last_verify_s}
 
     @property
     def vocab_size(self) -> int:

@@ -14,6 +14,7 @@ streams, not the weights.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,8 @@ import torch
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.weight_stream import HOST, Bucket
+from unirl.core.weight_fingerprint import Fingerprint, compare, fingerprinted, module_fingerprint
+from unirl.core.weight_stream import HOST, Bucket, drain
 from unirl.rollouts.data.stops import stop_ids, stop_text
 from unirl.rollouts.data.tasks import Problem, Task, TaskTokenizer
 from unirl.rollouts.environments.base import Environment
@@ -61,6 +63,7 @@ class SamplerRolloutSource(GeneratingSource):
         top_p: float,
         max_new_tokens: int,
         seed: int,
+        verify_sync: bool,
         device: torch.device | str | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
@@ -70,7 +73,8 @@ class SamplerRolloutSource(GeneratingSource):
     ) -> None:
         """With ``environment`` (a builder of one episode's environment), every sample is a
         multi-turn episode (`unirl.rollouts.environments.episodes`) within ``episode_limits`` and
-        ``max_seq_len`` tokens; ``max_new_tokens`` is then each turn's budget."""
+        ``max_seq_len`` tokens; ``max_new_tokens`` is then each turn's budget. ``verify_sync``:
+        ``rollout.verify_sync``."""
         # The model starts as the policy's init (build_rollout_source's contract): version 0.
         super().__init__(
             task,
@@ -101,6 +105,7 @@ class SamplerRolloutSource(GeneratingSource):
             stop_strings=stop,
             decode=self._stop_text,
         )
+        self.verify_sync = verify_sync
         self.environment = environment
         self.episodes: EpisodeRunner | None = None
         if environment is not None:
@@ -125,8 +130,21 @@ class SamplerRolloutSource(GeneratingSource):
         return HOST  # loaded into the sampler's model by load_state_dict, from the host
 
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
-        """Load the stream bucket by bucket into the sampler's model (every rank has one)."""
-        self.sampler.load_buckets(buckets)
+        """Load the stream bucket by bucket into the sampler's model (every rank has one); with
+        ``rollout.verify_sync`` the model's fingerprint must then match the stream's
+        (`unirl.core.weight_fingerprint`: a sync that landed partly raises, naming the layer)."""
+        if not self.verify_sync:
+            self.sampler.load_buckets(buckets)
+        else:
+            model = self.sampler.model
+            sent = Fingerprint(dtype=next(model.parameters()).dtype)
+            stream = fingerprinted(buckets, sent)
+            self.sampler.load_buckets(stream)
+            drain(stream)  # what the load left untaken still counts as sent
+            t0 = time.perf_counter()
+            held = module_fingerprint(model)
+            compare(sent, held, receiver="the sampler's model", version=policy_version)
+            self.last_verify_s = sent.seconds + time.perf_counter() - t0
         self._policy_version = policy_version
 
     def generate_eval(

@@ -1,7 +1,8 @@
 """vLLM as the rollout engine (``rollout.source: vllm``): it generates every rollout from the
 policy's current weights, which are synced to it after every optimizer step. What is vLLM's own
 lives here (the plug-in and its ``rollout.vllm`` section, the engine, its launch, the transports
-through vLLM's API, sleep mode, the source); what any engine could use (placement, the ranks'
+through vLLM's API, sleep mode, the workers' fingerprint of the weights they
+loaded for the verified sync, the source); what any engine could use (placement, the ranks'
 bounded waits, the weights folder, the request and sample types, multi-turn episodes on an engine,
 bucket packing) is `unirl.rollouts.serving`, and the source's skeleton `unirl.rollouts.generating`.
 

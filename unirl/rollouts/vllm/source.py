@@ -56,6 +56,7 @@ from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.progress.bars import GenerationProgress
+from unirl.core.weight_fingerprint import SyncVerificationError
 from unirl.core.weight_stream import MIB, Bucket, drain
 from unirl.rollouts.build import build_task, episode_options
 from unirl.rollouts.data.stops import save_task_tokenizer, stop_ids
@@ -75,6 +76,7 @@ from unirl.rollouts.serving.placement import (
 )
 from unirl.rollouts.serving.weights import WeightFolder
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
+from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, verified_sync
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
 from unirl.rollouts.vllm.sleep import SleepCycle
@@ -191,13 +193,15 @@ class VllmRolloutSource(GeneratingSource):
         engine took them. A failure on a leader still runs the stream to its end, so no rank
         waits in a gather for it."""
         buckets = iter(buckets)
-        error = None
+        error: str | SyncVerificationError | None = None
         _, _, engine = self._world()
         if engine is None:
             drain(buckets)
         else:
             try:
-                self._sync(buckets, engine)
+                self._verified_sync(buckets, engine, policy_version)
+            except SyncVerificationError as exc:  # travels as it is: its type says what failed
+                error = SyncVerificationError(self._tag(engine) + str(exc), exc.layer)
             except UnirlError as exc:
                 error = self._tag(engine) + str(exc)
             except Exception as exc:
@@ -213,8 +217,23 @@ class VllmRolloutSource(GeneratingSource):
         errors = self._exchange.all_gather(error, what="the engines' weight sync")
         failed = [e for e in errors if e is not None]
         if failed:
-            raise RunError(failed[0])
+            raise failed[0] if isinstance(failed[0], RunError) else RunError(failed[0])
         self._policy_version = policy_version
+
+    def _verified_sync(self, buckets: Iterator[Bucket], engine: int, version: int) -> None:
+        """`_sync`, then (``rollout.verify_sync``) the engine proves it holds what it was sent
+        (fingerprint.py; `unirl.core.weight_fingerprint`); its seconds are ``last_verify_s``."""
+        if not self.cfg.rollout.verify_sync:
+            self._sync(buckets, engine)
+            return
+        self.last_verify_s = verified_sync(
+            lambda sent: self._sync(sent, engine),
+            lambda: self._engine.llm if self._engine is not None else None,
+            buckets,
+            dtype=self.dtype,
+            receiver=self._name(engine),
+            version=version,
+        )
 
     def _sync(self, buckets: Iterator[Bucket], engine: int) -> None:
         if self._engine is None:
@@ -273,7 +292,9 @@ class VllmRolloutSource(GeneratingSource):
                 self.task.tokenizer.eos_id, r.stop_token_ids, vocab_size=self._vocab_size
             ),
             stop=r.stop,
-            extra=launch.llm_kwargs(),
+            # the workers' fingerprint call for the verified sync (fingerprint.py, worker.py)
+            extra=launch.llm_kwargs()
+            | ({"worker_extension_cls": WORKER_EXTENSION} if r.verify_sync else {}),
             env=launch.env,
         )
         self._sleep = SleepCycle(self._engine.llm, launch.sleep)

@@ -45,6 +45,11 @@ class RolloutConfig:
     # The weight sync's bucket size in MiB: the most any rank holds beyond its own shards while
     # the policy's weights stream to a source that needs them (unirl.core.weight_stream).
     weight_bucket_mb: int = attrs.field(default=1024, validator=positive)
+    # After every weight sync the receiver (each vLLM engine, the sampler's model) fingerprints
+    # the weights it holds and the trainer compares them with what it sent: a sync that landed
+    # partly stops the run naming the layer (unirl/core/weight_fingerprint.py). Here, not in a
+    # source's section: it is the contract of every source that receives weights.
+    verify_sync: bool = True
     task: str = "reverse_digits"
     # Keyword arguments of the task's factory, e.g. {min_digits: 2, max_digits: 3}.
     task_options: dict[str, Any] = attrs.field(factory=dict)

@@ -1,0 +1,200 @@
+"""The verified sync's fingerprint (unirl/core/weight_fingerprint.py) against a plain per-layer
+float64 computation written here, on Hugging Face tensors and on a receiver's layout built by
+hand (q, k, v concatenated, gate and up concatenated, both split over two tensor-parallel ranks,
+a replicated norm counted on one rank, a padded vocabulary cut to its real rows); and `compare`'s
+errors: a changed layer, a name only one side knows, a tied head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unirl.core.weight_fingerprint import (
+    Fingerprint,
+    SyncVerificationError,
+    compare,
+    fingerprinted,
+    layer_key,
+    module_fingerprint,
+)
+
+VOCAB, PADDED, H, KV, FF = 10, 16, 8, 4, 12
+
+
+def _model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": torch.randn(VOCAB, H, generator=g)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, shape in [
+            ("self_attn.q_proj.weight", (H, H)),
+            ("self_attn.k_proj.weight", (KV, H)),
+            ("self_attn.v_proj.weight", (KV, H)),
+            ("self_attn.o_proj.weight", (H, H)),
+            ("mlp.gate_proj.weight", (FF, H)),
+            ("mlp.up_proj.weight", (FF, H)),
+            ("mlp.down_proj.weight", (H, FF)),
+            ("input_layernorm.weight", (H,)),
+        ]:
+            sd[p + name] = torch.randn(*shape, generator=g)
+    sd["model.norm.weight"] = torch.randn(H, generator=g)
+    sd["lm_head.weight"] = torch.randn(VOCAB, H, generator=g)
+    return sd
+
+
+def _reference(sd: dict[str, torch.Tensor]) -> dict[str, tuple[float, float, float, float]]:
+    """Per layer, in float64: count, sum x, sum x^2, max |x| (written out, no unirl code)."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, t in sd.items():
+        if ".layers." in name:
+            key = "layer " + name.split(".layers.")[1].split(".")[0]
+        else:
+            key = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm"}.get(
+                name, "lm_head"
+            )
+        groups.setdefault(key, []).append(t.double().reshape(-1))
+    out = {}
+    for key, parts in groups.items():
+        x = torch.cat(parts)
+        out[key] = (float(x.numel()), float(x.sum()), float((x * x).sum()), float(x.abs().max()))
+    return out
+
+
+def test_layer_keys():
+    assert layer_key("model.layers.3.self_attn.qkv_proj.weight") == "layer 3"
+    assert layer_key("model.layers.12.mlp.experts.7.down_proj.weight") == "layer 12"
+    assert layer_key("model.embed_tokens.weight") == "embed_tokens"
+    assert layer_key("model.norm.weight") == "norm"
+    assert layer_key("lm_head.weight") == "lm_head"
+
+
+def test_stream_fingerprint_is_the_plain_per_layer_float64_sums():
+    sd = _model()
+    seen = Fingerprint()
+    buckets = [list(sd.items())[:7], list(sd.items())[7:]]
+    assert [b for b in fingerprinted(iter(buckets), seen)] == buckets  # handed on as they are
+    ref = _reference(sd)
+    assert set(seen.keys) == set(ref)
+    for key, stats in ref.items():
+        assert seen.keys[key] == pytest.approx(stats, rel=1e-12, abs=1e-12), key
+
+
+def test_the_receiver_dtype_is_applied_before_counting():
+    t = torch.tensor([1.0 + 2**-12, -3.0])  # 1 + 2^-12 rounds to 1.0 in bf16
+    seen = Fingerprint(dtype=torch.bfloat16)
+    seen.add("model.norm.weight", t)
+    assert seen.keys["norm"] == (2.0, -2.0, 10.0, 3.0)
+
+
+def _fused_tp_shards(sd: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
+    """A receiver's layout built by hand: per rank, q/k/v rows of its heads concatenated, gate
+    and up rows concatenated, o/down split by columns, the vocabulary padded to PADDED rows and
+    split by rows, norms replicated (every rank holds them; only rank 0 reports them)."""
+    shards = []
+    for r in range(tp):
+        s: dict[str, torch.Tensor] = {}
+
+        def rows(t: torch.Tensor, r: int = r) -> torch.Tensor:
+            return t.chunk(tp, 0)[r]
+
+        def cols(t: torch.Tensor, r: int = r) -> torch.Tensor:
+            return t.chunk(tp, 1)[r]
+
+        for i in range(2):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            s[a + "qkv_proj.weight"] = torch.cat(
+                [rows(sd[a + "q_proj.weight"]), rows(sd[a + "k_proj.weight"]),
+                 rows(sd[a + "v_proj.weight"])]
+            )  # fmt: skip
+            s[a + "o_proj.weight"] = cols(sd[a + "o_proj.weight"])
+            m = p + "mlp."
+            s[m + "gate_up_proj.weight"] = torch.cat(
+                [rows(sd[m + "gate_proj.weight"]), rows(sd[m + "up_proj.weight"])]
+            )
+            s[m + "down_proj.weight"] = cols(sd[m + "down_proj.weight"])
+            if r == 0:
+                s[p + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            padded = torch.cat([sd[name], torch.full((PADDED - VOCAB, H), 7.0)])
+            shard = rows(padded)
+            real = max(0, min(VOCAB - r * (PADDED // tp), PADDED // tp))
+            s[name] = shard[:real]  # the receiver counts its real rows only
+        if r == 0:
+            s["model.norm.weight"] = sd["model.norm.weight"]
+        shards.append(s)
+    return shards
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_and_sharded_layout_gives_the_same_fingerprint(tp):
+    sd = _model()
+    parts = []
+    for shard in _fused_tp_shards(sd, tp):
+        fp = Fingerprint()
+        for name, t in shard.items():
+            fp.add(name, t)
+        parts.append(fp.keys)
+    held = Fingerprint.of(parts)
+    ref = _reference(sd)
+    for key, stats in ref.items():
+        assert held.keys[key] == pytest.approx(stats, rel=1e-12, abs=1e-12), key
+    sent = Fingerprint()
+    for name, t in sd.items():
+        sent.add(name, t)
+    compare(sent, held, receiver="engine", version=1)  # no error
+
+
+def _fp(sd: dict[str, torch.Tensor]) -> Fingerprint:
+    fp = Fingerprint()
+    for name, t in sd.items():
+        fp.add(name, t)
+    return fp
+
+
+def test_compare_names_the_layer_that_differs_and_the_version():
+    sd = _model()
+    held = dict(sd)
+    held["model.layers.1.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"].clone()
+    held["model.layers.1.mlp.up_proj.weight"][3, 2] += 1e-3
+    with pytest.raises(SyncVerificationError, match=r"policy version 4 to engine 0.*layer 1") as e:
+        compare(_fp(sd), _fp(held), receiver="engine 0", version=4)
+    assert e.value.layer == "layer 1"
+    assert "after RL step 4" in str(e.value.at_step(4))
+
+
+def test_compare_names_a_key_only_one_side_has():
+    sd = _model()
+    renamed = {k.replace("model.norm", "model.final_norm"): v for k, v in sd.items()}
+    with pytest.raises(SyncVerificationError, match=r"left \['norm'\] unwritten"):
+        compare(_fp(renamed), _fp(sd), receiver="engine", version=0)
+    with pytest.raises(SyncVerificationError, match=r"trainer sent \['final_norm'\]"):
+        compare(_fp(sd | {"model.final_norm.weight": sd["model.norm.weight"]}), _fp(sd),
+                receiver="engine", version=0)  # fmt: skip
+
+
+def test_a_tied_head_sent_with_the_embedding_values_is_not_a_missing_name():
+    sd = _model()
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    held = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    compare(_fp(sd), _fp(held), receiver="engine", version=0)
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 1.0  # untied values: the receiver lacks it
+    with pytest.raises(SyncVerificationError, match="lm_head"):
+        compare(_fp(sd), _fp(held), receiver="engine", version=0)
+
+
+def test_module_fingerprint_counts_a_tied_parameter_once():
+    emb = torch.nn.Embedding(VOCAB, H)
+    model = torch.nn.Module()
+    model.embed_tokens, model.lm_head = emb, torch.nn.Linear(H, VOCAB, bias=False)
+    model.lm_head.weight = emb.weight
+    fp = module_fingerprint(model)
+    assert set(fp.keys) == {"embed_tokens"}
+    assert fp.keys["embed_tokens"][0] == VOCAB * H
+
+
+def test_what_the_fingerprint_cannot_catch_a_permutation_inside_a_layer():
+    sd = _model()
+    held = dict(sd)
+    held["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"].flip(0)
+    compare(_fp(sd), _fp(held), receiver="engine", version=0)  # documented blind spot
