@@ -47,7 +47,7 @@ def main() -> None:
     import vllm
 
     from unirl.core.config.run_config import load_config
-    from unirl.core.weight_stream import as_buckets
+    from unirl.core.weights.stream import as_buckets
     from unirl.rollouts import build_rollout_source, build_task_model
     from unirl.rollouts.sampler_source import SamplerRolloutSource
 

@@ -1,4 +1,4 @@
-"""The verified weight sync's cost (``rollout.verify_sync``, unirl/core/weight_fingerprint.py) per
+"""The verified weight sync's cost (``rollout.verify_sync``, unirl/core/weights/fingerprint.py) per
 sync, against the sync's own time, on the CPU with the vLLM engine (file transport, fp32).
 
     PYTHONPATH=$PWD python benchmarks/verify_sync.py            # tiny example and ~100M model
@@ -53,7 +53,7 @@ def _measure(name: str, repeats: int, run_dir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from unirl.core.config.run_config import load_config
-    from unirl.core.weight_stream import MIB, bucketed
+    from unirl.core.weights.stream import MIB, bucketed
     from unirl.rollouts import build_rollout_source
 
     sets = [f"logging.run_dir={run_dir}", "progress.enabled=false", *MODELS[name]]

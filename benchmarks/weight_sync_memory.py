@@ -179,10 +179,10 @@ def _worker(rank: int, world_size: int, name: str, work: str) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig
 
-    from unirl.core.backend_plugin import build_backend
     from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.protocols.backend_plugin import build_backend
     from unirl.core.step import RLStep
-    from unirl.core.weight_stream import MIB, as_buckets, drain, first_non_finite_local
+    from unirl.core.weights.stream import MIB, as_buckets, drain, first_non_finite_local
     from unirl.rollouts.serving.weights import WeightFolder
 
     torch.set_num_threads(1)

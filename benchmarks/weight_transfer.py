@@ -78,7 +78,7 @@ def random_buckets(
 ) -> list[list[tuple[str, torch.Tensor]]]:
     """Random bf16 buckets: ``where`` "flat" (one `FlatBucket` on the GPU per bucket, as the
     stream makes them for the GPU transports), "cuda" (separate GPU tensors) or "cpu"."""
-    from unirl.core.weight_stream import FlatBucket, TensorSpec, bucketed
+    from unirl.core.weights.stream import FlatBucket, TensorSpec, bucketed
 
     g = torch.Generator(device="cuda").manual_seed(0)
     planned = bucketed(
@@ -269,7 +269,7 @@ def memory_child(args: argparse.Namespace) -> dict[str, Any]:
     from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
     from unirl.core.step import RLStep
-    from unirl.core.weight_stream import MIB, flat_buffer
+    from unirl.core.weights.stream import MIB, flat_buffer
     from unirl.rollouts.serving.packing import pack_bucket
 
     cfg = config_from_dict(_backend_config(args.backend, tempfile.mkdtemp(), args.weights))

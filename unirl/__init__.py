@@ -1,7 +1,7 @@
 """unirl: the training core of LLM RL post-training, one implementation for every engine.
 
 `import unirl` needs neither Megatron-core, DeepSpeed, vLLM nor torch; backends and rollout
-sources register as plug-ins (`unirl.core.backend_plugin`, `unirl.core.source_plugin`) and their
+sources register as plug-ins (`unirl.core.protocols.backend_plugin`, `unirl.core.protocols.source_plugin`) and their
 engines are imported only when a config names them.
 """
 

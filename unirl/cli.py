@@ -67,15 +67,15 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
     """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
-    from unirl.core.source_plugin import SOURCES
+    from unirl.core.protocols.source_plugin import SOURCES
 
     source = cfg.rollout.source
     return {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}
 
 
 def _verify_note(cfg: UnirlConfig) -> str:
-    """What ``rollout.verify_sync`` does for this source (unirl/core/weight_fingerprint.py)."""
-    from unirl.core.source_plugin import weight_receivers
+    """What ``rollout.verify_sync`` does for this source (unirl/core/weights/fingerprint.py)."""
+    from unirl.core.protocols.source_plugin import weight_receivers
 
     if weight_receivers(cfg) == "none":
         return "no weight sync: the source receives no weights"

@@ -26,7 +26,7 @@ import sys
 
 from tqdm import tqdm
 
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

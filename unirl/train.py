@@ -31,13 +31,13 @@ from unirl.core.progress.bars import (
     logs_step,
     progress_enabled,
 )
+from unirl.core.protocols.source_plugin import SOURCES
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.resume import check_resume_fits
 from unirl.core.run.wandb_log import WandbLog
-from unirl.core.source_plugin import SOURCES
 from unirl.core.step import RLStep
 from unirl.core.weight_sync import WeightSync
 from unirl.log_setup import apply_log_level

@@ -1,6 +1,6 @@
 """The backends the contract suite runs, and the parallel layouts each supports, read from the
 backend registry: a backend joins the suite by declaring ``layouts`` in its `BackendPlugin`
-(`unirl.core.backend_plugin`). A layout that cannot run on the machine at hand is skipped with a
+(`unirl.core.protocols.backend_plugin`). A layout that cannot run on the machine at hand is skipped with a
 reason that says what is missing (`skip_reason`).
 """
 
@@ -12,7 +12,7 @@ from typing import Literal
 import attrs
 
 from unirl.backends import BACKENDS
-from unirl.core.backend_plugin import BackendPlugin, ContractLayout
+from unirl.core.protocols.backend_plugin import BackendPlugin, ContractLayout
 
 Layout = ContractLayout
 BackendEntry = BackendPlugin

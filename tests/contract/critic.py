@@ -137,9 +137,9 @@ def run_critic_job(rank: int, world_size: int, job: CriticJob) -> dict[str, Any]
     """Every critic clause's measurements on this rank (module docstring)."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     os.environ["UNIRL_PROGRESS"] = "0"
-    from unirl.core.backend_plugin import build_backend
     from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.protocols.backend_plugin import build_backend
     from unirl.core.step import RLStep
 
     work = Path(job.work_dir)

@@ -47,7 +47,7 @@ FORWARD_MICROBATCH = 2  # samples per microbatch of the harness's own forward-on
 
 @attrs.frozen(kw_only=True)
 class Job:
-    backend: str  # a registered backend name (`unirl.core.backend_plugin.BACKENDS`)
+    backend: str  # a registered backend name (`unirl.core.protocols.backend_plugin.BACKENDS`)
     layout: Layout
     model_dir: str
     work_dir: str  # shared by the ranks: checkpoints and exports
@@ -302,7 +302,7 @@ class _GroupRun:
         return RolloutBatch.from_records(fixtures.select_fields(records, variant["data"]))
 
     def make_backend(self) -> Any:
-        from unirl.core.backend_plugin import build_backend
+        from unirl.core.protocols.backend_plugin import build_backend
 
         # The base config with the resume run's algorithm, which needs the reference model.
         return build_backend(
@@ -449,7 +449,7 @@ class _GroupRun:
         """Routing replay (R3): a backend built with ``routing_replay: rollout`` at the initial
         weights; forward-only log-probs with the rollout's ``routed_experts`` replayed, then one
         RL step on them (metrics, the split, the updated weights)."""
-        from unirl.core.backend_plugin import build_backend
+        from unirl.core.protocols.backend_plugin import build_backend
         from unirl.core.step import RLStep
 
         variant = moe_fixture.REPLAY

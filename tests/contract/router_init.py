@@ -73,9 +73,9 @@ def config(job_or_base: dict[str, Any]) -> dict[str, Any]:
 
 def run_router_job(rank: int, world_size: int, job: RouterJob) -> dict[str, Any]:
     """One RL step on this rank: the metrics, the training split and the export."""
-    from unirl.core.backend_plugin import build_backend
     from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.protocols.backend_plugin import build_backend
     from unirl.core.step import RLStep
 
     work = Path(job.work_dir)

@@ -123,7 +123,7 @@ def _run_layout(sizes, cases, world):
     from unirl.backends.megatron.weights.stream import stream_weights
     from unirl.core.config.run_config import ParallelConfig
     from unirl.core.topology import Topology
-    from unirl.core.weight_stream import HOST
+    from unirl.core.weights.stream import HOST
 
     cpu_compat.install()
     parallel = ParallelConfig(world_size=world, **sizes)

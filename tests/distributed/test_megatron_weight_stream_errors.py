@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 def _flat(name: str, values: list[float]):
     """One flat bucket (a `FlatBucket`'s tensors) holding ``values`` under ``name``."""
-    from unirl.core.weight_stream import FlatBucket, TensorSpec
+    from unirl.core.weights.stream import FlatBucket, TensorSpec
 
     bucket = FlatBucket([TensorSpec(name, (len(values),), torch.float32)], torch.device("cpu"))
     bucket.slots[0].copy_(torch.tensor(values))

@@ -33,7 +33,7 @@ from unirl.core.config.derived import needs_reference
 from unirl.core.config.run_config import load_config
 from unirl.core.errors import RunError
 from unirl.core.step import RLStep
-from unirl.core.weight_stream import as_buckets
+from unirl.core.weights.stream import as_buckets
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.vllm import VllmRolloutSource
 

@@ -31,7 +31,7 @@ pytest.importorskip(
 
 from unirl.core.config.run_config import load_config
 from unirl.core.run.metrics_log import read_metrics
-from unirl.core.weight_stream import as_buckets
+from unirl.core.weights.stream import as_buckets
 from unirl.rollouts.build import build_task
 from unirl.rollouts.environments.episodes import EpisodeLimits
 from unirl.rollouts.sampler_source import SamplerRolloutSource

@@ -15,7 +15,7 @@ pytest.importorskip(
 )
 
 from unirl.core.config.run_config import load_config
-from unirl.core.weight_stream import as_buckets
+from unirl.core.weights.stream import as_buckets
 from unirl.rollouts import build_rollout_source
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo_vllm.yaml"

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 
 from tests.contract import fixtures
 from tests.spawn import run_distributed
-from unirl.core.backend_plugin import ContractLayout
+from unirl.core.protocols.backend_plugin import ContractLayout
 
 BUCKET_BYTES = 6 * 1024  # the tiny Llama's embedding (8 KiB) and MLP weights travel alone
 
@@ -70,7 +70,7 @@ def _stream_to_mark(
 ) -> list[tuple[list[tuple[str, torch.Tensor]], bool]]:
     """The stream to rank 0 on ``MARK``; per bucket, whether it is one flat buffer made by a
     `FlatBucket` asked for ``MARK`` (every FlatBucket the backends make is recorded)."""
-    from unirl.core import weight_stream
+    from unirl.core.weights import stream as weight_stream
 
     made: dict[int, torch.device] = {}  # buffer address -> the device it was asked for
 
@@ -113,9 +113,9 @@ def _counted_broadcasts() -> Iterator[list[str]]:
 
 def _worker(rank: int, world_size: int, backend_name: str, layout: ContractLayout, model_dir: str,
             run_dir: str) -> dict[str, Any]:  # fmt: skip
-    from unirl.core.backend_plugin import build_backend
     from unirl.core.config.run_config import config_from_dict
-    from unirl.core.weight_stream import NonFiniteWeightsError
+    from unirl.core.protocols.backend_plugin import build_backend
+    from unirl.core.weights.stream import NonFiniteWeightsError
 
     data = fixtures.base_config(
         backend=backend_name,

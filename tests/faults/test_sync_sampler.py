@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from unirl.core.config.run_config import load_config
-from unirl.core.weight_fingerprint import SyncVerificationError
-from unirl.core.weight_stream import bucketed
 from unirl.core.weight_sync import WeightSync
+from unirl.core.weights.fingerprint import SyncVerificationError
+from unirl.core.weights.stream import bucketed
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.sampler import Sampler
 

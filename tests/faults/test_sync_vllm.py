@@ -18,8 +18,8 @@ pytest.importorskip(
 )
 
 from unirl.core.config.run_config import load_config
-from unirl.core.weight_fingerprint import SyncVerificationError, layer_key
-from unirl.core.weight_stream import bucketed
+from unirl.core.weights.fingerprint import SyncVerificationError, layer_key
+from unirl.core.weights.stream import bucketed
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.vllm import VllmRolloutSource
 

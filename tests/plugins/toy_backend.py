@@ -22,12 +22,12 @@ from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.hf.loop import LogprobHead, forward_only_pass, training_pass
 from unirl.backends.hf.model import PackedModule
 from unirl.core.backend import OptimizerStepStats
-from unirl.core.backend_plugin import BackendPlugin
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
+from unirl.core.protocols.backend_plugin import BackendPlugin
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import (
+from unirl.core.weights.stream import (
     HOST,
     WeightBuckets,
     bucketed,

@@ -26,8 +26,8 @@ from unirl.core.config.validators import non_negative, positive
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RunError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.source_plugin import SourcePlugin
-from unirl.core.weight_stream import HOST, Bucket
+from unirl.core.protocols.source_plugin import SourcePlugin
+from unirl.core.weights.stream import HOST, Bucket
 from unirl.rollouts.build import build_task
 from unirl.rollouts.data.tasks import Task, load_task_state, task_rewards, task_state
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from unirl.core.backend_plugin import BACKENDS
+from unirl.core.protocols.backend_plugin import BACKENDS
 
 REPLAY_BACKEND = "replay_test"
 # 3 layers, the middle one dense (mlp_only_layers), 6 experts, top-2.

@@ -32,7 +32,7 @@ from unirl.backends import BACKENDS
 from unirl.core.config import run_config as config_module
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.config.sections.feeds import FEEDS
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 
 UNIRL = Path(config_module.__file__).parents[2]
 

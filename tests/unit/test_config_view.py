@@ -1,4 +1,4 @@
-"""The typed view of the run config (`unirl.core.config_view`): `UnirlConfig` satisfies it key by
+"""The typed view of the run config (`unirl.core.protocols.config_view`): `UnirlConfig` satisfies it key by
 key (a key renamed or retyped in the schema breaks the view here, not in a plug-in at run time),
 and no module erases the config's type with a ``X = Any`` alias to dodge an import circle."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from unirl.core.config.routing_replay import ReplayConfig
 from unirl.core.config.run_config import UnirlConfig, config_from_dict
-from unirl.core.config_view import RunConfigView
+from unirl.core.protocols.config_view import RunConfigView
 
 UNIRL = Path(__file__).parents[2] / "unirl"
 
@@ -105,7 +105,7 @@ def _any_aliases(path: Path) -> list[str]:
 
 def test_no_type_erased_by_an_any_alias():
     """``RunConfig = Any`` hides which type a function takes (the import circle it dodged is
-    still there in meaning): name the type, a typed view of it (`unirl.core.config_view`), or
+    still there in meaning): name the type, a typed view of it (`unirl.core.protocols.config_view`), or
     move the shared piece down."""
     offenders = [hit for path in sorted(UNIRL.rglob("*.py")) for hit in _any_aliases(path)]
     assert offenders == []

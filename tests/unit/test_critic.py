@@ -63,7 +63,7 @@ def test_critic_keys_without_a_critic_are_refused():
 def test_a_backend_without_a_critic_refuses_one_with_a_clear_message():
     """A plug-in that does not declare ``supports_critic`` (the test suite's toy backend)."""
     from tests.plugins import toy_backend
-    from unirl.core.backend_plugin import BACKENDS
+    from unirl.core.protocols.backend_plugin import BACKENDS
 
     BACKENDS.register("toy", toy_backend.PLUGIN)
     try:

@@ -184,9 +184,9 @@ def _backend_sync(rank: int, world_size: int, backend_name: str, tmp: str) -> di
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.contract import fixtures
-    from unirl.core.backend_plugin import build_backend
     from unirl.core.config.run_config import config_from_dict
-    from unirl.core.weight_stream import flat_buffer
+    from unirl.core.protocols.backend_plugin import build_backend
+    from unirl.core.weights.stream import flat_buffer
     from unirl.rollouts.vllm import transport as transport_module
     from unirl.rollouts.vllm.transport import IpcTransport
 

@@ -11,7 +11,7 @@ import torch
 from tests.tiny_models import TINY_LLAMA
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError, RolloutDataError
-from unirl.core.weight_stream import as_buckets
+from unirl.core.weights.stream import as_buckets
 from unirl.rollouts import (
     FileRolloutSource,
     RolloutSource,

@@ -10,7 +10,6 @@ import torch
 
 from tests.tiny_models import TINY_BATCH
 from tests.unit.replay_fixtures import MOE_HF, REPLAY_BACKEND, replay_backend
-from unirl.core.backend_plugin import BACKENDS
 from unirl.core.config.model_shape import moe_shape
 from unirl.core.config.routing_replay import replay_shape
 from unirl.core.config.run_config import config_from_dict
@@ -21,6 +20,7 @@ from unirl.core.maths.losses.router_disagreement import (
     router_disagreement_metric,
     routing_disagreement,
 )
+from unirl.core.protocols.backend_plugin import BACKENDS
 
 
 def cfg_dict(mode: str = "record", hf: dict | None = None, **top) -> dict:

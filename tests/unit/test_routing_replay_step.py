@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.plugins import toy_backend
-from unirl.core.backend_plugin import BACKENDS, build_backend
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.data.routed_experts import FREE
 from unirl.core.errors import RolloutDataError
+from unirl.core.protocols.backend_plugin import BACKENDS, build_backend
 from unirl.core.step import RLStep
 
 VOCAB = 8

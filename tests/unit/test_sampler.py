@@ -219,7 +219,7 @@ def _per_expert(state: dict) -> dict:
 def test_weights_loaded_bucket_by_bucket(moe):
     """Issue 28: a stream of small buckets (a layer's experts split over several) leaves the
     sampler's model holding exactly the weights streamed."""
-    from unirl.core.weight_stream import bucketed
+    from unirl.core.weights.stream import bucketed
 
     if moe:
         from tests.unit.replay_fixtures import MOE_HF

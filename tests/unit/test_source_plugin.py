@@ -19,9 +19,9 @@ from unirl.backends import BACKENDS
 from unirl.cli import main
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError
+from unirl.core.protocols.source_plugin import SOURCES
 from unirl.core.run.metrics_log import read_metrics
-from unirl.core.source_plugin import SOURCES
-from unirl.core.weight_stream import as_buckets
+from unirl.core.weights.stream import as_buckets
 from unirl.rollouts import build_rollout_source
 
 VOCAB = 16  # reverse_digits' character tokenizer has 14 ids

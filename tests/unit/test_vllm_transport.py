@@ -16,8 +16,8 @@ import torch
 
 from unirl.core.config.run_config import load_config
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import weight_receivers
-from unirl.core.weight_stream import (
+from unirl.core.protocols.source_plugin import weight_receivers
+from unirl.core.weights.stream import (
     HOST,
     FlatBucket,
     TensorSpec,

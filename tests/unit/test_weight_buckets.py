@@ -1,5 +1,5 @@
 """The host-memory side of the weight stream (issue 28): buckets planned from shapes and filled
-in one flat buffer (`unirl.core.weight_stream.planned_buckets`), and the zero-copy safetensors
+in one flat buffer (`unirl.core.weights.stream.planned_buckets`), and the zero-copy safetensors
 writer of the file transport (`unirl.rollouts.serving.weights.write_safetensors`), read back by
 safetensors' own loader."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from unirl.core import weight_stream
-from unirl.core.weight_stream import HOST, FlatBucket, TensorSpec, planned_buckets, same_device
+from unirl.core.weights import stream as weight_stream
+from unirl.core.weights.stream import HOST, FlatBucket, TensorSpec, planned_buckets, same_device
 from unirl.rollouts.serving.weights import write_safetensors
 
 

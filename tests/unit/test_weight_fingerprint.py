@@ -1,4 +1,4 @@
-"""The verified sync's fingerprint (unirl/core/weight_fingerprint.py) against a plain per-layer
+"""The verified sync's fingerprint (unirl/core/weights/fingerprint.py) against a plain per-layer
 float64 computation written here, on Hugging Face tensors and on a receiver's layout built by
 hand (q, k, v concatenated, gate and up concatenated, both split over two tensor-parallel ranks,
 a replicated norm counted on one rank, a padded vocabulary cut to its real rows); and `compare`'s
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl.core.weight_fingerprint import (
+from unirl.core.weights.fingerprint import (
     Fingerprint,
     SyncVerificationError,
     compare,

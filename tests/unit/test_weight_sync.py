@@ -14,8 +14,8 @@ import torch
 from unirl.core.config.run_config import load_config
 from unirl.core.errors import RunError
 from unirl.core.run.divergence import DivergenceGuard
-from unirl.core.weight_stream import HOST, MIB, NonFiniteWeightsError, bucketed, checked_stream
 from unirl.core.weight_sync import WeightSync
+from unirl.core.weights.stream import HOST, MIB, NonFiniteWeightsError, bucketed, checked_stream
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

@@ -7,7 +7,7 @@ loss by exactly one factor that cancels its own averaging (`TrainingBackend.loss
 computes a log-softmax, a ratio or a normaliser itself.
 
 `TrainingBackend` states everything the RL step and the tools use; how a backend is constructed
-and registered is `unirl.core.backend_plugin`. `InstrumentedBackend` adds the probes the contract
+and registered is `unirl.core.protocols.backend_plugin`. `InstrumentedBackend` adds the probes the contract
 suite reads (which model modules to hook, forward counts) and is not part of what a run needs.
 """
 
@@ -29,7 +29,7 @@ from unirl.core.maths.losses import Metric
 from unirl.core.moe_loss import RouterLossSettings
 from unirl.core.progress.bars import MicrobatchProgress
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets
 
 __all__ = [
     "CriticModel",
@@ -222,7 +222,7 @@ class CriticModel(Protocol):
 class TrainingBackend(Protocol):
     """What core's RL step needs from an engine. Implementations live in unirl/backends/<name>
     and are built by their plug-in's ``build(cfg, total_optimizer_steps=..., needs_reference=...)``
-    (`unirl.core.backend_plugin.BackendBuilder`)."""
+    (`unirl.core.protocols.backend_plugin.BackendBuilder`)."""
 
     topology: Topology
     vocab_size: int
@@ -286,7 +286,7 @@ class TrainingBackend(Protocol):
         ``dst`` (None: every rank), the tensors on ``device`` (the host, or the receiving rank's
         GPU: gathered there, no host copy of any weight; the built-in backends make each bucket
         one `FlatBucket` there, which the GPU transports send as it is); see
-        `unirl.core.weight_stream`. Collective: every rank calls it and runs the iterator to its
+        `unirl.core.weights.stream`. Collective: every rank calls it and runs the iterator to its
         end. Raises `NonFiniteWeightsError` on every rank, before any bucket, when a weight is
         not finite."""
         ...

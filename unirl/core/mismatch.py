@@ -30,7 +30,7 @@ import torch
 
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.maths.kl import kl_estimate
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 
 
 def mismatch_note(cfg: UnirlConfig, source: str) -> str:

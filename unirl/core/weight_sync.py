@@ -1,5 +1,5 @@
 """The training loop's weight sync: after every RL step the policy's weights stream
-(`unirl.core.weight_stream`) to the rollout source, in buckets of ``rollout.weight_bucket_mb``,
+(`unirl.core.weights.stream`) to the rollout source, in buckets of ``rollout.weight_bucket_mb``,
 to the ranks its plug-in names (``SourcePlugin.weights``, `weight_receivers`). A source that needs no weights (a
 rollout file) gets no stream at all: the step only runs the divergence guard's check of the
 local shards (one all-reduce of a flag), so a non-finite policy is still never checkpointed.
@@ -17,10 +17,10 @@ from typing import Any
 
 from unirl.core.backend import TrainingBackend
 from unirl.core.config.run_config import UnirlConfig
+from unirl.core.protocols.source_plugin import weight_receivers
 from unirl.core.run.divergence import DivergenceGuard
-from unirl.core.source_plugin import weight_receivers
-from unirl.core.weight_fingerprint import SyncVerificationError
-from unirl.core.weight_stream import (
+from unirl.core.weights.fingerprint import SyncVerificationError
+from unirl.core.weights.stream import (
     HOST,
     MIB,
     NonFiniteWeightsError,

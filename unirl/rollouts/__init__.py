@@ -10,7 +10,7 @@ sampler, a reader for rollout files from other engines, and vLLM.
         source.sync_weights(policy_state_dict, policy_version=n)  # the next rollout is on-policy
 
 Importing this package registers the built-in sources (``sampler``, ``file``, ``vllm``) in
-`unirl.core.source_plugin.SOURCES` from their light ``plugins`` modules, and the rules of the
+`unirl.core.protocols.source_plugin.SOURCES` from their light ``plugins`` modules, and the rules of the
 rollout-owned config keys in `unirl.core.config.rules.CONFIG_RULES`, and imports nothing else: the names below load on first use (so ``import unirl`` stays free of torch). What a new
 source provides, file by file: ``unirl/rollouts/README.md``.
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from unirl.core.config.rules import CONFIG_RULES
 from unirl.core.imports import lazy_attributes
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 from unirl.rollouts.data.rules import check_prompts, check_stops
 from unirl.rollouts.environments.rules import check_environment
 from unirl.rollouts.eval_rules import check_eval

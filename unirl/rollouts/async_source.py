@@ -44,7 +44,7 @@ import torch.distributed as dist
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.weight_stream import HOST, MIB, Bucket, bucketed
+from unirl.core.weights.stream import HOST, MIB, Bucket, bucketed
 from unirl.rollouts.collectives import bind_rollout_group, new_rollout_group
 from unirl.rollouts.source import MeasuresRollouts, RolloutSource
 
@@ -232,7 +232,7 @@ class RolloutsAhead:
     def submit(self, rl_step: int, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Queue rollout ``rl_step``, generated from ``weights`` (version ``version``). They are
         the sync's buckets, the consumer's own memory (the weight stream copies every tensor into
-        a bucket of its own, `unirl.core.weight_stream.planned_buckets`): the trainer's updates
+        a bucket of its own, `unirl.core.weights.stream.planned_buckets`): the trainer's updates
         never reach them, so no second copy is taken; the worker lets go of them once the wrapped
         source has synced them."""
         held = dict(weights)  # this rollout's references: dropped after its sync

@@ -17,7 +17,7 @@ from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutSample
 from unirl.core.data.rollout_io import write_rollouts
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import SOURCES, build_source
+from unirl.core.protocols.source_plugin import SOURCES, build_source
 from unirl.rollouts.data.tasks import Task, make_task
 from unirl.rollouts.data.tokenizer import CharTokenizer
 from unirl.rollouts.model import build_task_model
@@ -128,7 +128,7 @@ def build_rollout_source(
     hf_model: torch.nn.Module | None = None,
     device: torch.device | str | None = None,
 ) -> RolloutSource:
-    """The source ``rollout.source`` names, built by its plug-in (`unirl.core.source_plugin`):
+    """The source ``rollout.source`` names, built by its plug-in (`unirl.core.protocols.source_plugin`):
     ``file`` reads ``rollout.file``; ``vllm`` generates with a vLLM engine
     (`unirl.rollouts.vllm`, started at the first ``sync_weights``); ``sampler`` samples
     ``rollout.task`` with a copy of ``hf_model`` (the policy in Hugging Face form; built from

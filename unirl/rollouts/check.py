@@ -15,7 +15,7 @@ from typing import Any
 
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 from unirl.rollouts.build import build_task, check_task_lengths
 from unirl.rollouts.data.prompts import PromptFileTask
 from unirl.rollouts.data.tasks import make_task

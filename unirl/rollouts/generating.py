@@ -72,7 +72,7 @@ class GeneratingSource:
 
     def rollout_metrics(self) -> dict[str, float]:
         """``time/verify_s``: the verification of the sync whose weights generated the rollout
-        handed out last (`unirl.core.weight_fingerprint`), logged beside its sync's seconds."""
+        handed out last (`unirl.core.weights.fingerprint`), logged beside its sync's seconds."""
         return {"time/verify_s": self.last_verify_s}
 
     @property

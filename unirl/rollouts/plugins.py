@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import LazySourceBuilder, SourcePlugin
+from unirl.core.protocols.source_plugin import LazySourceBuilder, SourcePlugin
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig

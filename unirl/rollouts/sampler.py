@@ -161,7 +161,7 @@ class Sampler:
         self.load_buckets([list(state_dict.items())])
 
     def load_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
-        """`sync_weights` from a stream of buckets (`unirl.core.weight_stream`), loaded as they
+        """`sync_weights` from a stream of buckets (`unirl.core.weights.stream`), loaded as they
         come: only one bucket (and the per-expert tensors of a layer not yet complete) is held
         beside the model."""
         own = self.model.state_dict()

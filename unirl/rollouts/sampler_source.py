@@ -23,8 +23,8 @@ import torch
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.weight_fingerprint import Fingerprint, compare, fingerprinted, module_fingerprint
-from unirl.core.weight_stream import HOST, Bucket, drain
+from unirl.core.weights.fingerprint import Fingerprint, compare, fingerprinted, module_fingerprint
+from unirl.core.weights.stream import HOST, Bucket, drain
 from unirl.rollouts.data.stops import stop_ids, stop_text
 from unirl.rollouts.data.tasks import Problem, Task, TaskTokenizer
 from unirl.rollouts.environments.base import Environment
@@ -132,7 +132,7 @@ class SamplerRolloutSource(GeneratingSource):
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
         """Load the stream bucket by bucket into the sampler's model (every rank has one); with
         ``rollout.verify_sync`` the model's fingerprint must then match the stream's
-        (`unirl.core.weight_fingerprint`: a sync that landed partly raises, naming the layer)."""
+        (`unirl.core.weights.fingerprint`: a sync that landed partly raises, naming the layer)."""
         if not self.verify_sync:
             self.sampler.load_buckets(buckets)
         else:

@@ -1,5 +1,5 @@
 """Where a run's rollouts come from: one interface, a plug-in per source
-(`unirl.core.source_plugin`; the built-ins are ``sampler``, ``file`` and ``vllm``).
+(`unirl.core.protocols.source_plugin`; the built-ins are ``sampler``, ``file`` and ``vllm``).
 
 `RolloutSource` is what the training loop calls once per RL step. `FileRolloutSource` cuts a
 file of samples written by another engine (JSONL; Parquet when pyarrow is installed) into
@@ -31,7 +31,7 @@ import torch
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.weight_stream import HOST, Bucket, drain
+from unirl.core.weights.stream import HOST, Bucket, drain
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ class RolloutSource(Protocol):
     generation bar the training loop opens, `GenerationProgress`) when one is given.
 
     Weights. ``sync_weights`` gets the policy's weights as a stream of buckets of Hugging
-    Face-named tensors (`unirl.core.weight_stream`; on the ranks the plug-in's ``weights``
+    Face-named tensors (`unirl.core.weights.stream`; on the ranks the plug-in's ``weights``
     names, an empty stream elsewhere) and must run it to its end on every rank, also when it
-    fails (`unirl.core.weight_stream.drain`): the stream's gathers are collective. The tensors
+    fails (`unirl.core.weights.stream.drain`): the stream's gathers are collective. The tensors
     are on ``weights_device``, which the source names (the training loop asks the backend for
-    buckets there): the host (`unirl.core.weight_stream.HOST`) for a file reload or a sampler,
+    buckets there): the host (`unirl.core.weights.stream.HOST`) for a file reload or a sampler,
     the GPU for a transport that sends GPU memory as it is. A source must also take buckets on
     the host from elsewhere (`as_buckets` of a snapshot, `unirl.rollouts.async_source`).
 

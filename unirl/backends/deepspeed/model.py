@@ -23,7 +23,7 @@ from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.packed import forward_packed
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.config.run_config import UnirlConfig
-from unirl.core.weight_stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets
 
 
 def _runner(device: torch.device):

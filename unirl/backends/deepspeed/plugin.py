@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from unirl.core.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 from unirl.core.errors import ConfigError
+from unirl.core.protocols.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig

@@ -1,4 +1,4 @@
-"""A DeepSpeed-trained policy's weights as a stream of buckets (`unirl.core.weight_stream`).
+"""A DeepSpeed-trained policy's weights as a stream of buckets (`unirl.core.weights.stream`).
 
 Under ZeRO 0-2 every rank holds the whole 16/32-bit module, so the receiving rank copies its own
 parameters into each bucket and the others do nothing. Under ZeRO-3 the parameters are gathered
@@ -23,7 +23,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from unirl.core.weight_stream import (
+from unirl.core.weights.stream import (
     TensorSpec,
     WeightBuckets,
     agree_non_finite,

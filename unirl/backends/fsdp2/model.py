@@ -33,7 +33,7 @@ from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.optim import ScheduledLR, adamw
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.config.run_config import ModelConfig
-from unirl.core.weight_stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)
 

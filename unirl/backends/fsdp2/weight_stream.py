@@ -1,4 +1,4 @@
-"""An FSDP2-trained policy's weights as a stream of buckets (`unirl.core.weight_stream`).
+"""An FSDP2-trained policy's weights as a stream of buckets (`unirl.core.weights.stream`).
 
 One parameter is materialised at a time: its DTensor's ``full_tensor()`` (an all-gather over the
 shard mesh, every rank), copied into its place in the bucket on the receiving rank(s), cast to
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from unirl.core.weight_stream import (
+from unirl.core.weights.stream import (
     TensorSpec,
     WeightBuckets,
     agree_non_finite,

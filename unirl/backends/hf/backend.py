@@ -42,7 +42,7 @@ from unirl.core.critic import critic_optimizer_steps
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets
 
 
 class HFBackend(EngineBackend):

@@ -17,7 +17,7 @@ from unirl.backends.hf.loop import TrainedPackedModel
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.config.run_config import OptimizerConfig
 from unirl.core.data.microbatch import TrainMicrobatch
-from unirl.core.weight_stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets
 
 # run(module, microbatch) -> the model's ``.logits[0]``: the engine's packed forward
 PackedForward = Callable[[Any, TrainMicrobatch], torch.Tensor]
@@ -84,7 +84,7 @@ class TrainedModel(TrainedPackedModel, Protocol):
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
     ) -> WeightBuckets:
-        """`hf_state_dict`'s tensors in buckets on ``device`` (`unirl.core.weight_stream`;
+        """`hf_state_dict`'s tensors in buckets on ``device`` (`unirl.core.weights.stream`;
         collective)."""
         ...
 

@@ -58,7 +58,7 @@ from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.errors import ConfigError
 from unirl.core.maths.logprob_spec import RoutingReplay
 from unirl.core.maths.losses import Metric
-from unirl.core.weight_stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from unirl.core.backend import OptimizerStepStats
 from unirl.core.config.run_config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)
 

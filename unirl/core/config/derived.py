@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from unirl.core.backend_plugin import BACKENDS
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.head_loss import HeadPath, choose_head_path
 from unirl.core.maths.logprob_spec import LogprobSpec, RoutingReplay
 from unirl.core.maths.losses import LossSettings
+from unirl.core.protocols.backend_plugin import BACKENDS
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from unirl.core.backend_plugin import BACKENDS
 from unirl.core.config.model_shape import MoeShape, hf_config_fields, moe_shape
 from unirl.core.config.sections.model import ModelConfig
-from unirl.core.config_view import RunConfigView
 from unirl.core.errors import ConfigError
+from unirl.core.protocols.backend_plugin import BACKENDS
+from unirl.core.protocols.config_view import RunConfigView
 
 
 class ReplayConfig(RunConfigView, Protocol):
     """The run config as these rules read it: `UnirlConfig`, which calls `check_routing_replay`
-    while it is built and so cannot be imported here (`unirl.core.config_view`)."""
+    while it is built and so cannot be imported here (`unirl.core.protocols.config_view`)."""
 
     @property
     def model(self) -> ModelConfig: ...

@@ -18,7 +18,6 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from unirl.core.backend_plugin import BACKENDS
 from unirl.core.config.from_data import _convert, _structure
 from unirl.core.config.overrides import apply_overrides
 from unirl.core.config.routing_replay import check_routing_replay
@@ -48,7 +47,8 @@ from unirl.core.config.sections.training import (
 )
 from unirl.core.data.plan import split_per_rank
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.backend_plugin import BACKENDS
+from unirl.core.protocols.source_plugin import SOURCES
 from unirl.core.topology import data_parallel_size, expert_data_parallel_size
 
 __all__ = [

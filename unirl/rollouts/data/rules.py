@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 
 if TYPE_CHECKING:  # the config module imports torch; the rules run on a built one
     from unirl.core.config.run_config import UnirlConfig

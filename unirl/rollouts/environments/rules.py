@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from unirl.core.config.sections.rollout import RolloutConfig
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 from unirl.rollouts.environments.registry import ENVIRONMENTS
 
 if TYPE_CHECKING:  # the config module imports torch; the rules run on a built one

@@ -1,9 +1,9 @@
-"""A bucket of the weight stream (`unirl.core.weight_stream`) as one flat byte buffer and the
+"""A bucket of the weight stream (`unirl.core.weights.stream`) as one flat byte buffer and the
 metadata a receiver needs to cut it up again: what every transport that sends GPU memory to a
 serving engine puts into its messages (vLLM's packed IPC and NCCL updates, `unirl.rollouts.vllm
 .transport`; an SGLang plug-in's tensor updates likewise). Torch only, no engine.
 
-A stream's bucket is already one flat buffer laid out by `unirl.core.weight_stream.packed_layout`
+A stream's bucket is already one flat buffer laid out by `unirl.core.weights.stream.packed_layout`
 (each tensor's bytes, contiguous and row-major, back to back, widest element first), so
 `pack_bucket` sends that buffer itself (`flat_buffer`: no copy); a bucket that is not flat (a
 state dict's tensors, `as_buckets`; a host bucket) is copied into a new buffer in the same
@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from unirl.core.weight_stream import Bucket, flat_buffer, packed_layout, same_device, spec_of
+from unirl.core.weights.stream import Bucket, flat_buffer, packed_layout, same_device, spec_of
 
 
 @attrs.frozen
@@ -37,7 +37,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def pack_bucket(bucket: Bucket, device: torch.device | str) -> PackedBucket:
     """``bucket`` as one buffer on ``device`` in vLLM's packed layout (each tensor's bytes,
     contiguous and row-major, back to back in the order of the names sent:
-    `unirl.core.weight_stream.packed_layout`, widest element first). A stream's bucket already
+    `unirl.core.weights.stream.packed_layout`, widest element first). A stream's bucket already
     is that buffer on ``device`` (`flat_buffer`): it is sent as it is, no byte copied. Any other
     bucket is copied into a new buffer, in the same layout."""
     specs = [spec_of(n, t) for n, t in bucket]

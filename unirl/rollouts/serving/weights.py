@@ -15,7 +15,7 @@ vLLM's message queue. On GPUs vLLM's weight-transfer engines skip the host round
 folder then holds only ``config.json`` (and the tokenizer), and this file path remains for the
 CPU and for colocated engines over several GPUs.
 
-The weights arrive as a stream of buckets (`unirl.core.weight_stream`): each bucket is written
+The weights arrive as a stream of buckets (`unirl.core.weights.stream`): each bucket is written
 as its own safetensors file (``weights-00001.safetensors`` ...; vLLM loads every safetensors file
 of a folder without an index), written straight from the bucket's tensors (`write_safetensors`:
 no serialised copy, and the views of one flat bucket need no clone), so the host never holds
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from unirl.core.errors import RunError
-from unirl.core.weight_stream import Bucket
+from unirl.core.weights.stream import Bucket
 
 # safetensors' dtype names
 _DTYPES = {

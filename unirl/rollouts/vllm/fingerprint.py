@@ -1,4 +1,4 @@
-"""The engine's side of the verified sync (`unirl.core.weight_fingerprint`): each vLLM worker
+"""The engine's side of the verified sync (`unirl.core.weights.fingerprint`): each vLLM worker
 fingerprints the parameters it has loaded, its own tensor-parallel shard of them.
 
 `worker.FingerprintWorker` is mixed into vLLM's workers (``LLM(worker_extension_cls=...)``), so
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from unirl.core.weight_fingerprint import (
+from unirl.core.weights.fingerprint import (
     Fingerprint,
     Stats,
     compare,
@@ -34,7 +34,7 @@ from unirl.core.weight_fingerprint import (
     merge,
     tensor_stats,
 )
-from unirl.core.weight_stream import Bucket, drain
+from unirl.core.weights.stream import Bucket, drain
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -136,7 +136,7 @@ def verified_sync(
 ) -> float:
     """``sync(buckets)`` with the trainer's fingerprint taken as the buckets pass, then the
     engine's (``llm_of()``, the `vllm.LLM` the sync started or updated) compared with it
-    (`unirl.core.weight_fingerprint.compare` raises on a difference). A transport that did not
+    (`unirl.core.weights.fingerprint.compare` raises on a difference). A transport that did not
     take every bucket leaves the rest to be fingerprinted here, so a skipped bucket shows as a
     layer that did not land. Returns the verification's seconds (both fingerprints)."""
     sent = Fingerprint(dtype=_TORCH_DTYPES[dtype])

@@ -10,7 +10,7 @@ import attrs
 
 from unirl.core.config.validators import in_range, positive
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import LazySourceBuilder, SourcePlugin
+from unirl.core.protocols.source_plugin import LazySourceBuilder, SourcePlugin
 from unirl.rollouts.serving import placement
 
 if TYPE_CHECKING:

@@ -56,8 +56,8 @@ from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.weight_fingerprint import SyncVerificationError
-from unirl.core.weight_stream import MIB, Bucket, drain
+from unirl.core.weights.fingerprint import SyncVerificationError
+from unirl.core.weights.stream import MIB, Bucket, drain
 from unirl.rollouts.build import build_task, episode_options
 from unirl.rollouts.data.stops import save_task_tokenizer, stop_ids
 from unirl.rollouts.data.tasks import Problem, Task
@@ -222,7 +222,7 @@ class VllmRolloutSource(GeneratingSource):
 
     def _verified_sync(self, buckets: Iterator[Bucket], engine: int, version: int) -> None:
         """`_sync`, then (``rollout.verify_sync``) the engine proves it holds what it was sent
-        (fingerprint.py; `unirl.core.weight_fingerprint`); its seconds are ``last_verify_s``."""
+        (fingerprint.py; `unirl.core.weights.fingerprint`); its seconds are ``last_verify_s``."""
         if not self.cfg.rollout.verify_sync:
             self._sync(buckets, engine)
             return

@@ -1,5 +1,5 @@
 """How one weight sync reaches a running vLLM engine: the bucket stream
-(`unirl.core.weight_stream`), each bucket packed into one buffer by the engine-neutral
+(`unirl.core.weights.stream`), each bucket packed into one buffer by the engine-neutral
 `unirl.rollouts.serving.packing`, turned into vLLM 0.32's messages, one bucket at a time.
 
     transport = make_transport("ipc", client=LlmClient(llm), folder=folder, device=device,
@@ -29,7 +29,7 @@ unpacking; the IPC handles travel pickled (``ipc_handles_pickled``, which the en
 Where the buckets are. Each transport says where it wants the stream's buckets
 (``bucket_device``, which the rollout source hands to ``TrainingBackend.stream_weights``): the
 host for ``file``, the transport's GPU for ``ipc`` and ``nccl``. A stream's bucket is one flat
-buffer laid out by `unirl.core.weight_stream.packed_layout`, which is vLLM's packed layout, so
+buffer laid out by `unirl.core.weights.stream.packed_layout`, which is vLLM's packed layout, so
 `pack_bucket` sends that buffer itself (`flat_buffer`: no copy, no staging buffer); a bucket that
 is not flat (a state dict's tensors, `as_buckets`; a host bucket) is copied into a new buffer on
 the GPU, in the same layout. So a GPU sync holds one bucket of GPU memory beyond the trainer's
@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 import torch
 
-from unirl.core.weight_stream import HOST, Bucket, bucketed
+from unirl.core.weights.stream import HOST, Bucket, bucketed
 from unirl.rollouts.serving.packing import PackedBucket, ipc_handle_args, pack_bucket
 
 logger = logging.getLogger(__name__)

@@ -1,16 +1,16 @@
 """A Megatron policy's weights as a stream of buckets of Hugging Face tensors
-(`unirl.core.weight_stream`), made on the pipeline stage that owns them.
+(`unirl.core.weights.stream`), made on the pipeline stage that owns them.
 
 Each stage converts its own layers one Megatron parameter at a time (TP shards, and expert
 shards over the expert-parallel group, all-gathered; a fused qkv / gate-up split into its HF
 tensors), copying each HF tensor into its place in a bucket planned from the shapes beforehand
-(`unirl.core.weight_stream.planned_buckets`), on the ``device`` the consumer asks for (the GPU
+(`unirl.core.weights.stream.planned_buckets`), on the ``device`` the consumer asks for (the GPU
 for the IPC / NCCL transports, the host for the file transport). A vocabulary-parallel embedding
 or head, the largest tensors, is all-gathered in one piece (rows in rank order), straight into
 its bucket slot when the slot is on the parameter's device. With pipeline stages, the stages
 then take turns in pipeline order: the owning stage broadcasts each bucket over the pipeline
 group, its tensors' specs and then its flat buffer, and the receiving rank takes it
-into a bucket of the same layout (`unirl.core.weight_stream.FlatBucket`), on the trainer's device
+into a bucket of the same layout (`unirl.core.weights.stream.FlatBucket`), on the trainer's device
 (which the pipeline group broadcasts on); a receiving rank that asked for the host copies it
 there. Pipeline groups without a receiving rank only run their stage's gathers (their TP peers
 need them). A sending stage that fails (an error while making its bucket, a bucket that is not
@@ -39,7 +39,7 @@ from unirl.backends.megatron.weights.hf_layout import (
     chunk_entries,
 )
 from unirl.core.topology import Topology
-from unirl.core.weight_stream import (
+from unirl.core.weights.stream import (
     Bucket,
     FlatBucket,
     TensorSpec,
@@ -111,7 +111,7 @@ def _hf_of(
 
 def _gather(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
     """`convert._all_gather`; on the CPU the shards land in one buffer, a broadcast per rank
-    (`unirl.core.weight_stream.gather_rows`: no staging buffer of gloo's, no list of separate
+    (`unirl.core.weights.stream.gather_rows`: no staging buffer of gloo's, no list of separate
     allocations for the heap to keep)."""
     if size == 1 or t.device.type != "cpu":
         return _all_gather(t, size, group)

@@ -1,5 +1,5 @@
 """The ``rollout`` section: how rollouts are produced or read, and the chosen source's own options
-(its plug-in's section, `unirl.core.source_plugin`)."""
+(its plug-in's section, `unirl.core.protocols.source_plugin`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from unirl.core.config.validators import (
     positive,
 )
 from unirl.core.errors import ConfigError
-from unirl.core.source_plugin import SOURCES
+from unirl.core.protocols.source_plugin import SOURCES
 
 
 def _registered_source(instance: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -43,11 +43,11 @@ class RolloutConfig:
     source: str = attrs.field(default="sampler", validator=_registered_source)
     file: str | None = None
     # The weight sync's bucket size in MiB: the most any rank holds beyond its own shards while
-    # the policy's weights stream to a source that needs them (unirl.core.weight_stream).
+    # the policy's weights stream to a source that needs them (unirl.core.weights.stream).
     weight_bucket_mb: int = attrs.field(default=1024, validator=positive)
     # After every weight sync the receiver (each vLLM engine, the sampler's model) fingerprints
     # the weights it holds and the trainer compares them with what it sent: a sync that landed
-    # partly stops the run naming the layer (unirl/core/weight_fingerprint.py). Here, not in a
+    # partly stops the run naming the layer (unirl/core/weights/fingerprint.py). Here, not in a
     # source's section: it is the contract of every source that receives weights.
     verify_sync: bool = True
     task: str = "reverse_digits"

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from unirl.core.errors import ConfigError
+
 # ``cfg`` is the run config by its typed view: the config reads this registry while it is built
 # (the backend's options class, its rules, whether it has a critic), so `UnirlConfig` is not
-# imported here (`unirl.core.config_view`).
-from unirl.core.config_view import RunConfigView
-from unirl.core.errors import ConfigError
+# imported here (`unirl.core.protocols.config_view`).
+from unirl.core.protocols.config_view import RunConfigView
 from unirl.core.registry import Registry
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """How a rollout source plugs in: one `SourcePlugin` registered under the name ``rollout.source``
-picks, as backends do (`unirl.core.backend_plugin`), so adding a source edits no file under
+picks, as backends do (`unirl.core.protocols.backend_plugin`), so adding a source edits no file under
 ``unirl/core``:
 
 - ``options``: the attrs class of its own section inside ``rollout`` (the key is the source's
@@ -16,7 +16,7 @@ picks, as backends do (`unirl.core.backend_plugin`), so adding a source edits no
 - ``requires`` / ``install_hint``: the packages it imports, and how to install them;
 - ``loggers`` / ``log_level_env``: its engine's logger names and the environment variable the
   engine's own processes read their log level from; `unirl.log_setup` quiets both below DEBUG;
-- ``weights``: who receives the policy's weights after every step (`unirl.core.weight_stream`):
+- ``weights``: who receives the policy's weights after every step (`unirl.core.weights.stream`):
   ``"rank0"`` (an engine driven from global rank 0), ``"every_rank"`` (a sampler on every rank),
   or ``"none"`` (a rollout file: the run streams nothing and pays nothing for it); or a function
   of the config giving one of those (`weight_receivers`: vLLM with several engines needs every
@@ -37,11 +37,12 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
+from unirl.core.errors import ConfigError
+
 # ``cfg`` is the run config by its typed view: the config reads this registry while it is built
 # (the source's options class, its rules), so `UnirlConfig` is not imported here
-# (`unirl.core.config_view`).
-from unirl.core.config_view import RunConfigView
-from unirl.core.errors import ConfigError
+# (`unirl.core.protocols.config_view`).
+from unirl.core.protocols.config_view import RunConfigView
 from unirl.core.registry import Registry
 
 WeightReceivers = Literal["rank0", "every_rank", "none"]

@@ -1,7 +1,7 @@
 """The run config as the plug-in seams read it: a typed view that `UnirlConfig` satisfies.
 
-The config is built from the plug-in registries (`unirl.core.backend_plugin`,
-`unirl.core.source_plugin`): it reads each plug-in's options class and runs its rules while it is
+The config is built from the plug-in registries (`unirl.core.protocols.backend_plugin`,
+`unirl.core.protocols.source_plugin`): it reads each plug-in's options class and runs its rules while it is
 built. So the registries sit below the config and cannot name `UnirlConfig` (an import circle,
 tests/unit/test_import_cycles.py); they name this view instead, which declares exactly the keys
 they and the config's own load-time rules (`unirl.core.config.routing_replay`) read. Each key is
