@@ -130,3 +130,35 @@ def test_the_help_examples_of_unirl_check_run(capsys):
     assert len(checks) == 2
     for argv in checks:
         assert main(argv) == 0, (argv, capsys.readouterr().err)
+
+
+def _expand(path: str) -> list[str]:
+    """``a/{b,c}.py`` -> ``a/b.py``, ``a/c.py`` (the page's shorthand)."""
+    match = re.search(r"\{([^}]*)\}", path)
+    if match is None:
+        return [path]
+    return [
+        p
+        for part in match.group(1).split(",")
+        for p in _expand(path[: match.start()] + part + path[match.end() :])
+    ]
+
+
+def test_what_is_where_names_files_that_exist():
+    """Every path on the page, and every bare file name in a cell (``passes.py``, ``heads.py``)
+    looked up in the folder of the path before it in that cell."""
+    missing = []
+    for row in (DOCS / "what-is-where.md").read_text().splitlines():
+        if not row.startswith("| "):
+            continue
+        folder = ""
+        for name in re.findall(r"`([\w./{},\-]+)`", row):
+            if "/" in name and name.split("/")[0] in ("unirl", "tests", "examples", "benchmarks"):
+                paths = _expand(name)
+                folder = str(Path(paths[0]).parent) if "." in Path(paths[0]).name else paths[0]
+            elif re.fullmatch(r"[\w{},]+\.(py|md|yaml)", name) and folder:
+                paths = [f"{folder}/{p}" for p in _expand(name)]
+            else:
+                continue
+            missing += [p for p in paths if not (ROOT / p.rstrip("/")).exists()]
+    assert missing == []
