@@ -155,7 +155,15 @@ def _show(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
-def _default(field: attrs.Attribute) -> str:
+def _default(field: attrs.Attribute, owner: Any = None) -> str:
+    """The field's default; ``owner``: the instance its section's parent builds by default (a
+    section may default to other values than its class: the critic's optimizer has its own lr)."""
+    if owner is not None:
+        return (
+            "(section)"
+            if attrs.has(type(getattr(owner, field.name)))
+            else _show(getattr(owner, field.name))
+        )
     default = field.default
     if default is attrs.NOTHING:
         return "required"
@@ -206,26 +214,39 @@ def _feeds_comment(field: attrs.Attribute) -> str:
     return field_comments(settings).get(name, "")
 
 
-def _walk(cls: type, prefix: str, registries: dict[str, Any]) -> Iterator[Section]:
-    """``cls``'s section and, depth first, the sections its fields hold."""
+def _nested_default(field: attrs.Attribute, owner: Any) -> Any:
+    """The instance a nested section holds by default, or None (an optional section)."""
+    if owner is not None:
+        return getattr(owner, field.name)
+    default = field.default
+    if isinstance(default, attrs.Factory) and not default.takes_self:  # type: ignore[arg-type]
+        return default.factory()
+    return None
+
+
+def _walk(
+    cls: type, prefix: str, registries: dict[str, Any], owner: Any = None
+) -> Iterator[Section]:
+    """``cls``'s section and, depth first, the sections its fields hold; ``owner``: the instance
+    the parent section holds by default (its values are the defaults shown)."""
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     entries: list[Entry] = []
-    nested: list[tuple[type, str]] = []
+    nested: list[tuple[type, str, Any]] = []
     for field in attrs.fields(cls):
         if (cls, field.name) in _NOT_KEYS or field.name in _PLUGIN_SECTION_FIELDS:
             continue
         key = f"{prefix}{field.name}"
         tp = hints[field.name]
         if attrs.has(_plain(tp)):
-            nested.append((_plain(tp), f"{key}."))
+            nested.append((_plain(tp), f"{key}.", _nested_default(field, owner)))
             if _plain(tp) is not tp:  # an optional section (eval): None turns it off
-                entries.append(_entry(key, tp, field, comments, registries, prefix))
+                entries.append(_entry(key, tp, field, comments, registries, prefix, owner))
             continue
-        entries.append(_entry(key, tp, field, comments, registries, prefix))
+        entries.append(_entry(key, tp, field, comments, registries, prefix, owner))
     yield Section(prefix.rstrip("."), cls, inspect.getdoc(cls) or "", tuple(entries))
-    for sub_cls, sub_prefix in nested:
-        yield from _walk(sub_cls, sub_prefix, registries)
+    for sub_cls, sub_prefix, sub_owner in nested:
+        yield from _walk(sub_cls, sub_prefix, registries, sub_owner)
 
 
 def _entry(
@@ -235,11 +256,12 @@ def _entry(
     comments: dict[str, str],
     registries: dict[str, Any],
     prefix: str,
+    owner: Any = None,
 ) -> Entry:
     return Entry(
         key=key,
         type=_type_name(tp),
-        default=_default(field),
+        default=_default(field, owner),
         allowed=_allowed(key, tp, registries),
         rule=_rule(field.validator),
         doc=comments.get(field.name) or _feeds_comment(field),

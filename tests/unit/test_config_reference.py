@@ -126,3 +126,31 @@ def test_check_without_a_config_or_explain_is_one_error_line(capsys):
     assert capsys.readouterr().err == (
         "unirl: error: unirl check needs a CONFIG file (or --explain KEY for one key's entry)\n"
     )
+
+
+def _page_defaults() -> dict[str, str]:
+    rows = re.findall(r"^\| `([^`]+)` \| (?:[^|\\]|\\\|)* \| ([^|]*) \|", PAGE.read_text(), re.M)
+    return {key: default.strip() for key, default in rows}
+
+
+def test_the_pages_defaults_are_what_a_minimal_config_resolves_to(tmp_path):
+    """Every default on the page against the config a run really gets when the key is left out
+    (the resolved config of a file that sets only what has no default)."""
+    import json
+
+    from unirl.core.config.run_config import load_config
+
+    given = {"model.hf_config", "batch.micro_batch_size"}
+    minimal = tmp_path / "minimal.yaml"
+    minimal.write_text("model: {hf_config: {model_type: llama}}\nbatch: {micro_batch_size: 4}\n")
+    resolved = load_config(minimal).to_dict()
+    defaults = _page_defaults()
+    wrong = {}
+    for path in _leaf_paths(resolved):
+        value = resolved
+        for part in path.split("."):
+            value = value[part]
+        if path in defaults and path not in given and defaults[path] != json.dumps(value):
+            wrong[path] = (defaults[path], json.dumps(value))
+    assert wrong == {}
+    assert defaults["critic.optimizer.lr"] == "1e-05"  # CriticConfig: OptimizerConfig(lr=1e-5)
