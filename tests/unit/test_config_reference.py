@@ -133,17 +133,20 @@ def _page_defaults() -> dict[str, str]:
     return {key: default.strip() for key, default in rows}
 
 
-def test_the_pages_defaults_are_what_a_minimal_config_resolves_to(tmp_path):
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp2", "megatron"])
+def test_the_pages_defaults_are_what_a_minimal_config_resolves_to(backend, tmp_path):
     """Every default on the page against the config a run really gets when the key is left out
-    (the resolved config of a file that sets only what has no default)."""
+    (the resolved config of a file that sets only what has no default), with each backend's
+    section."""
     import json
 
     from unirl.core.config.run_config import load_config
 
-    given = {"model.hf_config", "batch.micro_batch_size"}
+    given = {"model.hf_config", "batch.micro_batch_size", "backend"}
     minimal = tmp_path / "minimal.yaml"
     minimal.write_text("model: {hf_config: {model_type: llama}}\nbatch: {micro_batch_size: 4}\n")
-    resolved = load_config(minimal).to_dict()
+    resolved = load_config(minimal, [f"backend={backend}"]).to_dict()
+    assert backend in resolved
     defaults = _page_defaults()
     wrong = {}
     for path in _leaf_paths(resolved):
