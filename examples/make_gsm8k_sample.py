@@ -14,7 +14,7 @@ character of the rows, the chat template and examples/gsm8k.yaml's system prompt
 chat template (``<|system|>...<|user|>...<|assistant|>``): the stand-in, for a 2-layer model from
 random weights, of an instruct model's own tokenizer. With a real model, point
 ``rollout.prompts`` at GSM8K's own train Parquet file and ``model.path`` at the model folder
-instead (see the README's "Real tasks").
+instead (see docs/getting-started/real-model.md).
 """
 
 from __future__ import annotations

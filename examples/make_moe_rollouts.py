@@ -6,7 +6,7 @@ rollout``. Train on it with
     unirl train examples/tiny_qwen3_moe_replay.yaml
 
 The sampling model stands in for a rollout engine whose numerics differ from the trainer's (vLLM's
-CPU build cannot return routed experts, see the README): the trainer's initial weights (the
+CPU build cannot return routed experts, see docs/guides/moe.md): the trainer's initial weights (the
 config's ``model.init_seed``) with Gaussian noise of ``--router-noise`` x each router weight's
 standard deviation added to the router weights only, so that some tokens are routed to other
 experts than the trainer's router picks. ``--router-noise 0`` samples with the trainer's weights;

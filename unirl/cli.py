@@ -1,6 +1,7 @@
 """The `unirl` command.
 
     unirl check CONFIG [--set key.path=value ...] [--world-size N] [--json]
+    unirl check --explain KEY
     unirl train CONFIG [--set key.path=value ...] [--rollouts FILE] [--resume | --overwrite]
     unirl plot RUN_DIR [--out FILE.png]
     unirl convert SOURCE OUT [--tp N --pp N --vpp N --ep N --etp N] [--dtype fp32|bf16]
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from unirl import __version__
 from unirl.core.errors import CollectiveTimeoutError, UnirlError
 from unirl.cpu_threads import apply_cpu_thread_defaults
 from unirl.log_setup import apply_log_level, install_handler
@@ -162,6 +164,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from unirl.core.config.run_config import load_config
     from unirl.rollouts.check import check_rollout_config
 
+    if args.explain is not None:
+        from unirl.config_reference import explain
+
+        sys.stdout.write(explain(args.explain) + "\n")
+        return 0
+    if args.config is None:
+        from unirl.core.errors import ConfigError
+
+        raise ConfigError("unirl check needs a CONFIG file (or --explain KEY for one key's entry)")
     cfg = load_config(args.config, args.set, world_size=args.world_size)
     apply_log_level(cfg.logging.level)
     check_local_paths(cfg)
@@ -214,6 +225,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+_EXAMPLES = """examples:
+  unirl train examples/tiny_grpo.yaml                       # GRPO on the CPU, one process
+  unirl train examples/tiny_grpo.yaml --set backend=fsdp2   # the same job on another backend
+  unirl check examples/tiny_grpo.yaml --world-size 4        # the layout, plan and decisions
+  unirl check --explain algorithm.clip_high                 # one config key: default, meaning
+  unirl train CONFIG --resume                               # continue from the newest checkpoint
+  torchrun --nproc_per_node 2 -m unirl.cli train examples/qwen2_megatron_tp2.yaml
+  unirl plot runs/tiny_grpo                                 # reward and loss curves
+  unirl convert runs/x/checkpoints/step_40 ./hf-out         # a checkpoint -> Hugging Face
+
+every key: docs/reference/config.md; errors and their fixes: docs/troubleshooting.md
+"""
+
+
 def _add_set(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set",
@@ -225,7 +250,13 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="unirl", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="unirl",
+        description=__doc__.split("\n\n")[0],
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"unirl {__version__}")
     # the deepspeed launcher passes --local_rank=N before the command; the backend reads the
     # LOCAL_RANK environment variable instead
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
@@ -234,7 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate a config and explain its decisions")
-    check.add_argument("config", help="YAML config file")
+    check.add_argument("config", nargs="?", help="YAML config file")
+    check.add_argument(
+        "--explain",
+        metavar="KEY",
+        default=None,
+        help="print one config key's reference entry (type, default, allowed values, meaning), "
+        "e.g. --explain algorithm.clip_high; needs no CONFIG",
+    )
     _add_set(check)
     check.add_argument(
         "--world-size",

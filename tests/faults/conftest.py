@@ -1,5 +1,5 @@
 """The fault-injection tier: each test injects one fault into a real `unirl train` job (a
-subprocess, on the CPU) and asserts what the README promises of it: one ``unirl: error:`` line
+subprocess, on the CPU) and asserts what docs/guides/checkpoints.md promises of it: one ``unirl: error:`` line
 naming the cause within a stated bound, no process left behind, the newest checkpoint intact, and
 ``--resume`` continuing where the run stopped; or, for a fault the job survives, the run finishing.
 

@@ -407,13 +407,13 @@ def test_multi_turn_loss_and_grads_equal_a_per_turn_loop():
 
 
 def test_readme_environment_snippet():
-    """The README's example environment, run as written, through the episode loop."""
-    from tests.unit.readme import readme_snippet
+    """The example environment of docs/guides/multi-turn.md, run as written, through the episode loop."""
+    from tests.unit.doc_snippets import doc_snippet
     from unirl.rollouts.environments import ENVIRONMENTS
 
     namespace: dict = {}
     try:
-        exec(readme_snippet("environment"), namespace)
+        exec(doc_snippet("guides/multi-turn.md", "environment"), namespace)
         env = make_environment("calculator")
         env.reset("?", {"answer": "84"})
         from unirl.rollouts.environments import Turn

@@ -112,15 +112,17 @@ def test_the_committed_sample_is_what_the_script_writes(tmp_path):
 
 
 def test_the_readme_real_model_form_is_a_valid_config():
-    """The README's real-model changes applied to the recipe (model.hf_config and
+    """The real-model changes of docs/getting-started/real-model.md applied to the recipe (model.hf_config and
     model.tokenizer dropped, as it says) give a valid config for 8 GPUs."""
     import yaml
 
-    from tests.unit.readme import readme_snippet
+    from tests.unit.doc_snippets import doc_snippet
     from unirl.core.config.run_config import config_from_dict
 
     data = yaml.safe_load(RECIPE.read_text())
-    for section, values in yaml.safe_load(readme_snippet("gsm8k-real", "yaml")).items():
+    for section, values in yaml.safe_load(
+        doc_snippet("getting-started/real-model.md", "gsm8k-real", "yaml")
+    ).items():
         data[section] = {**data[section], **values} if isinstance(values, dict) else values
     del data["model"]["hf_config"], data["model"]["tokenizer"]
     pytest.importorskip("wandb", reason="the snippet logs to W&B")

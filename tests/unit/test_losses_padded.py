@@ -329,10 +329,10 @@ def test_equals_the_flat_core_on_a_packed_ragged_batch(name, settings):
 
 
 def test_readme_snippet_runs_as_written():
-    from tests.unit.readme import readme_snippet
+    from tests.unit.doc_snippets import doc_snippet
 
     scope: dict = {}
-    exec(readme_snippet("padded"), scope)
+    exec(doc_snippet("guides/integrations.md", "padded"), scope)
     assert scope["logprobs"].grad is not None and set(scope["metrics"]) >= {"loss", "pg_clipfrac"}
 
 

@@ -218,8 +218,8 @@ def test_trl_options_the_loss_would_ignore_are_refused(model_dir, dataset, tmp_p
 
 def test_readme_snippet_trains_with_a_loss_trl_lacks(model_dir, dataset, tmp_path):
     """REINFORCE (no ratio, no clip; TRL has none) with per-sequence mean aggregation: the
-    README's snippet, run as written, on the "say x" task; the reward climbs from ~0.1."""
-    from tests.unit.readme import readme_snippet
+    snippet of docs/guides/integrations.md, run as written, on the "say x" task; the reward climbs from ~0.1."""
+    from tests.unit.doc_snippets import doc_snippet
 
     grpo_config = _config(tmp_path, learning_rate=2e-2, max_steps=10, logging_steps=1)
     scope = {
@@ -228,7 +228,7 @@ def test_readme_snippet_trains_with_a_loss_trl_lacks(model_dir, dataset, tmp_pat
         "dataset": dataset,
         "grpo_config": grpo_config,
     }
-    exec(readme_snippet("trl"), scope)
+    exec(doc_snippet("guides/integrations.md", "trl"), scope)
     history = scope["trainer"].state.log_history
     assert {"unirl/loss", "unirl/pg_loss", "entropy"} <= set(history[0])  # unirl's metrics logged
     rewards = [h["reward"] for h in history if "reward" in h]

@@ -125,10 +125,10 @@ def test_token_sum_has_no_unirl_counterpart():
 
 
 def test_readme_snippet_runs_as_written():
-    from tests.unit.readme import readme_snippet
+    from tests.unit.doc_snippets import doc_snippet
 
     scope: dict = {}
-    exec(readme_snippet("verl"), scope)
+    exec(doc_snippet("guides/integrations.md", "verl"), scope)
     assert scope["loss_fn"] is core_algos.POLICY_LOSS_REGISTRY["unirl_gspo"]
 
 
@@ -177,16 +177,19 @@ def test_verl_actor_loss_selects_the_unirl_loss_by_config(verl_name, unirl_name,
 
 
 def test_readme_config_lines_name_real_verl_keys():
-    """The README's verl overrides: each key exists in verl's config classes, the external lib
+    """The verl overrides of docs/guides/integrations.md: each key exists in verl's config classes, the external lib
     imports through verl's own importer, and the loss mode is then registered."""
     import dataclasses
 
     from verl.utils.import_utils import import_external_libs
     from verl.workers.config import HFModelConfig
 
-    from tests.unit.readme import readme_snippet
+    from tests.unit.doc_snippets import doc_snippet
 
-    overrides = dict(line.split("=", 1) for line in readme_snippet("verl-config", "").splitlines())
+    overrides = dict(
+        line.split("=", 1)
+        for line in doc_snippet("guides/integrations.md", "verl-config", "").splitlines()
+    )
     actor = _config("vanilla")
     for key, value in overrides.items():
         if key.startswith("actor_rollout_ref.model."):

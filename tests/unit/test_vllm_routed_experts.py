@@ -1,4 +1,4 @@
-"""What vLLM's CPU build says to ``enable_return_routed_experts`` (the README's "Routing replay"
+"""What vLLM's CPU build says to ``enable_return_routed_experts`` (docs/guides/moe.md, "Routing replay"
 status, and why ``rollout.source: vllm`` refuses ``routing_replay: rollout``): on a tiny random
 Qwen3-MoE its engine config is refused, with the V1 model runner because routed experts need
 Model Runner V2, with V2 because V2 needs a Triton with a CPU backend. When a vLLM build accepts
