@@ -75,7 +75,7 @@ def test_every_key_of_a_resolved_config_has_an_entry(example, backend):
 def test_every_rollout_source_section_has_its_entries():
     """The sources' own sections (``rollout.<name>``), from their options classes' defaults: a
     config only holds the chosen source's, and vLLM's needs vLLM installed to be chosen."""
-    from unirl.core.source_plugin import SOURCES
+    from unirl.core.protocols.source_plugin import SOURCES
 
     keys = _page_keys()
     missing = []
