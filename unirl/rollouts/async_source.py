@@ -46,7 +46,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weight_stream import HOST, MIB, Bucket, bucketed
 from unirl.rollouts.collectives import bind_rollout_group, new_rollout_group
-from unirl.rollouts.source import RolloutSource
+from unirl.rollouts.source import MeasuresRollouts, RolloutSource
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -183,8 +183,10 @@ class RolloutsAhead:
         return generated.batch
 
     def rollout_metrics(self) -> dict[str, float]:
-        """The staleness of the rollout handed out last and where its time went."""
-        return self._metrics
+        """The staleness of the rollout handed out last and where its time went, with what the
+        source itself measures (its engines' restarts)."""
+        own = self.source.rollout_metrics() if isinstance(self.source, MeasuresRollouts) else {}
+        return own | self._metrics
 
     def state_dict(self) -> dict[str, Any]:
         """The rollouts in flight (finished first) as records, and the source's state after
