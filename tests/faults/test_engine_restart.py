@@ -165,7 +165,9 @@ def test_past_max_restarts_one_error_names_the_engine_and_no_process_is_left(sou
         source.next_rollout(0)
     elapsed = time.monotonic() - when[0]
     message = str(err.value)
-    assert message.startswith("the vLLM engine died while generating a rollout: its process")
+    assert message.startswith(
+        "the vLLM engine died during the generation of a rollout: its process"
+    )
     assert "rollout.vllm.max_restarts=2" in message and "--resume" in message
     assert "\n" not in message
     assert elapsed < DEAD_BOUND_S, elapsed
@@ -177,7 +179,10 @@ def test_engine_that_stops_answering_is_noticed_within_the_stall_timeout(source)
     source._restarts = source.options.max_restarts
     core = _core(source)
     when = _on_call(source._engine.llm, "step", lambda: os.kill(core, signal.SIGSTOP))
-    with pytest.raises(RunError, match=r"made no progress during generate for rollout.vllm.stall"):
+    with pytest.raises(
+        RunError,
+        match=r"hung during the generation of a rollout: it made no progress for rollout.vllm.stall_timeout_s=15 s",
+    ):
         source.next_rollout(0)
     elapsed = time.monotonic() - when[0]
     assert STALL_S <= elapsed < STALL_S + DEAD_BOUND_S, elapsed

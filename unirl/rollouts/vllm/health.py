@@ -116,19 +116,18 @@ class EngineWatch:
         if self.failed is not None:
             raise self.failed
         gone = _gone(self.pids)
-        during = f" during {what}" if what else ""
         if gone:
             self.failed = EngineFailure(
-                "died", f"its process {min(gone)} is gone{during} (killed, or out of memory)"
+                "died", f"its process {min(gone)} is gone (killed, or out of memory)"
             )
         elif stall and time.monotonic() - self._last_progress > self.stall_timeout_s:
             self.failed = EngineFailure(
                 "hung",
-                f"it made no progress{during} for rollout.vllm.stall_timeout_s="
+                f"it made no progress for rollout.vllm.stall_timeout_s="
                 f"{self.stall_timeout_s:g} s (alive but not answering)",
             )
         if self.failed is not None:
-            logger.warning("vLLM engine: %s", self.failed.detail)
+            logger.warning("vLLM engine, in %s: %s", what or "a call", self.failed.detail)
             raise self.failed
 
 

@@ -311,7 +311,7 @@ class VllmRolloutSource(GeneratingSource):
             try:
                 if self.episodes is not None:
                     play = lambda: self._play_episodes(problems, rl_step)  # noqa: E731
-                    episodes = self._surviving(engine, f"playing rollout {rl_step}", play)
+                    episodes = self._surviving(engine, f"the episodes of rollout {rl_step}", play)
                     mine = []
                 else:
                     mine = self._generate_share(problems, engine)
@@ -406,7 +406,7 @@ class VllmRolloutSource(GeneratingSource):
             return generations
 
         # a restarted engine is given the same requests, with the same seeds: the same samples
-        return self._surviving(engine, "generating a rollout", generate)
+        return self._surviving(engine, "the generation of a rollout", generate)
 
     def _score_once(
         self, problems: Sequence[Problem], responses: Sequence[list[int]]
@@ -440,7 +440,7 @@ class VllmRolloutSource(GeneratingSource):
             self._sleep.after_generate()
             return out
 
-        samples = self._surviving(0, "an eval", generate)  # rank 0 drives engine 0
+        samples = self._surviving(0, "an eval generation", generate)  # rank 0 drives engine 0
         return [(list(s.response_tokens), s.finished) for s in samples]
 
     def _check_length(self, problem: Problem, prompt_index: int) -> None:
@@ -478,7 +478,7 @@ class VllmRolloutSource(GeneratingSource):
         name, limit = self._name(engine), self.options.max_restarts
         kind = self._transport.name if self._transport is not None else "file"
         self._stop_engine()
-        happened = f"{name} {failure.kind} while {what}: {failure.detail}"
+        happened = f"{name} {failure.kind} during {what}: {failure.detail}"
         if kind != "file":
             raise RunError(
                 f"{happened}; it cannot be restarted with rollout.vllm.weight_transfer={kind} "
