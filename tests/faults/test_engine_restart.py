@@ -4,7 +4,8 @@ Killed during a generation or during a weight sync, the engine is restarted from
 weights and the rollout is the one an uninterrupted engine draws (per-sample seeds: the same
 tokens, log-probs and rewards); past ``rollout.vllm.max_restarts`` one `RunError` names the
 engine and what happened, within a stated bound, and no engine process is left. A stopped engine
-(SIGSTOP: alive, no progress) is noticed within ``rollout.vllm.stall_timeout_s``.
+(SIGSTOP: alive, no progress) is noticed within ``rollout.vllm.stall_timeout_s``. An exception
+inside vLLM's shutdown leaves no engine process either.
 
 The reference is the same source drawing the same rollout index from the same weights with no
 fault (the stream position restored with `load_state_dict`): the rollout of two different weight
@@ -197,4 +198,19 @@ def test_max_restarts_zero_fails_at_once(source):
     _on_call(source._engine.llm, "step", lambda: os.kill(core, signal.SIGKILL))
     with pytest.raises(RunError, match=r"restarted 0 time\(s\) already \(rollout.vllm.max_res"):
         source.next_rollout(0)
+    assert not _vllm_left()
+
+
+def test_an_exception_inside_shutdown_leaves_no_engine_process(source):
+    """vLLM's own shutdown raising (here an interrupt, which no ``except Exception`` catches)
+    still ends with every engine process killed."""
+    source.sync_weights(as_buckets(_weights(source, 0)), policy_version=0)
+    assert _vllm_left()  # the engine runs
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    source._engine.llm.llm_engine.engine_core.shutdown = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        source.close()
     assert not _vllm_left()

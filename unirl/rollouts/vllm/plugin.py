@@ -99,9 +99,9 @@ class VllmOptions:
     # trainer waits for it (generation, a sync, an eval); a dead one (a process gone) is noticed
     # within a fraction of a second. Either is restarted (health.py, source.py).
     stall_timeout_s: float = attrs.field(default=300.0, validator=positive)
-    # How many times a dead or hung engine is stopped, started again from the last synced
-    # weights and its unfinished requests re-issued (same seeds) before the run stops with one
-    # error; 0 = stop at the first failure.
+    # How many times in a run a dead or hung engine is stopped, started again from the last
+    # synced weights and its unfinished requests re-issued (same seeds) before the run stops with
+    # one error; 0 = stop at the first failure. Needs weight_transfer: file (its folder).
     max_restarts: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     # Where weight syncs are written for the engine to reload (a tmpfs folder: memory, not
     # disk); null = a fresh folder under /dev/shm when it exists, else the system temp folder.
