@@ -3,14 +3,15 @@
 vLLM's calls block until the engine core answers: a core that was killed (out of memory, a
 signal) or that stopped making progress (stopped, wedged) leaves the caller waiting for ever, or
 until ``rollout.vllm.generation_timeout_s`` (an hour). So every blocking call into the engine
-(generate, ``collective_rpc`` of a weight sync, ``reset_prefix_cache``) runs in a thread of its
-own while the caller polls the engine: any of its processes gone is a dead engine, noticed within
-`POLL_S`; no engine step and no call returned for ``rollout.vllm.stall_timeout_s`` is a hung
-engine. Either raises `EngineFailure`, which the source answers with a restart (source.py) up to
-``rollout.vllm.max_restarts``.
+(`WATCHED`: generate, a weight sync's calls, sleep mode's) runs in a thread of its own while the
+caller polls the engine: any of its processes gone is a dead engine, noticed within `POLL_S`; no
+engine step and no call returned for ``rollout.vllm.stall_timeout_s`` is a hung engine. Either
+raises `EngineFailure`, which the source answers with a restart (source.py) up to
+``rollout.vllm.max_restarts``. The engine is alive or not by its processes, not by vLLM's own
+errors: a killed core can leave vLLM's client waiting with no error at all.
 
     watch = EngineWatch(pids, stall_timeout_s=60.0)
-    watch.install(llm)          # llm.generate / collective_rpc / reset_prefix_cache watched
+    watch.install(llm)          # llm's WATCHED methods now fail instead of waiting for ever
 """
 
 from __future__ import annotations
@@ -28,8 +29,19 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.2
 SETTLE_S = 1.0
 
-# The `vllm.LLM` methods that wait for the engine core.
-WATCHED = ("generate", "collective_rpc", "reset_prefix_cache")
+# The `vllm.LLM` methods that wait for the engine core (generation, the file reload, sleep mode,
+# the ipc / nccl weight transfer).
+WATCHED = (
+    "generate",
+    "collective_rpc",
+    "reset_prefix_cache",
+    "sleep",
+    "wake_up",
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+)
 
 
 class EngineFailure(RunError):
