@@ -185,8 +185,10 @@ class RolloutsAhead:
         return generated.batch
 
     def rollout_metrics(self) -> dict[str, float]:
-        """The staleness of the rollout handed out last and where its time went."""
-        return self._metrics
+        """The staleness of the rollout handed out last and where its time went, with what the
+        source itself measures (its engines' restarts)."""
+        own = self.source.rollout_metrics() if isinstance(self.source, MeasuresRollouts) else {}
+        return own | self._metrics
 
     def state_dict(self) -> dict[str, Any]:
         """The rollouts in flight (finished first) as records, and the source's state after

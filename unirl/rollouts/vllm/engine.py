@@ -29,6 +29,7 @@ from typing import Any
 
 from unirl.core.errors import ConfigError, RunError
 from unirl.rollouts.serving.engine import EngineRequest, EngineSample
+from unirl.rollouts.vllm.health import EngineWatch
 from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions, engine_settings
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class VllmEngine:
         self.stop = list(stop)
         self.max_model_len = max_model_len
         self._pids: set[int] = set()  # the engine's processes, set by `start`
+        self.watch: EngineWatch | None = None  # its health (health.py), set by `start`
 
     @classmethod
     def start(
@@ -195,6 +197,8 @@ class VllmEngine:
             stop=stop,
         )
         engine._pids = set(_child_pids()) - before
+        engine.watch = EngineWatch(engine._pids, stall_timeout_s=options.stall_timeout_s)
+        engine.watch.install(llm)
         return engine
 
     def generate(
@@ -250,16 +254,22 @@ class VllmEngine:
 
     def close(self) -> None:
         """Shut the engine down and kill whatever of its processes is left (a wedged engine
-        core ignores the polite request)."""
+        core ignores the polite request), also when the shutdown raises; a failed engine
+        (dead or hung) is killed first, as asking it to stop would wait on it."""
         llm, self.llm = self.llm, None
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception as exc:  # the engine may already be dead; the kill below remains
-                logger.debug("vLLM shutdown: %s", exc)
-            del llm
-        _kill(self._pids)
-        self._pids = set()
+        pids, self._pids = self._pids, set()
+        failed = self.watch is not None and self.watch.failed is not None
+        try:
+            if failed:
+                _kill(pids)
+            if llm is not None:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception as exc:  # the engine may already be dead; the kill remains
+                    logger.debug("vLLM shutdown: %s", exc)
+                del llm
+        finally:
+            _kill(pids)
 
 
 def _child_pids() -> list[int]:
@@ -270,14 +280,19 @@ def _child_pids() -> list[int]:
 
 
 def _kill(pids: set[int]) -> None:
+    """Kill ``pids`` and their descendants (also stopped ones: SIGKILL needs no answer)."""
     import psutil
 
     procs = []
     for pid in pids:
         try:
             proc = psutil.Process(pid)
+            procs += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for proc in procs:
+        try:
             proc.kill()
-            procs.append(proc)
         except psutil.NoSuchProcess:
             continue
     psutil.wait_procs(procs, timeout=10)

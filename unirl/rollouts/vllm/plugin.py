@@ -95,6 +95,14 @@ class VllmOptions:
     # How long a rank waits for the engines' samples of one rollout (a bounded poll on a
     # group of its own, not a training collective's timeout), in seconds.
     generation_timeout_s: float = attrs.field(default=3600.0, validator=positive)
+    # A hung engine: alive but no engine step and no answer for this long (seconds) while the
+    # trainer waits for it (generation, a sync, an eval); a dead one (a process gone) is noticed
+    # within a fraction of a second. Either is restarted (health.py, source.py).
+    stall_timeout_s: float = attrs.field(default=300.0, validator=positive)
+    # How many times in a run a dead or hung engine is stopped, started again from the last
+    # synced weights and its unfinished requests re-issued (same seeds) before the run stops with
+    # one error; 0 = stop at the first failure. Needs weight_transfer: file (its folder).
+    max_restarts: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     # Where weight syncs are written for the engine to reload (a tmpfs folder: memory, not
     # disk); null = a fresh folder under /dev/shm when it exists, else the system temp folder.
     sync_dir: str | None = None
@@ -246,6 +254,12 @@ def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             "(LLM.collective_rpc('reload_weights'))"
         ),
         "generation_timeout_s": v.generation_timeout_s,
+        "engine_health": (
+            f"a dead engine (a process gone) noticed within a second, a hung one after "
+            f"stall_timeout_s={v.stall_timeout_s:g} s without progress; restarted from the last "
+            f"synced weights, unfinished requests re-issued with their seeds, up to "
+            f"max_restarts={v.max_restarts} times (rollout/engine_restarts), then one error"
+        ),
         "policy_version": "the weights of the last sync: every rollout is on-policy",
         **(
             {

@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -77,6 +77,7 @@ from unirl.rollouts.serving.placement import (
 from unirl.rollouts.serving.weights import WeightFolder
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
 from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, verified_sync
+from unirl.rollouts.vllm.health import EngineFailure
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
 from unirl.rollouts.vllm.sleep import SleepCycle
@@ -89,6 +90,8 @@ from unirl.rollouts.vllm.transport import (
 )
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 def _local_ranks() -> tuple[int, int]:
@@ -140,6 +143,8 @@ class VllmRolloutSource(GeneratingSource):
         self._transport: FileTransport | IpcTransport | NcclTransport | None = None
         self._sleep: SleepCycle | None = None
         self._exchange: RolloutExchange | None = None  # made at the first collective call
+        self._restarts = 0  # of this leader's engine (health.py)
+        self._restarts_all = 0  # of every engine, as of the last rollout gathered
         self.options = cfg.rollout.source_options
         self.max_model_len = max_model_len(cfg)
         self.dtype = engine_dtype(cfg)
@@ -242,14 +247,19 @@ class VllmRolloutSource(GeneratingSource):
                 return  # the engine started from these weights
         assert self._transport is not None and self._sleep is not None
         self._sleep.before_sync()
-        self._transport.send(buckets)
+        try:
+            self._transport.send(buckets)
+        except EngineFailure as exc:  # the file was written: the restart loads these weights
+            self._restart(engine, exc, "a weight sync")
+            return
         if self._transport.name != "file":  # the file reload resets it itself
             # cached keys and values were computed under the old weights
             self._engine.llm.reset_prefix_cache()
 
-    def _start(self, buckets: Iterator[Bucket], engine: int) -> None:
+    def _start(self, buckets: Iterator[Bucket], engine: int, *, restart: bool = False) -> None:
         """Start this leader's engine: from the weights folder (file) or from dummy weights that
-        the first send replaces (ipc, nccl)."""
+        the first send replaces (ipc, nccl); ``restart``: from the folder as the last sync left
+        it."""
         local_rank, local_world = _local_ranks()
         launch = plan_launch(
             self.options,
@@ -262,7 +272,7 @@ class VllmRolloutSource(GeneratingSource):
         device = _device()
         if self._folder is None:
             self._folder = WeightFolder.create(self.options.sync_dir, self.hf_config)
-        if launch.loads_from_folder:
+        if launch.loads_from_folder and not restart:
             self._folder.write(buckets)
         r = self.cfg.rollout
         if r.stop:  # vLLM matches stop strings on text: it needs the task's tokenizer
@@ -321,7 +331,9 @@ class VllmRolloutSource(GeneratingSource):
         if engine is not None:
             try:
                 if self.episodes is not None:
-                    episodes, mine = self._play_episodes(problems, rl_step), []
+                    play = lambda: self._play_episodes(problems, rl_step)  # noqa: E731
+                    episodes = self._surviving(engine, f"the episodes of rollout {rl_step}", play)
+                    mine = []
                 else:
                     mine = self._generate_share(problems, engine)
             except UnirlError as exc:
@@ -334,7 +346,9 @@ class VllmRolloutSource(GeneratingSource):
                     "run again with --resume (logging.level: DEBUG shows the engine's report)"
                 )
         what = f"the samples of rollout {rl_step}"
-        shares = [s for s in self._exchange.all_gather(mine, what=what) if s is not None]
+        gathered = self._exchange.all_gather((self._restarts, mine), what=what)
+        self._restarts_all = sum(restarts for restarts, _ in gathered)
+        shares = [s for _, s in gathered if s is not None]
         result: RolloutBatch | str | None = next((s for s in shares if isinstance(s, str)), None)
         if result is None:  # every engine delivered: rank 0 scores, every rank gets the batch
             built: RolloutBatch | str | None = episodes
@@ -404,10 +418,16 @@ class VllmRolloutSource(GeneratingSource):
         share = split_prompts(len(problems), self.engines)[engine]
         group = self.samples_per_prompt
         requests = self._requests(problems)[share.start * group : share.stop * group]
-        self._sleep.before_generate()
-        generations = self._engine.generate(requests)
-        self._sleep.after_generate()  # the trainer trains next
-        return generations
+
+        def generate() -> list[EngineSample]:
+            assert self._engine is not None and self._sleep is not None  # (re)started
+            self._sleep.before_generate()
+            generations = self._engine.generate(requests)
+            self._sleep.after_generate()  # the trainer trains next
+            return generations
+
+        # a restarted engine is given the same requests, with the same seeds: the same samples
+        return self._surviving(engine, "the generation of a rollout", generate)
 
     def _score_once(
         self, problems: Sequence[Problem], responses: Sequence[list[int]]
@@ -431,12 +451,17 @@ class VllmRolloutSource(GeneratingSource):
             EngineRequest(prompt_tokens=tuple(p), seed=sample_seed(seed, 0, i))
             for i, p in enumerate(prompts)
         ]
-        assert self._sleep is not None
-        self._sleep.before_generate()  # after a sync only the weights are awake
-        samples = self._engine.generate(
-            requests, temperature=temperature, max_new_tokens=max_new_tokens
-        )
-        self._sleep.after_generate()
+
+        def generate() -> list[EngineSample]:
+            assert self._engine is not None and self._sleep is not None  # (re)started
+            self._sleep.before_generate()  # after a sync only the weights are awake
+            out = self._engine.generate(
+                requests, temperature=temperature, max_new_tokens=max_new_tokens
+            )
+            self._sleep.after_generate()
+            return out
+
+        samples = self._surviving(0, "an eval generation", generate)  # rank 0 drives engine 0
         return [(list(s.response_tokens), s.finished) for s in samples]
 
     def _check_length(self, problem: Problem, prompt_index: int) -> None:
@@ -450,6 +475,70 @@ class VllmRolloutSource(GeneratingSource):
                 "model.max_seq_len (and rollout.vllm.max_model_len if set), shorten the prompt "
                 "or lower rollout.max_new_tokens"
             )
+
+    # -- health (health.py) ----------------------------------------------------------------------
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """``rollout/engine_restarts``: the engines' restarts so far in this run (all engines, as
+        of the last rollout)."""
+        return {"rollout/engine_restarts": float(self._restarts_all)}
+
+    def _surviving(self, engine: int, what: str, attempt: Callable[[], _T]) -> _T:
+        """``attempt()``; an engine that died or hung on the way is restarted (`_restart`) and
+        ``attempt`` run again, until it returns or the restarts run out."""
+        while True:
+            try:
+                return attempt()
+            except EngineFailure as exc:
+                self._restart(engine, exc, what)
+
+    def _restart(self, engine: int, failure: EngineFailure, what: str) -> None:
+        """Stop the failed engine (no process left) and start it again from the weight folder,
+        which holds the last synced weights (those of the policy version in use); past
+        ``rollout.vllm.max_restarts``, or without a folder to start from, one `RunError`."""
+        name, limit = self._name(engine), self.options.max_restarts
+        kind = self._transport.name if self._transport is not None else "file"
+        self._stop_engine()
+        happened = f"{name} {failure.kind} during {what}: {failure.detail}"
+        if kind != "file":
+            raise RunError(
+                f"{happened}; it cannot be restarted with rollout.vllm.weight_transfer={kind} "
+                "(its weights exist only in the trainer's stream; a restart starts from the "
+                "weight folder that weight_transfer: file keeps). No engine process is left; the "
+                "newest complete checkpoint is intact: run again with --resume"
+            )
+        if self._restarts >= limit:
+            why = {
+                "died": "why it dies (dmesg shows the out-of-memory killer; logging.level: DEBUG "
+                "shows vLLM's report)",
+                "hung": "why it stops answering, or raise rollout.vllm.stall_timeout_s if one "
+                "engine step or weight reload takes longer",
+            }[failure.kind]
+            raise RunError(
+                f"{happened}; it was restarted {self._restarts} time(s) already "
+                f"(rollout.vllm.max_restarts={limit}). No engine process is left. Find {why}, "
+                "or raise rollout.vllm.max_restarts; the newest complete checkpoint is intact: "
+                "run again with --resume"
+            )
+        self._restarts += 1
+        logger.warning(
+            "%s; restarting it (restart %d of rollout.vllm.max_restarts=%d) from the weights of "
+            "policy version %s", happened, self._restarts, limit, self._policy_version,
+        )  # fmt: skip
+        self._start(iter(()), engine, restart=True)
+
+    def _stop_engine(self) -> None:
+        """This leader's engine and transport closed (every engine process gone), the weight
+        folder kept."""
+        transport, self._transport = self._transport, None
+        failed, self._engine = self._engine, None
+        self._sleep = None
+        try:
+            if transport is not None:
+                transport.close()
+        finally:
+            if failed is not None:
+                failed.close()
 
     # -- state ---------------------------------------------------------------------------------
 
