@@ -26,11 +26,11 @@ from typing import Any, Literal
 
 import attrs
 
-from unirl.core.protocols.backend_plugin import BACKENDS
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.config.sections.feeds import FEEDS
 from unirl.core.errors import ConfigError
 from unirl.core.maths.kl import KL_ESTIMATORS
+from unirl.core.protocols.backend_plugin import BACKENDS
 from unirl.core.protocols.source_plugin import SOURCES
 
 # Fields that are not keys a user writes: derived values and the plug-ins' built sections (each
