@@ -173,7 +173,7 @@ class _Job:
         """Check the directories, the paths and a checkpoint to resume from before any work,
         then build the rollout source, the evaluator and the backend."""
         from unirl.rollouts import build_rollout_source  # needs transformers for the sampler
-        from unirl.rollouts.eval import build_evaluator
+        from unirl.rollouts.eval.evaluator import build_evaluator
         from unirl.rollouts.postprocess import load_postprocess_hook
 
         run_dir, ckpt_root = Path(cfg.logging.run_dir), _checkpoint_root(cfg)

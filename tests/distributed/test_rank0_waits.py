@@ -59,7 +59,7 @@ def _eval_rank(rank: int, world: int, tmp: str, delay_s: float, timeout_s: float
 
     from unirl.core.config.run_config import config_from_dict
     from unirl.rollouts.build import build_task
-    from unirl.rollouts.eval import Evaluator
+    from unirl.rollouts.eval.evaluator import Evaluator
 
     torch.set_num_threads(1)
     _short_training_group(rank, world, f"{tmp}/store")

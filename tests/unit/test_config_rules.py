@@ -11,7 +11,7 @@ from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError
 from unirl.rollouts.data.rules import check_prompts, check_stops
 from unirl.rollouts.environments.rules import check_environment
-from unirl.rollouts.eval_rules import check_eval
+from unirl.rollouts.eval.rules import check_eval
 
 BASE = {
     "backend": "deepspeed",

@@ -1,4 +1,4 @@
-"""The eval section (unirl/rollouts/eval.py): pass@k against hand computations, the metrics of an
+"""The eval section (unirl/rollouts/eval/evaluator.py): pass@k against hand computations, the metrics of an
 evaluation whose responses are set by the test, and, through `unirl train`, that the training run
 is the same with and without evaluation (its rollouts, rewards, losses) and that a resumed run
 logs the evaluations of the uninterrupted one."""
@@ -11,7 +11,7 @@ import pytest
 from tests.tiny_models import TINY_LLAMA
 from unirl.core.config.run_config import config_from_dict
 from unirl.core.errors import ConfigError
-from unirl.rollouts.eval_metrics import eval_metrics, pass_at_k, reported_ks
+from unirl.rollouts.eval.metrics import eval_metrics, pass_at_k, reported_ks
 
 
 def test_pass_at_k_by_hand():
@@ -91,7 +91,7 @@ class _SetResponses:
 def test_an_evaluation_of_set_responses(tmp_path):
     pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
     from unirl.rollouts.build import build_task
-    from unirl.rollouts.eval import Evaluator
+    from unirl.rollouts.eval.evaluator import Evaluator
 
     held = _write(tmp_path / "held.jsonl", HELD_OUT)
     cfg = config_from_dict(_data(tmp_path, eval_section={"prompts": held, "samples_per_prompt": 2,
@@ -192,7 +192,7 @@ class _RecordingEngine:
 def test_the_vllm_source_scores_a_rollout_in_one_call_and_evaluates_with_its_engine(tmp_path):
     pytest.importorskip("transformers", reason="needs transformers (pip install unirl[hf])")
     from unirl.rollouts.build import build_task
-    from unirl.rollouts.eval import Evaluator
+    from unirl.rollouts.eval.evaluator import Evaluator
     from unirl.rollouts.vllm import VllmRolloutSource
     from unirl.rollouts.vllm.sleep import SleepCycle
 

@@ -30,7 +30,7 @@ from unirl.core.imports import lazy_attributes
 from unirl.core.protocols.source_plugin import SOURCES
 from unirl.rollouts.data.rules import check_prompts, check_stops
 from unirl.rollouts.environments.rules import check_environment
-from unirl.rollouts.eval_rules import check_eval
+from unirl.rollouts.eval.rules import check_eval
 from unirl.rollouts.plugins import FILE, SAMPLER
 from unirl.rollouts.vllm.plugin import PLUGIN as VLLM
 

@@ -20,7 +20,7 @@ from unirl.rollouts.build import build_task, check_task_lengths
 from unirl.rollouts.data.prompts import PromptFileTask
 from unirl.rollouts.data.tasks import make_task
 from unirl.rollouts.environments.registry import environment_factory
-from unirl.rollouts.eval import build_eval_task
+from unirl.rollouts.eval.evaluator import build_eval_task
 from unirl.rollouts.postprocess import load_postprocess_hook
 from unirl.rollouts.rewards.math import REFERENCE_READERS
 from unirl.rollouts.rewards.registry import NamedReward, RewardRun

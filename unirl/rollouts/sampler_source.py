@@ -157,7 +157,7 @@ class SamplerRolloutSource(GeneratingSource):
     ) -> list[tuple[list[int], bool]]:
         """One response (its ids, whether a stop ended it) per prompt from the current weights,
         drawn with a generator of its own seeded ``seed``: the rollouts' stream is untouched
-        (`unirl.rollouts.eval`)."""
+        (`unirl.rollouts.eval.evaluator`)."""
         sampler = self.sampler.variant(
             temperature=temperature, max_new_tokens=max_new_tokens, seed=seed
         )

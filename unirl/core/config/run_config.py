@@ -119,7 +119,7 @@ class UnirlConfig:
     progress: ProgressConfig = attrs.field(factory=ProgressConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     logging: LoggingConfig = attrs.field(factory=LoggingConfig)
-    # Held-out prompts evaluated during training (unirl/rollouts/eval.py); None: no evaluation.
+    # Held-out prompts evaluated during training (unirl/rollouts/eval/evaluator.py); None: no evaluation.
     eval: EvalConfig | None = None
     backend_options: Any = None
     layout: Layout = attrs.field(init=False, eq=False)

@@ -444,7 +444,7 @@ class VllmRolloutSource(GeneratingSource):
     ) -> list[tuple[list[int], bool]]:
         """One response (its ids, whether a stop ended it) per prompt from the engine's current
         weights, sample ``i`` seeded from ``seed`` and ``i``; global rank 0 only (an evaluation,
-        `unirl.rollouts.eval`, runs there and broadcasts its metrics)."""
+        `unirl.rollouts.eval.evaluator`, runs there and broadcasts its metrics)."""
         if self._engine is None:
             raise RunError("VllmRolloutSource.generate_eval before sync_weights: no engine yet")
         requests = [

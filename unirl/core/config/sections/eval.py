@@ -1,5 +1,5 @@
 """The ``eval`` section: held-out prompts run through the rollout engine every ``every`` RL steps
-and at the end, scored and logged as ``eval/*`` metrics (`unirl.rollouts.eval`). Absent: no
+and at the end, scored and logged as ``eval/*`` metrics (`unirl.rollouts.eval.evaluator`). Absent: no
 evaluation."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every ``eval.every`` RL steps and after the last one, right after the weight syn
 holds the weights the step produced), every prompt of ``eval.prompts`` gets
 ``eval.samples_per_prompt`` responses from the rollout engine itself (the built-in sampler or
 vLLM) at ``eval.temperature`` within ``eval.max_new_tokens``, scored by the rollout's reward (or
-``eval.reward``); the run logs ``eval/reward_mean``, ``eval/pass@k`` (`unirl.rollouts.eval_metrics`)
+``eval.reward``); the run logs ``eval/reward_mean``, ``eval/pass@k`` (`unirl.rollouts.eval.metrics`)
 and ``time/eval_s`` at that step, to metrics.jsonl, TensorBoard and W&B like every metric.
 
 What it leaves alone. The eval draws from generators of its own, seeded by ``train.seed`` and the
@@ -30,7 +30,7 @@ from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
 from unirl.rollouts.data.hf_tokenizer import HFTokenizer
 from unirl.rollouts.data.prompts import ColumnMap, PromptFileTask, read_prompt_records
-from unirl.rollouts.eval_metrics import eval_metrics
+from unirl.rollouts.eval.metrics import eval_metrics
 from unirl.rollouts.once import on_rank0
 from unirl.rollouts.rewards.registry import NamedReward, RewardRun
 

@@ -1,5 +1,5 @@
 """The config rules of the ``eval:`` section: it generates through the rollout engine on prompts
-tokenized as ``rollout.prompts`` are (`unirl.rollouts.eval`). Registered in
+tokenized as ``rollout.prompts`` are (`unirl.rollouts.eval.evaluator`). Registered in
 `unirl.core.config.rules` by `unirl.rollouts`, so they run when the config is built."""
 
 from __future__ import annotations
