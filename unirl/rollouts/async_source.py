@@ -46,7 +46,7 @@ from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weight_stream import HOST, MIB, Bucket, bucketed
 from unirl.rollouts.collectives import bind_rollout_group, new_rollout_group
-from unirl.rollouts.source import RolloutSource
+from unirl.rollouts.source import MeasuresRollouts, RolloutSource
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -66,6 +66,9 @@ class Generated:
     sync_s: float
     generation_s: float
     idle_s: float = 0.0
+    # what the wrapped source measured of this rollout (dynamic sampling's draws), taken in the
+    # worker right after it, before the next rollout overwrites it
+    source_metrics: dict[str, float] = attrs.field(factory=dict)
 
 
 def staleness_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
@@ -172,14 +175,18 @@ class RolloutsAhead:
         if progress is not None:  # the rollout arrived (its tokens were counted in the worker)
             progress.update(samples=len(generated.batch))
         busy = generated.sync_s + generated.generation_s
-        self._metrics = staleness_metrics(generated.batch, self._version) | {
-            "time/rollout_wait_s": wait_s,  # the trainer idle, waiting for the rollout
-            "time/overlap_s": max(0.0, busy - wait_s),  # its generation hidden behind training
-            "time/generator_idle_s": generated.idle_s,  # the worker waiting for these weights
-            # the worker's seconds, in place of the trainer's wait and hand-over
-            "time/generation_s": generated.generation_s,
-            "time/weight_sync_s": generated.sync_s,
-        }
+        self._metrics = (
+            generated.source_metrics
+            | staleness_metrics(generated.batch, self._version)
+            | {
+                "time/rollout_wait_s": wait_s,  # the trainer idle, waiting for the rollout
+                "time/overlap_s": max(0.0, busy - wait_s),  # its generation hidden behind training
+                "time/generator_idle_s": generated.idle_s,  # the worker waiting for these weights
+                # the worker's seconds, in place of the trainer's wait and hand-over
+                "time/generation_s": generated.generation_s,
+                "time/weight_sync_s": generated.sync_s,
+            }
+        )
         return generated.batch
 
     def rollout_metrics(self) -> dict[str, float]:
@@ -246,8 +253,15 @@ class RolloutsAhead:
         t1 = time.perf_counter()
         batch = self.source.next_rollout(rl_step)
         self._last_done = time.perf_counter()
+        measured = (
+            dict(self.source.rollout_metrics()) if isinstance(self.source, MeasuresRollouts) else {}
+        )
         return Generated(
-            batch=batch, sync_s=t1 - t0, generation_s=self._last_done - t1, idle_s=idle
+            batch=batch,
+            sync_s=t1 - t0,
+            generation_s=self._last_done - t1,
+            idle_s=idle,
+            source_metrics=measured,
         )
 
     def put_ready(self, rl_step: int, batch: RolloutBatch) -> None:

@@ -74,6 +74,7 @@ from unirl.rollouts.serving.placement import (
     split_prompts,
 )
 from unirl.rollouts.serving.weights import WeightFolder
+from unirl.rollouts.shaping import RolloutShaping
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
@@ -129,6 +130,7 @@ class VllmRolloutSource(GeneratingSource):
             seed=seed,
             vocab_size=vocab_size,
             policy_version=None,
+            shaping=RolloutShaping.from_config(cfg),
         )
         self.cfg = cfg
         self.hf_config = hf_config  # transformers PretrainedConfig of the policy
