@@ -6,7 +6,7 @@ partial credit per position), the rest are trivially easy (reward 1 whatever the
 unsolvable (reward 0): their groups are uniform, so GRPO learns nothing from them.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/dynamic_sampling.py [--seeds 1 2 3] \
-        [--steps 200] [--target 0.5]
+        [--steps 200] [--steps-off 600] [--target 0.5]
 
 The target is the mean reward on the *learnable* prompts. With dynamic sampling every trained
 group is learnable, so it is the logged ``reward/mean``; without it the step's rollout mixes the
@@ -131,12 +131,16 @@ def _first_reach(means: list[float | None], target: float) -> int | None:
 
 def _one(tmp: Path, seed: int, steps: int, target: float, dynamic: bool) -> dict:
     rows, wall = _train(tmp / f"s{seed}_{int(dynamic)}", seed, steps, dynamic)
-    reach = _first_reach(_learnable_means(rows, seed, dynamic), target)
+    means = _learnable_means(rows, seed, dynamic)
+    reach = _first_reach(means, target)
+    seen = [m for m in means if m is not None]
     step_s = [r["time/generation_s"] + r["time/step_s"] for r in rows]
     entry: dict = {
         "first_step_at_target": reach,
         "seconds_to_target": sum(step_s[:reach]) if reach else None,
         "steps_run": len(rows),
+        "learnable_reward_first10": statistics.mean(seen[:10]),
+        "learnable_reward_last10": statistics.mean(seen[-10:]),
         "process_wall_s": wall,
         "generation_s_total": sum(r["time/generation_s"] for r in rows),
     }
@@ -160,6 +164,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=200)
+    # without dynamic sampling a step trains a quarter of the groups: give it more steps
+    parser.add_argument("--steps-off", type=int, default=600)
     parser.add_argument("--target", type=float, default=0.5)
     args = parser.parse_args()
     out = new_result_path("dynamic_sampling", "cpu")
@@ -181,7 +187,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for dynamic in (False, True):
-                entry = _one(Path(tmp), seed, args.steps, args.target, dynamic)
+                steps = args.steps if dynamic else args.steps_off
+                entry = _one(Path(tmp), seed, steps, args.target, dynamic)
                 key = f"seed={seed} dynamic_sampling={'on' if dynamic else 'off'}"
                 result["runs"][key] = entry
                 print(f"{key}: {json.dumps(entry)}", flush=True)

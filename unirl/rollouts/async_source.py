@@ -200,7 +200,13 @@ class RolloutsAhead:
             str(r): [s.to_record() for s in fut.result().batch.samples]
             for r, fut in sorted(self._pending.items())
         }
-        return {"in_flight": rollouts, "source": self.source.state_dict()}
+        measured = {str(r): fut.result().source_metrics for r, fut in sorted(self._pending.items())}
+        return {
+            "in_flight": rollouts,
+            # what the source measured of them (dynamic sampling's draws): logged after resume too
+            "in_flight_metrics": measured,
+            "source": self.source.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """An async run's state (the rollouts in flight and the source after them), or a
@@ -210,8 +216,9 @@ class RolloutsAhead:
             self.source.load_state_dict(state)
             return
         self.source.load_state_dict(state["source"])
+        measured = state.get("in_flight_metrics", {})  # absent in a checkpoint from before it
         for r, records in state["in_flight"].items():
-            self.put_ready(int(r), RolloutBatch.from_records(records))
+            self.put_ready(int(r), RolloutBatch.from_records(records), measured.get(r, {}))
 
     def close(self) -> None:
         """Stop the worker and close the source, also when a rollout is being generated (a run
@@ -264,10 +271,16 @@ class RolloutsAhead:
             source_metrics=measured,
         )
 
-    def put_ready(self, rl_step: int, batch: RolloutBatch) -> None:
-        """A rollout already generated (restored from a checkpoint)."""
+    def put_ready(
+        self, rl_step: int, batch: RolloutBatch, source_metrics: Mapping[str, float] | None = None
+    ) -> None:
+        """A rollout already generated (restored from a checkpoint, with what the source
+        measured of it)."""
         done: Future[Generated] = Future()
-        done.set_result(Generated(batch=batch, sync_s=0.0, generation_s=0.0))
+        measured = dict(source_metrics or {})
+        done.set_result(
+            Generated(batch=batch, sync_s=0.0, generation_s=0.0, source_metrics=measured)
+        )
         self._pending[rl_step] = done
 
     def has(self, rl_step: int) -> bool:
