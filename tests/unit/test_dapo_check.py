@@ -56,3 +56,17 @@ def test_check_refuses_what_train_refuses(sets, words, capsys):
         argv += ["--set", s]
     assert main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_readme_recipe_checks_on_the_tiny_example(tmp_path, capsys):
+    import yaml
+
+    from tests.unit.readme import readme_snippet
+
+    cfg = yaml.safe_load(Path(TINY).read_text())
+    for section, keys in yaml.safe_load(readme_snippet("dapo", "yaml")).items():
+        cfg[section] = {**cfg.get(section, {}), **keys}
+    path = tmp_path / "dapo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["check", str(path)]) == 0
+    assert "up to 4 draws (64 prompts, 512 samples generated)" in capsys.readouterr().out

@@ -7,8 +7,14 @@ generated (`_generate_rollout`), the weight sync, eval generation and its own re
 Each `next_rollout` draws ``prompts_per_rollout`` problems from the task with a
 `random.Random` seeded once (so a seed fixes the prompt stream, on every rank alike), and the
 source generates ``samples_per_prompt`` responses for each (one GRPO group, one ``group_id``).
-`state_dict` holds the problem rng, the rollout count and the task's own position (a prompt
-file's cursor): a resumed run draws the prompts the uninterrupted run would have.
+`state_dict` holds the problem rng, the rollout count, the draw count and the task's own position
+(a prompt file's cursor): a resumed run draws the prompts the uninterrupted run would have.
+
+The data-side shaping (`unirl.rollouts.shaping`) lives here, so every generating source has it:
+under ``rollout.dynamic_sampling`` a rollout is as many draws as it takes to fill it with groups
+that pass the criterion (`unirl.rollouts.dynamic_sampling.collect`), all from the weights of the
+last sync (so a rollout generated ahead keeps one policy version); ``rollout.overlong`` adds
+DAPO's length penalty to each reward in `build_batch`, where the rollout's rewards arrive.
 """
 
 from __future__ import annotations
