@@ -80,6 +80,7 @@ def test_draws_until_full_and_drops_the_overflow():
     assert 0 < m["rollout/discarded_generation_fraction"] <= 1
     assert all(s.policy_version == 3 for s in batch.samples)
     assert source.state_dict()["draws"] == 3 and source.state_dict()["rollouts_drawn"] == 1
+    assert source.draw_index == 3  # what a source seeds its next draw by (vLLM: sample_seed)
 
 
 def test_exhausted_draws_train_on_the_kept_groups_padded_with_masked_ones():

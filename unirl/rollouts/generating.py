@@ -133,6 +133,13 @@ class GeneratingSource:
         raise NotImplementedError
 
     @property
+    def draw_index(self) -> int:
+        """The index of the current draw of prompts over the run (the rollout's index unless
+        dynamic sampling draws more than once): what a source's sampling seeds follow, so that
+        the extra draws of one rollout do not repeat its seeds."""
+        return self._draws
+
+    @property
     def first_group(self) -> int:
         """The group id of the current rollout's first prompt: ids stay unique over the run,
         which keeps logged samples traceable."""

@@ -341,7 +341,7 @@ class VllmRolloutSource(GeneratingSource):
 
     def _requests(self, problems: list[Problem]) -> list[EngineRequest]:
         """Every sample's request, in plan order (prompt-major, ``samples_per_prompt`` each)."""
-        group, rollout = self.samples_per_prompt, self._rollouts_drawn
+        group, rollout = self.samples_per_prompt, self.draw_index
         for p_index, problem in enumerate(problems):
             self._check_length(problem, rollout * self.prompts_per_rollout + p_index)
         return [
@@ -366,7 +366,7 @@ class VllmRolloutSource(GeneratingSource):
             self._engine,
             problems,
             group=self.samples_per_prompt,
-            rollout=self._rollouts_drawn,
+            rollout=self.draw_index,
             rl_step=rl_step,
             first_group=self.first_group,
             policy_version=self._policy_version,
