@@ -162,3 +162,19 @@ def test_resume_after_extra_draws_continues_the_stream_exactly():
     resumed = _digits(77)  # another seed: the state alone must set the stream
     resumed.load_state_dict(state)
     assert [_key(resumed.next_rollout(k)) for k in (1, 2)] == rollouts[1:]
+
+
+def test_padding_passes_the_rollout_check_also_with_per_token_rewards():
+    """An episode's padding group: its per-token rewards go with its loss mask (the rollout
+    check refuses a reward on an untrained token), and the batch still validates."""
+    from unirl.core.data.rollout import RolloutBatch, RolloutSample
+    from unirl.rollouts.dynamic_sampling import _masked
+
+    kept = RolloutSample(prompt_tokens=[1], response_tokens=[2, 3], reward=1.0, group_id=0)
+    episode = RolloutSample(
+        prompt_tokens=[1], response_tokens=[2, 3], reward=1.0, group_id=1,
+        token_rewards=torch.tensor([0.0, 1.0]),
+    )  # fmt: skip
+    (pad,) = _masked([episode])
+    assert pad.token_rewards.tolist() == [0.0, 0.0] and pad.loss_mask.tolist() == [False, False]
+    RolloutBatch((kept, pad)).validate(vocab_size=8, max_seq_len=8, samples_per_prompt=1)

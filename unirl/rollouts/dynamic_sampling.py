@@ -59,13 +59,20 @@ def split_groups(batch: RolloutBatch) -> list[tuple[RolloutSample, ...]]:
 
 
 def _masked(group: Sequence[RolloutSample]) -> tuple[RolloutSample, ...]:
-    """A filtered group as padding: its loss mask zero, so no token of it reaches the loss."""
-    return tuple(
-        attrs.evolve(
-            s, loss_mask=torch.zeros_like(s.loss_mask), metadata=s.metadata | {"padding": True}
+    """A filtered group as padding: its loss mask zero, so no token of it reaches the loss (an
+    episode's per-token rewards too: the rollout check refuses a reward on an untrained token)."""
+    out = []
+    for s in group:
+        rewards = None if s.token_rewards is None else torch.zeros_like(s.token_rewards)
+        out.append(
+            attrs.evolve(
+                s,
+                loss_mask=torch.zeros_like(s.loss_mask),
+                token_rewards=rewards,
+                metadata=s.metadata | {"padding": True},
+            )
         )
-        for s in group
-    )
+    return tuple(out)
 
 
 @attrs.frozen(kw_only=True)
