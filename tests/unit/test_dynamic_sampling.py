@@ -170,7 +170,10 @@ def test_padding_passes_the_rollout_check_also_with_per_token_rewards():
     from unirl.core.data.rollout import RolloutBatch, RolloutSample
     from unirl.rollouts.dynamic_sampling import _masked
 
-    kept = RolloutSample(prompt_tokens=[1], response_tokens=[2, 3], reward=1.0, group_id=0)
+    kept = RolloutSample(
+        prompt_tokens=[1], response_tokens=[2, 3], reward=1.0, group_id=0,
+        token_rewards=torch.tensor([0.0, 1.0]),
+    )  # fmt: skip
     episode = RolloutSample(
         prompt_tokens=[1], response_tokens=[2, 3], reward=1.0, group_id=1,
         token_rewards=torch.tensor([0.0, 1.0]),
