@@ -181,3 +181,27 @@ def test_padding_passes_the_rollout_check_also_with_per_token_rewards():
     (pad,) = _masked([episode])
     assert pad.token_rewards.tolist() == [0.0, 0.0] and pad.loss_mask.tolist() == [False, False]
     RolloutBatch((kept, pad)).validate(vocab_size=8, max_seq_len=8, samples_per_prompt=1)
+
+
+def test_the_generation_bar_expects_every_draw(caplog):
+    """Each further draw of a rollout tells the bar its samples: no miscount warning, and the bar
+    counts every generated sample (3 draws of 2 x 2 samples = 12, also on the second rollout)."""
+    import logging
+
+    from unirl.core.progress.bars import GenerationProgress
+    from unirl.core.topology import Topology
+
+    class Counting(TableSource):
+        def _generate_rollout(self, rl_step, problems, progress):
+            batch = super()._generate_rollout(rl_step, problems, progress)
+            progress.update(samples=len(batch), tokens=2 * len(batch))
+            return batch
+
+    draw = [[[1, 1], [0, 1]], [[0, 0], [1, 1]], [[1, 0], [0, 1]]]
+    source = Counting(draw + draw, max_draws=4)
+    caplog.set_level(logging.WARNING)
+    for step in range(2):
+        with GenerationProgress("generate", 4, Topology(), enabled=False) as bar:
+            source.next_rollout(step, progress=bar)
+        assert bar.count == bar.total == 12
+    assert not [r for r in caplog.records if "counted" in r.getMessage()]

@@ -95,10 +95,11 @@ class GeneratingSource:
         stream (under dynamic sampling: as many draws as it takes, `collect`); `progress` is the
         generation bar."""
         ds = self.shaping.dynamic_sampling
+        first = self._draws
         try:
             if ds.enabled:
                 batch, stats = collect(
-                    lambda: self._draw(rl_step, progress),
+                    lambda: self._draw(rl_step, progress, extra=self._draws > first),
                     config=ds,
                     groups_wanted=self.prompts_per_rollout,
                     rl_step=rl_step,
@@ -112,11 +113,17 @@ class GeneratingSource:
         self._metrics |= overlong_metrics(batch)
         return batch
 
-    def _draw(self, rl_step: int, progress: GenerationProgress | None) -> RolloutBatch:
-        """The rollout of the next ``prompts_per_rollout`` problems of the stream."""
+    def _draw(
+        self, rl_step: int, progress: GenerationProgress | None, *, extra: bool = False
+    ) -> RolloutBatch:
+        """The rollout of the next ``prompts_per_rollout`` problems of the stream; ``extra``: not
+        the rollout's first draw."""
         problems = [
             self.task.sample_problem(self._prompt_rng) for _ in range(self.prompts_per_rollout)
         ]
+        if progress is not None and extra:
+            # a further draw of this rollout (dynamic sampling): the bar expects its samples too
+            progress.extend(len(problems) * self.samples_per_prompt)
         try:
             return self._generate_rollout(rl_step, problems, progress)
         finally:
