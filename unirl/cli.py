@@ -100,6 +100,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         logprob_roles,
         uncorrected_staleness,
     )
+    from unirl.rollouts.shaping import shaping_summary
 
     staleness = configured_staleness(cfg)
     decision = decide_old_logprobs(cfg, staleness=staleness)
@@ -119,6 +120,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         },
         "plan": _plan_summary(cfg),
         "rollout": _rollout_summary(cfg),
+        "shaping": shaping_summary(cfg),
         "old_logprobs": decision.to_dict()
         | {
             "explanation": decision.explain(),
@@ -146,6 +148,9 @@ def _print_report(report: dict[str, Any]) -> None:
         out.write(f"{key}: {value}\n")
     out.write("\n# rollouts\n")
     for key, value in report["rollout"].items():
+        out.write(f"{key}: {value}\n")
+    out.write("\n# rollout shaping (DAPO)\n")
+    for key, value in report["shaping"].items():
         out.write(f"{key}: {value}\n")
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")

@@ -39,6 +39,7 @@ from unirl.core.data.microbatch import TrainMicrobatch, build_microbatch
 from unirl.core.data.plan import MicrobatchPlan
 from unirl.core.data.rollout import PackedMicrobatch, PaddedResponses, RolloutBatch
 from unirl.core.data.routed_experts import recorded_per_sample
+from unirl.core.data.truncation import mask_truncated
 from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.maths.advantages import (
     AdvantageInputs,
@@ -124,6 +125,11 @@ class RLStep:
             rl_step + 1, self.cfg.progress.log_every, self.cfg.train.rl_steps
         )
         decision, staleness = self._decide(batch, policy_version)
+        cut = None
+        if self.cfg.algorithm.mask_truncated:
+            # after validation (a rollout cut everywhere trains nothing, but is no bad data),
+            # before planning: the step's token and sequence counts leave the cut samples out
+            batch, cut = mask_truncated(batch)
         plans = self._plans(batch, rl_step)
         critic_plans = (
             self._plans(batch, rl_step, micro_batch_size=self.cfg.critic.micro_batch_size)
@@ -144,6 +150,8 @@ class RLStep:
         if self.critic is not None:
             metrics["critic/warmup"] = float(warming_up)
         metrics.update(_batch_metrics(batch))
+        if cut is not None:
+            metrics["rollout/truncated_masked_fraction"] = cut / max(len(batch), 1)
         metrics.update(
             self._mismatch_by_staleness(
                 batch, decision, policy_version, staleness, passes.old_bl, response_mask, metrics

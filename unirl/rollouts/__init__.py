@@ -32,6 +32,7 @@ from unirl.rollouts.data.rules import check_prompts, check_stops
 from unirl.rollouts.environments.rules import check_environment
 from unirl.rollouts.eval.rules import check_eval
 from unirl.rollouts.plugins import FILE, SAMPLER
+from unirl.rollouts.shaping import check_dynamic_sampling
 from unirl.rollouts.vllm.plugin import PLUGIN as VLLM
 
 for _plugin in (SAMPLER, FILE, VLLM):
@@ -43,6 +44,7 @@ for _key, _rule in (
     ("rollout.stop", check_stops),
     ("rollout.environment", check_environment),
     ("eval", check_eval),
+    ("rollout.dynamic_sampling", check_dynamic_sampling),
 ):
     CONFIG_RULES.register(_key, _rule)
 

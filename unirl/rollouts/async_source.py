@@ -66,7 +66,9 @@ class Generated:
     sync_s: float
     generation_s: float
     idle_s: float = 0.0
-    verify_s: float = 0.0  # of its sync, inside sync_s (rollout.verify_sync)
+    # what the wrapped source measured of this rollout (dynamic sampling's draws), taken in the
+    # worker right after it, before the next rollout overwrites it
+    source_metrics: dict[str, float] = attrs.field(factory=dict)
 
 
 def staleness_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
@@ -173,15 +175,18 @@ class RolloutsAhead:
         if progress is not None:  # the rollout arrived (its tokens were counted in the worker)
             progress.update(samples=len(generated.batch))
         busy = generated.sync_s + generated.generation_s
-        self._metrics = staleness_metrics(generated.batch, self._version) | {
-            "time/rollout_wait_s": wait_s,  # the trainer idle, waiting for the rollout
-            "time/overlap_s": max(0.0, busy - wait_s),  # its generation hidden behind training
-            "time/generator_idle_s": generated.idle_s,  # the worker waiting for these weights
-            # the worker's seconds, in place of the trainer's wait and hand-over
-            "time/generation_s": generated.generation_s,
-            "time/weight_sync_s": generated.sync_s,
-            "time/verify_s": generated.verify_s,
-        }
+        self._metrics = (
+            generated.source_metrics
+            | staleness_metrics(generated.batch, self._version)
+            | {
+                "time/rollout_wait_s": wait_s,  # the trainer idle, waiting for the rollout
+                "time/overlap_s": max(0.0, busy - wait_s),  # its generation hidden behind training
+                "time/generator_idle_s": generated.idle_s,  # the worker waiting for these weights
+                # the worker's seconds, in place of the trainer's wait and hand-over
+                "time/generation_s": generated.generation_s,
+                "time/weight_sync_s": generated.sync_s,
+            }
+        )
         return generated.batch
 
     def rollout_metrics(self) -> dict[str, float]:
@@ -197,7 +202,13 @@ class RolloutsAhead:
             str(r): [s.to_record() for s in fut.result().batch.samples]
             for r, fut in sorted(self._pending.items())
         }
-        return {"in_flight": rollouts, "source": self.source.state_dict()}
+        measured = {str(r): fut.result().source_metrics for r, fut in sorted(self._pending.items())}
+        return {
+            "in_flight": rollouts,
+            # what the source measured of them (dynamic sampling's draws): logged after resume too
+            "in_flight_metrics": measured,
+            "source": self.source.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """An async run's state (the rollouts in flight and the source after them), or a
@@ -207,8 +218,9 @@ class RolloutsAhead:
             self.source.load_state_dict(state)
             return
         self.source.load_state_dict(state["source"])
+        measured = state.get("in_flight_metrics", {})  # absent in a checkpoint from before it
         for r, records in state["in_flight"].items():
-            self.put_ready(int(r), RolloutBatch.from_records(records))
+            self.put_ready(int(r), RolloutBatch.from_records(records), measured.get(r, {}))
 
     def close(self) -> None:
         """Stop the worker and close the source, also when a rollout is being generated (a run
@@ -250,23 +262,27 @@ class RolloutsAhead:
         t1 = time.perf_counter()
         batch = self.source.next_rollout(rl_step)
         self._last_done = time.perf_counter()
-        verify_s = (
-            self.source.rollout_metrics().get("time/verify_s", 0.0)
-            if isinstance(self.source, MeasuresRollouts)
-            else 0.0
+        measured = (
+            dict(self.source.rollout_metrics()) if isinstance(self.source, MeasuresRollouts) else {}
         )
         return Generated(
             batch=batch,
             sync_s=t1 - t0,
             generation_s=self._last_done - t1,
             idle_s=idle,
-            verify_s=verify_s,
+            source_metrics=measured,
         )
 
-    def put_ready(self, rl_step: int, batch: RolloutBatch) -> None:
-        """A rollout already generated (restored from a checkpoint)."""
+    def put_ready(
+        self, rl_step: int, batch: RolloutBatch, source_metrics: Mapping[str, float] | None = None
+    ) -> None:
+        """A rollout already generated (restored from a checkpoint, with what the source
+        measured of it)."""
         done: Future[Generated] = Future()
-        done.set_result(Generated(batch=batch, sync_s=0.0, generation_s=0.0))
+        measured = dict(source_metrics or {})
+        done.set_result(
+            Generated(batch=batch, sync_s=0.0, generation_s=0.0, source_metrics=measured)
+        )
         self._pending[rl_step] = done
 
     def has(self, rl_step: int) -> bool:

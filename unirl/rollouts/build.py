@@ -22,6 +22,7 @@ from unirl.rollouts.data.tasks import Task, make_task
 from unirl.rollouts.data.tokenizer import CharTokenizer
 from unirl.rollouts.model import build_task_model
 from unirl.rollouts.sampler_source import SamplerRolloutSource
+from unirl.rollouts.shaping import RolloutShaping
 from unirl.rollouts.source import FileRolloutSource, RolloutSource
 
 
@@ -77,6 +78,7 @@ def _sampler_source(
         device=device,
         stop=cfg.rollout.stop,
         stop_token_ids=cfg.rollout.stop_token_ids,
+        shaping=RolloutShaping.from_config(cfg),
         **episode_options(cfg),
     )
 

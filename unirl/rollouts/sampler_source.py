@@ -33,6 +33,7 @@ from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.generating import GeneratingSource
 from unirl.rollouts.once import on_rank0
 from unirl.rollouts.sampler import Sampler
+from unirl.rollouts.shaping import RolloutShaping
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class SamplerRolloutSource(GeneratingSource):
         environment: Callable[[], Environment] | None = None,
         episode_limits: EpisodeLimits | None = None,
         max_seq_len: int | None = None,
+        shaping: RolloutShaping | None = None,
     ) -> None:
         """With ``environment`` (a builder of one episode's environment), every sample is a
         multi-turn episode (`unirl.rollouts.environments.episodes`) within ``episode_limits`` and
@@ -83,6 +85,7 @@ class SamplerRolloutSource(GeneratingSource):
             seed=seed,
             vocab_size=model_vocab_size(model),
             policy_version=0,
+            shaping=shaping,
         )
         self.tokenizer: TaskTokenizer = task.tokenizer
         if self._vocab_size < self.tokenizer.vocab_size:

@@ -275,6 +275,14 @@ class GenerationProgress(MicrobatchProgress):
     NOUN = "samples"
     MISCOUNT_HINT = "the rollout source reported a different number of finished samples"
 
+    def extend(self, samples: int) -> None:
+        """A source that draws again within one rollout (dynamic sampling) announces the extra
+        draw's samples: they join `total`, so the bar and the miscount check count them."""
+        self.total += samples
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.refresh()
+
     def update(self, *, samples: int = 0, tokens: int = 0) -> None:
         """`samples` finished and `tokens` generated since the last call (plain ints: the
         caller already holds them on the host)."""

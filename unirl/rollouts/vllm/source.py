@@ -75,6 +75,7 @@ from unirl.rollouts.serving.placement import (
     split_prompts,
 )
 from unirl.rollouts.serving.weights import WeightFolder
+from unirl.rollouts.shaping import RolloutShaping
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
 from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, verified_sync
 from unirl.rollouts.vllm.health import EngineFailure
@@ -134,6 +135,7 @@ class VllmRolloutSource(GeneratingSource):
             seed=seed,
             vocab_size=vocab_size,
             policy_version=None,
+            shaping=RolloutShaping.from_config(cfg),
         )
         self.cfg = cfg
         self.hf_config = hf_config  # transformers PretrainedConfig of the policy
@@ -374,7 +376,7 @@ class VllmRolloutSource(GeneratingSource):
 
     def _requests(self, problems: list[Problem]) -> list[EngineRequest]:
         """Every sample's request, in plan order (prompt-major, ``samples_per_prompt`` each)."""
-        group, rollout = self.samples_per_prompt, self._rollouts_drawn
+        group, rollout = self.samples_per_prompt, self.draw_index
         for p_index, problem in enumerate(problems):
             self._check_length(problem, rollout * self.prompts_per_rollout + p_index)
         return [
@@ -399,7 +401,7 @@ class VllmRolloutSource(GeneratingSource):
             self._engine,
             problems,
             group=self.samples_per_prompt,
-            rollout=self._rollouts_drawn,
+            rollout=self.draw_index,
             rl_step=rl_step,
             first_group=self.first_group,
             policy_version=self._policy_version,
@@ -479,9 +481,9 @@ class VllmRolloutSource(GeneratingSource):
     # -- health (health.py) ----------------------------------------------------------------------
 
     def rollout_metrics(self) -> dict[str, float]:
-        """``rollout/engine_restarts``: the engines' restarts so far in this run (all engines, as
-        of the last rollout)."""
-        return {"rollout/engine_restarts": float(self._restarts_all)}
+        """The base's metrics, and ``rollout/engine_restarts``: the engines' restarts so far in
+        this run (all engines, as of the last rollout)."""
+        return {**super().rollout_metrics(), "rollout/engine_restarts": float(self._restarts_all)}
 
     def _surviving(self, engine: int, what: str, attempt: Callable[[], _T]) -> _T:
         """``attempt()``; an engine that died or hung on the way is restarted (`_restart`) and

@@ -105,6 +105,10 @@ class AlgorithmConfig:
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
+    # A sample cut at rollout.max_new_tokens (or an episode cut at its turn or token limit) gets
+    # an all-zero loss mask: no policy-gradient tokens, and the step's token and sequence counts
+    # leave it out (unirl/core/data/truncation.py); its reward still enters its group's baseline.
+    mask_truncated: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.loss_settings()

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from unirl.core.config.sections.rollout_shaping import DynamicSamplingConfig, OverlongConfig
 from unirl.core.config.validators import (
     finite,
     in_range,
@@ -99,10 +100,15 @@ class RolloutConfig:
     max_episode_tokens: int | None = attrs.field(default=None, validator=_optional_positive)
     env_step_timeout_s: float | None = attrs.field(default=60.0, validator=_optional_positive)
     env_failure_reward: float | None = attrs.field(default=None, validator=_optional_finite)
+    # DAPO's data-side shaping (unirl/core/config/sections/rollout_shaping.py): groups with equal
+    # rewards dropped and more prompts drawn; the soft overlong punishment added to the reward.
+    dynamic_sampling: DynamicSamplingConfig = attrs.field(factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = attrs.field(factory=OverlongConfig)
     source_options: Any = None
 
     def __attrs_post_init__(self) -> None:
         _check_reward_run(self)
+        _check_overlong(self)
         options_cls = SOURCES.get(self.source).options
         if options_cls is None:
             if self.source_options is not None:
@@ -137,3 +143,21 @@ def _check_reward_run(r: RolloutConfig) -> None:
                     "rollout.reward_workers is 0 (the reward runs in the training process, which "
                     "cannot stop it); set rollout.reward_workers: 1 or more, or remove the key"
                 )
+
+
+def _check_overlong(r: RolloutConfig) -> None:
+    """The overlong buffer lies inside the generation budget, and shapes single responses (an
+    episode's length is turns and observations, which DAPO's penalty does not describe)."""
+    buffer = r.overlong.buffer_tokens
+    if buffer > r.max_new_tokens:
+        raise ConfigError(
+            f"rollout.overlong.buffer_tokens={buffer} is longer than rollout.max_new_tokens="
+            f"{r.max_new_tokens} (the penalty ramps over the last buffer_tokens of the budget); "
+            f"set it to {r.max_new_tokens} or less"
+        )
+    if buffer and r.environment is not None:
+        raise ConfigError(
+            f"rollout.overlong.buffer_tokens={buffer} shapes single-turn responses, but "
+            f"rollout.environment={r.environment!r} makes every sample a multi-turn episode; set "
+            "rollout.overlong.buffer_tokens: 0 (mask cut episodes with algorithm.mask_truncated)"
+        )
