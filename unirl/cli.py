@@ -100,7 +100,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         logprob_roles,
         uncorrected_staleness,
     )
-    from unirl.rollouts.shaping import shaping_summary
+    from unirl.rollouts.shaping.settings import shaping_summary
 
     staleness = configured_staleness(cfg)
     decision = decide_old_logprobs(cfg, staleness=staleness)

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (`unirl.rollouts.dynamic_sampling`) on the generating base: the groups
+"""DAPO's dynamic sampling (`unirl.rollouts.shaping.dynamic_sampling`) on the generating base: the groups
 kept for a reward table written out by hand, the draws, the padding or the error when draws run
 out, the metrics, a replaceable criterion, and the resume of the prompt stream after extra draws."""
 
@@ -10,10 +10,14 @@ import torch
 from unirl.core.config.sections.rollout_shaping import DynamicSamplingConfig
 from unirl.core.errors import ConfigError, RunError
 from unirl.rollouts.data.tasks import make_task
-from unirl.rollouts.dynamic_sampling import GROUP_FILTERS, register_group_filter, varied_rewards
 from unirl.rollouts.generating import GeneratingSource
 from unirl.rollouts.sampler import Generation
-from unirl.rollouts.shaping import RolloutShaping
+from unirl.rollouts.shaping.dynamic_sampling import (
+    GROUP_FILTERS,
+    register_group_filter,
+    varied_rewards,
+)
+from unirl.rollouts.shaping.settings import RolloutShaping
 
 
 class TableSource(GeneratingSource):
@@ -168,7 +172,7 @@ def test_padding_passes_the_rollout_check_also_with_per_token_rewards():
     """An episode's padding group: its per-token rewards go with its loss mask (the rollout
     check refuses a reward on an untrained token), and the batch still validates."""
     from unirl.core.data.rollout import RolloutBatch, RolloutSample
-    from unirl.rollouts.dynamic_sampling import _masked
+    from unirl.rollouts.shaping.dynamic_sampling import _masked
 
     kept = RolloutSample(
         prompt_tokens=[1], response_tokens=[2, 3], reward=1.0, group_id=0,

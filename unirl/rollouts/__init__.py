@@ -32,7 +32,7 @@ from unirl.rollouts.data.rules import check_prompts, check_stops
 from unirl.rollouts.environments.rules import check_environment
 from unirl.rollouts.eval.rules import check_eval
 from unirl.rollouts.plugins import FILE, SAMPLER
-from unirl.rollouts.shaping import check_dynamic_sampling
+from unirl.rollouts.shaping.settings import check_dynamic_sampling
 from unirl.rollouts.vllm.plugin import PLUGIN as VLLM
 
 for _plugin in (SAMPLER, FILE, VLLM):

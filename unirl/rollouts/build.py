@@ -22,7 +22,7 @@ from unirl.rollouts.data.tasks import Task, make_task
 from unirl.rollouts.data.tokenizer import CharTokenizer
 from unirl.rollouts.model import build_task_model
 from unirl.rollouts.sampler_source import SamplerRolloutSource
-from unirl.rollouts.shaping import RolloutShaping
+from unirl.rollouts.shaping.settings import RolloutShaping
 from unirl.rollouts.source import FileRolloutSource, RolloutSource
 
 

@@ -10,9 +10,9 @@ source generates ``samples_per_prompt`` responses for each (one GRPO group, one 
 `state_dict` holds the problem rng, the rollout count, the draw count and the task's own position
 (a prompt file's cursor): a resumed run draws the prompts the uninterrupted run would have.
 
-The data-side shaping (`unirl.rollouts.shaping`) lives here, so every generating source has it:
+The data-side shaping (`unirl.rollouts.shaping.settings`) lives here, so every generating source has it:
 under ``rollout.dynamic_sampling`` a rollout is as many draws as it takes to fill it with groups
-that pass the criterion (`unirl.rollouts.dynamic_sampling.collect`), all from the weights of the
+that pass the criterion (`unirl.rollouts.shaping.dynamic_sampling.collect`), all from the weights of the
 last sync (so a rollout generated ahead keeps one policy version); ``rollout.overlong`` adds
 DAPO's length penalty to each reward in `build_batch`, where the rollout's rewards arrive.
 """
@@ -35,10 +35,10 @@ from unirl.rollouts.data.tasks import (
     task_rewards,
     task_state,
 )
-from unirl.rollouts.dynamic_sampling import collect
-from unirl.rollouts.overlong import overlong_penalty
 from unirl.rollouts.sampler import Generation
-from unirl.rollouts.shaping import RolloutShaping, overlong_metrics
+from unirl.rollouts.shaping.dynamic_sampling import collect
+from unirl.rollouts.shaping.overlong import overlong_penalty
+from unirl.rollouts.shaping.settings import RolloutShaping, overlong_metrics
 
 _REWARD_FIX = (
     "fix the reward function (it must return a number for every response, also an empty or "

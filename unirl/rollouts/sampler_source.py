@@ -33,7 +33,7 @@ from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.generating import GeneratingSource
 from unirl.rollouts.once import on_rank0
 from unirl.rollouts.sampler import Sampler
-from unirl.rollouts.shaping import RolloutShaping
+from unirl.rollouts.shaping.settings import RolloutShaping
 
 logger = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ from unirl.rollouts.serving.placement import (
     split_prompts,
 )
 from unirl.rollouts.serving.weights import WeightFolder
-from unirl.rollouts.shaping import RolloutShaping
+from unirl.rollouts.shaping.settings import RolloutShaping
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
 from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, verified_sync
 from unirl.rollouts.vllm.health import EngineFailure

@@ -1,8 +1,8 @@
 """The rollout section's data-side shaping (DAPO, Yu et al. 2025, arXiv:2503.14476):
 ``rollout.dynamic_sampling`` (keep only the groups that teach something, drawing more prompts
 until the rollout is full) and ``rollout.overlong`` (the soft overlong punishment added to the
-task reward). What they do lives in `unirl.rollouts.dynamic_sampling` and `unirl.rollouts.overlong`;
-`unirl check` prints both (`unirl.rollouts.shaping.shaping_summary`)."""
+task reward). What they do lives in `unirl.rollouts.shaping.dynamic_sampling` and `unirl.rollouts.shaping.overlong`;
+`unirl check` prints both (`unirl.rollouts.shaping.settings.shaping_summary`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class DynamicSamplingConfig:
     enabled: bool = False
     max_draws: int = attrs.field(default=4, validator=positive)
     on_exhausted: OnExhausted = "train"
-    # A name registered in unirl.rollouts.dynamic_sampling.GROUP_FILTERS.
+    # A name registered in unirl.rollouts.shaping.dynamic_sampling.GROUP_FILTERS.
     criterion: str = "varied_rewards"
 
 

@@ -1,5 +1,5 @@
 """The data-side shaping a generating source applies (`GeneratingSource`): dynamic sampling
-(`unirl.rollouts.dynamic_sampling`) and the overlong penalty (`unirl.rollouts.overlong`), as one
+(`unirl.rollouts.shaping.dynamic_sampling`) and the overlong penalty (`unirl.rollouts.shaping.overlong`), as one
 value built from the config, and what `unirl check` says about them and the truncation mask."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def overlong_metrics(batch: RolloutBatch) -> dict[str, float]:
 def check_dynamic_sampling(cfg: UnirlConfig) -> None:
     """Dynamic sampling draws more prompts: only a generating source can; its criterion is a
     registered name."""
-    from unirl.rollouts.dynamic_sampling import GROUP_FILTERS
+    from unirl.rollouts.shaping.dynamic_sampling import GROUP_FILTERS
 
     ds = cfg.rollout.dynamic_sampling
     if not ds.enabled:
