@@ -114,7 +114,8 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         job.loop()
         return job.finish()
     except Exception as exc:
-        if not (watchdog.is_collective_timeout(exc) or watchdog.is_peer_gone(exc)):
+        lost = isinstance(exc, CollectiveTimeoutError)  # a wait of unirl's own gave up on a rank
+        if not (lost or watchdog.is_collective_timeout(exc) or watchdog.is_peer_gone(exc)):
             raise
         timed_out = True  # the process group cannot be torn down: the CLI exits at once
         raise _collective_timeout() from exc

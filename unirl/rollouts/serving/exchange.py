@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unirl.core.errors import RunError
+from unirl.core.errors import CollectiveTimeoutError, RunError
 from unirl.rollouts.collectives import rollout_group
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,12 @@ _GENERATION_ADVICE = (
     "generate less per rollout (rollout.max_new_tokens, batch.prompts_per_rollout) or with more "
     "engines (rollout.vllm.engines)"
 )
+
+
+def _peer_timeout_s() -> float:
+    """The run's collective timeout (``parallel.timeout_s``, which `unirl.backends.process_group`
+    makes torch's default for new groups)."""
+    return float(dist.distributed_c10d.default_pg_timeout.total_seconds())
 
 
 def world() -> tuple[int, int]:
@@ -75,8 +81,13 @@ class RolloutExchange:
     def _deadline(self) -> float:
         return float("inf") if self.timeout_s is None else time.monotonic() + self.timeout_s
 
-    def _wait(self, work: Any, deadline: float, what: str) -> None:
+    def _wait(self, work: Any, deadline: float, what: str, *, own: bool = False) -> None:
         while not work.is_completed():
+            if time.monotonic() > deadline and own:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: another rank did not take {what} within "
+                    f"parallel.timeout_s={_peer_timeout_s():g} s (hung, stopped or dead)"
+                )
             if time.monotonic() > deadline:
                 raise RunError(
                     f"rank {self.rank} waited more than {self.key}={self.timeout_s:g} s for "
@@ -102,14 +113,21 @@ class RolloutExchange:
         return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes)]
 
     def broadcast(self, obj: Any, *, src: int, what: str) -> Any:
-        """``src``'s ``obj`` on every rank."""
+        """``src``'s ``obj`` on every rank. The ranks that receive wait up to the exchange's
+        deadline for ``src`` (its work may be long); ``src`` itself only waits for ranks that are
+        already waiting, so it gives up after the run's collective timeout (``parallel.timeout_s``:
+        a rank that stopped answering), with `CollectiveTimeoutError`."""
         if self.group is None:
             return obj
-        deadline = self._deadline()
         own = self.rank == src
+        deadline = self._deadline()
+        if own:
+            deadline = min(deadline, time.monotonic() + _peer_timeout_s())
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if own else None
         size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
-        self._wait(dist.broadcast(size, src=src, group=self.group, async_op=True), deadline, what)
+        sent = dist.broadcast(size, src=src, group=self.group, async_op=True)
+        self._wait(sent, deadline, what, own=own)
         buf = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), deadline, what)
+        sent = dist.broadcast(buf, src=src, group=self.group, async_op=True)
+        self._wait(sent, deadline, what, own=own)
         return obj if own else pickle.loads(buf.numpy().tobytes())
