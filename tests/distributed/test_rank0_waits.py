@@ -169,6 +169,7 @@ def _episode_rank(rank: int, world: int, log: str) -> dict:
         top_p=1.0,
         max_new_tokens=3,
         seed=3,
+        verify_sync=True,
         environment=PidTool,
         episode_limits=EpisodeLimits(max_turns=3, max_tokens=16),
         max_seq_len=24,
