@@ -35,12 +35,22 @@ from tests.contract.backends import REGISTRY, skip_reason
 TOL = clauses.TOLERANCES["fp32"]
 
 
-# Every backend x layout runs in the default tier (the README's test command, what CI runs): since
-# ranks fork from a preloaded server (tests/spawn.py) the layouts that were in the slow tier (the
-# Megatron SP / fused-head / TP2 x PP2 / DP2 / padded PP2 x VPP2 variants, DeepSpeed ZeRO-2 and
-# one-process ZeRO-3, the two 4-rank MoE layouts) add about 95 s on two idle cores. A layout can
-# still be moved to the slow tier here (tests/conftest.py) by name.
-SLOW_LAYOUTS: dict[str, tuple[str, ...]] = {}
+# Layouts in the slow tier (tests/conftest.py): variants whose parts each have a layout in the
+# default tier (tp2-sp, fused, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3 run
+# there; ZeRO-3 at dp1: zero3-dp2 and zero3-dp1-fused; for MoE, moe-ep2, moe-tp2-ep2-sp and
+# moe-pp2 on 2 ranks), the fused head at TP = 2 also in tests/distributed/test_megatron_model.py
+# (test_fused_head_tp2_matches_hf_fp64, every rank's log-probs, entropy and gradients against
+# HF fp64) and tests/distributed/test_head_loss_tp.py; each passed here once.
+# The two 4-rank MoE layouts (expert TP 2; PP 2 x EP 2) cost 4 processes' start-up (megatron's
+# imports: most of their build section) on 2 cores: 27 s and 32 s at load ~3, 210 s and 320 s
+# under other jobs' load; their 2-rank twins moe-tp2-ep2-sp and moe-pp2 took 10.5 s and 13.2 s.
+SLOW_LAYOUTS = {
+    "megatron": (
+        "padded-tp2-sp", "fused-tp2", "fused-tp2-sp", "fused-pp2-vpp2", "tp2-pp2", "dp2",
+        "padded-pp2-vpp2", "moe-ep2-etp2", "moe-pp2-ep2",
+    ),
+    "deepspeed": ("zero2-dp2", "zero3-dp1"),
+}  # fmt: skip
 
 
 def _case(entry, layout) -> tuple[tuple, str, list]:
@@ -92,13 +102,17 @@ def case(request: pytest.FixtureRequest) -> tuple:
     return request.param
 
 
-@pytest.fixture(scope="module")
+# Function-scoped on purpose: `case` is parametrized per test (`for_cases`, `for_variants`) over
+# different lists, and a module-scoped fixture depending on it could be served from another
+# list's case (a fused-head test measured a non-fused group). The runs themselves are cached per
+# (backend, layout) in `contract_runs`; these are look-ups.
+@pytest.fixture
 def group(case: tuple, contract_runs) -> clauses.Measured:
     entry, layout = case
     return contract_runs.get(entry, layout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def layout_reference(
     case: tuple, group, request: pytest.FixtureRequest
 ) -> clauses.ReferenceResults:
@@ -110,7 +124,7 @@ def layout_reference(
     return request.getfixturevalue("contract_reference")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def layout_records(case: tuple, request: pytest.FixtureRequest) -> list:
     _, layout = case
     return request.getfixturevalue(fixture_sets.DATA_FIXTURES[layout.fixture])[1]

@@ -107,7 +107,7 @@ def case(request: pytest.FixtureRequest) -> tuple:
     return request.param
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # a look-up (the runs are cached per layout): see test_contract.group
 def group(case: tuple, critic_runs: CriticRuns) -> clauses.Measured:
     return critic_runs.get(*case)
 
