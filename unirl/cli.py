@@ -305,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
 
+    _add_convert_parser(sub)
+    return parser
+
+
+def _add_convert_parser(sub: Any) -> None:
+    """`unirl convert`'s arguments."""
     conv = sub.add_parser(
         "convert",
         help="Hugging Face folder -> Megatron weights for a layout; Megatron weights or a run "
@@ -335,7 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
         "hook): build it anyway (only for checkpoints whose origin you trust)",
     )
     conv.set_defaults(func=_cmd_convert)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
