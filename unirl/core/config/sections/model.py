@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import attrs
 
+from unirl.core.config.sections.lora import LoraConfig
 from unirl.core.config.validators import (
     check_hf_config_shape,
     positive,
@@ -42,6 +43,9 @@ class ModelConfig:
     # The reference model for KL; defaults to the initial policy weights.
     ref_path: str | None = None
     ref_offload: bool = False
+    # Train a low-rank adapter instead of the weights (`unirl.core.config.sections.lora`);
+    # null: full fine-tuning.
+    lora: LoraConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         # One model, one source: the Hugging Face backends would load the folder while the
