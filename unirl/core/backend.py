@@ -300,6 +300,24 @@ class TrainingBackend(Protocol):
 
 
 @runtime_checkable
+class TrainsAdapter(Protocol):
+    """A backend training a LoRA adapter (``model.lora``): the adapter is what it checkpoints,
+    exports and syncs to the rollout engine; the base weights never change."""
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full adapter in PEFT's names (``base_model.model.<HF module path>.lora_A.weight``,
+        A ``[rank, in]``, B ``[out, rank]``, as `peft.get_peft_model_state_dict` gives them), on
+        the CPU, on every rank (collective). Megatron's fused layers are split into their HF
+        targets (q/k/v, gate/up) and its shards gathered."""
+        ...
+
+    def export_adapter(self, path: Path) -> None:
+        """Collective: rank 0 writes the adapter as a PEFT folder
+        (`unirl.backends.peft_folder.write_peft_folder`)."""
+        ...
+
+
+@runtime_checkable
 class InstrumentedBackend(TrainingBackend, Protocol):
     """A backend the contract suite can observe: not needed to train, needed to prove that a
     forward-only pass was skipped or ran once per microbatch."""
