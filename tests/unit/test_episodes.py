@@ -452,8 +452,9 @@ def test_overlong_penalty_on_an_episode_against_its_token_budget():
     from unirl.rollouts.shaping.settings import shaping_summary
 
     cfg = _example(overlong={"buffer_tokens": 2}, max_episode_tokens=12)
-    assert "2 tokens short of the episode's budget (12 response tokens" in (
-        shaping_summary(cfg)["overlong_penalty"]
+    assert (
+        "2 tokens short of the episode's budget (12 response tokens"
+        in (shaping_summary(cfg)["overlong_penalty"])
     )
     with pytest.raises(ConfigError, match=r"longer than rollout.max_episode_tokens=6"):
         _example(overlong={"buffer_tokens": 7}, max_episode_tokens=6)

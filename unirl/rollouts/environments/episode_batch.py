@@ -93,7 +93,9 @@ def episode_rollout(
     return RolloutBatch(tuple(samples))
 
 
-def _overlong_fields(ep: Episode, fields: dict[str, Any], config: OverlongConfig) -> dict[str, float]:
+def _overlong_fields(
+    ep: Episode, fields: dict[str, Any], config: OverlongConfig
+) -> dict[str, float]:
     """DAPO's soft overlong penalty for an episode: its response (turns and observations) against
     its own token budget (``rollout.max_episode_tokens``, within the model's length), so an
     episode cut at the budget gets the full penalty. Added to the reward and to the last token's
