@@ -168,6 +168,7 @@ class _Job:
         self.sync: WeightSync | None = None
         self.sync_s = 0.0  # logged with the step whose rollout came from that sync's weights
         self.metrics: dict[str, Any] = {}
+        self._last_save = time.monotonic()  # checkpoint.every_minutes counts from here
 
     @classmethod
     def open(cls, cfg: UnirlConfig, *, resume: bool, overwrite: bool) -> _Job:
@@ -325,12 +326,29 @@ class _Job:
                 eval_metrics = self.evaluator.run(done)
             if self.metrics_log is not None:
                 self.metrics_log.write(done, eval_metrics)
-        if done == self.total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+        if self._checkpoint_due(done):
             with bar.excluded():
                 _save(
                     self.backend, self.ckpt_root, done, self.version, cfg, self.source,
                     self.run_id, self.topo.is_reporting_rank,
                 )  # fmt: skip
+
+    def _checkpoint_due(self, done: int) -> bool:
+        """After the last step, every ``checkpoint.every`` steps, or once
+        ``checkpoint.every_minutes`` passed since the last save (or the start), by rank 0's
+        clock: its decision is broadcast, so every rank saves at the same step."""
+        ckpt = self.cfg.checkpoint
+        if done == self.total or (ckpt.every and done % ckpt.every == 0):
+            self._last_save = time.monotonic()
+            return True
+        if not ckpt.every_minutes:
+            return False
+        due = _same_on_every_rank(
+            str(time.monotonic() - self._last_save >= ckpt.every_minutes * 60.0)
+        )
+        if due == "True":
+            self._last_save = time.monotonic()
+        return due == "True"
 
     def finish(self) -> RunSummary:
         """Export the policy (and critic) in Hugging Face layout; close the metrics log."""

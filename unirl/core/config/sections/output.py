@@ -7,6 +7,7 @@ from typing import Literal
 import attrs
 
 from unirl.core.config.validators import (
+    finite,
     non_negative,
     positive,
 )
@@ -24,8 +25,14 @@ class ProgressConfig:
 
 @attrs.frozen(kw_only=True)
 class CheckpointConfig:
+    """When the run saves a resumable checkpoint: every ``every`` RL steps (0: not by count),
+    whenever ``every_minutes`` of wall time passed since the last save (0: not by time), and
+    after the last step. The time default makes a long run survive a crash with at most that
+    much work lost, whatever its step time."""
+
     dir: str | None = None
     every: int = attrs.field(default=0, validator=non_negative)
+    every_minutes: float = attrs.field(default=30.0, validator=[finite, non_negative])
     keep: int = attrs.field(default=2, validator=positive)
     export_hf: bool = True
 
