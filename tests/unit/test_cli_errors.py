@@ -204,7 +204,7 @@ def test_a_reader_that_closes_the_pipe_is_not_a_disk_error():
         stderr=subprocess.PIPE,
         bufsize=0,
     )
-    assert proc.stdout.readline().startswith(b"# resolved config")
+    assert proc.stdout.readline().startswith(b"# layout")
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
