@@ -34,6 +34,7 @@ from unirl.core.progress.bars import (
 from unirl.core.protocols.source_plugin import SOURCES
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
+from unirl.core.run.completions_log import CompletionsLog
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.resume import check_resume_fits
@@ -165,6 +166,7 @@ class _Job:
         self.resumed_from: int | None = None
         self.version = 0  # the optimizer steps the policy has taken: each sync sends it
         self.metrics_log: MetricsLog | None = None
+        self.completions: CompletionsLog | None = None
         self.sync: WeightSync | None = None
         self.sync_s = 0.0  # logged with the step whose rollout came from that sync's weights
         self.metrics: dict[str, Any] = {}
@@ -243,6 +245,13 @@ class _Job:
             if self.found is None:  # a resumed run's config replaces the old one after a step
                 self._write_config()
             self.metrics_log = _metrics_log(cfg, self.run_dir, self.start_step, self.run_id)
+            if cfg.logging.completions_every:
+                self.completions = CompletionsLog(
+                    self.run_dir,
+                    every=cfg.logging.completions_every,
+                    count=cfg.logging.completions_per_step,
+                    resume_from_step=self.start_step,
+                )
         self.version = _initial_policy_version(cfg, client)
         self.sync = WeightSync(cfg, self.backend, self.source)
         self.sync_s = self.sync.initial(self.version)
@@ -306,6 +315,8 @@ class _Job:
         self.version += int(result.metrics["optimizer_steps"])
         if self.metrics_log is not None:
             self.metrics_log.write(k + 1, self.metrics)
+        if self.completions is not None:
+            self.completions.write(k + 1, batch, self.metrics_log)
         assert self.sync is not None, "start() comes before loop()"
         self.sync_s = self.sync.after_step(k + 1, self.metrics, guard, self.version)
 
@@ -357,6 +368,8 @@ class _Job:
             self._export(export)
         if self.metrics_log is not None:
             self.metrics_log.close()
+        if self.completions is not None:
+            self.completions.close()
         return RunSummary(
             run_dir=self.run_dir,
             steps_done=self.total,

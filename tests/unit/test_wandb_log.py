@@ -86,8 +86,14 @@ def test_offline_wandb_history_equals_metrics_jsonl(tmp_path):
         assert "reward/mean" in numbers and "train_rollout_logprob_abs_diff" in numbers
         for key, value in numbers.items():
             assert logged[key] == pytest.approx(value, rel=1e-12, abs=0), key
-        # nothing but the metrics and W&B's own bookkeeping
-        assert {k for k in logged if not k.startswith("_")} == set(numbers)
+        # nothing but the metrics, W&B's own bookkeeping and, at step 1, the completions table
+        table = {k for k in logged if k.startswith("completions/")}
+        assert bool(table) == (row["step"] == 1)
+        assert {k for k in logged if not k.startswith("_")} == set(numbers) | table
+    shown = history[1]  # the first 4 samples of rollout 1, as completions.jsonl holds them
+    first = json.loads((run / "completions.jsonl").read_text().split("\n")[0])
+    assert shown["completions/_type"] == "table-file" and shown["completions/nrows"] == 4
+    assert shown["completions/ncols"] == len(first)
     run_id = json.loads((run / "run.json").read_text())["run_id"]
     assert files[0].name == f"run-{run_id}.wandb"
 

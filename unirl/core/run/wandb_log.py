@@ -61,5 +61,12 @@ class WandbLog:
         }
         self._run.log(values, step=step)
 
+    def write_table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        columns = list(rows[0])
+        table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+        self._run.log({name: table}, step=step)
+
     def close(self) -> None:
         self._run.finish()

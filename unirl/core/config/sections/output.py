@@ -55,5 +55,10 @@ class LoggingConfig:
     # errors unless it is DEBUG (`unirl.log_setup`).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = True
+    # What the policy generates (`unirl.core.run.completions_log`): the first
+    # completions_per_step samples of the rollout every completions_every RL steps (and at step
+    # 1) into RUN_DIR/completions.jsonl and the TensorBoard / W&B "completions" table; 0: off.
+    completions_every: int = attrs.field(default=10, validator=non_negative)
+    completions_per_step: int = attrs.field(default=4, validator=positive)
     # Weights & Biases: the metrics of metrics.jsonl, from the reporting rank; None = off.
     wandb: WandbConfig | None = None
