@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def dashboard_name(key: str) -> str:
+    """The name a metric has in TensorBoard and W&B: the flat names of the step's loss terms and
+    counters (``loss``, ``grad_norm``, ``pg_clipfrac``, ...) under ``train/``, so dashboards group
+    every metric by namespace; ``metrics.jsonl`` keeps the names as the code writes them."""
+    return key if "/" in key else f"train/{key}"
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN / inf; keep them visible
@@ -64,7 +71,7 @@ class MetricsLog:
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+                    self._tb.add_scalar(dashboard_name(key), value, step)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.write(step, metrics)

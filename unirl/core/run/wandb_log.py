@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.core.config.run_config import WandbConfig
+from unirl.core.run.metrics_log import dashboard_name
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class WandbLog:
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         values = {
-            k: v
+            dashboard_name(k): v
             for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         }
