@@ -177,12 +177,16 @@ def _fused_head(d: dict) -> str:
 
 
 def _layouts_passing(layouts: dict) -> str:
-    """ "k/n layouts pass every clause" (a layout cut before its clauses ran does not pass)."""
-    ok = sum(
-        bool(lay.get("clauses")) and all(c["ok"] for c in lay["clauses"].values())
-        for lay in layouts.values()
-    )
-    return f"{ok}/{len(layouts)} layouts pass every clause"
+    """How many layouts passed every clause, failed one, or did not run (no clauses: cut by the
+    deadline or needing more GPUs than the machine had)."""
+    ran = [lay["clauses"].values() for lay in layouts.values() if lay.get("clauses")]
+    passed = sum(all(c["ok"] for c in clauses) for clauses in ran)
+    text = f"every clause passes in {passed} of {len(layouts)} layouts"
+    if len(ran) > passed:
+        text += f", {len(ran) - passed} fail one"
+    if len(layouts) > len(ran):
+        text += f", {len(layouts) - len(ran)} did not run"
+    return text
 
 
 def _megatron_contract(d: dict) -> str:
