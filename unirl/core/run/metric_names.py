@@ -65,7 +65,7 @@ METRICS: dict[str, str] = {
     "rollout/padding_groups": "Groups repeated to fill the rollout when the draw limit was reached (dynamic sampling).",
     "rollout/discarded_generation_s": "Seconds spent generating groups dynamic sampling then discarded.",
     "rollout/discarded_generation_fraction": "Fraction of this rollout's generation time spent on discarded groups.",
-    "rollout/engine_restarts": "Engine restarts so far in the run (a dead or hung vLLM engine restarted and re-synced).",
+    "rollout/engine_restarts": "Engine restarts so far in the run (a dead or hung rollout engine restarted and re-synced).",
     # multi-turn episodes
     "episode/turns": "Mean turns per episode (multi-turn rollouts).",
     "episode/tool_calls": "Mean observations the environment returned per episode.",
