@@ -267,6 +267,51 @@ def _verify_sync(d: dict) -> str:
     )
 
 
+def _same_config_backends(d: dict) -> str:
+    rewards = ", ".join(f"{b} {r:.3f}" for b, r in d["reward_at_150"].items())
+    return (
+        f"max reward difference over {d['common_steps']} common steps "
+        f"{d['max_reward_diff_common_steps']:.3f}; reward at step 150: {rewards}"
+    )
+
+
+def _megatron_kernels(d: dict) -> str:
+    saved = ", ".join(
+        f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in d["per_step_saving_ms"].items()
+    )
+    return f"saved per training step: {saved}"
+
+
+def _tiny_multiturn(d: dict) -> str:
+    return (
+        f"reward/mean {d['reward_mean_first_step']:.3f} at the first step, "
+        f"{d['reward_mean_last_50_steps']:.3f} over the last 50; first step at 0.9: "
+        f"{d['first_step_reward_mean_at_least_0.9']}"
+    )
+
+
+def _routing_replay_mismatch(d: dict) -> str:
+    parts = []
+    for r in d["results"]:
+        first = r["step_1"]
+        parts.append(
+            f"{r['engine_dtype']} noise {r['router_noise']} replay {r['routing_replay']}: "
+            f"step-1 abs diff {first['train_rollout_logprob_abs_diff']:.2g}"
+        )
+    return "; ".join(parts)
+
+
+def _weight_sync_memory(d: dict) -> str:
+    parts = []
+    for backend, lay in d["layouts"].items():
+        peak = max(s["rss_peak_above_mib"] for rank in lay["ranks"] for s in rank["streams"])
+        parts.append(
+            f"{backend} ({lay['layout']}): sync peak {peak:.0f} MiB above the trainer "
+            f"(limit {lay['limit_mib']:.0f} MiB)"
+        )
+    return "; ".join(parts)
+
+
 def _metrics_jsonl(rows: list[dict]) -> str:
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     if not rewards:
@@ -292,6 +337,11 @@ SUMMARISERS: dict[str, Callable[[dict], str]] = {
     "async_steps": _async_steps,
     "dynamic_sampling": _dynamic_sampling,
     "verify_sync": _verify_sync,
+    "same_config_backends": _same_config_backends,
+    "megatron_kernels": _megatron_kernels,
+    "tiny_multiturn": _tiny_multiturn,
+    "routing_replay_mismatch": _routing_replay_mismatch,
+    "weight_sync_memory": _weight_sync_memory,
 }
 SCHEMA_DRIFT = (KeyError, TypeError, ValueError, IndexError, AttributeError)
 
