@@ -6,6 +6,7 @@ code has one too (a metric added without a line fails here)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -34,12 +35,11 @@ def test_the_committed_page_is_current():
     assert _page_names() == set(METRICS)
 
 
-def test_a_real_runs_metric_keys_are_all_documented(tmp_path, capsys):
-    """Two RL steps of PPO with a critic and a KL penalty (a reference model), in this process:
-    step 1 warms the critic up alone, step 2 trains both; one run covers the policy's, the
-    critic's, the reference's and the rollout's metrics. About 15 s alone, more under load."""
-    from unirl.cli import main
-
+def test_a_real_runs_metric_keys_are_all_documented(tmp_path):
+    """Two RL steps of PPO with a critic and a KL penalty (a reference model): step 1 warms the
+    critic up alone, step 2 trains both; one run covers the policy's, the critic's, the
+    reference's and the rollout's metrics. A fresh process (DeepSpeed keeps process-global
+    state, as tests/unit/test_train.py says); about 15 s alone, more under load."""
     run_dir = tmp_path / "run"
     sets = [
         "train.rl_steps=2",
@@ -52,8 +52,12 @@ def test_a_real_runs_metric_keys_are_all_documented(tmp_path, capsys):
         f"logging.run_dir={run_dir}",
         "logging.tensorboard=false",
     ]
-    argv = ["train", str(ROOT / "examples" / "tiny_ppo.yaml")]
-    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0, capsys.readouterr().err
+    argv = [sys.executable, "-m", "unirl.cli", "train", "examples/tiny_ppo.yaml"]
+    argv += [a for s in sets for a in ("--set", s)]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "UNIRL_PROGRESS": "0"}
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keys = set().union(*rows)
     assert len(rows) == 2 and {"kl", "pg_loss", "critic/value_loss", "critic/warmup"} <= keys
