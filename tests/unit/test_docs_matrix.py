@@ -62,6 +62,20 @@ def test_every_cell_has_a_status_and_every_named_file_exists():
     assert unnamed == []
 
 
+def test_a_measured_cell_names_a_result_of_that_hardware():
+    """ "measured" on a GPU column cites an h100 / h200 result file, on the CPU column a cpu one
+    (the hardware is in the file name: benchmarks/result_files.py)."""
+    wrong = []
+    for row in _rows():
+        for column, cell in zip(("cpu", "gpu", "gpu"), row[2:]):
+            if not cell.startswith("measured"):
+                continue
+            names = re.findall(r"`benchmarks/results/[^/`]+/\d{4}-\d{2}-\d{2}_(\w+?)_", cell)
+            if not names or any((h == "cpu") != (column == "cpu") for h in names):
+                wrong.append((row[0], row[1], cell))
+    assert wrong == []
+
+
 def test_each_feature_has_a_row_per_backend_and_the_home_page_links_it():
     rows = _rows()
     for feature in FEATURES:
