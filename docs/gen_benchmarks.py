@@ -128,9 +128,12 @@ def _throughput_modes(results: dict) -> list[str]:
 def _megatron_throughput(d: dict) -> str:
     p, b = d["parallel"], d["batch"]
     shape = (
-        f"{d['model']['name']}, {b['tokens']:,} tokens in {b['tokens_per_microbatch']:,}-token "
-        f"microbatches, tp{p['tp']} pp{p['pp']} cp{p['cp']} on {p['gpus']} GPU"
+        f"{d['model']['name']} ({d['model']['num_hidden_layers']} layers), {b['tokens']:,} "
+        f"tokens in {b['tokens_per_microbatch']:,}-token microbatches, "
+        f"tp{p['tp']} pp{p['pp']} cp{p['cp']} on {p['gpus']} GPU"
     )
+    if b.get("fused_head"):
+        shape += ", fused head"
     return "; ".join([shape, *_throughput_modes(d["results"])])
 
 

@@ -37,7 +37,7 @@ def _throughput(tokens_per_s: float, mfu: float, command: str) -> dict:
     """A megatron_throughput result as benchmarks/megatron_throughput.py writes one."""
     return {
         "environment": {"command": command, "gpus": ["NVIDIA H100 80GB HBM3"]},
-        "model": {"name": "qwen3-4b"},
+        "model": {"name": "qwen3-4b", "num_hidden_layers": 36},
         "batch": {"tokens": 65536, "tokens_per_microbatch": 65536},
         "parallel": {"tp": 1, "pp": 1, "cp": 1, "gpus": 1},
         "results": {
