@@ -29,7 +29,9 @@ by hand (a test fails when this page is stale: run `{REGENERATE}`). Every name a
 on. Values are means over the step's optimizer steps unless the line says otherwise; a metric
 appears only when the feature that makes it is on (a reference model for `kl`, a critic for
 `critic/*`, an engine's log-probs for `train_rollout_*`, ...). `{{s}}` and `{{k}}` stand for a
-number (a staleness, a k of pass@k).
+number (a staleness, a k of pass@k). TensorBoard and W&B show the top-level names under `train/`
+(`train/loss`, `train/grad_norm`, ...), so every chart there sits in a namespace; the
+"completions" table there is `completions.jsonl`'s rows.
 """
 
 
