@@ -185,6 +185,8 @@ def model_shape(args: argparse.Namespace) -> dict[str, Any]:
     hf = dict(MODELS[args.model])
     if args.layers is not None:
         hf["num_hidden_layers"] = args.layers
+    # RoPE's position table long enough for --max-len (the longest-sequence rows)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_len)
     if args.hidden is not None:  # smoke runs: a small model of the same family
         heads = hf["num_attention_heads"]
         hf.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden)

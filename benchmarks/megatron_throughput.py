@@ -628,6 +628,8 @@ def main() -> None:
     hf = dict(MODELS[args.model])
     if args.layers is not None:
         hf["num_hidden_layers"] = args.layers
+    # RoPE's position table long enough for --max-len (the longest-sequence rows)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_len)
     lengths = rollout_lengths(args)
     batch = RolloutBatch.from_records(rollout_records(lengths, hf["vocab_size"], args.group, 0))
     cfgs = {mode: config_from_dict(config_dict(args, hf, mode)) for mode in ("reuse", "recompute")}
