@@ -28,6 +28,7 @@ declare -A ROWS=(
   [f4b-64k]="$F --model qwen3-4b $(at 65536 1) --recompute-activations --steps 1"
   [f06b-64k]="$F --model qwen3-0.6b $(at 65536 2) --steps 2 \
 |$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --steps 2"
+  [f06b-64k-gc]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --steps 2"
   [m4b-128k]="$M --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"
   [f4b-128k]="$F --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"
 )
