@@ -290,6 +290,10 @@ PLUGIN = BackendPlugin(
         # model.fused_head, the loss inside the head for separable losses (every layout:
         # benchmarks/megatron_contract.py --fused-head on)
         ContractLayout.of("fused", 1, model={"fused_head": True}),
+        # model.fused_head: auto choosing the fused head (a budget below the fixture's logits)
+        ContractLayout.of(
+            "fused-auto", 1, model={"fused_head": "auto", "fused_head_logits_gib": 1e-6}
+        ),
         ContractLayout.of("fused-tp2", 2, model={"fused_head": True}, tp=2),
         ContractLayout.of("fused-pp2-vpp2", 2, model={"fused_head": True}, pp=2, vpp=2),
         ContractLayout.of(
