@@ -94,7 +94,8 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys):
 @pytest.mark.parametrize(
     ("overrides", "in_head", "words"),
     [
-        ([], False, "model.fused_head is off"),
+        ([], False, "model.fused_head: auto, "),
+        (["model.fused_head=false"], False, "model.fused_head: false; logits from the LM head"),
         (
             ["model.fused_head=true", "backend=megatron"],
             True,
