@@ -128,3 +128,10 @@ def entry_for(key: str) -> str | None:
 def namespace(name: str) -> str:
     """The group a name is listed under: the part before its first ``/`` ('' for flat names)."""
     return name.split("/", 1)[0] if "/" in name else ""
+
+
+def dashboard_name(key: str) -> str:
+    """The name a metric has in TensorBoard and W&B: the flat names of the step's loss terms and
+    counters (``loss``, ``grad_norm``, ``pg_clipfrac``, ...) under ``train/``, so dashboards group
+    every metric by namespace; ``metrics.jsonl`` keeps the names as the code writes them."""
+    return key if "/" in key else f"train/{key}"

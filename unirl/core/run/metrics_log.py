@@ -20,14 +20,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from unirl.core.run.wandb_log import WandbLog
 
+from unirl.core.run.metric_names import dashboard_name
+
 logger = logging.getLogger(__name__)
-
-
-def dashboard_name(key: str) -> str:
-    """The name a metric has in TensorBoard and W&B: the flat names of the step's loss terms and
-    counters (``loss``, ``grad_norm``, ``pg_clipfrac``, ...) under ``train/``, so dashboards group
-    every metric by namespace; ``metrics.jsonl`` keeps the names as the code writes them."""
-    return key if "/" in key else f"train/{key}"
 
 
 def _plain(value: Any) -> Any:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.core.config.run_config import WandbConfig
-from unirl.core.run.metrics_log import dashboard_name
+from unirl.core.run.metric_names import dashboard_name
 
 logger = logging.getLogger(__name__)
 
