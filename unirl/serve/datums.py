@@ -36,11 +36,11 @@ def _token_ids(arr: np.ndarray, vocab_size: int, field: str) -> torch.Tensor:
             f"holds token id {int(arr[pos])} at position {pos}, outside the model's "
             f"vocabulary [0, {vocab_size})",
         )
-    return torch.from_numpy(arr.astype(np.int64))
+    return torch.from_numpy(arr.astype(np.int64, copy=True))
 
 
 def _float(arr: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    return torch.tensor(arr, dtype=torch.float32)
 
 
 def token_datum(

@@ -22,9 +22,9 @@ def _session_for(cfg: ServeConfig, body: dict[str, Any]) -> SamplingSession:
         path = state.parse_path(body["model_path"], "model_path")
         folder = path.folder(cfg.state_dir)
         meta = state.read_meta(folder, "model_path")
-        return SamplingSession(meta["base_model"], path.uri, folder / state.HF)
+        return SamplingSession(base_model=meta["base_model"], model_path=path.uri, weights=folder / state.HF)
     base = require(body, "base_model", str)
-    return SamplingSession(base, None, base_model_folder(cfg, base))
+    return SamplingSession(base_model=base, model_path=None, weights=base_model_folder(cfg, base))
 
 
 def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
@@ -53,7 +53,7 @@ def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         }
 
     @app.post("/api/v1/asample")
-    async def asample(request: Request) -> dict[str, str]:
+    async def asample(request: Request) -> dict[str, Any]:
         body = await json_body(request, cfg.max_request_bytes)
         if body.get("sampling_session_id"):
             session = rt.get_sampling(body["sampling_session_id"])
@@ -65,4 +65,7 @@ def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         ):
             raise BadRequest("sampling_session_id", "names sampler weights not saved (yet)")
         job = sample_job(body, session.weights, max_sample_tokens=cfg.max_sample_tokens)
-        return rt.queue(SampleWork, job=job)
+        answer: dict[str, Any] = rt.queue(SampleWork, job=job)
+        # the SDK stamps each sampled sequence with one of these ids
+        ids = [f"{answer['request_id']}/{i}" for i in range(job.num_samples)]
+        return {**answer, "sample_sequence_ids": ids}

@@ -128,7 +128,9 @@ def _add_state_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime, json_body: An
         sid = None
         if body.get("path") is None:  # save_weights_and_get_sampling_client
             weights = path.folder(cfg.state_dir) / state.HF
-            sid = rt.add_sampling(SamplingSession(session.base_model, path.uri, weights))
+            sid = rt.add_sampling(
+                SamplingSession(base_model=session.base_model, model_path=path.uri, weights=weights)
+            )
         return rt.queue(SaveJob, model_id=session.model_id, path=path, sampling_session_id=sid)
 
     @app.post("/api/v1/load_weights")
