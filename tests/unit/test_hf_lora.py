@@ -27,6 +27,7 @@ from tests.hf_reference import (  # noqa: E402
     num_response_tokens,
     pack,
     reference_logprobs,
+    save_tiny_model,
     train_step,
 )
 from unirl.core.config.sections.lora import LoraConfig  # noqa: E402
@@ -177,3 +178,70 @@ def test_a_missing_target_is_a_config_error_naming_it(tiny_folder):
     cfg = make_config(tiny_folder, model={"lora": LoraConfig(target_modules=("q_proj", "c_attn"))})
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: \['c_attn'\]"):
         build_backend(cfg, total_optimizer_steps=1)
+
+
+def _saved_weights(ckpt: Path) -> list[str]:
+    """The model tensors a checkpoint holds (DeepSpeed's module files, FSDP2's DCP metadata)."""
+    if (ckpt / "dcp").is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata
+        return [k for k in keys if k.startswith("model.")]
+    names: list[str] = []
+    for f in (ckpt / "state").glob("*model_states.pt"):
+        names += list(torch.load(f, weights_only=False)["module"])
+    assert names
+    return names
+
+
+def _steps(backend, n: int) -> list:
+    out = []
+    for step in range(n):
+        seqs = make_sequences(20 + step)
+        _, stats = train_step(backend, [pack(seqs)], num_response_tokens(seqs))
+        out.append((stats.grad_norm, stats.lr))
+    return out
+
+
+@pytest.mark.parametrize(("backend_name", "stage"), LAYOUTS, ids=["zero0", "zero3", "fsdp2"])
+def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(
+    tiny_folder, tmp_path, backend_name, stage
+):
+    """A from init_seed (B zero); step, save, step; a fresh backend loads and steps the same
+    (bit for bit); no frozen weight is in the checkpoint; another base is refused."""
+    from unirl.backends import build_backend
+
+    cfg = lora_config(tiny_folder, None, backend_name, stage, init_seed=3)
+    first = build_backend(cfg, total_optimizer_steps=5)
+    try:
+        assert all(
+            torch.count_nonzero(v) == 0
+            for k, v in first.adapter_state_dict().items()
+            if "lora_B" in k
+        )
+        before = _steps(first, 1)
+        first.save_checkpoint(tmp_path / "ckpt", {"step": 1})
+        after = _steps(first, 1)
+        final = first.adapter_state_dict()
+    finally:
+        first.close()
+    assert all("lora_" in n for n in _saved_weights(tmp_path / "ckpt"))  # no frozen weight
+
+    second = build_backend(cfg, total_optimizer_steps=5)
+    try:
+        assert second.load_checkpoint(tmp_path / "ckpt") == {"step": 1}
+        assert _steps(second, 1) == after and before[0][0] > 0
+        for name, value in second.adapter_state_dict().items():
+            assert torch.equal(value, final[name]), name
+    finally:
+        second.close()
+
+    other = save_tiny_model(tmp_path / "other", seed=5)
+    third = build_backend(
+        lora_config(other, None, backend_name, stage, init_seed=3), total_optimizer_steps=5
+    )
+    try:
+        with pytest.raises(ConfigError, match="adapter trained on other base weights"):
+            third.load_checkpoint(tmp_path / "ckpt")
+    finally:
+        third.close()

@@ -222,6 +222,7 @@ class HFBackend(EngineBackend):
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             extra=self._extra_models(),
+            lora_base=self.base_fingerprint,
         )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
@@ -232,6 +233,7 @@ class HFBackend(EngineBackend):
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             extra=self._extra_models(),
+            lora_base=self.base_fingerprint,
         )
 
     def export_hf(self, path: Path) -> None:
