@@ -3,7 +3,9 @@ the routes (`unirl.serve.app`), run in order by the worker (`unirl.serve.worker`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -20,6 +22,7 @@ class CreateJob:
     model_id: str
     base_model: str
     weights: Path  # the base model's folder
+    lora: Mapping[str, Any]  # model.lora
 
 
 @attrs.frozen(kw_only=True)

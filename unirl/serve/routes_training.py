@@ -17,7 +17,7 @@ from unirl.serve.jobs import CreateJob, FwdBwdJob, LoadJob, OptimJob, SaveJob
 from unirl.serve.losses import sdk_loss
 from unirl.serve.requests import adam_settings, require
 from unirl.serve.runtime import Runtime, SamplingSession
-from unirl.serve.sessions import base_model_folder
+from unirl.serve.sessions import base_model_folder, lora_section
 from unirl.serve.wire import decode_forward_backward
 
 # A poll waits this long for its result before answering try_again (the SDK waits 45 s).
@@ -36,7 +36,8 @@ def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         model_id = f"{session_id}:train:{int(require(body, 'model_seq_id', int))}"
         if model_id in rt.sessions:
             raise BadRequest("model_seq_id", f"names {model_id!r}, which exists already")
-        return rt.queue(CreateJob, model_id=model_id, base_model=base, weights=folder)
+        lora = lora_section(cfg, body)
+        return rt.queue(CreateJob, model_id=model_id, base_model=base, weights=folder, lora=lora)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
@@ -47,7 +48,8 @@ def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
             "type": "get_info",
             "model_id": session.model_id,
             "model_name": session.base_model,
-            "is_lora": False,
+            "is_lora": True,
+            "lora_rank": int(session.lora["rank"]),
             "model_data": {"model_name": session.base_model, "tokenizer_id": folder},
         }
 

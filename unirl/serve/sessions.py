@@ -2,14 +2,15 @@
 from the server's ``train`` config with ``model.path`` set to the base model's folder.
 
 Separate backends keep clients apart by construction: interleaved requests of two clients
-touch two models and two optimizers, never one. The Tinker API trains a LoRA adapter; until
-unirl's backends train adapters (``model.lora``), a client trains its whole model (full
-fine-tuning) and `GetInfo` says so (``is_lora: false``).
+touch two models and two optimizers, never one. Each client trains a LoRA adapter (``model.lora``,
+through peft on the Hugging Face engines) on the frozen base weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -26,6 +27,7 @@ class TrainingSession:
     model_id: str
     base_model: str
     backend: TrainingBackend
+    lora: Mapping[str, Any]  # the client's model.lora section
     optimizer_steps: int = 0
 
 
@@ -39,11 +41,39 @@ def base_model_folder(cfg: ServeConfig, base_model: str, field: str = "base_mode
     return cfg.base_model_folder(base_model)
 
 
-def build_training_backend(cfg: ServeConfig, weights: Path) -> TrainingBackend:
-    """A backend on the Hugging Face folder ``weights`` (a base model, or a saved state's
-    weights) with the ``train`` config's engine, layout and optimizer."""
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_section(cfg: ServeConfig, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.lora`` for the SDK's ``lora_config`` (rank, seed, which layers): its targets
+    are the attention and / or MLP linears and the LM head (``train_unembed``); alpha, dropout
+    come from ``serve.train.model.lora`` (unirl's defaults otherwise)."""
+    lora = body.get("lora_config")
+    if not isinstance(lora, Mapping):
+        raise BadRequest("lora_config", "is missing; the Tinker API trains LoRA adapters")
+    rank = lora.get("rank")
+    if not isinstance(rank, int) or rank < 1:
+        raise BadRequest("lora_config.rank", f"is {rank!r}; a positive integer")
+    targets = [
+        *(_ATTN if lora.get("train_attn", True) else ()),
+        *(_MLP if lora.get("train_mlp", True) else ()),
+        *(("lm_head",) if lora.get("train_unembed", True) else ()),
+    ]
+    if not targets:
+        raise BadRequest("lora_config", "trains nothing: set train_attn, train_mlp or train_unembed")
+    template = dict(dict(cfg.train.get("model") or {}).get("lora") or {})
+    seed = lora.get("seed")
+    return {**template, "rank": rank, "target_modules": targets, "init_seed": seed or 0}
+
+
+def build_training_backend(
+    cfg: ServeConfig, weights: Path, lora: Mapping[str, Any]
+) -> TrainingBackend:
+    """A backend training the adapter ``lora`` (a ``model.lora`` section) on the Hugging Face
+    folder ``weights`` with the ``train`` config's engine, layout and optimizer."""
     data = dict(cfg.train)
-    data["model"] = {**dict(data.get("model") or {}), "path": str(weights)}
+    data["model"] = {**dict(data.get("model") or {}), "path": str(weights), "lora": dict(lora)}
     run_cfg = config_from_dict(data)
     backend = build_backend(run_cfg, total_optimizer_steps=1)
     if not isinstance(backend, TakesStepSettings):

@@ -1,7 +1,8 @@
 """Saved states and sampler weights under ``state_dir``, addressed by ``tinker://`` paths:
 
-    tinker://<model_id>/weights/<name>          save_state: backend checkpoint + HF weights
-    tinker://<model_id>/sampler_weights/<name>  save_weights_for_sampler: HF weights
+    tinker://<model_id>/weights/<name>          save_state: checkpoint (adapter + optimizer)
+                                                and the adapter as a PEFT folder
+    tinker://<model_id>/sampler_weights/<name>  save_weights_for_sampler: merged HF weights
 
 Each is written into ``<name>.partial`` and renamed when complete, so a server killed while
 saving leaves the last complete state as it was, and a restarted server (same ``state_dir``)
@@ -24,7 +25,8 @@ SCHEME = "tinker://"
 KINDS = ("weights", "sampler_weights")
 META = "meta.json"
 CHECKPOINT = "checkpoint"  # the backend's checkpoint (weights and optimizer state)
-HF = "hf"  # the weights as a Hugging Face folder
+HF = "hf"  # the merged weights as a Hugging Face folder (what the sampler loads)
+ADAPTER = "adapter"  # the adapter as a PEFT folder (a weights-only load starts from it)
 
 
 @attrs.frozen(kw_only=True)

@@ -119,8 +119,8 @@ class Worker:
         if isinstance(job, SampleWork):
             return [Outcome(proto=self.samplers.run(job.job))]
         if isinstance(job, CreateJob):
-            backend = build_training_backend(self.cfg, job.weights)
-            self.sessions.add(TrainingSession(job.model_id, job.base_model, backend))
+            backend = build_training_backend(self.cfg, job.weights, job.lora)
+            self.sessions.add(TrainingSession(job.model_id, job.base_model, backend, job.lora))
             return [Outcome(json={"model_id": job.model_id, "type": "create_model"})]
         if isinstance(job, OptimJob):
             return [self._optim_step(job)]
@@ -167,11 +167,17 @@ class Worker:
 
     def _save(self, job: SaveJob) -> Outcome:
         session = self.sessions.get(job.model_id)
-        meta = {"base_model": session.base_model, "optimizer_steps": session.optimizer_steps}
+        meta = {
+            "base_model": session.base_model,
+            "optimizer_steps": session.optimizer_steps,
+            "lora": dict(session.lora),
+        }
         with state.PartialWrite(job.path.folder(self.cfg.state_dir)) as tmp:
             if job.path.kind == "weights":
                 session.backend.save_checkpoint(tmp / state.CHECKPOINT, meta)
-            session.backend.export_hf(tmp / state.HF)
+                session.backend.export_adapter(tmp / state.ADAPTER)  # type: ignore[attr-defined]
+            else:  # the sampler loads the merged weights W + scale * B @ A
+                session.backend.export_hf(tmp / state.HF)
             (tmp / state.META).write_text(json.dumps(meta))
         kind = "save_weights" if job.path.kind == "weights" else "save_weights_for_sampler"
         body = {"path": job.path.uri, "type": kind}
@@ -180,23 +186,25 @@ class Worker:
         return Outcome(json=body)
 
     def _load(self, job: LoadJob) -> Outcome:
+        """Weights only: a new backend whose adapter starts from the saved PEFT folder; with the
+        optimizer: a new backend with the saved adapter shape, then its checkpoint."""
         meta = state.read_meta(job.folder)
-        if job.base_model is None:
-            old = self.sessions.get(job.model_id)
-            base_model, steps = old.base_model, old.optimizer_steps
-        else:
-            old, base_model, steps = None, job.base_model, 0
-        if job.optimizer:
-            weights = self.cfg.base_model_folder(base_model)
-        else:
-            weights = job.folder / state.HF
-        backend = build_training_backend(self.cfg, weights)
+        old = None if job.base_model is not None else self.sessions.get(job.model_id)
+        base_model = job.base_model if old is None else old.base_model
+        if meta["base_model"] != base_model:
+            raise BadRequest(
+                "path", f"holds a state of {meta['base_model']!r}, not of {base_model!r}"
+            )
+        lora = dict(meta["lora"])
+        if not job.optimizer:
+            lora["path"] = str(job.folder / state.ADAPTER)
+        backend = build_training_backend(self.cfg, self.cfg.base_model_folder(base_model), lora)
+        steps = 0
         if job.optimizer:
             backend.load_checkpoint(job.folder / state.CHECKPOINT)
             steps = int(meta["optimizer_steps"])
         if old is not None:
             old.backend.close()
-        self.sessions.add(TrainingSession(job.model_id, base_model, backend, steps))
-        return Outcome(
-            json={"path": job.path.uri, "model_id": job.model_id, "type": "load_weights"}
-        )
+        self.sessions.add(TrainingSession(job.model_id, base_model, backend, lora, steps))
+        body = {"path": job.path.uri, "model_id": job.model_id, "type": "load_weights"}
+        return Outcome(json=body)
