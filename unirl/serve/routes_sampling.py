@@ -22,7 +22,9 @@ def _session_for(cfg: ServeConfig, body: dict[str, Any]) -> SamplingSession:
         path = state.parse_path(body["model_path"], "model_path")
         folder = path.folder(cfg.state_dir)
         meta = state.read_meta(folder, "model_path")
-        return SamplingSession(base_model=meta["base_model"], model_path=path.uri, weights=folder / state.HF)
+        return SamplingSession(
+            base_model=meta["base_model"], model_path=path.uri, weights=folder / state.HF
+        )
     base = require(body, "base_model", str)
     return SamplingSession(base_model=base, model_path=None, weights=base_model_folder(cfg, base))
 

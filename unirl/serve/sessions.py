@@ -61,7 +61,9 @@ def lora_section(cfg: ServeConfig, body: Mapping[str, Any]) -> dict[str, Any]:
         *(("lm_head",) if lora.get("train_unembed", True) else ()),
     ]
     if not targets:
-        raise BadRequest("lora_config", "trains nothing: set train_attn, train_mlp or train_unembed")
+        raise BadRequest(
+            "lora_config", "trains nothing: set train_attn, train_mlp or train_unembed"
+        )
     template = dict(dict(cfg.train.get("model") or {}).get("lora") or {})
     seed = lora.get("seed")
     return {**template, "rank": rank, "target_modules": targets, "init_seed": seed or 0}
