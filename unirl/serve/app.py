@@ -10,7 +10,6 @@ and answered with a future (``request_id``) at once.
 from __future__ import annotations
 
 import hmac
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -68,21 +67,6 @@ def make_app(cfg: ServeConfig, runtime: Runtime) -> FastAPI:
     add_training_routes(app, cfg, runtime)
     add_sampling_routes(app, cfg, runtime)
     return app
-
-
-async def json_body(request: Request, limit: int) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > limit:
-        raise BadRequest(
-            "body", f"is {len(raw)} bytes, over serve.max_request_bytes={limit}", status=413
-        )
-    try:
-        body = json.loads(raw or b"{}")
-    except json.JSONDecodeError as exc:
-        raise BadRequest("body", f"is not JSON ({exc})") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("body", "must be a JSON object")
-    return body
 
 
 def _add_service_routes(app: FastAPI) -> None:

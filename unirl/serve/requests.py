@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
+
+from fastapi import Request
 
 from unirl.core.backend import AdamStepSettings
 from unirl.serve.errors import BadRequest
@@ -53,3 +56,18 @@ def adam_settings(body: Mapping[str, Any]) -> AdamStepSettings:
         weight_decay=float(values["weight_decay"]),
         grad_clip=float(values["grad_clip_norm"]),
     )
+
+
+async def json_body(request: Request, limit: int) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > limit:
+        raise BadRequest(
+            "body", f"is {len(raw)} bytes, over serve.max_request_bytes={limit}", status=413
+        )
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as exc:
+        raise BadRequest("body", f"is not JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body

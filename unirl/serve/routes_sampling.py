@@ -11,7 +11,7 @@ from unirl.serve import state
 from unirl.serve.config import ServeConfig
 from unirl.serve.errors import BadRequest
 from unirl.serve.jobs import SampleWork
-from unirl.serve.requests import require
+from unirl.serve.requests import json_body, require
 from unirl.serve.runtime import Runtime, SamplingSession
 from unirl.serve.sampling import sample_job
 from unirl.serve.sessions import base_model_folder
@@ -30,8 +30,6 @@ def _session_for(cfg: ServeConfig, body: dict[str, Any]) -> SamplingSession:
 
 
 def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
-    from unirl.serve.app import json_body
-
     @app.get("/api/v1/get_server_capabilities")
     def capabilities() -> dict[str, Any]:
         models = [

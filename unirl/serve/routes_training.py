@@ -15,7 +15,7 @@ from unirl.serve.datums import token_datum
 from unirl.serve.errors import BadRequest
 from unirl.serve.jobs import CreateJob, FwdBwdJob, LoadJob, OptimJob, SaveJob
 from unirl.serve.losses import sdk_loss
-from unirl.serve.requests import adam_settings, require
+from unirl.serve.requests import adam_settings, json_body, require
 from unirl.serve.runtime import Runtime, SamplingSession
 from unirl.serve.sessions import base_model_folder, lora_section
 from unirl.serve.wire import decode_forward_backward
@@ -25,8 +25,6 @@ POLL_WAIT_S = 20.0
 
 
 def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
-    from unirl.serve.app import json_body
-
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict[str, str]:
         body = await json_body(request, cfg.max_request_bytes)
