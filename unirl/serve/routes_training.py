@@ -86,8 +86,11 @@ def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         model_id = rt.sessions.get(require(body, "model_id", str)).model_id
         return rt.queue(OptimJob, model_id=model_id, settings=adam_settings(body))
 
-    _add_state_routes(app, cfg, rt, json_body)
+    _add_state_routes(app, cfg, rt)
+    _add_future_routes(app, cfg, rt)
 
+
+def _add_future_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         body = await json_body(request, cfg.max_request_bytes)
@@ -108,7 +111,7 @@ def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         return JSONResponse(outcome.json)
 
 
-def _add_state_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime, json_body: Any) -> None:
+def _add_state_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, str]:
         body = await json_body(request, cfg.max_request_bytes)

@@ -47,8 +47,7 @@ def batch_rounds(jobs: Sequence[Job]) -> list[list[Job]]:
             and prev is not None
             and isinstance(prev[-1], FwdBwdJob)
             and prev[-1].batch_key == job.batch_key
-            and prev is units[-1]
-        ):
+        ):  # joins the client's last unit: other clients' units in between are independent
             prev.append(job)
             continue
         unit: list[Job] = [job]
