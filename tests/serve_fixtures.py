@@ -11,8 +11,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.tiny_models import TINY_BATCH
-
 API_KEY = "tml-unirl-test-key"
 BASE = "tiny"
 
@@ -24,7 +22,7 @@ def free_port() -> int:
 
 
 def serve_dict(folder: Path, state_dir: Path, port: int, **over: Any) -> dict[str, Any]:
-    train = {"backend": "fsdp2", "progress": {"enabled": False}, "batch": dict(TINY_BATCH)}
+    train = {"backend": "fsdp2", "progress": {"enabled": False}}
     return {
         "base_models": {BASE: str(folder)},
         "train": train,

@@ -69,7 +69,13 @@ def test_batch_rounds_merge_only_what_may_run_together():
 
 def test_queued_requests_run_as_one_backend_call_with_each_alone_result(tiny_folder, tmp_path):
     cfg = serve_config_from_dict(
-        serve_dict(tiny_folder, tmp_path, free_port(), tokens_per_microbatch=8)
+        serve_dict(
+            tiny_folder,
+            tmp_path,
+            free_port(),
+            tokens_per_microbatch=8,  # the 6 datums (3 or 4 tokens) in 3 microbatches
+            train={"backend": "fsdp2", "model": {"max_seq_len": 8}},
+        )
     )
     group = init_process_group(ParallelConfig())
     sessions = Sessions()

@@ -28,7 +28,7 @@ ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-2, weight_decay=0.
 @pytest.fixture(scope="module")
 def server(tiny_folder, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("state")
-    with running_server(tiny_folder, state_dir) as (url, runtime):
+    with running_server(tiny_folder, state_dir, max_request_bytes=200_000) as (url, runtime):
         yield url, runtime, state_dir
 
 
@@ -235,6 +235,10 @@ def test_bad_requests_get_4xx_naming_the_field_and_change_nothing(server, servic
     tc.optim_step(types.AdamParams(**ADAM)).result()
     after = tc.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
     assert torch.equal(before, after)
+    big = [_datum(list(range(1, 61)) * 60, list(range(1, 61)) * 60, weights=[1.0] * 3600)] * 4
+    with pytest.raises(tinker.APIStatusError) as err:  # over serve.max_request_bytes
+        tc.forward_backward(big, "cross_entropy").result()
+    assert err.value.status_code == 413 and "max_request_bytes" in str(err.value)
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(
             base_model=BASE, rank=2

@@ -43,11 +43,11 @@ class ServeConfig:
     api_key_env: str | None = None
     # A request body larger than this is refused (413) before it is parsed.
     max_request_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
-    # Datums in one forward / forward_backward request, tokens in one datum.
+    # Datums in one forward / forward_backward request.
     max_datums_per_request: int = attrs.field(default=1024, validator=_positive)
-    max_tokens_per_datum: int = attrs.field(default=8192, validator=_positive)
     # Requests of one training client queued together are packed into microbatches of at most
-    # this many tokens (one backend forward_backward call for all of them).
+    # this many tokens (one backend forward_backward call for all of them); also the longest
+    # datum accepted.
     tokens_per_microbatch: int = attrs.field(default=4096, validator=_positive)
     # Samples: the most new tokens one request may ask for.
     max_sample_tokens: int = attrs.field(default=1024, validator=_positive)
@@ -93,6 +93,11 @@ def serve_config_from_dict(data: Mapping[str, Any]) -> ServeConfig:
     if "path" in dict(data["train"].get("model") or {}):
         raise ConfigError(
             "serve.train.model.path is set per base model from serve.base_models; remove it"
+        )
+    if "batch" in data["train"]:
+        raise ConfigError(
+            "serve.train.batch: the server packs its own microbatches from the queued requests; "
+            "remove it and set serve.tokens_per_microbatch"
         )
     return ServeConfig(**data)
 

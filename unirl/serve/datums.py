@@ -53,7 +53,7 @@ def token_datum(
     if n > max_tokens:
         raise BadRequest(
             f"{where}.model_input",
-            f"has {n} tokens, over this server's max_tokens_per_datum={max_tokens}",
+            f"has {n} tokens, over this server's tokens_per_microbatch={max_tokens}",
         )
     unknown = sorted(set(datum.inputs) - {"target_tokens", *loss.inputs})
     if unknown:

@@ -68,7 +68,7 @@ def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
             )
         vocab = session.backend.vocab_size
         datums = tuple(
-            token_datum(d, i, loss, vocab_size=vocab, max_tokens=cfg.max_tokens_per_datum)
+            token_datum(d, i, loss, vocab_size=vocab, max_tokens=cfg.tokens_per_microbatch)
             for i, d in enumerate(req.data)
         )
         return rt.queue(

@@ -76,6 +76,8 @@ def build_training_backend(
     folder ``weights`` with the ``train`` config's engine, layout and optimizer."""
     data = dict(cfg.train)
     data["model"] = {**dict(data.get("model") or {}), "path": str(weights), "lora": dict(lora)}
+    # the engine's own token budget, set from the one the server packs to (only the serve key)
+    data["batch"] = {"max_tokens_per_microbatch": cfg.tokens_per_microbatch}
     run_cfg = config_from_dict(data)
     backend = build_backend(run_cfg, total_optimizer_steps=1)
     if not isinstance(backend, TakesStepSettings):
