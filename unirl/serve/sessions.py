@@ -16,7 +16,7 @@ import attrs
 
 from unirl.backends import build_backend
 from unirl.core.backend import TakesStepSettings, TrainingBackend
-from unirl.core.config.run_config import config_from_dict
+from unirl.core.config.run_config import UnirlConfig, config_from_dict
 from unirl.core.errors import ConfigError
 from unirl.serve.config import ServeConfig
 from unirl.serve.errors import BadRequest
@@ -69,16 +69,21 @@ def lora_section(cfg: ServeConfig, body: Mapping[str, Any]) -> dict[str, Any]:
     return {**template, "rank": rank, "target_modules": targets, "init_seed": seed or 0}
 
 
-def build_training_backend(
-    cfg: ServeConfig, weights: Path, lora: Mapping[str, Any]
-) -> TrainingBackend:
-    """A backend training the adapter ``lora`` (a ``model.lora`` section) on the Hugging Face
-    folder ``weights`` with the ``train`` config's engine, layout and optimizer."""
+def train_config(cfg: ServeConfig, weights: Path, lora: Mapping[str, Any]) -> UnirlConfig:
+    """The unirl config of a client's backend: ``serve.train`` with the adapter ``lora`` (a
+    ``model.lora`` section) on the Hugging Face folder ``weights``."""
     data = dict(cfg.train)
     data["model"] = {**dict(data.get("model") or {}), "path": str(weights), "lora": dict(lora)}
     # the engine's own token budget, set from the one the server packs to (only the serve key)
     data["batch"] = {"max_tokens_per_microbatch": cfg.tokens_per_microbatch}
-    run_cfg = config_from_dict(data)
+    return config_from_dict(data)
+
+
+def build_training_backend(
+    cfg: ServeConfig, weights: Path, lora: Mapping[str, Any]
+) -> TrainingBackend:
+    """A backend with `train_config`'s engine, layout, optimizer and adapter."""
+    run_cfg = train_config(cfg, weights, lora)
     backend = build_backend(run_cfg, total_optimizer_steps=1)
     if not isinstance(backend, TakesStepSettings):
         backend.close()
