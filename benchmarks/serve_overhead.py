@@ -8,8 +8,9 @@ Two measurements on one process (the server in-process on a loopback port, one t
 - **training step**: ``forward_backward`` (cross-entropy, ``--datums`` datums of ``--tokens``
   tokens) + ``optim_step`` through the official ``tinker`` SDK, against the same microbatches
   through the backend directly (``forward_backward`` + ``optimizer_step`` of a backend built
-  the way the server builds one, same LoRA). Overhead = server / direct - 1, on the medians of
-  ``--steps`` steps, alternated in ``--repeats`` rounds so a change in load hits both alike.
+  the way the server builds one, same LoRA). Overhead = server / direct - 1: of the medians,
+  the median over adjacent (server, direct) pairs (run alternately, so a change in machine load
+  hits both of a pair alike) and of the fastest steps; ``--steps`` x ``--repeats`` pairs.
 - **requests/s**: ``--small`` one-datum ``forward`` requests of 8 tokens submitted at once
   (futures), completed per second: the protocol's throughput when the model is negligible
   (the worker batches the queued ones).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -167,9 +169,13 @@ def main() -> None:
         backend = build_training_backend(rt.cfg, folder, lora)
         _sdk_steps(tc, batch, 1), _direct_steps(backend, batch, 1, tokens_per_mb)  # warm-up
         server_s, direct_s = [], []
-        for _ in range(args.repeats):
-            server_s += _sdk_steps(tc, batch, args.steps)
-            direct_s += _direct_steps(backend, batch, args.steps, tokens_per_mb)
+        for i in range(args.repeats * args.steps):  # alternating pairs, alternating order
+            if i % 2:
+                direct_s += _direct_steps(backend, batch, 1, tokens_per_mb)
+                server_s += _sdk_steps(tc, batch, 1)
+            else:
+                server_s += _sdk_steps(tc, batch, 1)
+                direct_s += _direct_steps(backend, batch, 1, tokens_per_mb)
         rps = _requests_per_s(service, tc, args.small)
         backend.close()
         service.close("success")
@@ -184,6 +190,12 @@ def main() -> None:
         "server_step_median_s": server_med,
         "direct_step_median_s": direct_med,
         "overhead": server_med / direct_med - 1.0,
+        # per adjacent pair (a load change hits both of a pair alike), and on the fastest step
+        "overhead_median_of_pairs": statistics.median(
+            s / d - 1.0 for s, d in zip(server_s, direct_s)
+        ),
+        "overhead_fastest": min(server_s) / min(direct_s) - 1.0,
+        "load_average_1min_at_end": os.getloadavg()[0],
         "small_forward_requests": args.small,
         "small_forward_requests_per_s": rps,
         "threads": torch.get_num_threads(),
