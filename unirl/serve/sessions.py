@@ -89,7 +89,7 @@ def build_training_backend(
         backend.close()
         raise ConfigError(
             f"serve.train.backend={run_cfg.backend!r} cannot take the SDK's per-step Adam "
-            "settings (TakesStepSettings); use backend: fsdp2"
+            "settings (TakesStepSettings); use backend: fsdp2 or deepspeed"
         )
     return backend
 
