@@ -229,6 +229,12 @@ def test_bad_requests_get_4xx_naming_the_field_and_change_nothing(server, servic
         with pytest.raises(tinker.BadRequestError) as err:
             tc.forward_backward(data, loss_fn, config).result()
         assert err.value.status_code == 400 and field in str(err.value), str(err.value)
+    saved_before = sorted(p.name for p in server[2].rglob("*"))
+    with pytest.raises(tinker.BadRequestError, match="one path segment"):
+        tc.save_state("../outside").result()
+    with pytest.raises(tinker.BadRequestError, match="tinker://<model_id>/weights/<name>"):
+        tc.load_state("tinker://nowhere").result()
+    assert sorted(p.name for p in server[2].rglob("*")) == saved_before  # no checkpoint touched
     with pytest.raises(tinker.BadRequestError, match=r"adam_params\.beta1"):
         tc.optim_step(types.AdamParams(learning_rate=1e-2, beta1=1.5)).result()
     # nothing was applied: an optimizer step now has no gradient to take, the weights stand
