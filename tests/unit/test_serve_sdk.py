@@ -309,3 +309,23 @@ def test_state_round_trip_with_and_without_the_optimizer(service):
     assert _probe(weights) == saved
     _run_steps(weights, [[SEQS[1]]])
     assert _probe(weights) != after
+
+
+def test_a_server_fault_stops_the_client_instead_of_training_on_partial_gradients(server, service):
+    """A backend error mid forward_backward fails that request (category server) and every later
+    request of the client (400, naming what to do); other clients go on."""
+    runtime = server[1]
+    tc = service.create_lora_training_client(base_model=BASE, rank=2).result()
+    other = service.create_lora_training_client(base_model=BASE, rank=2).result()
+    backend = runtime.sessions.get(tc.model_id).backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    backend.forward_backward = broken  # this client's backend only
+    data = [_datum(*SEQS[0], weights=[1.0] * 5)]
+    with pytest.raises(tinker.RequestFailedError, match="injected fault"):
+        tc.forward_backward(data, "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="create_training_client_from_state"):
+        tc.optim_step(types.AdamParams(**ADAM)).result()
+    assert other.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0

@@ -29,6 +29,9 @@ class TrainingSession:
     backend: TrainingBackend
     lora: Mapping[str, Any]  # the client's model.lora section
     optimizer_steps: int = 0
+    # Set when a forward_backward / optim_step of this client failed inside the backend: its
+    # gradients or weights may be partial, so it takes no more requests.
+    failed: str | None = None
 
 
 def base_model_folder(cfg: ServeConfig, base_model: str, field: str = "base_model") -> Path:
@@ -107,7 +110,19 @@ class Sessions:
     def get(self, model_id: str, field: str = "model_id") -> TrainingSession:
         if model_id not in self._by_id:
             raise BadRequest(field, f"is {model_id!r}, which is not a training client here")
-        return self._by_id[model_id]
+        session = self._by_id[model_id]
+        if session.failed is not None:
+            raise BadRequest(
+                field,
+                f"{model_id!r} stopped at a server error ({session.failed}); its gradients or "
+                "weights may be partial: create a client from its last saved state "
+                "(create_training_client_from_state_with_optimizer)",
+            )
+        return session
+
+    def mark_failed(self, model_id: str, reason: str) -> None:
+        if model_id in self._by_id:
+            self._by_id[model_id].failed = reason
 
     def __contains__(self, model_id: str) -> bool:
         return model_id in self._by_id

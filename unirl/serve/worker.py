@@ -63,7 +63,7 @@ class Worker:
         self.samplers = SamplerPool()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="unirl-serve-worker", daemon=True)
-        # Backend calls made (forward_backward / forward_logprobs), for the batching test.
+        # Backend calls made (forward_backward / forward_logprobs): how well requests batch.
         self.backend_calls = 0
 
     def start(self) -> None:
@@ -105,9 +105,12 @@ class Worker:
             outcomes = [Outcome(error=str(exc), category="user")] * len(unit)
         except Exception as exc:
             logger.exception("request %s failed", unit[0].request_id)
-            outcomes = [Outcome(error=f"{type(exc).__name__}: {exc}", category="server")] * len(
-                unit
-            )
+            reason = f"{type(exc).__name__}: {exc}"
+            if isinstance(unit[0], (FwdBwdJob, OptimJob)):
+                self.sessions.mark_failed(
+                    unit[0].model_id, f"request {unit[0].request_id}: {reason}"
+                )
+            outcomes = [Outcome(error=reason, category="server")] * len(unit)
         for job, outcome in zip(unit, outcomes, strict=True):
             self.futures.complete(job.request_id, outcome)
 
