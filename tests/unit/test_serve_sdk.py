@@ -187,6 +187,9 @@ def test_sample_and_compute_logprobs_on_saved_sampler_weights(server, service, t
     params = types.SamplingParams(max_tokens=5, seed=7, temperature=1.0)
     res = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
     assert len(res.sequences) == 2
+    every = types.SamplingParams(max_tokens=5, seed=7, stop=list(range(64)))  # any token stops
+    stopped = sampler.sample(types.ModelInput.from_ints(prompt), 2, every).result()
+    assert [(len(q.tokens), q.stop_reason) for q in stopped.sequences] == [(1, "stop")] * 2
     for seq in res.sequences:
         full = prompt + list(seq.tokens)
         teacher = _logprobs(ref, full[:-1], full[1:]).detach()[len(prompt) - 1 :]

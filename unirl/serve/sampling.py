@@ -6,6 +6,7 @@ core's `logprobs_from_logits`."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -89,37 +90,52 @@ def sample_job(body: Mapping[str, Any], weights: Path, *, max_sample_tokens: int
     )
 
 
+# Samplers kept loaded: an RL loop saves new sampler weights every step and samples the newest,
+# so older ones are dropped (a later request for one loads it again from disk).
+KEPT_SAMPLERS = 2
+
+
 class SamplerPool:
-    """One loaded model per weights folder (a saved sampler state never changes)."""
+    """The most recently used samplers, one per weights folder (saved weights never change);
+    each request samples from a `Sampler.variant` of its folder's (the model is not copied)."""
 
     def __init__(self) -> None:
-        self._models: dict[Path, torch.nn.Module] = {}
+        self._samplers: OrderedDict[Path, Sampler] = OrderedDict()
 
-    def model(self, weights: Path) -> torch.nn.Module:
-        if weights not in self._models:
-            from transformers import AutoModelForCausalLM
+    def sampler(self, weights: Path) -> Sampler:
+        if weights in self._samplers:
+            self._samplers.move_to_end(weights)
+            return self._samplers[weights]
+        from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
-            self._models[weights] = model.eval().requires_grad_(False)
-        return self._models[weights]
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        eos = model.config.eos_token_id
+        sampler = Sampler(
+            model,
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=1,
+            seed=0,
+            eos_id=eos if isinstance(eos, int) else -1,
+        )
+        self._samplers[weights] = sampler
+        while len(self._samplers) > KEPT_SAMPLERS:
+            self._samplers.popitem(last=False)
+        return sampler
 
     def run(self, job: SampleJob) -> bytes:
-        model = self.model(job.weights)
-        vocab = int(model.config.vocab_size)
+        base = self.sampler(job.weights)
+        vocab = int(base.model.config.vocab_size)
         bad = [t for t in job.prompt if not 0 <= t < vocab]
         if bad:
             raise BadRequest("prompt", f"holds token id {bad[0]}, outside [0, {vocab})")
-        eos = model.config.eos_token_id
-        stops = job.stop_tokens if job.stop_tokens is not None else ()
-        eos_id = (eos if isinstance(eos, int) else -1) if job.stop_tokens is None else -1
-        sampler = Sampler(
-            model,
+        sampler = base.variant(
             temperature=job.temperature,
-            top_p=job.top_p,
             max_new_tokens=job.max_tokens,
-            eos_id=eos_id,
             seed=job.seed,
-            stop_token_ids=stops,
+            top_p=job.top_p,
+            # SamplingParams.stop: None keeps <eos>; a list of ids replaces it ([]: none)
+            stop_ids=job.stop_tokens,
         )
         gens = sampler.generate([list(job.prompt)] * job.num_samples)
         sequences = [
@@ -128,7 +144,7 @@ class SamplerPool:
             )
             for g in gens
         ]
-        prompt_lp = _prompt_logprobs(model, job.prompt) if job.prompt_logprobs else None
+        prompt_lp = _prompt_logprobs(base.model, job.prompt) if job.prompt_logprobs else None
         return encode_sample_response(sequences, prompt_lp)
 
 
