@@ -270,6 +270,15 @@ def _verify_sync(d: dict) -> str:
     )
 
 
+def _serve_overhead(d: dict) -> str:
+    return (
+        f"LoRA step through the tinker SDK + server {d['server_step_median_s']:.2f} s, "
+        f"backend directly {d['direct_step_median_s']:.2f} s (median); overhead per pair "
+        f"{_pct(d['overhead_median_of_pairs'])}; {d['small_forward_requests_per_s']:.1f} small "
+        "forward requests/s"
+    )
+
+
 def _same_config_backends(d: dict) -> str:
     rewards = ", ".join(f"{b} {r:.3f}" for b, r in d["reward_at_150"].items())
     return (
@@ -340,6 +349,7 @@ SUMMARISERS: dict[str, Callable[[dict], str]] = {
     "async_steps": _async_steps,
     "dynamic_sampling": _dynamic_sampling,
     "verify_sync": _verify_sync,
+    "serve_overhead": _serve_overhead,
     "same_config_backends": _same_config_backends,
     "megatron_kernels": _megatron_kernels,
     "tiny_multiturn": _tiny_multiturn,

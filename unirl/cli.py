@@ -5,13 +5,15 @@
     unirl train CONFIG [--set key.path=value ...] [--rollouts FILE] [--resume | --overwrite]
     unirl plot RUN_DIR [--out FILE.png]
     unirl convert SOURCE OUT [--tp N --pp N --vpp N --ep N --etp N] [--dtype fp32|bf16]
+    unirl serve SERVE_CONFIG
 
 `check` validates a config and explains what a run would do: the resolved config, the parallel
 layout, the microbatch plan and the old-log-prob decision with its reasons. `train` runs the RL
 job (under torchrun / the deepspeed launcher for several processes). `plot` draws the reward and
 loss curves of a run. `convert` turns a Hugging Face folder into a
 Megatron weights folder for a parallel layout, and such a folder or any run checkpoint into a
-Hugging Face folder (`unirl.convert`; under torchrun for layouts of several ranks). Every expected failure (a bad config or bad rollout data, a directory
+Hugging Face folder (`unirl.convert`; under torchrun for layouts of several ranks). `serve`
+runs the Tinker training API (`unirl.serve`). Every expected failure (a bad config or bad rollout data, a directory
 that holds another run or cannot be written, a full disk, a hung rank, a run whose numbers stopped
 being finite) exits with status 2 and one line ``unirl: error: ...`` naming the key, file or
 sample and the fix; ``--debug`` adds the traceback. Any other exception is a bug in unirl and
@@ -336,7 +338,18 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_cmd_plot)
 
     _add_convert_parser(sub)
+    serve = sub.add_parser("serve", help="serve the Tinker training API (needs the serve extra)")
+    serve.add_argument("config", help="the server's YAML config (docs/guides/serve.md)")
+    serve.set_defaults(func=_cmd_serve)
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from unirl.serve.config import load_serve_config
+    from unirl.serve.server import serve
+
+    serve(load_serve_config(args.config))
+    return 0
 
 
 def _add_convert_parser(sub: Any) -> None:

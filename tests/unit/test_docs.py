@@ -64,7 +64,8 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
 
 
 def test_every_yaml_block_is_marked_for_the_check():
-    """A block says how it is checked: ``<!-- check: whole -->`` (a whole config) or
+    """A block says how it is checked: ``<!-- check: whole -->`` (a whole config),
+    ``<!-- check: serve -->`` (a `unirl serve` config) or
     ``<!-- check: --over examples/X.yaml [--set k=v ...] [--world-size N] -->`` (a fragment
     merged over that example)."""
     blocks = _yaml_blocks()
@@ -79,6 +80,13 @@ def test_yaml_block_passes_the_config_check(where, marker, text, tmp_path, capsy
 
     data = yaml.safe_load(text)
     config = tmp_path / "config.yaml"
+    if marker == "serve":  # a `unirl serve` config: its own keys, its train section's rules
+        from unirl.serve.config import serve_config_from_dict
+        from unirl.serve.sessions import train_config
+
+        cfg = serve_config_from_dict(data)
+        train_config(cfg, Path("/models/x"), {"rank": 8})
+        return
     if marker == "whole":
         config.write_text(text)
         # the whole `unirl check`: config rules, local paths, the rollout source's files

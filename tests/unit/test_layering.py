@@ -44,7 +44,7 @@ def test_core_imports_no_backend_or_engine():
 # (``unirl/backends/*.py``), open to all.
 MAY_IMPORT = {"deepspeed": {"hf"}, "fsdp2": {"hf"}}
 # The application around the library: what a backend must not reach up into.
-APP_LAYER = ("log_setup", "cli", "train", "convert", "plot")
+APP_LAYER = ("log_setup", "cli", "train", "convert", "plot", "serve")
 
 
 def _folder(module: str, package: str, folders: set[str]) -> str | None:

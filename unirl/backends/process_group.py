@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -99,7 +100,21 @@ def _timeout_for_new_groups(timeout: datetime.timedelta) -> None:
     distributed_c10d.default_pg_nccl_timeout = timeout
 
 
+# Engines that cache process-group objects register how to drop them (`on_destroy`): a group
+# created by someone else (the serve runtime, a test) may be destroyed under them, and a later
+# group in this process must not meet the stale ones.
+_ON_DESTROY: list[Callable[[], None]] = []
+
+
+def on_destroy(release: Callable[[], None]) -> None:
+    """Run ``release`` when `destroy_process_group` destroys the default group (once)."""
+    if release not in _ON_DESTROY:
+        _ON_DESTROY.append(release)
+
+
 def destroy_process_group(setup: ProcessGroupSetup) -> None:
     """Destroy the default process group if `init_process_group` created it."""
     if setup.owns_process_group and dist.is_initialized():
+        for release in _ON_DESTROY:
+            release()
         dist.destroy_process_group()

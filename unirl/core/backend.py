@@ -32,6 +32,7 @@ from unirl.core.topology import Topology
 from unirl.core.weights.stream import HOST, WeightBuckets
 
 __all__ = [
+    "AdamStepSettings",
     "CriticModel",
     "InstrumentedBackend",
     "LogprobSpec",
@@ -39,6 +40,7 @@ __all__ = [
     "ModelRole",
     "OptimizerStepStats",
     "RecordsRouting",
+    "TakesStepSettings",
     "TrainingBackend",
     "ValueLossFn",
     "token_logprobs",
@@ -314,6 +316,31 @@ class TrainsAdapter(Protocol):
     def export_adapter(self, path: Path) -> None:
         """Collective: rank 0 writes the adapter as a PEFT folder
         (`unirl.backends.peft_folder.write_peft_folder`)."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class AdamStepSettings:
+    """The next optimizer step's AdamW settings, given by the caller step by step (the Tinker
+    API's ``optim_step`` sends them with every step). ``grad_clip`` 0: no clipping;
+    ``weight_decay`` is decoupled and applies where the backend's config decays (matrices)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip: float
+
+
+@runtime_checkable
+class TakesStepSettings(Protocol):
+    """A backend whose optimizer takes its settings per step (`AdamStepSettings`) instead of
+    from its config's LR schedule."""
+
+    def set_step_settings(self, settings: AdamStepSettings) -> None:
+        """Used by the next `TrainingBackend.optimizer_step` (and the ones after it until set
+        again); the config's schedule no longer decides the learning rate."""
         ...
 
 

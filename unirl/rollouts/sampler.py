@@ -210,12 +210,25 @@ class Sampler:
         unexpected.extend(extra)
         loaded.update(k for k in fused if k in own)
 
-    def variant(self, *, temperature: float, max_new_tokens: int, seed: int) -> Sampler:
+    def variant(
+        self,
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        seed: int,
+        top_p: float | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ) -> Sampler:
         """A sampler on this one's model (shared, not copied: it follows every weight sync) with
         its own temperature, budget and generator seeded ``seed``, e.g. for an evaluation that
-        must leave this sampler's random stream where it was."""
+        must leave this sampler's random stream where it was; ``top_p`` / ``stop_ids`` (every
+        id that ends a response, ``<eos>`` included) replace this one's when given."""
         other = copy.copy(self)
         other.temperature, other.max_new_tokens = float(temperature), int(max_new_tokens)
+        if top_p is not None:
+            other.top_p = float(top_p)
+        if stop_ids is not None:
+            other.stop_ids = sorted(set(map(int, stop_ids)))
         other.generator = torch.Generator(device=self.device)
         other.generator.manual_seed(seed)
         return other

@@ -20,6 +20,7 @@ from unirl.backends.hf.backend import HFBackend
 from unirl.backends.hf.model import Training
 from unirl.backends.hf.packed import use_packed_attention
 from unirl.backends.process_group import ProcessGroupSetup
+from unirl.core.backend import AdamStepSettings
 from unirl.core.topology import Topology
 
 
@@ -58,6 +59,10 @@ class DeepSpeedBackend(HFBackend):
     def engine(self) -> Any:
         """The policy's DeepSpeed engine."""
         return self.policy.engine
+
+    def set_step_settings(self, settings: AdamStepSettings) -> None:
+        """`unirl.core.backend.TakesStepSettings` (the policy's optimizer)."""
+        self.policy.set_step_settings(settings)
 
     def _stop(self) -> None:
         close_distributed(self._dist)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from unirl.backends.engine_output import engine_prints
-from unirl.backends.process_group import ProcessGroupSetup, init_process_group
+from unirl.backends.process_group import ProcessGroupSetup, init_process_group, on_destroy
 from unirl.core.config.run_config import ParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,15 @@ def init_distributed(parallel: ParallelConfig) -> ProcessGroupSetup:
     with engine_prints():  # DeepSpeed prints "... built successfully" for its op, twice
         prebuild_shm_op()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    on_destroy(_release_deepspeed_groups)
     return setup
+
+
+def _release_deepspeed_groups() -> None:
+    """DeepSpeed's cached groups, dropped when the default group is destroyed by its owner."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(group=None)
 
 
 def close_distributed(setup: ProcessGroupSetup) -> None:

@@ -21,7 +21,7 @@ from unirl.backends.deepspeed import export, weight_stream
 from unirl.backends.deepspeed.engine import initialize_trainable, step_engine
 from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.packed import forward_packed
-from unirl.core.backend import OptimizerStepStats
+from unirl.core.backend import AdamStepSettings, OptimizerStepStats
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.weights.stream import HOST, WeightBuckets
 
@@ -86,6 +86,22 @@ class DeepSpeedModel(PackedModule):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
+    def set_step_settings(self, settings: AdamStepSettings) -> None:
+        """`unirl.core.backend.TakesStepSettings`: the schedule stops deciding the LR; weight
+        decay goes to the first param group (``adamw_param_groups``' decayed matrices); the
+        clip is read at each step by DeepSpeed's plain path (its config) and by every ZeRO /
+        bf16 optimizer wrapper (its ``clip_grad``)."""
+        self.scheduler.schedule = lambda _steps: settings.lr
+        groups = self.engine.optimizer.param_groups
+        for group in groups:
+            group["lr"] = settings.lr
+            group["betas"] = (settings.beta1, settings.beta2)
+            group["eps"] = settings.eps
+        groups[0]["weight_decay"] = settings.weight_decay
+        self.engine._config.gradient_clipping = settings.grad_clip
+        if hasattr(self.engine.optimizer, "clip_grad"):
+            self.engine.optimizer.clip_grad = settings.grad_clip
+
     def optimizer_step(self) -> OptimizerStepStats:
         return step_engine(self.engine)
 
@@ -95,6 +111,10 @@ class DeepSpeedModel(PackedModule):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective under ZeRO-3."""
         return export.hf_state_dict(self.engine)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective under ZeRO-3."""
+        return export.trainable_state_dict(self.engine)
 
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST

@@ -24,6 +24,7 @@ from unirl.backends.process_group import (
     destroy_process_group,
     init_process_group,
 )
+from unirl.core.backend import AdamStepSettings
 from unirl.core.topology import Topology
 
 
@@ -54,6 +55,10 @@ class Fsdp2Backend(HFBackend):
 
     def _frozen(self, model: Any) -> PackedModule:
         return frozen_model(model, **self._placement())
+
+    def set_step_settings(self, settings: AdamStepSettings) -> None:
+        """`unirl.core.backend.TakesStepSettings` (the policy's optimizer)."""
+        self.policy.set_step_settings(settings)
 
     def _stop(self) -> None:
         destroy_process_group(self._dist)

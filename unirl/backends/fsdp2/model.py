@@ -31,7 +31,7 @@ from unirl.backends.fsdp2.plugin import Fsdp2Options
 from unirl.backends.fsdp2.topology import Fsdp2Mesh
 from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.optim import ScheduledLR, adamw
-from unirl.core.backend import OptimizerStepStats
+from unirl.core.backend import AdamStepSettings, OptimizerStepStats
 from unirl.core.config.run_config import ModelConfig
 from unirl.core.weights.stream import HOST, WeightBuckets
 
@@ -92,6 +92,20 @@ class Fsdp2Model(PackedModule):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def set_step_settings(self, settings: AdamStepSettings) -> None:
+        """`unirl.core.backend.TakesStepSettings`: the schedule stops deciding the LR; weight
+        decay goes where ``adamw_param_groups`` decays (the groups built with a decay)."""
+        self.scheduler.schedule = lambda _steps: settings.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = settings.lr
+            group["betas"] = (settings.beta1, settings.beta2)
+            group["eps"] = settings.eps
+            if group.get(
+                "decays", group["weight_decay"] > 0 or group is self.optimizer.param_groups[0]
+            ):
+                group["weight_decay"] = settings.weight_decay
+        self._grad_clip = settings.grad_clip or None
+
     def optimizer_step(self) -> OptimizerStepStats:
         lr = float(self.optimizer.param_groups[0]["lr"])
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -116,6 +130,10 @@ class Fsdp2Model(PackedModule):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights in the model's dtype (collective)."""
         return export.hf_state_dict(self.module, torch_dtype(self._model_cfg))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained parameters in their fp32 masters (collective)."""
+        return export.trainable_state_dict(self.module)
 
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST

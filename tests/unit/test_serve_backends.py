@@ -1,0 +1,65 @@
+"""One LoRA step with the SDK's Adam settings (gradient clipping active, weight decay) through
+`unirl serve` on each backend that takes per-step settings, against peft + torch's AdamW with
+the same clip: the backends differ in where the clip and the settings live (FSDP2's own
+optimizer, DeepSpeed's engine and ZeRO wrappers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from tinker import types  # noqa: E402
+
+from tests.serve_fixtures import API_KEY, BASE, running_server  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOKENS, TARGETS = [1, 5, 9, 13, 2, 7], [5, 9, 13, 2, 7, 11]
+CLIP, LR, WD = 0.05, 1e-2, 0.1
+
+
+@pytest.mark.parametrize(
+    "train",
+    [
+        {"backend": "fsdp2"},
+        {"backend": "deepspeed", "parallel": {"zero_stage": 0}},
+        {"backend": "deepspeed", "parallel": {"zero_stage": 2}},
+    ],
+    ids=["fsdp2", "deepspeed-zero0", "deepspeed-zero2"],
+)
+def test_a_clipped_adam_step_matches_peft(tiny_folder, tmp_path, train):
+    train = {**train, "progress": {"enabled": False}}
+    with running_server(tiny_folder, tmp_path, train=train) as (url, _):
+        service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+        tc = service.create_lora_training_client(base_model=BASE, rank=2, seed=9).result()
+        tc.save_state("init").result()
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(TOKENS),
+                loss_fn_inputs={"target_tokens": TARGETS, "weights": [1.0] * 6},
+            )
+        ]
+        tc.forward_backward(data, "cross_entropy").result()
+        adam = types.AdamParams(learning_rate=LR, eps=1e-2, weight_decay=WD, grad_clip_norm=CLIP)
+        norm = tc.optim_step(adam).result().metrics["grad_norm:mean"]
+        tc.save_state("step").result()
+        folder = tmp_path / tc.model_id.replace(":", "_") / "weights"
+        got = load_file(folder / "step" / "adapter" / "adapter_model.safetensors")
+        service.close("success")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(base, folder / "init" / "adapter", is_trainable=True)
+    logits = ref(input_ids=torch.tensor([TOKENS])).logits[0]
+    loss = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(TARGETS)[:, None]).sum()
+    loss.backward()
+    params = [p for p in ref.parameters() if p.requires_grad]
+    want_norm = torch.nn.utils.clip_grad_norm_(params, CLIP)
+    assert float(want_norm) > CLIP  # the clip is active
+    assert norm == pytest.approx(float(want_norm), rel=1e-5)
+    torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-2, weight_decay=WD).step()
+    want = peft.get_peft_model_state_dict(ref, save_embedding_layers=False)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value.detach(), atol=1e-6, rtol=1e-5, msg=name)

@@ -1,0 +1,110 @@
+"""The server's own config section (``serve.yaml``): where it listens, who may call it, what it
+accepts, which base models it trains and the unirl training config each training client gets.
+
+    host: 127.0.0.1            # loopback unless told otherwise
+    port: 8000
+    api_key_env: UNIRL_SERVE_API_KEY   # or api_key: tml-...; one of them is required
+    base_models: {tiny-llama: /models/tiny-llama}
+    state_dir: /runs/serve     # saved states and sampler weights; survives a restart
+    train: {backend: fsdp2, ...}   # a unirl config without model.path (set per base model)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from unirl.core.errors import ConfigError
+
+# The SDK refuses an API key without this prefix before it sends anything.
+API_KEY_PREFIX = "tml-"
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"serve.{attribute.name}={value} must be a positive integer")
+
+
+@attrs.frozen(kw_only=True)
+class ServeConfig:
+    """Everything `unirl serve` reads; the training side is ``train`` (a unirl config)."""
+
+    base_models: Mapping[str, str]
+    train: Mapping[str, Any]
+    state_dir: str
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=_positive)
+    api_key: str | None = None
+    api_key_env: str | None = None
+    # A request body larger than this is refused (413) before it is parsed.
+    max_request_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+    # Datums in one forward / forward_backward request.
+    max_datums_per_request: int = attrs.field(default=1024, validator=_positive)
+    # Requests of one training client queued together are packed into microbatches of at most
+    # this many tokens (one backend forward_backward call for all of them); also the longest
+    # datum accepted.
+    tokens_per_microbatch: int = attrs.field(default=4096, validator=_positive)
+    # Samples: the most new tokens one request may ask for.
+    max_sample_tokens: int = attrs.field(default=1024, validator=_positive)
+
+    def resolved_api_key(self) -> str:
+        """The key the SDK must send (``X-API-Key``); `ConfigError` when none is configured."""
+        key = self.api_key
+        if key is None and self.api_key_env is not None:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ConfigError(
+                    f"serve.api_key_env={self.api_key_env!r}: that environment variable is not "
+                    "set; export it (a key starting with 'tml-') or set serve.api_key"
+                )
+        if key is None:
+            raise ConfigError(
+                "serve: no API key: set api_key_env (an environment variable holding it) or "
+                "api_key; the server never runs without one"
+            )
+        if not key.startswith(API_KEY_PREFIX):
+            raise ConfigError(
+                f"serve: the API key must start with {API_KEY_PREFIX!r} (the tinker SDK refuses "
+                "any other before sending it); pick a key such as tml-<random>"
+            )
+        return key
+
+    def base_model_folder(self, name: str) -> Path:
+        return Path(self.base_models[name])
+
+
+def serve_config_from_dict(data: Mapping[str, Any]) -> ServeConfig:
+    """Check the keys and build the config; a mistake is a `ConfigError` naming the key."""
+    known = {a.name for a in attrs.fields(ServeConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"serve: unknown key(s) {unknown}; known keys: {sorted(known)}")
+    missing = [a.name for a in attrs.fields(ServeConfig) if a.default is attrs.NOTHING]
+    missing = [name for name in missing if name not in data]
+    if missing:
+        raise ConfigError(f"serve: missing required key(s) {missing}")
+    if not isinstance(data["base_models"], Mapping) or not data["base_models"]:
+        raise ConfigError("serve.base_models must map at least one model name to a local folder")
+    if "path" in dict(data["train"].get("model") or {}):
+        raise ConfigError(
+            "serve.train.model.path is set per base model from serve.base_models; remove it"
+        )
+    if "batch" in data["train"]:
+        raise ConfigError(
+            "serve.train.batch: the server packs its own microbatches from the queued requests; "
+            "remove it and set serve.tokens_per_microbatch"
+        )
+    return ServeConfig(**data)
+
+
+def load_serve_config(path: str | os.PathLike[str]) -> ServeConfig:
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: a serve config is a mapping of keys, got {type(data).__name__}")
+    return serve_config_from_dict(data)

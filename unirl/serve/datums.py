@@ -1,0 +1,77 @@
+"""A wire datum checked against the loss it is sent with and the model it trains, turned into
+tensors (`TokenDatum`). Every mistake is a `BadRequest` naming ``data[i]`` and the field,
+raised before the request is queued."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from unirl.serve.batching import TokenDatum
+from unirl.serve.errors import BadRequest
+from unirl.serve.losses import SdkLoss
+from unirl.serve.wire import WireDatum
+
+
+def _per_position(datum: WireDatum, name: str, n: int, where: str) -> np.ndarray:
+    if name not in datum.inputs:
+        raise BadRequest(f"{where}.loss_fn_inputs", f"has no {name!r}; this loss needs it")
+    arr = datum.inputs[name]
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise BadRequest(
+            f"{where}.loss_fn_inputs.{name}",
+            f"has shape {list(arr.shape)}; it needs one value per model_input token, [{n}]",
+        )
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise BadRequest(f"{where}.loss_fn_inputs.{name}", "holds a NaN or an infinity")
+    return arr
+
+
+def _token_ids(arr: np.ndarray, vocab_size: int, field: str) -> torch.Tensor:
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        pos = int(np.flatnonzero(bad)[0])
+        raise BadRequest(
+            field,
+            f"holds token id {int(arr[pos])} at position {pos}, outside the model's "
+            f"vocabulary [0, {vocab_size})",
+        )
+    return torch.from_numpy(arr.astype(np.int64, copy=True))
+
+
+def _float(arr: np.ndarray) -> torch.Tensor:
+    return torch.tensor(arr, dtype=torch.float32)
+
+
+def token_datum(
+    datum: WireDatum, index: int, loss: SdkLoss, *, vocab_size: int, max_tokens: int
+) -> TokenDatum:
+    where = f"data[{index}]"
+    n = int(datum.tokens.size)
+    if n == 0:
+        raise BadRequest(f"{where}.model_input", "is empty; send at least one token")
+    if n > max_tokens:
+        raise BadRequest(
+            f"{where}.model_input",
+            f"has {n} tokens, over this server's tokens_per_microbatch={max_tokens}",
+        )
+    unknown = sorted(set(datum.inputs) - {"target_tokens", *loss.inputs})
+    if unknown:
+        raise BadRequest(
+            f"{where}.loss_fn_inputs",
+            f"has {unknown}, which this loss does not read; it reads "
+            f"{['target_tokens', *loss.inputs]}",
+        )
+    tokens = _token_ids(datum.tokens, vocab_size, f"{where}.model_input")
+    targets_np = _per_position(datum, "target_tokens", n, where)
+    targets = _token_ids(targets_np, vocab_size, f"{where}.loss_fn_inputs.target_tokens")
+    if loss.weighted:
+        mask = _float(_per_position(datum, "weights", n, where))
+        return TokenDatum(tokens=tokens, targets=targets, mask=mask)
+    return TokenDatum(
+        tokens=tokens,
+        targets=targets,
+        mask=torch.ones(n, dtype=torch.float32),
+        advantages=_float(_per_position(datum, "advantages", n, where)),
+        sampler_logprobs=_float(_per_position(datum, "logprobs", n, where)),
+    )

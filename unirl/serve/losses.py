@@ -1,0 +1,139 @@
+"""The SDK's built-in losses (``loss_fn=``), each as one of unirl's per-token policy losses
+(`unirl.core.maths.losses`) summed over the datum's tokens, as the Tinker API defines them::
+
+    cross_entropy        -sum_t w_t logp_t                                       (sft)
+    importance_sampling  -sum_t r_t A_t,  r_t = exp(logp_t - q_t)                (ppo_clip, no clip)
+    ppo                  -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)              (ppo_clip)
+    cispo                -sum_t sg(clip(r_t, lo, hi)) logp_t A_t                 (cispo)
+
+``q_t``: the sampler's log-probs (``loss_fn_inputs["logprobs"]``); ``lo`` / ``hi``:
+``loss_fn_config`` ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2 by default). The
+RL losses sum over every position (the advantages are 0 on the prompt); cross-entropy weights
+each position by ``weights`` (any float: the SDK's client-side custom loss sends the negative
+gradient of its loss there). The sum is the API's aggregation (no normaliser): a request's
+loss is the sum of its datums' losses, so requests batched together add up exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from unirl.core.data.counts import GlobalCounts
+from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.maths.losses.inputs import LossInputs
+from unirl.core.maths.losses.metrics import Metric
+from unirl.core.maths.losses.registry import get_policy_loss
+from unirl.core.maths.losses.settings import LossSettings
+from unirl.core.moe_loss import RouterLossSettings
+from unirl.core.registry import Registry
+from unirl.serve.errors import BadRequest
+
+# An upper clip bound no finite ratio reaches: ppo_clip without clipping is the plain
+# importance-weighted policy gradient.
+_NO_CLIP = 1e30
+
+
+@attrs.frozen(kw_only=True)
+class SdkLoss:
+    """One SDK loss: the unirl per-token loss it runs, the inputs it reads, its config keys."""
+
+    unirl_loss: str
+    inputs: tuple[str, ...]  # besides target_tokens
+    clipped: bool  # reads clip_low_threshold / clip_high_threshold
+    weighted: bool  # the mask is the datum's ``weights`` (else every position counts)
+
+    def settings(self, config: Mapping[str, float | str]) -> LossSettings:
+        known = {"clip_low_threshold", "clip_high_threshold"} if self.clipped else set()
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise BadRequest(
+                "loss_fn_config", f"has unknown key(s) {unknown}; this loss takes {sorted(known)}"
+            )
+        if not self.clipped:
+            return LossSettings(policy_loss=self.unirl_loss, clip_low=1.0, clip_high=_NO_CLIP)
+        low = _threshold(config, "clip_low_threshold", 0.8)
+        high = _threshold(config, "clip_high_threshold", 1.2)
+        if not 0.0 <= low <= 1.0 <= high:
+            raise BadRequest(
+                "loss_fn_config",
+                f"clip_low_threshold={low} / clip_high_threshold={high} must satisfy "
+                "0 <= low <= 1 <= high (e.g. 0.8 and 1.2)",
+            )
+        return LossSettings(policy_loss=self.unirl_loss, clip_low=1.0 - low, clip_high=high - 1.0)
+
+
+def _threshold(config: Mapping[str, float | str], key: str, default: float) -> float:
+    value = config.get(key, default)
+    if isinstance(value, str):
+        raise BadRequest(f"loss_fn_config.{key}", f"is the string {value!r}; send a number")
+    return float(value)
+
+
+_RL_INPUTS = ("logprobs", "advantages")
+SDK_LOSSES: Registry[SdkLoss] = Registry("SDK loss", key="loss_fn")
+SDK_LOSSES.register(
+    "cross_entropy", SdkLoss(unirl_loss="sft", inputs=("weights",), clipped=False, weighted=True)
+)
+SDK_LOSSES.register(
+    "importance_sampling",
+    SdkLoss(unirl_loss="ppo_clip", inputs=_RL_INPUTS, clipped=False, weighted=False),
+)
+SDK_LOSSES.register(
+    "ppo", SdkLoss(unirl_loss="ppo_clip", inputs=_RL_INPUTS, clipped=True, weighted=False)
+)
+SDK_LOSSES.register(
+    "cispo", SdkLoss(unirl_loss="cispo", inputs=_RL_INPUTS, clipped=True, weighted=False)
+)
+
+
+def sdk_loss(name: str) -> SdkLoss:
+    if name not in SDK_LOSSES.names():
+        raise BadRequest(
+            "loss_fn",
+            f"is {name!r}, which this server does not run; it runs {sorted(SDK_LOSSES.names())} "
+            "and forward_backward_custom (client-side)",
+        )
+    return SDK_LOSSES.get(name)
+
+
+@attrs.frozen(kw_only=True)
+class SummedLoss:
+    """`unirl.core.backend.LossFn` of one batch: the per-token loss summed over the mask
+    (``mb.loss_mask``: the weights, or 1 on every datum position)."""
+
+    settings: LossSettings
+    router: RouterLossSettings | None = None
+    # Per microbatch, in the order the backend ran them: (log-probs, per-token loss), detached;
+    # what the server hands back per datum.
+    records: list[tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=list)
+
+    def per_token(self, mb: TrainMicrobatch, logprobs: torch.Tensor) -> torch.Tensor:
+        inp = LossInputs(
+            logprobs=logprobs,
+            advantages=mb.advantages if mb.advantages is not None else torch.zeros_like(logprobs),
+            loss_mask=mb.loss_mask,
+            seq_ids=mb.seq_ids,
+            num_seqs=mb.num_seqs,
+            seq_token_counts=mb.seq_token_counts,
+            old_logprobs=mb.old_logprobs,
+        )
+        counts = GlobalCounts(tokens=mb.num_tokens, sequences=mb.num_seqs)
+        loss_t, _ = get_policy_loss(self.settings.policy_loss)(inp, counts, self.settings)
+        return loss_t * inp.mask
+
+    def __call__(
+        self,
+        mb: TrainMicrobatch,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        /,
+        *,
+        router_logits: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, Mapping[str, Metric]]:
+        loss_t = self.per_token(mb, logprobs)
+        self.records.append((logprobs.detach(), loss_t.detach()))
+        loss = loss_t.sum()
+        return loss, {"loss": Metric(numerator=loss.detach(), denominator=1.0, kind="tokens")}

@@ -1,0 +1,71 @@
+"""Sampling routes: sampling sessions (on a base model or saved sampler weights) and
+``asample`` (``sample`` and ``compute_logprobs`` in the SDK), queued like training requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from unirl.serve import state
+from unirl.serve.config import ServeConfig
+from unirl.serve.errors import BadRequest
+from unirl.serve.jobs import SampleWork
+from unirl.serve.requests import json_body, require
+from unirl.serve.runtime import Runtime, SamplingSession
+from unirl.serve.sampling import sample_job
+from unirl.serve.sessions import base_model_folder
+
+
+def _session_for(cfg: ServeConfig, body: dict[str, Any]) -> SamplingSession:
+    if body.get("model_path"):
+        path = state.parse_path(body["model_path"], "model_path")
+        folder = path.folder(cfg.state_dir)
+        meta = state.read_meta(folder, "model_path")
+        return SamplingSession(
+            base_model=meta["base_model"], model_path=path.uri, weights=folder / state.HF
+        )
+    base = require(body, "base_model", str)
+    return SamplingSession(base_model=base, model_path=None, weights=base_model_folder(cfg, base))
+
+
+def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
+    @app.get("/api/v1/get_server_capabilities")
+    def capabilities() -> dict[str, Any]:
+        models = [
+            {"model_name": name, "trainable": True, "sampleable": True} for name in cfg.base_models
+        ]
+        return {"supported_models": models}
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, str]:
+        body = await json_body(request, cfg.max_request_bytes)
+        sid = rt.add_sampling(_session_for(cfg, body))
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    def get_sampler(sampler_id: str) -> dict[str, Any]:
+        session = rt.get_sampling(sampler_id, "sampler_id")
+        return {
+            "sampler_id": sampler_id,
+            "base_model": session.base_model,
+            "model_path": session.model_path,
+        }
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        body = await json_body(request, cfg.max_request_bytes)
+        if body.get("sampling_session_id"):
+            session = rt.get_sampling(body["sampling_session_id"])
+        else:
+            session = _session_for(cfg, body)
+        if (
+            session.model_path is not None
+            and not session.weights.parent.joinpath(state.META).is_file()
+        ):
+            raise BadRequest("sampling_session_id", "names sampler weights not saved (yet)")
+        job = sample_job(body, session.weights, max_sample_tokens=cfg.max_sample_tokens)
+        answer: dict[str, Any] = rt.queue(SampleWork, job=job)
+        # the SDK stamps each sampled sequence with one of these ids
+        ids = [f"{answer['request_id']}/{i}" for i in range(job.num_samples)]
+        return {**answer, "sample_sequence_ids": ids}

@@ -1,0 +1,157 @@
+"""``sample`` and ``compute_logprobs`` on the built-in sampler (`unirl.rollouts.sampler`): a
+Hugging Face model loaded from the sampler weights a training client saved (or the base
+model), kept while the server runs. Each sampled token's log-prob is the sampler's (under the
+temperature-scaled distribution); prompt log-probs come from one forward of the prompt through
+core's `logprobs_from_logits`."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from unirl.core.maths.logprobs import logprobs_from_logits
+from unirl.rollouts.sampler import Sampler
+from unirl.serve.errors import BadRequest
+from unirl.serve.wire import WireSequence, encode_sample_response
+
+
+@attrs.frozen(kw_only=True)
+class SampleJob:
+    weights: Path  # a Hugging Face folder
+    prompt: tuple[int, ...]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_tokens: tuple[int, ...] | None  # None: the model's EOS
+    prompt_logprobs: bool
+
+
+def _prompt_tokens(prompt: Any) -> tuple[int, ...]:
+    chunks = prompt.get("chunks") if isinstance(prompt, Mapping) else None
+    if not isinstance(chunks, list) or not chunks:
+        raise BadRequest("prompt.chunks", "is missing or empty; send ModelInput.from_ints(...)")
+    tokens: list[int] = []
+    for c, chunk in enumerate(chunks):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise BadRequest(f"prompt.chunks[{c}]", "is not a token chunk; send token ids")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    return tuple(tokens)
+
+
+def _stop_tokens(stop: Any) -> tuple[int, ...] | None:
+    if stop is None:
+        return None
+    if isinstance(stop, list) and all(isinstance(s, int) for s in stop):
+        return tuple(stop)
+    raise BadRequest(
+        "sampling_params.stop",
+        f"is {stop!r}; this server stops on token ids only (a list of ints), not strings",
+    )
+
+
+def sample_job(body: Mapping[str, Any], weights: Path, *, max_sample_tokens: int) -> SampleJob:
+    params = dict(body.get("sampling_params") or {})
+    max_tokens = params.get("max_tokens") or 16
+    if not 1 <= int(max_tokens) <= max_sample_tokens:
+        raise BadRequest(
+            "sampling_params.max_tokens",
+            f"is {max_tokens}; use 1..{max_sample_tokens} (serve.max_sample_tokens)",
+        )
+    temperature = float(params.get("temperature", 1.0))
+    if temperature <= 0:
+        raise BadRequest("sampling_params.temperature", f"is {temperature}; it must be > 0")
+    top_p = float(params.get("top_p", 1.0))
+    if not 0 < top_p <= 1:
+        raise BadRequest("sampling_params.top_p", f"is {top_p}; it must be in (0, 1]")
+    if int(params.get("top_k", -1)) != -1:
+        raise BadRequest("sampling_params.top_k", "is set; this server samples without top-k")
+    num_samples = int(body.get("num_samples", 1))
+    if not 1 <= num_samples <= 64:
+        raise BadRequest("num_samples", f"is {num_samples}; use 1..64")
+    seed = params.get("seed")
+    return SampleJob(
+        weights=weights,
+        prompt=_prompt_tokens(body.get("prompt")),
+        num_samples=num_samples,
+        max_tokens=int(max_tokens),
+        temperature=temperature,
+        top_p=top_p,
+        seed=int(seed) if seed is not None else int(np.random.randint(0, 2**31)),
+        stop_tokens=_stop_tokens(params.get("stop")),
+        prompt_logprobs=bool(body.get("prompt_logprobs")),
+    )
+
+
+# Samplers kept loaded: an RL loop saves new sampler weights every step and samples the newest,
+# so older ones are dropped (a later request for one loads it again from disk).
+KEPT_SAMPLERS = 2
+
+
+class SamplerPool:
+    """The most recently used samplers, one per weights folder (saved weights never change);
+    each request samples from a `Sampler.variant` of its folder's (the model is not copied)."""
+
+    def __init__(self) -> None:
+        self._samplers: OrderedDict[Path, Sampler] = OrderedDict()
+
+    def sampler(self, weights: Path) -> Sampler:
+        if weights in self._samplers:
+            self._samplers.move_to_end(weights)
+            return self._samplers[weights]
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        eos = model.config.eos_token_id
+        sampler = Sampler(
+            model,
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=1,
+            seed=0,
+            eos_id=eos if isinstance(eos, int) else -1,
+        )
+        self._samplers[weights] = sampler
+        while len(self._samplers) > KEPT_SAMPLERS:
+            self._samplers.popitem(last=False)
+        return sampler
+
+    def run(self, job: SampleJob) -> bytes:
+        base = self.sampler(job.weights)
+        vocab = int(base.model.config.vocab_size)
+        bad = [t for t in job.prompt if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest("prompt", f"holds token id {bad[0]}, outside [0, {vocab})")
+        sampler = base.variant(
+            temperature=job.temperature,
+            max_new_tokens=job.max_tokens,
+            seed=job.seed,
+            top_p=job.top_p,
+            # SamplingParams.stop: None keeps <eos>; a list of ids replaces it ([]: none)
+            stop_ids=job.stop_tokens,
+        )
+        gens = sampler.generate([list(job.prompt)] * job.num_samples)
+        sequences = [
+            WireSequence(
+                tokens=g.response_tokens.numpy(), logprobs=g.logprobs.numpy(), stopped=g.finished
+            )
+            for g in gens
+        ]
+        prompt_lp = _prompt_logprobs(base.model, job.prompt) if job.prompt_logprobs else None
+        return encode_sample_response(sequences, prompt_lp)
+
+
+@torch.no_grad()
+def _prompt_logprobs(model: torch.nn.Module, prompt: tuple[int, ...]) -> np.ndarray:
+    """``[len(prompt)]``: NaN for the first token (no context), then log p(token | before)."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    logp = logprobs_from_logits(logits, ids[0, 1:])
+    return np.concatenate([[np.nan], logp.numpy()]).astype(np.float32)

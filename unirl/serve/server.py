@@ -1,0 +1,31 @@
+"""Run the server: the runtime (process group, worker) and uvicorn on ``host:port``."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from unirl.serve.app import make_app
+from unirl.serve.config import ServeConfig
+from unirl.serve.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+def build_server(cfg: ServeConfig) -> tuple[uvicorn.Server, Runtime]:
+    """The uvicorn server and the runtime behind it (started; `Runtime.stop` when done)."""
+    runtime = Runtime(cfg)
+    app = make_app(cfg, runtime)  # checks the API key before anything starts
+    runtime.start()
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning")
+    return uvicorn.Server(config), runtime
+
+
+def serve(cfg: ServeConfig) -> None:
+    server, runtime = build_server(cfg)
+    logger.info("unirl serve: http://%s:%d (%s)", cfg.host, cfg.port, ", ".join(cfg.base_models))
+    try:
+        server.run()
+    finally:
+        runtime.stop()
