@@ -135,3 +135,23 @@ class MergedParameters(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._params)
+
+
+def load_peft_folder(adapters: LoraAdapters, path: str) -> None:
+    """``model.lora.path``: the PEFT adapter there into this rank's shards (collective: a tensor
+    no rank's model takes is refused, naming it, before any training)."""
+    from unirl.backends.peft_folder import read_peft_folder
+
+    tensors = read_peft_folder(path, adapters.lora)
+    used = load_adapter(adapters, tensors, path)
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, used)
+        used = set().union(*everyone)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ConfigError(
+            f"model.lora.path={path!r} has {len(unused)} tensor(s) no adapted linear takes, "
+            f"first {unused[0]!r}; check model.lora.target_modules / target_experts against "
+            "the adapter's"
+        )
