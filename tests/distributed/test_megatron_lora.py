@@ -4,7 +4,7 @@ fp32, over gloo.
 The reference is written here: a tiny Llama with random weights saved as a Hugging Face folder
 (``model.path``) and a peft adapter on every linear with random, non-zero A and B saved with
 ``save_pretrained`` (``model.lora.path``). Per layout (one rank; TP2 with sequence parallel;
-PP2), one backend:
+PP2; PP2 x VPP2), one backend:
 
 - per-token log-probs of the policy equal peft's (each sequence run alone), and of the
   reference role the base model's (peft's ``disable_adapter``: the adapter off, no second model);
@@ -210,10 +210,15 @@ LAYOUTS = {
     "single": (1, {}, 2),
     "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}, 2),
     "pp2": (2, {"pp": 2}, 2),
+    "pp2_vpp2": (2, {"pp": 2, "vpp": 2}, 4),
 }
+# PP2 covers the pipeline in the default tier; VPP's chunks (about 50 s here) in the slow one
+SLOW = {"pp2_vpp2"}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=[pytest.mark.slow] if k in SLOW else []) for k in LAYOUTS]
+)
 def test_lora_matches_peft(tmp_path, layout):
     world, parallel, layers = LAYOUTS[layout]
     base, adapter = _folders(tmp_path, layers)
@@ -257,3 +262,52 @@ def _check_merged_and_export(result, base, exported, mbs):
         for mb, got in zip(mbs, result["stepped_logprobs"]):
             valid = mb.loss_mask.bool()
             torch.testing.assert_close(got[valid], _logprobs(model, mb)[valid], atol=ATOL, rtol=0)
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def _step(backend, mbs, spec):
+    from unirl.core.progress.bars import MicrobatchProgress
+
+    with MicrobatchProgress("test", len(mbs), backend.topology, enabled=False) as bar:
+        backend.forward_backward(mbs, loss_fn=_loss_fn, spec=spec, progress=bar)
+    backend.optimizer_step()
+
+
+def _resume_worker(rank, world_size, base, adapter, ckpt):
+    """Step, save, step (A); load, step again (B): A == B bit for bit; the loaded checkpoint
+    holds the adapter and Adam's moments (the second step after loading equals the first)."""
+    from unirl.backends.megatron import build_backend
+    from unirl.core.config.run_config import config_from_dict
+    from unirl.core.maths.logprob_spec import LogprobSpec
+
+    parallel = {"tp": 2, "sequence_parallel": True, "zero_stage": 1}
+    cfg = config_from_dict(_config(base, adapter, parallel), world_size=world_size)
+    backend = build_backend(cfg, total_optimizer_steps=3)
+    mbs = [_microbatch(lengths, seed=i) for i, lengths in enumerate(MICROBATCHES)]
+    spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
+    _step(backend, mbs, spec)
+    saved = backend.adapter_state_dict()
+    backend.save_checkpoint(ckpt, {"note": 1})
+    _step(backend, mbs, spec)
+    first = backend.adapter_state_dict()
+    _step(backend, mbs, spec)  # moves the adapter and the moments away from the checkpoint's
+    client = backend.load_checkpoint(ckpt)
+    loaded = backend.adapter_state_dict()
+    _step(backend, mbs, spec)
+    again = backend.adapter_state_dict()
+    backend.close()
+    return {"saved": saved, "loaded": loaded, "first": first, "again": again, "client": client}
+
+
+def test_lora_checkpoint_resumes_exactly(tmp_path):
+    base, adapter = _folders(tmp_path, 2)
+    results = run_distributed(_resume_worker, 2, base, adapter, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["client"]["note"] == 1
+        for name, want in r["saved"].items():
+            assert torch.equal(r["loaded"][name], want), name
+        for name, want in r["first"].items():
+            assert torch.equal(r["again"][name], want), name
+            assert not torch.equal(want, r["saved"][name]), name  # the step moved it
