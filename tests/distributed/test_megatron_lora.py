@@ -311,3 +311,42 @@ def test_lora_checkpoint_resumes_exactly(tmp_path):
         for name, want in r["first"].items():
             assert torch.equal(r["again"][name], want), name
             assert not torch.equal(want, r["saved"][name]), name  # the step moved it
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+def _refusal_worker(rank, world_size, cases):
+    """Each case's config built on TP2; the `ConfigError` message it raises (None: built)."""
+    from unirl.backends.megatron import build_backend
+    from unirl.core.config.run_config import config_from_dict
+    from unirl.core.errors import ConfigError
+
+    out = []
+    for case in cases:
+        cfg = config_from_dict(case, world_size=world_size)
+        try:
+            build_backend(cfg, total_optimizer_steps=1).close()
+            out.append(None)
+        except ConfigError as exc:
+            out.append(str(exc))
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+    return out
+
+
+def test_refused_adapters_name_the_key(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base, adapter = _folders(tmp_path, 2)
+    weights = f"{adapter}/adapter_model.safetensors"
+    tensors = load_file(weights)
+    stray = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"  # no layer 7
+    save_file(tensors | {stray: torch.zeros(RANK, 32)}, weights)
+    dropout = _config(base, None, {"tp": 2})
+    dropout["model"]["lora"] |= {"dropout": 0.1}
+    results = run_distributed(_refusal_worker, 2, [dropout, _config(base, adapter, {"tp": 2})])
+    for messages in results:
+        assert "model.lora.dropout=0.1 with tensor parallel 2" in messages[0]
+        assert f"has 1 tensor(s) no adapted linear takes, first {stray!r}" in messages[1]
