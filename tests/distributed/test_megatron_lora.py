@@ -3,8 +3,8 @@ fp32, over gloo.
 
 The reference is written here: a tiny Llama with random weights saved as a Hugging Face folder
 (``model.path``) and a peft adapter on every linear with random, non-zero A and B saved with
-``save_pretrained`` (``model.lora.path``). Per layout (one rank; TP2 with sequence parallel;
-PP2; PP2 x VPP2), one backend:
+``save_pretrained`` (``model.lora.path``). Per layout (one rank; TP2 with and without sequence
+parallel; PP2; PP2 x VPP2; CP2), one backend:
 
 - per-token log-probs of the policy equal peft's (each sequence run alone), and of the
   reference role the base model's (peft's ``disable_adapter``: the adapter off, no second model);
@@ -67,9 +67,42 @@ def _folders(tmp_path, layers):
     return str(tmp_path / "base"), str(tmp_path / "adapter")
 
 
-def _weights(n):
-    """Per-token weights of the test's loss (fixed, varied)."""
-    return torch.linspace(-1.0, 2.0, n)
+def _weights(mb):
+    """Per-token weights of the test's loss: varied, and a function of each token's sequence and
+    position, so a context-parallel rank's share of a microbatch weighs its tokens the same."""
+    return torch.sin(0.7 * mb.position_ids + 1.3 * mb.seq_ids)
+
+
+def _cp_layout(mb, topology):
+    return _layout(mb, topology.cp_size, topology.cp_rank)
+
+
+def _layout(mb, cp_size, cp_rank):
+    from unirl.core.data.context_parallel import CPLayout
+
+    return CPLayout.build(mb.cu_seqlens.long(), cp_size, cp_rank)
+
+
+def _split(mb, cp, tensor):
+    """A whole-microbatch tensor cut to the tokens of context-parallel rank ``cp[1]``."""
+    return tensor if cp[0] == 1 else _layout(mb, *cp).split(tensor)
+
+
+def _local(mb, topology):
+    """This context-parallel rank's share of a whole-sequence microbatch (core's split)."""
+    if topology.cp_size == 1:
+        return mb
+    layout = _cp_layout(mb, topology)
+    return mb.with_fields(
+        tokens=layout.split(mb.tokens),
+        targets=layout.split(mb.targets),
+        loss_mask=layout.split(mb.loss_mask),
+        position_ids=layout.position_ids,
+        seq_ids=layout.seq_ids,
+        cu_seqlens=layout.local_cu_seqlens.to(torch.int32),
+        global_cu_seqlens=mb.cu_seqlens,
+        cp_group=topology.groups.cp,
+    )
 
 
 def _config(base, adapter, parallel):
@@ -95,7 +128,7 @@ def _config(base, adapter, parallel):
 
 
 def _loss_fn(mb, logprobs, entropy, /, **_):
-    return (_weights(mb.num_tokens) * mb.loss_mask * logprobs).sum(), {}
+    return (_weights(mb) * mb.loss_mask * logprobs).sum(), {}
 
 
 def _base_params(backend):
@@ -130,9 +163,11 @@ def _worker(rank, world_size, base, adapter, parallel, out_dir):
     cfg = config_from_dict(_config(base, adapter, parallel), world_size=world_size)
     backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=True)
     topo = backend.topology
-    mbs = [_microbatch(lengths, seed=i) for i, lengths in enumerate(MICROBATCHES)]
+    whole = [_microbatch(lengths, seed=i) for i, lengths in enumerate(MICROBATCHES)]
+    mbs = [_local(mb, topo) for mb in whole]
     spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
     out = {"loaded": backend.adapter_state_dict(), "pp_rank": topo.pp_rank}
+    out["cp"] = (topo.cp_size, topo.cp_rank)
     before = _base_params(backend)
     for role in ("policy", "reference"):
         with MicrobatchProgress("test", len(mbs), topo, enabled=False) as bar:
@@ -189,7 +224,7 @@ def _reference(base, adapter, mbs):
     for mb in mbs:
         logp = _logprobs(model, mb)
         ref["policy"].append(logp.detach())
-        loss = loss + (_weights(mb.num_tokens) * mb.loss_mask * logp).sum()
+        loss = loss + (_weights(mb) * mb.loss_mask * logp).sum()
     loss.backward()
     ref["grads"] = _peft_grads(model)
     ref["grad_norm"] = torch.sqrt(sum((g.double() ** 2).sum() for g in ref["grads"].values()))
@@ -211,9 +246,12 @@ LAYOUTS = {
     "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}, 2),
     "pp2": (2, {"pp": 2}, 2),
     "pp2_vpp2": (2, {"pp": 2, "vpp": 2}, 4),
+    "tp2": (2, {"tp": 2}, 2),
+    "cp2": (2, {"cp": 2}, 2),
 }
-# PP2 covers the pipeline in the default tier; VPP's chunks (about 50 s here) in the slow one
-SLOW = {"pp2_vpp2"}
+# The default tier: one rank, TP2 with sequence parallel (the branch's harder comm), PP2; the
+# slow one adds VPP's chunks, TP2 without sequence parallel and CP2 (nothing of LoRA's own)
+SLOW = {"pp2_vpp2", "tp2", "cp2"}
 
 
 @pytest.mark.parametrize(
@@ -236,7 +274,8 @@ def test_lora_matches_peft(tmp_path, layout):
             continue  # log-probs live on the last stage
         for role in ("policy", "reference"):
             for mb, got, want in zip(mbs, r[role], ref[role]):
-                valid = mb.loss_mask.bool()
+                valid = _split(mb, r["cp"], mb.loss_mask).bool()
+                want = _split(mb, r["cp"], want)
                 torch.testing.assert_close(got[valid], want[valid], atol=ATOL, rtol=0)
     last_stage = next(r for r in results if r["pp_rank"] == last)
     _check_merged_and_export(last_stage, base, str(tmp_path / "out"), mbs)
@@ -260,8 +299,9 @@ def _check_merged_and_export(result, base, exported, mbs):
     model = peft.PeftModel.from_pretrained(hf, exported).eval()
     with torch.no_grad():
         for mb, got in zip(mbs, result["stepped_logprobs"]):
-            valid = mb.loss_mask.bool()
-            torch.testing.assert_close(got[valid], _logprobs(model, mb)[valid], atol=ATOL, rtol=0)
+            valid = _split(mb, result["cp"], mb.loss_mask).bool()
+            want = _split(mb, result["cp"], _logprobs(model, mb))
+            torch.testing.assert_close(got[valid], want[valid], atol=ATOL, rtol=0)
 
 
 # --- checkpoints ----------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def _microbatches(dp_rank):
 
 
 def _loss_fn(mb, logprobs, entropy, /, **_):
-    return (_weights(mb.num_tokens) * mb.loss_mask * logprobs).sum(), {}
+    return (_weights(mb) * mb.loss_mask * logprobs).sum(), {}
 
 
 def _worker(rank, world_size, base, adapter):
@@ -226,7 +226,7 @@ def test_expert_adapters_under_ep2_match_a_per_expert_reference(tmp_path):
         for mb in _microbatches(dp_rank):
             logp = _logprobs(model, mb)
             policy[dp_rank].append(logp.detach())
-            loss = loss + (_weights(mb.num_tokens) * mb.loss_mask * logp).sum()
+            loss = loss + (_weights(mb) * mb.loss_mask * logp).sum()
     loss.backward()
     grads = _state(model, layers, lambda p: p.grad)
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
