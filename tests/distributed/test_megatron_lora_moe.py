@@ -1,6 +1,6 @@
 """LoRA with expert adapters (``model.lora.target_experts``) on a tiny Qwen3-MoE under expert
 parallel 2 (two ranks: experts 0-3 on rank 0, 4-7 on rank 1; attention data-parallel over both),
-against transformers in fp32.
+against transformers in fp32, with unirl's grouped experts and megatron's SequentialMLP.
 
 The reference is written here: peft adapts the attention's q / k / v / o; transformers 5 holds
 the experts as fused ``[E, 2F, H]`` / ``[E, H, F]`` tensors peft cannot adapt per expert, so
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 transformers = pytest.importorskip("transformers", reason="needs transformers (unirl[hf])")
 peft = pytest.importorskip("peft", reason="needs peft (unirl[lora])")
 
-RANK, ALPHA = 2, 4.0
+RANK, ALPHA = 4, 8.0  # the grouped matmul's fp32 rows: a multiple of 4
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TARGETS = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -165,7 +165,7 @@ def _loss_fn(mb, logprobs, entropy, /, **_):
     return (_weights(mb) * mb.loss_mask * logprobs).sum(), {}
 
 
-def _worker(rank, world_size, base, adapter):
+def _worker(rank, world_size, base, adapter, experts):
     from unirl.backends.megatron import build_backend
     from unirl.core.config.run_config import config_from_dict
     from unirl.core.maths.logprob_spec import LogprobSpec
@@ -190,6 +190,7 @@ def _worker(rank, world_size, base, adapter):
             },
             "algorithm": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0},
             "parallel": {"ep": 2},
+            "megatron": {"experts": experts},
             "train": {"seed": 0},
             "logging": {"tensorboard": False},
         },
@@ -215,9 +216,16 @@ def _worker(rank, world_size, base, adapter):
     return out
 
 
-def test_expert_adapters_under_ep2_match_a_per_expert_reference(tmp_path):
+@pytest.mark.parametrize(
+    "experts",
+    # grouped: the GPU's default (grouped matmuls, torch's per-expert fallback on the CPU);
+    # sequential (the CPU's default, megatron's per-expert linears) shares the naming, the
+    # expert-parallel gather and the expert buffers, so it is in the slow tier
+    ["grouped", pytest.param("sequential", marks=pytest.mark.slow)],
+)
+def test_expert_adapters_under_ep2_match_a_per_expert_reference(tmp_path, experts):
     base_path, adapter, (base, model, layers) = _folders(tmp_path)
-    results = run_distributed(_worker, 2, base_path, adapter)
+    results = run_distributed(_worker, 2, base_path, adapter, experts)
     model.eval()
     want_loaded = _state(model, layers, lambda p: p)
     loss, policy = 0.0, {}

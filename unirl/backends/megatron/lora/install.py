@@ -4,9 +4,10 @@ Each adapted megatron linear gets a sibling module ``<linear>_lora`` (``linear_q
 ``linear_qkv``; so the base's parameter names, the Hugging Face conversion and the base's
 checkpoint entries are unchanged) and a forward hook adding the branch to the linear's output.
 Targets are HF module names (`layout.HF_MODULE`); routed experts (``model.lora.target_experts``)
-get an adapter per expert on megatron's `SequentialMLP` experts, which live with their experts
-under expert parallel. Pipeline and virtual-pipeline stages adapt the layers they hold; context
-parallel changes nothing here (each rank's tokens go through the same linears, and the adapter's
+get an adapter per expert, living with its expert under expert parallel: on megatron's
+`SequentialMLP` through the same hook, on unirl's `GroupedExperts` run grouped
+(`grouped.LoraGroupedExperts`). Pipeline and virtual-pipeline stages adapt the layers they hold;
+context parallel changes nothing here (each rank's tokens go through the same linears, and the adapter's
 gradient is reduced over data x context parallel by megatron's DDP like every other one).
 
 A's initialisation: for each HF module, ``A ~ U(-1/sqrt(in), 1/sqrt(in))`` (peft's
@@ -30,6 +31,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from unirl.backends.megatron.lora.branch import BranchSpec, Comm, LoraBranch
+from unirl.backends.megatron.lora.grouped import LoraGroupedExperts
 from unirl.backends.megatron.lora.layout import (
     ADAPTABLE,
     ATTENTION_TARGETS,
@@ -193,6 +195,19 @@ def _install(
     return branch
 
 
+def _check_grouped_rank(experts: GroupedExperts, lora: LoraConfig) -> None:
+    """``torch._grouped_mm`` reads rows in 16-byte steps (on every device): the adapter's
+    ``[T, rank]`` rows too."""
+    weight = experts.local_experts[0].linear_fc1.weight
+    per_row = 16 // weight.element_size()
+    if lora.rank % per_row:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} with target_experts on grouped experts "
+            f"({weight.dtype}): torch's grouped matmul needs a rank that is a multiple of "
+            f"{per_row}; choose one, or set megatron.experts: sequential"
+        )
+
+
 def _layer_owners(layer: Any, layer_index: int, lora: LoraConfig) -> Iterator[tuple]:
     """(module, linear name, its targets, HF module prefix, expert) for one decoder layer."""
     attn = f"model.layers.{layer_index}.self_attn."
@@ -207,13 +222,16 @@ def _layer_owners(layer: Any, layer_index: int, lora: LoraConfig) -> Iterator[tu
     if not lora.target_experts:
         return
     experts = mlp.experts
-    if type(experts) is not SequentialMLP:
-        kind = "GroupedExperts" if isinstance(experts, GroupedExperts) else type(experts).__name__
+    if type(experts) not in (SequentialMLP, GroupedExperts, LoraGroupedExperts):
         raise ConfigError(
-            f"model.lora.target_experts on layer {layer_index}: its experts are {kind}; expert "
-            "adapters run on megatron's SequentialMLP experts: set megatron.experts: sequential "
-            "or model.lora.target_experts: false"
+            f"model.lora.target_experts on layer {layer_index}: its experts are "
+            f"{type(experts).__name__}; expert adapters run on megatron's SequentialMLP or "
+            "unirl's grouped experts: set megatron.experts: grouped or sequential, or "
+            "model.lora.target_experts: false"
         )
+    if isinstance(experts, GroupedExperts):
+        _check_grouped_rank(experts, lora)
+        experts.__class__ = LoraGroupedExperts  # its forward adds the experts' branches
     for local, expert_mlp in enumerate(experts.local_experts):
         e = mlp.local_expert_indices[local]
         info = (layer_index, e, mlp.num_local_experts)
