@@ -156,7 +156,7 @@ class MegatronBackend(EngineBackend):
         )
         adapters = None
         if lora and self.cfg.model.lora is not None:
-            adapters = install_lora(chunks, self.cfg.model.lora)
+            adapters = install_lora(chunks, self.cfg.model.lora, recompute=recompute)
             if self.cfg.model.lora.path is not None:
                 load_peft_folder(adapters, self.cfg.model.lora.path)
         return MegatronModel(

@@ -239,11 +239,25 @@ def _layer_owners(layer: Any, layer_index: int, lora: LoraConfig) -> Iterator[tu
             yield expert_mlp, name, targets, f"model.layers.{layer_index}.mlp.experts.{e}.", info
 
 
-def install_lora(chunks: Sequence[torch.nn.Module], lora: LoraConfig) -> LoraAdapters:
-    """Adapters on every targeted linear of ``chunks``; every other parameter frozen."""
+def _embedding_output_requires_grad(module: Any, args: tuple, output: torch.Tensor) -> Any:
+    return output.requires_grad_() if not output.requires_grad else output
+
+
+def install_lora(
+    chunks: Sequence[torch.nn.Module], lora: LoraConfig, *, recompute: bool = False
+) -> LoraAdapters:
+    """Adapters on every targeted linear of ``chunks``; every other parameter frozen.
+
+    ``recompute`` (megatron's full activation recompute): its checkpoint function is an
+    autograd function whose outputs need grad only if an input does, and the frozen
+    embedding's output does not, so the first stage's recomputed layers would give their
+    adapters no gradient; the embedding's output is marked as needing one (the same fix as
+    transformers' ``enable_input_require_grads``)."""
     check_targets(lora)
     for chunk in chunks:
         chunk.requires_grad_(False)
+        if recompute and chunk.pre_process:
+            chunk.embedding.register_forward_hook(_embedding_output_requires_grad)
     adapted: list[Adapted] = []
     for c, chunk in enumerate(chunks):
         names = {id(m): n for n, m in chunk.named_modules()}
