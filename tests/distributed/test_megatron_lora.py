@@ -356,8 +356,11 @@ def test_lora_checkpoint_resumes_exactly(tmp_path):
 # --- refusals ---------------------------------------------------------------------------------
 
 
-def _refusal_worker(rank, world_size, cases):
-    """Each case's config built on TP2; the `ConfigError` message it raises (None: built)."""
+def _build_worker(rank, world_size, cases):
+    """Each case's config built on TP2: the `ConfigError` message it raises, or the adapter
+    it starts with."""
+    from megatron.core import parallel_state as ps
+
     from unirl.backends.megatron import build_backend
     from unirl.core.config.run_config import config_from_dict
     from unirl.core.errors import ConfigError
@@ -366,17 +369,22 @@ def _refusal_worker(rank, world_size, cases):
     for case in cases:
         cfg = config_from_dict(case, world_size=world_size)
         try:
-            build_backend(cfg, total_optimizer_steps=1).close()
-            out.append(None)
+            backend = build_backend(cfg, total_optimizer_steps=1)
         except ConfigError as exc:
             out.append(str(exc))
-            from megatron.core import parallel_state as ps
-
             ps.destroy_model_parallel()
+            continue
+        out.append(backend.adapter_state_dict())
+        backend.close()
     return out
 
 
-def test_refused_adapters_name_the_key(tmp_path):
+def test_adapter_init_and_refusals(tmp_path):
+    """Without ``model.lora.path``: A drawn per module from ``init_seed`` and its PEFT name
+    (``U(-1/sqrt(in), 1/sqrt(in))``, peft's bound), whole on every TP rank, B zero. Refused, naming
+    the key: dropout under TP, a PEFT tensor no linear takes."""
+    import zlib
+
     from safetensors.torch import load_file, save_file
 
     base, adapter = _folders(tmp_path, 2)
@@ -384,9 +392,19 @@ def test_refused_adapters_name_the_key(tmp_path):
     tensors = load_file(weights)
     stray = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"  # no layer 7
     save_file(tensors | {stray: torch.zeros(RANK, 32)}, weights)
+    fresh = _config(base, None, {"tp": 2})
+    fresh["model"]["lora"] |= {"init_seed": 3}
     dropout = _config(base, None, {"tp": 2})
     dropout["model"]["lora"] |= {"dropout": 0.1}
-    results = run_distributed(_refusal_worker, 2, [dropout, _config(base, adapter, {"tp": 2})])
-    for messages in results:
+    cases = [fresh, dropout, _config(base, adapter, {"tp": 2})]
+    for started, *messages in run_distributed(_build_worker, 2, cases):
+        assert set(started) == set(tensors)  # every module peft adapts, in its names
+        for name, t in started.items():
+            if ".lora_B." in name:
+                assert torch.equal(t, torch.zeros_like(t)), name
+                continue
+            gen = torch.Generator().manual_seed(3 + zlib.crc32(name.encode()))
+            bound = 1 / t.shape[1] ** 0.5
+            assert torch.equal(t, (torch.rand(t.shape, generator=gen) * 2 - 1) * bound), name
         assert "model.lora.dropout=0.1 with tensor parallel 2" in messages[0]
         assert f"has 1 tensor(s) no adapted linear takes, first {stray!r}" in messages[1]
