@@ -44,6 +44,7 @@ import torch
 
 from benchmarks.megatron_throughput import (
     MODELS,
+    add_recompute_arguments,
     config_dict,
     matmul_params,
     model_flops,
@@ -154,6 +155,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
             }
             if args.device == "cuda":
                 res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                # weights + gradients + optimizer state between steps (the peak's rest: the step)
+                res["memory_between_steps_gib"] = torch.cuda.memory_allocated() / 2**30
             else:  # the process's peak resident memory (CPU smoke runs)
                 res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             res["summary"] = summary(hf, lengths, res, backend.topology.world_size)
@@ -182,6 +185,8 @@ def model_shape(args: argparse.Namespace) -> dict[str, Any]:
     hf = dict(MODELS[args.model])
     if args.layers is not None:
         hf["num_hidden_layers"] = args.layers
+    # RoPE's position table long enough for --max-len (the longest-sequence rows)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_len)
     if args.hidden is not None:  # smoke runs: a small model of the same family
         heads = hf["num_attention_heads"]
         hf.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden)
@@ -223,6 +228,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--tokens-per-microbatch", type=int, default=16384)
     parser.add_argument("--recompute-activations", action="store_true")
+    add_recompute_arguments(parser)  # the Megatron engine's (the HF engines recompute whole layers)
     parser.add_argument(
         "--fused-head", action="store_true", help="model.fused_head: log-probs without logits"
     )

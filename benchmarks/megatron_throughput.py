@@ -34,8 +34,18 @@ Mixture of experts (``--model qwen3-30b-a3b --layers 8``): ``N`` counts the acti
         --experts grouped --out benchmarks/results/megatron_throughput/<date>_h200_<commit>_moe-grouped.json
 
 ``--fused-head`` sets ``model.fused_head: true`` (log-probs from the last stage's hidden states and
-the output layer's weight, no ``[T, V]`` logits); the plain loop computes megatron's own
-cross-entropy from logits and does not run then.
+the output layer's weight, no ``[T, V]`` logits); without it ``auto`` chooses from the logits'
+bytes (`unirl.core.config.head_memory`). The plain loop computes megatron's own cross-entropy from
+logits and does not run with the fused head.
+
+Long sequences (issue 49): ``--model qwen3-4b`` / ``qwen3-0.6b``, one sequence of 65,536 tokens per
+microbatch, megatron's activation recompute (``--recompute-activations`` whole layers, with
+``--recompute-layers N`` the first N only; ``--recompute-modules mlp,layernorm`` selective)::
+
+    PYTHONPATH=$PWD python benchmarks/megatron_throughput.py --model qwen3-4b --samples 2 \
+        --group 2 --min-len 65536 --max-len 65536 --tokens-per-microbatch 65536 \
+        --recompute-activations --modes reuse --steps 1 \
+        --out benchmarks/results/megatron_throughput/<date>_h200_<commit>_qwen3-4b-64k.json
 
 ``--search-tokens 16384,24576,32768,...`` finds the largest token-budget microbatch that fits:
 it runs the reuse step at each budget in turn (each rollout long enough for two full
@@ -103,6 +113,40 @@ MODELS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "use_sliding_window": False,
+    },
+    # Qwen3-4B's architecture (config.json of Qwen/Qwen3-4B: GQA 32 / 8 heads of 128 with q / k
+    # RMSNorm, tied embeddings); max_position_embeddings raised from 40,960 to the 65,536-token
+    # sequences of the long-sequence rows (issue 49; RoPE's position table only)
+    "qwen3-4b": {
+        "model_type": "qwen3",
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 65536,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+    },
+    # Qwen3-0.6B's architecture (config.json of Qwen/Qwen3-0.6B), the same raised position table
+    "qwen3-0.6b": {
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 65536,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
     },
     # Qwen3-30B-A3B's architecture (config.json of Qwen/Qwen3-30B-A3B); the issue measures it at
     # --layers 8, EP = 1, --experts sequential | grouped
@@ -197,17 +241,23 @@ def config_dict(
     tokens_per_microbatch: int | None = None,
 ) -> dict:
     samples = samples or args.samples
+    megatron: dict[str, Any] = {"attention": args.attention}
+    if args.recompute_modules:
+        megatron["recompute_modules"] = args.recompute_modules.split(",")
+    if args.recompute_layers is not None:
+        megatron["recompute_layers"] = args.recompute_layers
     return {
         "backend": "megatron",
         "old_logprobs": old_logprobs,
-        "megatron": {"attention": args.attention},
+        "megatron": megatron,
         "model": {
             "hf_config": hf,
             "init_seed": 0,
             "dtype": "bf16",
             "max_seq_len": args.max_len,
             "gradient_checkpointing": args.recompute_activations,
-            "fused_head": args.fused_head,
+            # auto: the loss inside the head when the logits would exceed the budget
+            "fused_head": True if args.fused_head else "auto",
         },
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
         "batch": {
@@ -458,6 +508,30 @@ def triton_fusions_state() -> str:
     return gpu_fusions.status()
 
 
+def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron's activation recompute beyond ``--recompute-activations`` (whole layers)."""
+    parser.add_argument(
+        "--recompute-modules",
+        default="",
+        help="megatron.recompute_modules: selective recompute of these layer parts, e.g. mlp,layernorm",
+    )
+    parser.add_argument(
+        "--recompute-layers",
+        type=int,
+        default=None,
+        help="megatron.recompute_layers: with --recompute-activations, only the first N layers",
+    )
+
+
+def recompute_summary(args: argparse.Namespace) -> str:
+    if args.recompute_activations:
+        n = args.recompute_layers
+        return "full, every layer" if n is None else f"full, the first {n} layers (block)"
+    if args.recompute_modules:
+        return f"selective: {args.recompute_modules}"
+    return "none"
+
+
 def force_experts(choice: str) -> str:
     """``--experts``: leave `select_experts` to decide (auto) or make the MoE layers' spec use
     one module for this A/B (a benchmark-only override of
@@ -490,6 +564,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-microbatch", type=int, default=16384)
     parser.add_argument("--attention", default="packed", choices=["packed", "padded", "unfused"])
     parser.add_argument("--recompute-activations", action="store_true")
+    add_recompute_arguments(parser)
     parser.add_argument("--modes", default="reuse,recompute,plain")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
@@ -506,7 +581,8 @@ def main() -> None:
     parser.add_argument(
         "--fused-head",
         action="store_true",
-        help="model.fused_head: no logits; PPO-clip's loss inside the head (3 head matmuls)",
+        help="model.fused_head: true, no logits; PPO-clip's loss inside the head (3 head "
+        "matmuls). Without it: auto, fused when the logits + gradient exceed 10 GiB",
     )
     parser.add_argument(
         "--experts",
@@ -540,7 +616,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from unirl.backends import build_backend
-    from unirl.core.config.derived import head_path
+    from unirl.core.config.derived import fused_head, head_path
     from unirl.core.config.run_config import config_from_dict
     from unirl.core.data.rollout import RolloutBatch
 
@@ -552,6 +628,8 @@ def main() -> None:
     hf = dict(MODELS[args.model])
     if args.layers is not None:
         hf["num_hidden_layers"] = args.layers
+    # RoPE's position table long enough for --max-len (the longest-sequence rows)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_len)
     lengths = rollout_lengths(args)
     batch = RolloutBatch.from_records(rollout_records(lengths, hf["vocab_size"], args.group, 0))
     cfgs = {mode: config_from_dict(config_dict(args, hf, mode)) for mode in ("reuse", "recompute")}
@@ -559,6 +637,11 @@ def main() -> None:
     backend = build_backend(cfgs["reuse"], total_optimizer_steps=1000, needs_reference=False)
     build_s = time.perf_counter() - t0
     gpus = backend.topology.world_size
+    built_gib = torch.cuda.memory_allocated() / 2**30
+    if fused_head(cfgs["reuse"]) and "plain" in args.modes.split(","):
+        # the plain loop takes megatron's cross-entropy from logits, which the fused head omits
+        logger.info("model.fused_head: auto chose the fused head: no plain megatron-core mode")
+        args.modes = ",".join(m for m in args.modes.split(",") if m != "plain")
     report: dict[str, Any] = {
         "environment": {
             **run_environment(),
@@ -579,7 +662,8 @@ def main() -> None:
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "attention": args.attention,
             "activation_recompute": args.recompute_activations,
-            "fused_head": args.fused_head,
+            "fused_head": fused_head(cfgs["reuse"]),
+            "recompute": recompute_summary(args),
             "wgrad_fusion": bool(wgrad_fusion_state()),
             # Triton packed RoPE + SwiGLU backward (unirl.backends.megatron.kernels.gpu_fusions)
             "triton_fusions": triton_fusions_state(),
@@ -594,6 +678,8 @@ def main() -> None:
             "peak_per_gpu": PEAK_BF16_FLOPS,
         },
         "build_s": build_s,
+        # weights, gradient buffers (and nothing of the optimizer yet: its state is made lazily)
+        "memory_after_build_gib": built_gib,
         "results": {},
     }
     results = report["results"]
@@ -614,6 +700,9 @@ def main() -> None:
         else:
             res = run_rl_steps(cfgs[mode], backend, batch, args)
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        # between steps: weights + gradient buffers + optimizer state; the peak's rest is the
+        # step's activations, logits (or the fused head's chunk) and temporaries
+        res["memory_between_steps_gib"] = torch.cuda.memory_allocated() / 2**30
         res["summary"] = summary(hf, lengths, res, gpus)
         results[mode] = res
         logger.info("%s: %s", mode, json.dumps(res["summary"]))

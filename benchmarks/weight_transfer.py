@@ -4,6 +4,9 @@ time per GB of the CUDA IPC transport, and peak GPU memory of a weight stream at
     # 1. IPC time per GB, Qwen2.5-1.5B and -7B shapes (random bf16 weights, 1 GiB buckets)
     PYTHONPATH=$PWD python benchmarks/weight_transfer.py transfer \\
         --out benchmarks/results/weight_transfer/<date>_h200_<commit>_transfer.json
+    # 1b. the verified sync's fingerprints on both sides of that sync
+    PYTHONPATH=$PWD python benchmarks/weight_transfer.py verify \\
+        --out benchmarks/results/weight_transfer/<date>_h200_<commit>_verify.json
     # 2. peak GPU memory of a sync at 7B shape, one GPU, against the trainer's own
     PYTHONPATH=$PWD python benchmarks/weight_transfer.py memory --backend megatron \\
         --out benchmarks/results/weight_transfer/<date>_h200_<commit>_memory-megatron.json
@@ -107,12 +110,20 @@ def _receiver(inbox: Any, outbox: Any) -> None:
 
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    from unirl.core.weights.fingerprint import Fingerprint
+
     torch.cuda.set_device(0)
     uuid = str(torch.cuda.get_device_properties(0).uuid)
+    verify: Fingerprint | None = None
     while True:
         kind, info = inbox.get()
         if kind == "stop":
             return
+        if kind == "verify":  # fingerprint the next syncs' tensors; report the last one's time
+            seconds = None if verify is None else verify.seconds
+            verify = Fingerprint() if info else None
+            outbox.put(seconds)
+            continue
         if kind == "update":
             args = list(pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))[uuid])
             args[6] = 0
@@ -123,6 +134,11 @@ def _receiver(inbox: Any, outbox: Any) -> None:
                 for p, d, s in zip(parts, info["dtype_names"], info["shapes"])
             ]
             torch.cuda.synchronize()
+            if verify is not None:  # the engine's side of the verified sync, on what it holds
+                t0 = time.perf_counter()
+                for name, clone in zip(info["names"], clones):
+                    verify.add(name, clone)
+                verify.seconds += time.perf_counter() - t0
             del buffer, parts, clones
         outbox.put("ack")
 
@@ -197,6 +213,75 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "what": "one sync through IpcTransport to a receiver process on the same GPU that maps, "
         "cuts and clones every bucket (vLLM's packed IPC consumer); bf16 random weights",
+        "bucket_mb": args.bucket_mb,
+        "models": out,
+    }
+
+
+def verify(args: argparse.Namespace) -> dict[str, Any]:
+    """The verified sync's cost at each model's shape: the IPC sync of flat GPU buckets (as
+    ``transfer``'s ``flat_on_cuda``), then the same sync with the trainer fingerprinting the
+    buckets as they pass (`fingerprinted`, as `WeightSync` does) and the receiver fingerprinting
+    the tensors it cloned; each side's seconds against the plain sync's."""
+    import torch.multiprocessing as mp
+
+    from unirl.core.weights.fingerprint import Fingerprint, fingerprinted
+    from unirl.rollouts.vllm.transport import IpcTransport
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    receiver = ctx.Process(target=_receiver, args=(inbox, outbox), daemon=True)
+    receiver.start()
+    out: dict[str, Any] = {}
+    try:
+        transport = IpcTransport(_Client(inbox, outbox), device)
+        for model in args.models:
+            buckets = random_buckets(hf_shapes(model), args.bucket_mb << 20, "flat")
+            plain, trainer, engine, whole = [], [], [], []
+            for _ in range(args.warmup + args.repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                transport.send(iter(buckets))
+                torch.cuda.synchronize()
+                plain.append(time.perf_counter() - t0)
+                inbox.put(("verify", True))
+                outbox.get(timeout=120)
+                seen = Fingerprint(dtype=torch.bfloat16)
+                t0 = time.perf_counter()
+                transport.send(fingerprinted(iter(buckets), seen))
+                torch.cuda.synchronize()
+                whole.append(time.perf_counter() - t0)
+                inbox.put(("verify", False))
+                engine.append(outbox.get(timeout=120))
+                trainer.append(seen.seconds)
+            w = args.warmup
+            sync = statistics.median(plain[w:])
+            row = {
+                "gb": sum(t.numel() * t.element_size() for b in buckets for _, t in b) / 1e9,
+                "sync_s": statistics.median(plain[w:]),
+                "trainer_fingerprint_s": statistics.median(trainer[w:]),
+                "engine_fingerprint_s": statistics.median(engine[w:]),
+                "sync_with_trainer_fingerprint_s": statistics.median(whole[w:]),
+                "all": {"sync_s": plain, "trainer_s": trainer, "engine_s": engine},
+            }
+            row["trainer_over_sync"] = row["trainer_fingerprint_s"] / sync
+            row["engine_over_sync"] = row["engine_fingerprint_s"] / sync
+            logger.info("%s: %s", model, {k: v for k, v in row.items() if k != "all"})
+            out[model] = row
+            del buckets
+            torch.cuda.empty_cache()
+        transport.close()
+    finally:
+        inbox.put(("stop", None))
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+    return {
+        "what": "the verified sync's fingerprints (float64 count, sum, sum of squares, max |x| "
+        "per layer) on each side of an IpcTransport sync of flat bf16 GPU buckets to a receiver "
+        "process that maps, cuts and clones them; seconds per side against the plain sync",
         "bucket_mb": args.bucket_mb,
         "models": out,
     }
@@ -361,7 +446,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["transfer", "memory", "memory-child"])
+    parser.add_argument("part", choices=["transfer", "verify", "memory", "memory-child"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
     parser.add_argument("--bucket-mb", type=int, default=1024)
@@ -381,7 +466,8 @@ def main() -> None:
     if args.part == "memory-child":
         args.out.write_text(json.dumps(memory_child(args)))
         return
-    report = transfer(args) if args.part == "transfer" else memory(args)
+    parts = {"transfer": transfer, "verify": verify, "memory": memory}
+    report = parts[args.part](args)
     report = {
         "command": "PYTHONPATH=$PWD python benchmarks/weight_transfer.py " + " ".join(sys.argv[1:]),
         "environment": run_environment(),

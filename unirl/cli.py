@@ -21,6 +21,7 @@ shows its traceback.
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import json
 import logging
@@ -134,24 +135,15 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
 
 
 def _print_report(report: dict[str, Any]) -> None:
+    """The decisions first (what the run will do, and why), then the resolved config with the
+    keys the user set marked."""
     out = sys.stdout
-    out.write("# resolved config\n")
-    out.write(yaml.safe_dump(report["config"], sort_keys=False))
-    out.write("\n# layout\n")
     lay = report["layout"]
+    out.write("# layout\n")
     out.write(
         f"backend={lay['backend']} world_size={lay['world_size']} dp={lay['dp']} tp={lay['tp']} "
         f"pp={lay['pp']} vpp={lay['vpp']} cp={lay['cp']} zero_stage={lay['zero_stage']}\n"
     )
-    out.write("\n# microbatch plan\n")
-    for key, value in report["plan"].items():
-        out.write(f"{key}: {value}\n")
-    out.write("\n# rollouts\n")
-    for key, value in report["rollout"].items():
-        out.write(f"{key}: {value}\n")
-    out.write("\n# rollout shaping (DAPO)\n")
-    for key, value in report["shaping"].items():
-        out.write(f"{key}: {value}\n")
     out.write("\n# old-log-prob decision\n")
     out.write(report["old_logprobs"]["explanation"] + "\n")
     out.write(report["old_logprobs"]["mismatch"] + "\n")
@@ -162,11 +154,48 @@ def _print_report(report: dict[str, Any]) -> None:
         out.write("WARNING: " + report["old_logprobs"]["staleness_warning"] + "\n")
     out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
+    for title, key in (
+        ("microbatch plan", "plan"),
+        ("rollouts", "rollout"),
+        ("rollout shaping (DAPO)", "shaping"),
+    ):
+        out.write(f"\n# {title}\n")
+        for name, value in report[key].items():
+            out.write(f"{name}: {value}\n")
+    out.write("\n# resolved config (keys you set: # set; every other value is the default)\n")
+    out.write("\n".join(_config_lines(report["config"], set(report["set_keys"]))) + "\n")
+
+
+def _set_keys(data: Any, prefix: str = "") -> list[str]:
+    """The dotted keys the user's file and ``--set`` gave a value (every leaf of a mapping they
+    gave, such as model.hf_config's)."""
+    keys = []
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        keys += _set_keys(value, path) if isinstance(value, dict) and value else [path]
+    return keys
+
+
+def _config_lines(config: dict[str, Any], set_keys: set[str], prefix: str = "") -> list[str]:
+    """``config`` as YAML, a ``# set`` comment on every key the user set (or inside one)."""
+    lines = []
+    pad = "  " * (len(prefix.split(".")) if prefix else 0)
+    for key, value in config.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        mark = "  # set" if path in set_keys else ""
+        if isinstance(value, dict) and value and not mark:
+            lines.append(f"{pad}{key}:")
+            lines += _config_lines(value, set_keys, path)
+            continue
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+        text = text.removesuffix("\n...").removesuffix("...").strip()
+        lines.append(f"{pad}{key}: {text}{mark}")
+    return lines
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from unirl.core.config.paths import check_local_paths
-    from unirl.core.config.run_config import load_config
+    from unirl.core.config.run_config import config_from_dict, load_config_data
     from unirl.rollouts.check import check_rollout_config
 
     if args.explain is not None:
@@ -178,11 +207,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
         from unirl.core.errors import ConfigError
 
         raise ConfigError("unirl check needs a CONFIG file (or --explain KEY for one key's entry)")
-    cfg = load_config(args.config, args.set, world_size=args.world_size)
+    data = load_config_data(args.config, args.set)
+    cfg = config_from_dict(copy.deepcopy(data), world_size=args.world_size)
     apply_log_level(cfg.logging.level)
     check_local_paths(cfg)
     check_rollout_config(cfg)
-    report = check_report(cfg)
+    report = check_report(cfg) | {"set_keys": _set_keys(data)}
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

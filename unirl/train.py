@@ -34,6 +34,7 @@ from unirl.core.progress.bars import (
 from unirl.core.protocols.source_plugin import SOURCES
 from unirl.core.run import checkpointing
 from unirl.core.run import run_dir as run_dirs
+from unirl.core.run.completions_log import CompletionsLog
 from unirl.core.run.divergence import DivergenceGuard
 from unirl.core.run.metrics_log import MetricsLog
 from unirl.core.run.resume import check_resume_fits
@@ -165,9 +166,11 @@ class _Job:
         self.resumed_from: int | None = None
         self.version = 0  # the optimizer steps the policy has taken: each sync sends it
         self.metrics_log: MetricsLog | None = None
+        self.completions: CompletionsLog | None = None
         self.sync: WeightSync | None = None
         self.sync_s = 0.0  # logged with the step whose rollout came from that sync's weights
         self.metrics: dict[str, Any] = {}
+        self._last_save = time.monotonic()  # checkpoint.every_minutes counts from here
 
     @classmethod
     def open(cls, cfg: UnirlConfig, *, resume: bool, overwrite: bool) -> _Job:
@@ -242,6 +245,13 @@ class _Job:
             if self.found is None:  # a resumed run's config replaces the old one after a step
                 self._write_config()
             self.metrics_log = _metrics_log(cfg, self.run_dir, self.start_step, self.run_id)
+            if cfg.logging.completions_every:
+                self.completions = CompletionsLog(
+                    self.run_dir,
+                    every=cfg.logging.completions_every,
+                    count=cfg.logging.completions_per_step,
+                    resume_from_step=self.start_step,
+                )
         self.version = _initial_policy_version(cfg, client)
         self.sync = WeightSync(cfg, self.backend, self.source)
         self.sync_s = self.sync.initial(self.version)
@@ -305,6 +315,8 @@ class _Job:
         self.version += int(result.metrics["optimizer_steps"])
         if self.metrics_log is not None:
             self.metrics_log.write(k + 1, self.metrics)
+        if self.completions is not None:
+            self.completions.write(k + 1, batch, self.metrics_log)
         assert self.sync is not None, "start() comes before loop()"
         self.sync_s = self.sync.after_step(k + 1, self.metrics, guard, self.version)
 
@@ -325,12 +337,29 @@ class _Job:
                 eval_metrics = self.evaluator.run(done)
             if self.metrics_log is not None:
                 self.metrics_log.write(done, eval_metrics)
-        if done == self.total or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+        if self._checkpoint_due(done):
             with bar.excluded():
                 _save(
                     self.backend, self.ckpt_root, done, self.version, cfg, self.source,
                     self.run_id, self.topo.is_reporting_rank,
                 )  # fmt: skip
+
+    def _checkpoint_due(self, done: int) -> bool:
+        """After the last step, every ``checkpoint.every`` steps, or once
+        ``checkpoint.every_minutes`` passed since the last save (or the start), by rank 0's
+        clock: its decision is broadcast, so every rank saves at the same step."""
+        ckpt = self.cfg.checkpoint
+        if done == self.total or (ckpt.every and done % ckpt.every == 0):
+            self._last_save = time.monotonic()
+            return True
+        if not ckpt.every_minutes:
+            return False
+        due = _same_on_every_rank(
+            str(time.monotonic() - self._last_save >= ckpt.every_minutes * 60.0)
+        )
+        if due == "True":
+            self._last_save = time.monotonic()
+        return due == "True"
 
     def finish(self) -> RunSummary:
         """Export the policy (and critic) in Hugging Face layout; close the metrics log."""
@@ -339,6 +368,8 @@ class _Job:
             self._export(export)
         if self.metrics_log is not None:
             self.metrics_log.close()
+        if self.completions is not None:
+            self.completions.close()
         return RunSummary(
             run_dir=self.run_dir,
             steps_done=self.total,

@@ -68,6 +68,9 @@ SAMPLES: tuple[tuple[int, int, int, float, tuple[int, ...] | None], ...] = (
     (2, 1, 6, 1.0, None),
 )
 NUM_SAMPLES = len(SAMPLES)
+# Samples the rollout engine cut at its length limit (``metadata.finished: false``): the longest
+# response of group 0 and of group 1; ``algorithm.mask_truncated`` trains none of their tokens.
+TRUNCATED = (2, 6)
 NUM_GROUPS = NUM_SAMPLES // SAMPLES_PER_PROMPT
 # The tokens the loss sees (loss mask 1): the denominator of every fraction-of-tokens metric.
 VALID_TOKENS = sum(sum(mask) if mask is not None else r for _, _, r, _, mask in SAMPLES)
@@ -123,8 +126,8 @@ def make_records(true_logprobs: list[torch.Tensor]) -> list[dict[str, Any]]:
     response's true log-probs at the rollout temperature under the initial model."""
     g = torch.Generator().manual_seed(DATA_SEED + 1)
     records = []
-    for (group, _, r, reward, mask), (prompt, response), true in zip(
-        SAMPLES, token_ids(), true_logprobs
+    for i, ((group, _, r, reward, mask), (prompt, response), true) in enumerate(
+        zip(SAMPLES, token_ids(), true_logprobs)
     ):
         assert true.shape == (r,)
         rollout = true + ROLLOUT_NOISE * torch.randn(r, generator=g, dtype=torch.float64)
@@ -140,6 +143,7 @@ def make_records(true_logprobs: list[torch.Tensor]) -> list[dict[str, Any]]:
                 "loss_mask": list(mask) if mask is not None else [1] * r,
                 "rollout_logprobs": rollout.clamp(max=0.0).tolist(),
                 "ref_logprobs": ref.clamp(max=0.0).tolist(),
+                "metadata": {"finished": i not in TRUNCATED},
             }
         )
     return records
@@ -297,6 +301,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
         ),
         "data": BOTH,
         "same_as": "ppo_dual_k1_token_mean",
+    },
+    # DAPO's truncation mask: the cut samples train no token and leave the step's token and
+    # sequence counts (the seq-mean denominators), while their rewards stay in their groups'
+    # baselines.
+    "mask_truncated_seq_mean_token_mean": {
+        "overrides": {
+            "old_logprobs": "rollout",
+            "algorithm": {
+                "policy_loss": "ppo_clip",
+                "loss_aggregation": "seq-mean-token-mean",
+                "mask_truncated": True,
+                "kl_loss": {"coef": 0.05, "estimator": "k3"},
+            },
+        },
+        "data": BOTH,
     },
     # Clause 5: TIS makes the loss read the old log-probs even at ratio 1.
     "reuse": {

@@ -150,6 +150,7 @@ class Settings:
         self.clip_high = a.get("clip_high", 0.2)
         self.dual_clip = a.get("dual_clip")
         self.entropy_coef = a.get("entropy_coef", 0.0)
+        self.mask_truncated = a.get("mask_truncated", False)
         kl = a.get("kl_loss", {})
         self.kl_coef = kl.get("coef", 0.0)
         self.kl_estimator = kl.get("estimator", "low_var_kl")
@@ -196,6 +197,8 @@ def step_loss(
         )
         assert entropy is not None
         mask = rec["loss_mask"]
+        if s.mask_truncated and not rec.get("metadata", {}).get("finished", True):
+            mask = [0] * len(mask)  # cut by the engine: no token trains
         if s.old_logprobs == "rollout":
             old = torch.tensor(rec["rollout_logprobs"], dtype=F32)
         else:  # recompute / reuse: the policy before the step is this forward's policy
@@ -380,6 +383,9 @@ class ReferenceRun:
                 p.grad.mul_(coef)
         self.opt.step()
         metrics.update(batch_metrics(records))
+        if s.mask_truncated:
+            cut = sum(not r.get("metadata", {}).get("finished", True) for r in records)
+            metrics["rollout/truncated_masked_fraction"] = cut / len(records)
         metrics.update(
             {
                 "grad_norm": norm,

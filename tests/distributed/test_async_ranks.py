@@ -104,9 +104,29 @@ def async_runs(*extra: str) -> list[dict]:
     ]  # fmt: skip
 
 
+# DAPO's dynamic sampling on both ranks (in the same launch: the cost is the process start): a
+# task whose groups are mostly uniform, so every rollout takes several draws.
+DYNAMIC = {
+    "name": "dynamic",
+    "sets": ["train.rl_steps=2", "checkpoint.export_hf=false",
+             "rollout.task=benchmarks.dynamic_sampling:mixed_task", "rollout.task_options={}",
+             "rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.max_draws=12",
+             "algorithm.mask_truncated=true"],
+    "resume": False,
+}  # fmt: skip
+
+
 def test_async_two_ranks_sampler(tmp_path):
-    run_job(tmp_path, ROOT / "examples/tiny_grpo.yaml", async_runs())
+    run_job(tmp_path, ROOT / "examples/tiny_grpo.yaml", [*async_runs(), DYNAMIC])
     check_async_runs(tmp_path)
+    # dynamic sampling: every rank's sampler drew the same prompts and kept the same groups, so
+    # the two data-parallel ranks split one rollout (they would train on different groups, and
+    # hang in the plan's collectives, if one rank kept other groups or took another draw count)
+    rows = read_metrics(tmp_path / "dynamic" / "metrics.jsonl")
+    assert all(r["rollout/draws"] > 1 for r in rows)
+    ranks = [json.loads((tmp_path / f"dynamic.rank{r}.json").read_text()) for r in (0, 1)]
+    for key in ("reward/mean", "rollout/draws", "rollout/groups_kept_fraction", "samples"):
+        assert ranks[0][key] == ranks[1][key], key
 
 
 @pytest.mark.slow

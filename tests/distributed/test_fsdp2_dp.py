@@ -72,6 +72,7 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
     from unirl.backends import build_backend
     from unirl.backends.fsdp2.plugin import Fsdp2Options
     from unirl.core import backend as core_backend
+    from unirl.core.config.derived import fused_head
     from unirl.core.data.context_parallel import gather_from_cp
     from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.progress.bars import MicrobatchProgress
@@ -114,7 +115,7 @@ def _worker(rank: int, world_size: int, folder: str) -> dict:
                     else [pack(seqs[3:]), empty_microbatch()]
                 )
             calls = len(in_head)
-            _, stats = train_step(backend, mine, n, loss_in_head=cfg.model.fused_head)
+            _, stats = train_step(backend, mine, n, loss_in_head=fused_head(cfg))
             out[f"in-head {name}"] = len(in_head) - calls
             out[name] = (backend.loss_scale(len(mine)), stats.grad_norm, backend.hf_state_dict())
         finally:

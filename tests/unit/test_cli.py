@@ -34,6 +34,19 @@ def test_check_every_example(path, capsys, tmp_path):
     assert "old log-probs:" in out
 
 
+def test_check_leads_with_the_decisions_and_marks_what_the_user_set(capsys):
+    """The resolved config (150+ lines) came first and showed nothing of what the user set."""
+    tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
+    assert main(["check", str(tiny), "--set", "algorithm.clip_high=0.3"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("# old-log-prob decision") < out.index("# resolved config")
+    config = out[out.index("# resolved config") :].splitlines()
+    assert "  clip_high: 0.3  # set" in config  # from --set
+    assert "  lr: 0.0005  # set" in config  # from the file
+    assert "  weight_decay: 0.0" in config  # the default, unmarked
+    assert "  betas: [0.9, 0.999]" in config
+
+
 def test_check_json_explains_the_decision(capsys):
     tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
     # 16 prompts x 8 samples = 128, in 2 optimizer steps of 64 -> recompute
@@ -81,7 +94,8 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(capsys):
 @pytest.mark.parametrize(
     ("overrides", "in_head", "words"),
     [
-        ([], False, "model.fused_head is off"),
+        ([], False, "model.fused_head: auto, "),
+        (["model.fused_head=false"], False, "model.fused_head: false; logits from the LM head"),
         (
             ["model.fused_head=true", "backend=megatron"],
             True,

@@ -204,7 +204,7 @@ def test_a_reader_that_closes_the_pipe_is_not_a_disk_error():
         stderr=subprocess.PIPE,
         bufsize=0,
     )
-    assert proc.stdout.readline().startswith(b"# resolved config")
+    assert proc.stdout.readline().startswith(b"# layout")
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
@@ -220,3 +220,21 @@ def test_train_refuses_what_check_refuses_before_any_work(capsys, tmp_path):
     assert "old_logprobs: reuse is invalid" in _error(capsys, ["check", TINY, *argv])
     assert "old_logprobs: reuse is invalid" in _error(capsys, ["train", TINY, *argv])
     assert not (run / "run.json").exists() and not (run / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_hub_id_given_as_a_path_says_how_to_download_it(capsys, tmp_path, command):
+    """unirl reads local folders only; a Hub id in model.path or rollout.prompts got "is not a
+    directory" and nothing more. A path with more than owner/name, or an existing folder, gets no
+    hint."""
+    run = ["--set", f"logging.run_dir={tmp_path / 'run'}"]
+    math = str(Path(TINY).parent / "tiny_math.yaml")
+    line = _error(capsys, [command, TINY, "--set", "model.path=Qwen/Qwen3-0.6B", "--set", NO_HF,
+                           *run])  # fmt: skip
+    assert "looks like a Hugging Face Hub id" in line
+    assert "hf download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B" in line
+    line = _error(capsys, [command, math, "--set", "rollout.prompts=openai/gsm8k", *run])
+    assert "hf download openai/gsm8k --repo-type dataset --local-dir ./gsm8k" in line
+    line = _error(capsys, [command, TINY, "--set", "model.path=/no/such/model", "--set", NO_HF,
+                           *run])  # fmt: skip
+    assert "Hub id" not in line

@@ -423,3 +423,38 @@ def test_readme_environment_snippet():
         assert env.step(Turn(token_ids=(2,), text="84", index=1, finished=True))[1:] == (1.0, True)
     finally:
         ENVIRONMENTS.unregister("calculator")
+
+
+def test_overlong_penalty_on_an_episode_against_its_token_budget():
+    """DAPO's penalty for episodes: the response (turns and observations) against the episode's
+    budget. Limit 8, buffer 4: free up to 4 tokens. Episode 0 is cut at 8 tokens (full penalty
+    -0.5 at factor 0.5); episode 1 answers in 2 tokens (none). Hand-computed."""
+    from unirl.core.config.sections.rollout_shaping import OverlongConfig
+    from unirl.rollouts.data.tasks import Problem
+    from unirl.rollouts.environments.episode_batch import episode_rollout
+
+    prompts = [[1, 3, 4], [1, 5, 6]]
+    engine = ScriptedEngine([[TURN0, TURN1], [([10, 2], [-1.0, -2.0])]])
+    engine.bind(prompts)
+    problems = [Problem(prompt_tokens=p, prompt_text="q", target_text="") for p in prompts]
+    batch = episode_rollout(
+        runner(engine, max_tokens=8), EchoTool, problems, group=1, rl_step=0, first_group=0,
+        task_name="t", decode=decode, policy_version=0,
+        overlong=OverlongConfig(buffer_tokens=4, penalty_factor=0.5),
+    )  # fmt: skip
+    cut, short = batch.samples
+    assert len(cut.response_tokens) == 8 and not cut.metadata["finished"]
+    assert cut.metadata["task_reward"] == 0.5 and cut.metadata["overlong_penalty"] == -0.5
+    assert cut.reward == pytest.approx(0.0)
+    # the per-turn token rewards still sum to the reward: the penalty sits on the last token
+    assert cut.token_rewards.tolist() == [0, 0, 0.5, 0, 0, 0, 0, -0.5]
+    assert short.metadata["overlong_penalty"] == 0.0 and short.reward == 0.25
+    from unirl.rollouts.shaping.settings import shaping_summary
+
+    cfg = _example(overlong={"buffer_tokens": 2}, max_episode_tokens=12)
+    assert (
+        "2 tokens short of the episode's budget (12 response tokens"
+        in (shaping_summary(cfg)["overlong_penalty"])
+    )
+    with pytest.raises(ConfigError, match=r"longer than rollout.max_episode_tokens=6"):
+        _example(overlong={"buffer_tokens": 7}, max_episode_tokens=6)

@@ -105,3 +105,20 @@ def test_used_dir_bad_resume_damage_and_full_disk(tmp_path, capsys):
     assert rows[0] == rows_a[0]
     assert [s for s, _ in ck.complete_checkpoints(run / "checkpoints")] == [2, 3]
     assert ck.damage(ck.step_dir(run / "checkpoints", 2)) is None
+
+
+def test_checkpoints_by_wall_time_survive_a_crash_by_default(tmp_path):
+    """``checkpoint.every_minutes`` (30 by default, so a long run loses at most that much to a
+    crash; ``checkpoint.every: 0`` used to save only at the end): a bound shorter than any step
+    saves after every step (0, only at the end, is what the other runs here take by count)."""
+    from unirl.core.config.sections.output import CheckpointConfig
+
+    assert CheckpointConfig().every_minutes == 30.0 and CheckpointConfig().every == 0
+    steps = ["--set", "train.rl_steps=3", "--set", "checkpoint.every=0", "--set",
+             "checkpoint.keep=5", "--set", "checkpoint.export_hf=false"]  # fmt: skip
+    for minutes, saved in (("1e-9", [1, 2, 3]),):
+        run = tmp_path / f"run{minutes}"
+        proc = _train(run, *steps, "--set", f"checkpoint.every_minutes={minutes}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = sorted(ck.step_number(p.name) for p in (run / "checkpoints").iterdir())
+        assert found == saved, (minutes, found)

@@ -95,6 +95,13 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path):
     weights = load_file(str(run / "hf" / "model.safetensors"))
     assert weights and json.loads((run / "hf" / "config.json").read_text())["vocab_size"] == 16
     assert (run / "config.yaml").is_file()
+    # what the policy generated: the first 4 samples (one group) at step 1 and every 10 steps
+    shown = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in shown] == [s for s in (1, 10, 20, 30, 40) for _ in range(4)]
+    assert all(len({r["group"] for r in shown if r["step"] == s}) == 1 for s in (1, 10, 40))
+    assert all(r["prompt"].isdigit() and isinstance(r["response"], str) for r in shown)
+    assert all(0.0 <= r["reward"] <= 1.0 and r["finished"] in (True, False) for r in shown)
+    assert [r["policy_version"] for r in shown[::4]] == [0, 9, 19, 29, 39]
     # the export carries the task's tokenizer: AutoTokenizer gives CharTokenizer's ids
     from transformers import AutoTokenizer
 

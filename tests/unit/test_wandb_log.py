@@ -84,10 +84,19 @@ def test_offline_wandb_history_equals_metrics_jsonl(tmp_path):
         logged = history[row["step"]]
         numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
         assert "reward/mean" in numbers and "train_rollout_logprob_abs_diff" in numbers
-        for key, value in numbers.items():
+        # the flat names (loss, grad_norm, ...) under train/ on the dashboard, written out here
+        named = {(k if "/" in k else "train/" + k): v for k, v in numbers.items()}
+        assert named["train/loss"] == row["loss"] and named["reward/mean"] == row["reward/mean"]
+        for key, value in named.items():
             assert logged[key] == pytest.approx(value, rel=1e-12, abs=0), key
-        # nothing but the metrics and W&B's own bookkeeping
-        assert {k for k in logged if not k.startswith("_")} == set(numbers)
+        # nothing but the metrics, W&B's own bookkeeping and, at step 1, the completions table
+        table = {k for k in logged if k.startswith("completions/")}
+        assert bool(table) == (row["step"] == 1)
+        assert {k for k in logged if not k.startswith("_")} == set(named) | table
+    shown = history[1]  # the first 4 samples of rollout 1, as completions.jsonl holds them
+    first = json.loads((run / "completions.jsonl").read_text().split("\n")[0])
+    assert shown["completions/_type"] == "table-file" and shown["completions/nrows"] == 4
+    assert shown["completions/ncols"] == len(first)
     run_id = json.loads((run / "run.json").read_text())["run_id"]
     assert files[0].name == f"run-{run_id}.wandb"
 

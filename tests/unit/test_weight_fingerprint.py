@@ -198,3 +198,29 @@ def test_what_the_fingerprint_cannot_catch_a_permutation_inside_a_layer():
     held = dict(sd)
     held["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"].flip(0)
     compare(_fp(sd), _fp(held), receiver="engine", version=0)  # documented blind spot
+
+
+def test_the_device_path_is_the_plain_float64_sums(monkeypatch):
+    """On a GPU the sums stay on the device and reach the host once per tensor
+    (`_device_stats`); run here on the CPU with chunks of 7 elements, against the plain sums."""
+    from unirl.core.weights import fingerprint as fp
+
+    monkeypatch.setattr(fp, "_DEVICE_CHUNK", 7)
+    t = torch.randn(5, 9, generator=torch.Generator().manual_seed(3))
+    x = t.double().reshape(-1)
+    want = (45.0, float(x.sum()), float((x * x).sum()), float(x.abs().max()))
+    assert fp._device_stats(t, None) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    bf = t.bfloat16().double().reshape(-1)  # the receiver's dtype applied first
+    want = (45.0, float(bf.sum()), float((bf * bf).sum()), float(bf.abs().max()))
+    assert fp._device_stats(t, torch.bfloat16) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tensor_stats_on_a_gpu_is_the_plain_float64_sums():
+    from unirl.core.weights.fingerprint import tensor_stats
+
+    t = torch.randn(3000, 1000, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = t.double().reshape(-1)
+    want = (float(x.numel()), float(x.sum()), float((x * x).sum()), float(x.abs().max()))
+    assert tensor_stats(t.cuda()) == pytest.approx(want, rel=1e-12, abs=1e-9)

@@ -215,6 +215,7 @@ class SamplerRolloutSource(GeneratingSource):
                 decode=self.tokenizer.decode,
                 policy_version=self._policy_version,
                 progress=progress,
+                overlong=self.shaping.overlong,
             ),
             f"the episodes of rollout {rl_step}",
         )

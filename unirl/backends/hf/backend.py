@@ -37,6 +37,7 @@ from unirl.backends.hf.model import PackedModule, TrainedModel, Training
 from unirl.backends.hf.moe import PolicyRouting, moe_routers
 from unirl.backends.process_group import ProcessGroupSetup
 from unirl.core.backend import ModelRole, OptimizerStepStats
+from unirl.core.config.derived import fused_head
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.critic import critic_optimizer_steps
 from unirl.core.data.microbatch import TrainMicrobatch
@@ -115,7 +116,7 @@ class HFBackend(EngineBackend):
     def _prepare(self, model: Any) -> FusedLMHead | None:
         self._kernels(model)
         self._use_attention(model)
-        return install_fused_head(model) if self.cfg.model.fused_head else None
+        return install_fused_head(model) if fused_head(self.cfg) else None
 
     def _kernels(self, model: Any) -> None:
         """``model.liger_kernels``: Liger's RMSNorm / rotary / SwiGLU kernels (`hf.liger`)."""

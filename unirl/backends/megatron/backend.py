@@ -56,6 +56,7 @@ from unirl.backends.megatron.topology import initialize_parallel_state, topology
 from unirl.backends.peft_folder import write_peft_folder
 from unirl.backends.process_group import destroy_process_group, init_process_group
 from unirl.core.backend import OptimizerStepStats
+from unirl.core.config.derived import fused_head
 from unirl.core.config.model_shape import moe_shape
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.errors import ConfigError
@@ -118,7 +119,7 @@ class MegatronBackend(EngineBackend):
             seq_multiple=sequence_parallel.sequence_multiple(cfg.parallel),
         )
         self._head = LogprobHead(
-            fused=cfg.model.fused_head,
+            fused=fused_head(cfg),
             tp_group=self.topology.groups.tp if self.topology.tp_size > 1 else None,
         )
         source = policy_source(cfg)

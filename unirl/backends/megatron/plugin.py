@@ -28,6 +28,24 @@ Attention = Literal["packed", "padded", "unfused"]
 # "grouped" runs torch's per-expert fallback of the grouped matmul: the GPU path's code, at no
 # speed-up). A dense model refuses a forced one (it has no experts).
 Experts = Literal["auto", "grouped", "sequential"]
+# Parts of every dense layer that megatron's selective recompute runs again in backward instead
+# of keeping their activations (local spec, no Transformer Engine): "mlp" the whole MLP (its
+# [tokens, 2 x intermediate] activations, the largest a layer holds), "core_attn" the attention
+# kernel (nothing to gain over flash attention, which keeps no [s, s] scores; for unfused
+# attention). Not "layernorm": megatron-core 0.16.1's `CheckpointWithoutOutput()` sets
+# ``fp8 = (False is not None)``, so the norms' recompute always takes its Transformer Engine FP8
+# branch (NameError on FP8GlobalStateManager without TE).
+RecomputeModule = Literal["mlp", "core_attn"]
+RECOMPUTE_MODULES = ("mlp", "core_attn")
+
+
+def _recompute_modules(instance: object, attribute: Any, value: tuple[str, ...]) -> None:
+    unknown = [v for v in value if v not in RECOMPUTE_MODULES]
+    if unknown or len(set(value)) != len(value):
+        raise ConfigError(
+            f"megatron.recompute_modules={list(value)!r}: each of {list(RECOMPUTE_MODULES)} at "
+            "most once"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -36,6 +54,17 @@ class MegatronOptions:
 
     attention: Attention = "packed"
     experts: Experts = "auto"
+    # Selective activation recompute (megatron's recompute_granularity: selective) of these layer
+    # parts, cheaper than model.gradient_checkpointing's whole layers: the MLP's recompute costs
+    # its forward again (~1/4 of a dense layer's training FLOPs) and frees most of its
+    # activations; attention is kept (at 64k tokens it is most of the FLOPs). Empty: off.
+    recompute_modules: tuple[RecomputeModule, ...] = attrs.field(
+        default=(), converter=tuple, validator=_recompute_modules
+    )
+    # With model.gradient_checkpointing: recompute only the first N layers of each pipeline stage
+    # (megatron's block method) and keep the others' activations: the memory a step has left
+    # buys back their forward. Null: every layer.
+    recompute_layers: int | None = attrs.field(default=None)
 
 
 def check(cfg: UnirlConfig) -> None:
@@ -63,6 +92,7 @@ def check(cfg: UnirlConfig) -> None:
             "Megatron builds its own layers: remove it or choose backend: deepspeed or fsdp2"
         )
     _check_experts(cfg)
+    _check_recompute(cfg)
     _check_router_losses(cfg)
     if cfg.algorithm.routing_replay != "off" and cfg.model.gradient_checkpointing:
         raise ConfigError(
@@ -74,6 +104,33 @@ def check(cfg: UnirlConfig) -> None:
     if p.sequence_parallel:
         _check_sequence_parallel(cfg)
     _check_shape_splits(cfg)
+
+
+def _check_recompute(cfg: UnirlConfig) -> None:
+    """Selective recompute and full recompute are one megatron setting (its granularity): one or
+    the other; ``recompute_layers`` only narrows full recompute, to at most a stage's layers."""
+    options, full = cfg.backend_options, cfg.model.gradient_checkpointing
+    if options.recompute_modules and full:
+        raise ConfigError(
+            f"megatron.recompute_modules={list(options.recompute_modules)!r} with "
+            "model.gradient_checkpointing: true: megatron recomputes either whole layers or the "
+            "listed parts; remove one of them"
+        )
+    n = options.recompute_layers
+    if n is None:
+        return
+    if not full:
+        raise ConfigError(
+            f"megatron.recompute_layers={n} narrows model.gradient_checkpointing, which is off; "
+            "set model.gradient_checkpointing: true or remove megatron.recompute_layers"
+        )
+    layers = _hf_config_fields(cfg).get("num_hidden_layers")
+    per_stage = layers // (cfg.parallel.pp * (cfg.parallel.vpp or 1)) if layers else None
+    if n < 1 or (per_stage is not None and n > per_stage):
+        raise ConfigError(
+            f"megatron.recompute_layers={n} must be between 1 and the layers of one pipeline "
+            f"stage ({per_stage}); null recomputes every layer"
+        )
 
 
 def _check_shape_splits(cfg: UnirlConfig) -> None:
@@ -233,10 +290,23 @@ PLUGIN = BackendPlugin(
         # model.fused_head, the loss inside the head for separable losses (every layout:
         # benchmarks/megatron_contract.py --fused-head on)
         ContractLayout.of("fused", 1, model={"fused_head": True}),
+        # model.fused_head: auto choosing the fused head (a budget below the fixture's logits)
+        ContractLayout.of(
+            "fused-auto", 1, model={"fused_head": "auto", "fused_head_logits_gib": 1e-6}
+        ),
         ContractLayout.of("fused-tp2", 2, model={"fused_head": True}, tp=2),
         ContractLayout.of("fused-pp2-vpp2", 2, model={"fused_head": True}, pp=2, vpp=2),
         ContractLayout.of(
             "fused-tp2-sp", 2, model={"fused_head": True}, tp=2, sequence_parallel=True
+        ),
+        # activation recompute: megatron's selective recompute of the MLP, and full
+        # recompute of the first layer only (block), the rest keeping their activations
+        ContractLayout.of("recompute-selective", 1, options={"recompute_modules": ("mlp",)}),
+        ContractLayout.of(
+            "recompute-block",
+            1,
+            model={"gradient_checkpointing": True},
+            options={"recompute_layers": 1},
         ),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2, critic=True),

@@ -37,12 +37,34 @@ from unirl.backends.megatron.weights.hf_layout import (
 )
 from unirl.backends.megatron.weights_folder import MegatronWeights
 from unirl.core.backend import OptimizerStepStats
+from unirl.core.config.derived import fused_head
 from unirl.core.config.run_config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule
 from unirl.core.topology import Topology
 from unirl.core.weights.stream import HOST, WeightBuckets
 
 logger = logging.getLogger(__name__)
+
+
+def recompute_overrides(cfg: UnirlConfig, recompute: bool) -> dict[str, Any]:
+    """Megatron's activation recompute for this model: ``recompute`` (the policy's
+    ``model.gradient_checkpointing``) whole layers, one at a time (each keeps only its input and
+    runs again in backward), or the first ``megatron.recompute_layers`` of each stage (block);
+    otherwise ``megatron.recompute_modules`` selectively, or none."""
+    options = cfg.backend_options
+    if recompute:
+        n = options.recompute_layers
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform" if n is None else "block",
+            "recompute_num_layers": 1 if n is None else n,
+        }
+    if options.recompute_modules:
+        return {
+            "recompute_granularity": "selective",
+            "recompute_modules": list(options.recompute_modules),
+        }
+    return {}
 
 
 def build_chunks(
@@ -58,13 +80,7 @@ def build_chunks(
     recompute (``model.gradient_checkpointing``); ``value_head``: a critic's `ValueHead` in place
     of the output layer; otherwise ``model.fused_head`` makes the last stage emit hidden states."""
     overrides = schedule_config(cfg.parallel)
-    if recompute:
-        # one layer at a time: keeps only each layer's input, recomputes the layer in backward
-        overrides |= {
-            "recompute_granularity": "full",
-            "recompute_method": "uniform",
-            "recompute_num_layers": 1,
-        }
+    overrides |= recompute_overrides(cfg, recompute)
     chunks = build_model_chunks(
         source.hf_config,
         cfg.parallel,
@@ -79,7 +95,7 @@ def build_chunks(
         source.weights.load_into(chunks, cfg.parallel)
     else:
         load_hf_weights(chunks, source.weights, source.hf_config, topology)
-    if cfg.model.fused_head and not value_head:
+    if fused_head(cfg) and not value_head:
         emit_hidden(chunks)
     return chunks
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from unirl.core.config.head_memory import choose_fused_head
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.head_loss import HeadPath, choose_head_path
 from unirl.core.maths.logprob_spec import LogprobSpec, RoutingReplay
@@ -56,18 +57,26 @@ def train_logprob_spec(
 
 def head_path(cfg: UnirlConfig) -> HeadPath:
     """How the training forward's last layer meets the loss, and why (`unirl check` prints it):
-    with ``model.fused_head`` the loss inside the head when it is separable over tokens
-    (`choose_head_path`), else the head's log-probs and then the loss."""
-    if not cfg.model.fused_head:
-        return HeadPath(False, "model.fused_head is off: logits from the LM head, then the loss")
+    with the fused head (`choose_fused_head`: forced, or chosen from the logits' bytes) the loss
+    inside the head when it is separable over tokens (`choose_head_path`), else the head's
+    log-probs and then the loss."""
+    fused = choose_fused_head(cfg)
+    if not fused.fused:
+        return HeadPath(False, f"{fused.reason}; logits from the LM head, then the loss")
     path = choose_head_path(loss_settings(cfg))
     if path.loss_in_head and not BACKENDS.get(cfg.backend).supports_loss_in_head:
         return HeadPath(
             False,
-            f"fused head log-probs, then the loss (4 head matmuls): backend {cfg.backend} does "
-            "not take the loss into its fused head (the loss would allow it)",
+            f"{fused.reason}; fused head log-probs, then the loss (4 head matmuls): backend "
+            f"{cfg.backend} does not take the loss into its fused head (the loss would allow it)",
         )
-    return path
+    return HeadPath(path.loss_in_head, f"{fused.reason}; {path.reason}")
+
+
+def fused_head(cfg: UnirlConfig) -> bool:
+    """Whether the backends build the fused head (`choose_fused_head`); every backend reads this,
+    never ``model.fused_head`` itself (which may be ``auto``)."""
+    return choose_fused_head(cfg).fused
 
 
 def forward_logprob_spec(

@@ -7,10 +7,27 @@ the one holding finished rollouts, and the file source names it when it opens it
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
+
+# "Qwen/Qwen2.5-0.5B", "openai/gsm8k": an owner and a name, as the Hugging Face Hub names them
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def hub_hint(value: str, *, dataset: bool = False) -> str:
+    """The fix for a path that reads as a Hub id (unirl downloads nothing at run time): how to
+    download it first; empty for anything else."""
+    if not _HUB_ID.fullmatch(value) or Path(value).expanduser().exists():
+        return ""
+    folder = f"./{value.split('/')[-1]}"
+    kind = " --repo-type dataset" if dataset else ""
+    return (
+        f". {value!r} looks like a Hugging Face Hub id; unirl reads local folders only: download "
+        f"it first (hf download {value}{kind} --local-dir {folder}) and give that folder"
+    )
 
 
 def _check_model_config(key: str, folder: Path) -> None:
@@ -47,14 +64,14 @@ def check_local_paths(cfg: UnirlConfig) -> None:
         if value is not None and not Path(value).expanduser().is_dir():
             raise ConfigError(
                 f"{key}={value!r} is not a directory; give a local Hugging Face model folder "
-                "(config.json and weights)"
+                f"(config.json and weights){hub_hint(value)}"
             )
         if value is not None:
             _check_model_config(key, Path(value).expanduser())
     if m.tokenizer is not None and not Path(m.tokenizer).expanduser().is_dir():
         raise ConfigError(
             f"model.tokenizer={m.tokenizer!r} is not a directory; give a local Hugging Face "
-            "tokenizer folder (tokenizer.json / tokenizer_config.json)"
+            f"tokenizer folder (tokenizer.json / tokenizer_config.json){hub_hint(m.tokenizer)}"
         )
     for key, prompts in (
         ("rollout.prompts", cfg.rollout.prompts),
@@ -64,4 +81,5 @@ def check_local_paths(cfg: UnirlConfig) -> None:
             raise ConfigError(
                 f"{key}={prompts!r} does not exist; give a JSONL or Parquet prompt file or a "
                 "Hugging Face datasets folder on this machine"
+                f"{hub_hint(prompts, dataset=True)}"
             )

@@ -414,6 +414,12 @@ def load_config(
     world_size: int | None = None,
 ) -> UnirlConfig:
     """Load, override and validate a YAML config; every mistake raises `ConfigError`."""
+    return config_from_dict(load_config_data(path, overrides), world_size=world_size)
+
+
+def load_config_data(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The YAML file with ``--set`` overrides applied, as plain data: what the user set
+    (`unirl check` marks it in the resolved config)."""
     file = Path(path)
     try:
         text = file.read_text()
@@ -425,4 +431,4 @@ def load_config(
         raise ConfigError(f"{file}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: the top level must be a mapping of sections")
-    return config_from_dict(apply_overrides(data, overrides), world_size=world_size)
+    return apply_overrides(data, overrides)

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def dashboard_name(key: str) -> str:
+    """The name a metric has in TensorBoard and W&B: the flat names of the step's loss terms and
+    counters (``loss``, ``grad_norm``, ``pg_clipfrac``, ...) under ``train/``, so dashboards group
+    every metric by namespace; ``metrics.jsonl`` keeps the names as the code writes them."""
+    return key if "/" in key else f"train/{key}"
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN / inf; keep them visible
@@ -55,25 +62,7 @@ class MetricsLog:
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def _keep_whole_lines(self, step: int | None) -> None:
-        """Drop cut-off lines and, on resume, the steps after the checkpoint (the resumed run
-        writes them again). Rewritten through a temporary file and a rename: a crash here
-        leaves the old file or the new one, never half of it."""
-        records, dropped = _parse_lines(self.path.read_bytes())
-        if dropped:
-            logger.warning(
-                "%s: dropped %d cut-off line(s) (a write interrupted by a crash or a full disk)",
-                self.path,
-                dropped,
-            )
-        kept = [line for line, rec in records if step is None or rec.get("step", 0) <= step]
-        if not dropped and len(kept) == len(records):
-            return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as handle:
-            handle.write("".join(f"{line}\n" for line in kept))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
+        keep_whole_lines(self.path, step)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -82,10 +71,26 @@ class MetricsLog:
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+                    self._tb.add_scalar(dashboard_name(key), value, step)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.write(step, metrics)
+
+    def write_table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """``rows`` (one dict per row, the same keys) as a TensorBoard text table and a W&B
+        table named ``name`` (the JSONL sinks of tables are their own files)."""
+        if not rows:
+            return
+        if self._tb is not None:
+            columns = list(rows[0])
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            for row in rows:
+                cells = (str(row[c]).replace("|", "\\|").replace("\n", " ") for c in columns)
+                lines.append("| " + " | ".join(cells) + " |")
+            self._tb.add_text(name, "\n".join(lines), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.write_table(name, step, rows)
 
     def close(self) -> None:
         self._file.close()
@@ -93,6 +98,28 @@ class MetricsLog:
             self._wandb.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def keep_whole_lines(path: Path, step: int | None) -> None:
+    """Drop cut-off lines of the JSONL file ``path`` and, on resume, the records after step
+    ``step`` (the resumed run writes them again). Rewritten through a temporary file and a
+    rename: a crash here leaves the old file or the new one, never half of it."""
+    records, dropped = _parse_lines(path.read_bytes())
+    if dropped:
+        logger.warning(
+            "%s: dropped %d cut-off line(s) (a write interrupted by a crash or a full disk)",
+            path,
+            dropped,
+        )
+    kept = [line for line, rec in records if step is None or rec.get("step", 0) <= step]
+    if not dropped and len(kept) == len(records):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write("".join(f"{line}\n" for line in kept))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def _parse_lines(data: bytes) -> tuple[list[tuple[str, dict[str, Any]]], int]:

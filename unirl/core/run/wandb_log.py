@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl.core.config.run_config import WandbConfig
+from unirl.core.run.metrics_log import dashboard_name
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,18 @@ class WandbLog:
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         values = {
-            k: v
+            dashboard_name(k): v
             for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         }
         self._run.log(values, step=step)
+
+    def write_table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        columns = list(rows[0])
+        table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+        self._run.log({name: table}, step=step)
 
     def close(self) -> None:
         self._run.finish()

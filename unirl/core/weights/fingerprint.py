@@ -41,6 +41,7 @@ Stats = tuple[float, float, float, float]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _CHUNK = 1 << 20  # elements cast to float64 at a time: 8 MiB, not a whole tensor's copy
+_DEVICE_CHUNK = 1 << 26  # on a GPU: 512 MiB of float64 at most, a few launches per tensor
 # Relative tolerance of the sums: float64 sums of up to ~1e9 terms in different orders differ
 # by far less (pairwise summation: ~log2(n) * 1e-16 of the sum of |x|); a changed element moves
 # them by its own size, which on any real weight is far above this.
@@ -73,8 +74,11 @@ def layer_key(name: str) -> str:
 
 
 def tensor_stats(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Stats:
-    """The statistics of ``tensor`` (cast to ``dtype`` first, when given), in float64; chunks
-    that stay in the CPU's cache (the cost is about one read of the tensor)."""
+    """The statistics of ``tensor`` (cast to ``dtype`` first, when given), in float64. On the
+    CPU in chunks that stay in the cache (the cost is about one read of the tensor); on a GPU
+    accumulated on the device (`_device_stats`)."""
+    if tensor.device.type != "cpu":
+        return _device_stats(tensor, dtype)
     flat = tensor.detach().reshape(-1)
     total, squares, peak = 0.0, 0.0, 0.0
     for chunk in flat.split(_CHUNK):
@@ -87,6 +91,26 @@ def tensor_stats(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Stat
         total += float(c.sum())
         squares += float(torch.dot(c, c))  # x^2 of a float32 is exact in float64
     return float(flat.numel()), total, squares, peak
+
+
+def _device_stats(tensor: torch.Tensor, dtype: torch.dtype | None) -> Stats:
+    """`tensor_stats` on a GPU: the sums accumulate on the device in large chunks and reach the
+    host once per tensor (the CPU path's per-chunk ``float()`` would wait for the GPU some
+    thousand times per 7B model)."""
+    flat = tensor.detach().reshape(-1)
+    acc = torch.zeros(3, dtype=torch.float64, device=flat.device)  # sum, sum x^2, max |x|
+    for chunk in flat.split(_DEVICE_CHUNK):
+        if dtype is not None and chunk.dtype != dtype:
+            chunk = chunk.to(dtype)
+        if not chunk.numel():
+            continue
+        c = chunk.to(torch.float64)
+        low, high = torch.aminmax(chunk)
+        peak = torch.maximum(-low, high).to(torch.float64)
+        acc += torch.stack((c.sum(), torch.dot(c, c), torch.zeros_like(peak)))
+        acc[2] = torch.maximum(acc[2], peak)
+    total, squares, peak_abs = acc.tolist()
+    return float(flat.numel()), total, squares, peak_abs
 
 
 def merge(a: Stats, b: Stats) -> Stats:

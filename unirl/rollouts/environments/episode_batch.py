@@ -6,13 +6,16 @@ episode's ids, mask, log-probs, per-turn token rewards and its ``metadata["episo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from unirl.core.config.sections.rollout_shaping import OverlongConfig
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
 from unirl.rollouts.data.tasks import Problem, TaskTokenizer
 from unirl.rollouts.environments.base import Environment
-from unirl.rollouts.environments.episodes import EpisodeRunner
+from unirl.rollouts.environments.episodes import Episode, EpisodeRunner
+from unirl.rollouts.shaping.overlong import overlong_penalty
 
 
 def observation_encoder(tokenizer: TaskTokenizer) -> Callable[[str], list[int]]:
@@ -42,9 +45,11 @@ def episode_rollout(
     decode: Callable[[Sequence[int]], str],
     policy_version: int | None,
     progress: GenerationProgress | None = None,
+    overlong: OverlongConfig | None = None,
 ) -> RolloutBatch:
     """Play ``group`` episodes per problem (episode ``i`` answers problem ``i // group``, group
-    id ``first_group + i // group``); the reward is the environment's, not the task's."""
+    id ``first_group + i // group``); the reward is the environment's, not the task's, plus
+    ``overlong``'s penalty (`_overlong_fields`)."""
     sample_problems = [problems[i // group] for i in range(len(problems) * group)]
     episodes = []
     for i, problem in enumerate(sample_problems):
@@ -74,12 +79,31 @@ def episode_rollout(
         }
         if problem.metadata:
             metadata["prompt_metadata"] = dict(problem.metadata)
+        fields = ep.sample_fields()
+        if overlong is not None and overlong.buffer_tokens and ep.failed is None:
+            metadata |= _overlong_fields(ep, fields, overlong)
         samples.append(
             RolloutSample(
-                **ep.sample_fields(),
+                **fields,
                 group_id=first_group + i // group,
                 policy_version=policy_version,
                 metadata=metadata,
             )
         )
     return RolloutBatch(tuple(samples))
+
+
+def _overlong_fields(
+    ep: Episode, fields: dict[str, Any], config: OverlongConfig
+) -> dict[str, float]:
+    """DAPO's soft overlong penalty for an episode: its response (turns and observations) against
+    its own token budget (``rollout.max_episode_tokens``, within the model's length), so an
+    episode cut at the budget gets the full penalty. Added to the reward and to the last token's
+    reward (the per-turn token rewards keep summing to the reward); returns the metadata that
+    logs it beside the task reward."""
+    penalty = overlong_penalty(len(ep.response), max_new_tokens=ep.limit, config=config)
+    task_reward = float(fields["reward"])
+    fields["reward"] = task_reward + penalty
+    if len(ep.response):
+        fields["token_rewards"][-1] += penalty
+    return {"task_reward": task_reward, "overlong_penalty": penalty}

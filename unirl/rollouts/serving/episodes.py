@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 
+from unirl.core.config.sections.rollout_shaping import OverlongConfig
 from unirl.core.data.rollout import RolloutBatch
 from unirl.rollouts.data.stops import stop_text
 from unirl.rollouts.data.tasks import Problem, Task
@@ -68,9 +69,11 @@ class ServedEpisodes:
         rl_step: int,
         first_group: int,
         policy_version: int | None,
+        overlong: OverlongConfig | None = None,
     ) -> RolloutBatch:
         """``group`` episodes per problem, played to the end on ``engine`` (the source
-        advances the generation bar when the rollout is complete)."""
+        advances the generation bar when the rollout is complete); ``overlong``: DAPO's
+        penalty against each episode's token budget."""
 
         def generate(
             prompts: Sequence[Sequence[int]], _bar: object, keys: Sequence[tuple[int, int]]
@@ -102,4 +105,5 @@ class ServedEpisodes:
             task_name=self.task.name,
             decode=self.task.tokenizer.decode,
             policy_version=policy_version,
+            overlong=overlong,
         )

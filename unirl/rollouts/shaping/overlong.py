@@ -9,7 +9,8 @@ with a buffer of ``L_cache`` = ``rollout.overlong.buffer_tokens``:
 times ``rollout.overlong.penalty_factor``. A response cut at the budget has ``|y| = L_max`` and
 gets the full -factor: the answer it carries is unfinished. Applied where the rollout's rewards are
 scored (`GeneratingSource.build_batch`), logged as ``reward/overlong_penalty`` beside the task
-reward (``reward/task_mean``).
+reward (``reward/task_mean``). A multi-turn episode is measured against its own token budget
+(`unirl.rollouts.environments.episode_batch`).
 """
 
 from __future__ import annotations

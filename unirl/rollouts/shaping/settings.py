@@ -91,7 +91,15 @@ def shaping_summary(cfg: UnirlConfig) -> dict[str, str]:
         )
     else:
         dyn = "off (every drawn group is trained on)"
-    if ol.buffer_tokens:
+    if ol.buffer_tokens and r.environment is not None:
+        budget = r.max_episode_tokens or cfg.model.max_seq_len
+        over = (
+            f"on, per episode: reward += 0 up to {ol.buffer_tokens} tokens short of the "
+            f"episode's budget ({budget} response tokens, turns and observations, within "
+            f"model.max_seq_len), then linear to -{ol.penalty_factor:g} at it; logged as "
+            "reward/overlong_penalty"
+        )
+    elif ol.buffer_tokens:
         start = r.max_new_tokens - ol.buffer_tokens
         over = (
             f"on: reward += 0 up to {start} response tokens, then linear to "

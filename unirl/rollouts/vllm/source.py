@@ -405,6 +405,7 @@ class VllmRolloutSource(GeneratingSource):
             rl_step=rl_step,
             first_group=self.first_group,
             policy_version=self._policy_version,
+            overlong=self.shaping.overlong,
         )
         self._sleep.after_generate()
         return batch

@@ -277,6 +277,26 @@ def _host_reduce_scatter_along_first_dim(
     return total.split(sizes)[group.rank()].clone()
 
 
+def _host_get_cuda_rng_state(
+    device: Any = "cuda", clone: bool = False, graph_safe: bool = False
+) -> Any:
+    """``random._get_cuda_rng_state`` on the CPU: the CPU generator stands for the device's, so
+    activation recompute (`CheckpointFunction`, selective recompute's `CheckpointWithoutOutput`)
+    saves and restores it around the recomputed forward; line 55 reads the CUDA generator."""
+    _REACHED.add("tensor_parallel/random.py:55")
+    return torch.get_rng_state()
+
+
+def _host_set_cuda_rng_state(
+    new_state: torch.Tensor, device: int = -1, graph_safe: bool = False
+) -> None:
+    """``random._set_cuda_rng_state`` on the CPU: sets the CPU generator (line 93 names the CUDA
+    device whose generator the original sets, through a call queued until CUDA initialises,
+    which on the CPU never runs)."""
+    _REACHED.add("tensor_parallel/random.py:93")
+    torch.set_rng_state(new_state)
+
+
 # the functions a `ReplacePatch` replaced, by name (its replacement calls them for what it keeps)
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
@@ -428,6 +448,22 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             # sizes copied to the host (as numpy arrays when asked)
             "transformer/moe/moe_utils.py:1093",
         ),
+    ),
+    ReplacePatch(
+        module="megatron.core.tensor_parallel.random",
+        name="_get_cuda_rng_state",
+        replacement=_host_get_cuda_rng_state,
+        # return torch.cuda.random.get_rng_state(device=device): the generator state activation
+        # recompute saves before a checkpointed forward (megatron.recompute_modules,
+        # model.gradient_checkpointing)
+        lines=("tensor_parallel/random.py:55",),
+    ),
+    ReplacePatch(
+        module="megatron.core.tensor_parallel.random",
+        name="_set_cuda_rng_state",
+        replacement=_host_set_cuda_rng_state,
+        # device = torch.device('cuda'): the generator restored around the recomputed forward
+        lines=("tensor_parallel/random.py:93",),
     ),
     ReplacePatch(
         module="megatron.core.tensor_parallel.mappings",

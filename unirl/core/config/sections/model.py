@@ -25,13 +25,17 @@ class ModelConfig:
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
-    # Log-probs straight from the final hidden states and the LM head's weight, in vocabulary
-    # chunks (`unirl.core.maths.logprobs_hidden`): the [tokens, vocab] logits and their gradient
-    # are never held (4.6 GiB each in bf16 at 16k tokens x 152k vocabulary), for one more
-    # head-sized matmul in backward. Off by default: measured slower on the CPU (head +
-    # log-probs 1.25x, in-process A/B, benchmarks/fused_head.py); turn it on when the logits cap
-    # the microbatch length.
-    fused_head: bool = False
+    # Log-probs straight from the final hidden states and the LM head's weight, in token chunks
+    # (`unirl.core.maths.head_loss`, `logprobs_hidden`): the [tokens, vocab] logits and their
+    # gradient are never held (4.6 GiB each in bf16 at 16k tokens x 152k vocabulary). Below a few
+    # GiB the plain head is faster (benchmarks/fused_head.py), so auto fuses exactly when the
+    # plain head's logits + gradient per rank for the largest microbatch would exceed
+    # fused_head_logits_gib (`unirl.core.config.head_memory`; `unirl check` prints the choice);
+    # true / false force it.
+    fused_head: bool | Literal["auto"] = "auto"
+    # fused_head: auto's budget in GiB for the plain head's logits + gradient per rank. 10 keeps
+    # 16k-token microbatches at a 152k vocabulary in bf16 (9.3 GiB) on the plain head.
+    fused_head_logits_gib: float = attrs.field(default=10.0, validator=positive)
     # Liger's Triton kernels for RMSNorm, rotary embedding and SwiGLU in every decoder layer, on
     # the Hugging Face backends (DeepSpeed, FSDP2) on a GPU (`unirl.backends.hf.liger`); the
     # Megatron backend has its own fused layers and refuses it.

@@ -7,6 +7,7 @@ from typing import Literal
 import attrs
 
 from unirl.core.config.validators import (
+    finite,
     non_negative,
     positive,
 )
@@ -24,8 +25,14 @@ class ProgressConfig:
 
 @attrs.frozen(kw_only=True)
 class CheckpointConfig:
+    """When the run saves a resumable checkpoint: every ``every`` RL steps (0: not by count),
+    whenever ``every_minutes`` of wall time passed since the last save (0: not by time), and
+    after the last step. The time default makes a long run survive a crash with at most that
+    much work lost, whatever its step time."""
+
     dir: str | None = None
     every: int = attrs.field(default=0, validator=non_negative)
+    every_minutes: float = attrs.field(default=30.0, validator=[finite, non_negative])
     keep: int = attrs.field(default=2, validator=positive)
     export_hf: bool = True
 
@@ -48,5 +55,10 @@ class LoggingConfig:
     # errors unless it is DEBUG (`unirl.log_setup`).
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = True
+    # What the policy generates (`unirl.core.run.completions_log`): the first
+    # completions_per_step samples of the rollout every completions_every RL steps (and at step
+    # 1) into RUN_DIR/completions.jsonl and the TensorBoard / W&B "completions" table; 0: off.
+    completions_every: int = attrs.field(default=10, validator=non_negative)
+    completions_per_step: int = attrs.field(default=4, validator=positive)
     # Weights & Biases: the metrics of metrics.jsonl, from the reporting rank; None = off.
     wandb: WandbConfig | None = None

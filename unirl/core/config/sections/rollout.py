@@ -146,18 +146,22 @@ def _check_reward_run(r: RolloutConfig) -> None:
 
 
 def _check_overlong(r: RolloutConfig) -> None:
-    """The overlong buffer lies inside the generation budget, and shapes single responses (an
-    episode's length is turns and observations, which DAPO's penalty does not describe)."""
+    """The overlong buffer lies inside the generation budget: a response's
+    (``rollout.max_new_tokens``), or an episode's (``rollout.max_episode_tokens``, turns and
+    observations together) under ``rollout.environment``."""
     buffer = r.overlong.buffer_tokens
+    if buffer and r.environment is not None:
+        if r.max_episode_tokens is not None and buffer > r.max_episode_tokens:
+            raise ConfigError(
+                f"rollout.overlong.buffer_tokens={buffer} is longer than "
+                f"rollout.max_episode_tokens={r.max_episode_tokens} (an episode's penalty ramps "
+                "over the last buffer_tokens of its budget); set it to "
+                f"{r.max_episode_tokens} or less"
+            )
+        return
     if buffer > r.max_new_tokens:
         raise ConfigError(
             f"rollout.overlong.buffer_tokens={buffer} is longer than rollout.max_new_tokens="
             f"{r.max_new_tokens} (the penalty ramps over the last buffer_tokens of the budget); "
             f"set it to {r.max_new_tokens} or less"
-        )
-    if buffer and r.environment is not None:
-        raise ConfigError(
-            f"rollout.overlong.buffer_tokens={buffer} shapes single-turn responses, but "
-            f"rollout.environment={r.environment!r} makes every sample a multi-turn episode; set "
-            "rollout.overlong.buffer_tokens: 0 (mask cut episodes with algorithm.mask_truncated)"
         )

@@ -34,7 +34,8 @@ class DynamicSamplingConfig:
 @attrs.frozen(kw_only=True)
 class OverlongConfig:
     """DAPO's soft overlong punishment (eq. 13): 0 for responses up to rollout.max_new_tokens -
-    ``buffer_tokens`` tokens, then linear down to -``penalty_factor`` at rollout.max_new_tokens.
+    ``buffer_tokens`` tokens, then linear down to -``penalty_factor`` at rollout.max_new_tokens
+    (multi-turn episodes: against each episode's token budget, rollout.max_episode_tokens).
     ``buffer_tokens: 0`` turns it off."""
 
     buffer_tokens: int = attrs.field(default=0, validator=non_negative)
