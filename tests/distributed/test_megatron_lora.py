@@ -4,7 +4,7 @@ fp32, over gloo.
 The reference is written here: a tiny Llama with random weights saved as a Hugging Face folder
 (``model.path``) and a peft adapter on every linear with random, non-zero A and B saved with
 ``save_pretrained`` (``model.lora.path``). Per layout (one rank; TP2 with and without sequence
-parallel; PP2; PP2 x VPP2; CP2), one backend:
+parallel; PP2; PP2 x VPP2; CP2; one rank with megatron's full recompute), one backend:
 
 - per-token log-probs of the policy equal peft's (each sequence run alone), and of the
   reference role the base model's (peft's ``disable_adapter``: the adapter off, no second model);
@@ -106,12 +106,15 @@ def _local(mb, topology):
 
 
 def _config(base, adapter, parallel):
+    parallel = dict(parallel)
+    recompute = parallel.pop("recompute", False)
     return {
         "backend": "megatron",
         "model": {
             "path": base,
             "dtype": "fp32",
             "max_seq_len": 16,
+            "gradient_checkpointing": recompute,
             "lora": {"rank": RANK, "alpha": ALPHA, "target_modules": TARGETS, "path": adapter},
         },
         "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "grad_clip": CLIP},
@@ -248,10 +251,14 @@ LAYOUTS = {
     "pp2_vpp2": (2, {"pp": 2, "vpp": 2}, 4),
     "tp2": (2, {"tp": 2}, 2),
     "cp2": (2, {"cp": 2}, 2),
+    # megatron's full recompute of every layer: the frozen embedding's output must still carry
+    # autograd into the first recomputed layer (`install_lora`'s ``recompute``)
+    "recompute": (1, {"recompute": True}, 2),
 }
-# The default tier: one rank, TP2 with sequence parallel (the branch's harder comm), PP2; the
-# slow one adds VPP's chunks, TP2 without sequence parallel and CP2 (nothing of LoRA's own)
-SLOW = {"pp2_vpp2", "tp2", "cp2"}
+# The default tier: one rank with full recompute (everything one rank tests, and the embedding
+# fix), TP2 with sequence parallel (the branch's harder comm), PP2; the slow one adds one rank
+# without recompute, VPP's chunks, TP2 without sequence parallel and CP2 (nothing of LoRA's own)
+SLOW = {"single", "pp2_vpp2", "tp2", "cp2"}
 
 
 @pytest.mark.parametrize(
