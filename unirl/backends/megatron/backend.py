@@ -44,6 +44,8 @@ from unirl.backends.megatron.compat import cpu as cpu_compat
 from unirl.backends.megatron.compat import sequence_parallel
 from unirl.backends.megatron.critic import MegatronCritic, critic_plan
 from unirl.backends.megatron.heads import LogprobHead
+from unirl.backends.megatron.lora.install import check_targets, install_lora
+from unirl.backends.megatron.lora.state import load_peft_folder
 from unirl.backends.megatron.moe.layers import is_moe
 from unirl.backends.megatron.moe.replay import ScheduleReplay
 from unirl.backends.megatron.optimizer import use_distributed_optimizer
@@ -51,6 +53,7 @@ from unirl.backends.megatron.passes import MicrobatchLoop
 from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
 from unirl.backends.megatron.sources import ModelSource, policy_source, reference_source
 from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
+from unirl.backends.peft_folder import write_peft_folder
 from unirl.backends.process_group import destroy_process_group, init_process_group
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.config.derived import fused_head
@@ -95,6 +98,10 @@ class MegatronBackend(EngineBackend):
         )
         value_plan = critic_plan(cfg, total_optimizer_steps) if critic_enabled(cfg) else None
         self.cfg = cfg
+        if cfg.model.lora is not None:
+            check_targets(cfg.model.lora)
+        # LoRA without model.ref_path: the reference is the policy with its adapter off
+        self._adapter_off_reference = cfg.model.lora is not None and cfg.model.ref_path is None
         self.dtype = _DTYPES[cfg.model.dtype]
         self._process_group = init_process_group(cfg.parallel)
         self.device = self._process_group.device
@@ -117,7 +124,9 @@ class MegatronBackend(EngineBackend):
         )
         source = policy_source(cfg)
         self.vocab_size = int(source.hf_config.vocab_size)
-        self.policy = self._lm_model(source, plan, recompute=cfg.model.gradient_checkpointing)
+        self.policy = self._lm_model(
+            source, plan, recompute=cfg.model.gradient_checkpointing, lora=True
+        )
         # an MoE policy's routers record their logits with autograd for the router losses,
         # unless megatron's full recompute is on (its first forward runs them without autograd;
         # the plug-in's check refuses non-zero coefficients then)
@@ -126,7 +135,7 @@ class MegatronBackend(EngineBackend):
         self._recorded: list[torch.Tensor] | None = None
         self._reference: MegatronModel | None = None
         self._closed = False
-        if needs_reference:
+        if needs_reference and not self._adapter_off_reference:
             self.reference()
         self.critic: MegatronCritic | None = None
         if value_plan is not None:
@@ -135,11 +144,22 @@ class MegatronBackend(EngineBackend):
     # -- models ------------------------------------------------------------------------------
 
     def _lm_model(
-        self, source: ModelSource, plan: OptimizerPlan | None, *, recompute: bool = False
+        self,
+        source: ModelSource,
+        plan: OptimizerPlan | None,
+        *,
+        recompute: bool = False,
+        lora: bool = False,
     ) -> MegatronModel:
+        """A language model's chunks; ``lora``: with ``model.lora``'s adapters (the policy)."""
         chunks = build_chunks(
             source, self.cfg, self.topology, dtype=self.dtype, recompute=recompute
         )
+        adapters = None
+        if lora and self.cfg.model.lora is not None:
+            adapters = install_lora(chunks, self.cfg.model.lora, recompute=recompute)
+            if self.cfg.model.lora.path is not None:
+                load_peft_folder(adapters, self.cfg.model.lora.path)
         return MegatronModel(
             chunks,
             hf_config=source.hf_config,
@@ -148,10 +168,19 @@ class MegatronBackend(EngineBackend):
             topology=self.topology,
             plan=plan,
             offload=self.cfg.model.ref_offload,
+            adapters=adapters,
         )
 
     def reference(self) -> MegatronModel:
-        """The frozen reference model (built when first asked for)."""
+        """The frozen reference model (built when first asked for). Under LoRA without
+        ``model.ref_path`` there is none: the reference passes run the policy with its adapter
+        off."""
+        if self._adapter_off_reference:
+            raise RuntimeError(
+                "MegatronBackend.reference: under model.lora without model.ref_path the reference "
+                "is the policy with its adapter off (forward_logprobs(role='reference')), not a "
+                "model of its own"
+            )
         if self._reference is None:
             source = reference_source(self.cfg)
             if source.hf_config.vocab_size != self.vocab_size:
@@ -179,7 +208,14 @@ class MegatronBackend(EngineBackend):
     # -- passes ------------------------------------------------------------------------------
 
     def _forward_logprobs(self, run: ForwardOnlyPass) -> list[torch.Tensor]:
+        if run.role == "reference" and self._adapter_off_reference:
+            assert self.policy.adapters is not None
+            with self.policy.adapters.disabled():
+                return self._run_forward(self.policy, run)
         model = self.policy if run.role == "policy" else self.reference()
+        return self._run_forward(model, run)
+
+    def _run_forward(self, model: MegatronModel, run: ForwardOnlyPass) -> list[torch.Tensor]:
         # the policy replays (R3) or records (R2), as the pass's spec says (decided by core);
         # the reference routes freely
         records = run.spec.routing == "record"
@@ -296,8 +332,27 @@ class MegatronBackend(EngineBackend):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy weights in Hugging Face names, on the CPU, on every rank
-        (collective: TP all-gathers and PP broadcasts)."""
+        (collective: TP all-gathers and PP broadcasts); under LoRA merged with the adapter."""
         return self.policy.hf_state_dict()
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """`TrainsAdapter`: the LoRA adapter in PEFT names, whole, on every rank (collective)."""
+        self._need_adapter("adapter_state_dict")
+        return self.policy.adapter_state_dict()
+
+    def export_adapter(self, path: Path) -> None:
+        """`TrainsAdapter`: rank 0 writes the adapter as a PEFT folder (collective)."""
+        lora = self._need_adapter("export_adapter")
+        state = self.adapter_state_dict()
+        if self.topology.rank == 0:
+            write_peft_folder(state, lora, Path(path), base_model=self.cfg.model.path)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _need_adapter(self, what: str) -> Any:
+        if self.cfg.model.lora is None:
+            raise ConfigError(f"{what} needs model.lora (this run trains the full weights)")
+        return self.cfg.model.lora
 
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST

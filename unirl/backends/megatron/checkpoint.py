@@ -5,6 +5,7 @@ client state; written so that a crash never leaves a checkpoint that looks compl
 Layout of ``<path>/`` (a filesystem every rank sees)::
 
     dist/                  dist_checkpointing.save of {"model0": chunk 0, ..., "optimizer": ...}
+                           (under LoRA only the adapter of each chunk: the base is frozen)
                            (each rank writes its own shards; megatron's sharded_state_dict names
                            every tensor by its global position, so TP / PP shards never clash)
     critic/                the critic's chunks and optimizer, the same way (when the run has one)
@@ -30,6 +31,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from unirl.backends.megatron.lora.layout import is_adapter_parameter
 from unirl.backends.megatron.optimizer import adam_step, fuse_adam, inner_optimizers
 from unirl.core.errors import ConfigError
 from unirl.core.run.checkpointing import (
@@ -113,13 +115,22 @@ def set_adam_steps(optimizer: Any, steps_done: int) -> None:
                     state["step"] = adam_step(steps_done, group, param)
 
 
+def _trained_state(chunk_state: dict[str, Any]) -> dict[str, Any]:
+    """A chunk's entries that training changes: under LoRA only the adapter's (the frozen base
+    comes from ``model.path`` again on resume, so a checkpoint is megabytes, not the model),
+    otherwise all of them."""
+    adapter = {k: v for k, v in chunk_state.items() if is_adapter_parameter(k)}
+    return adapter or chunk_state
+
+
 def sharded_state(
     ddp_chunks: Sequence[torch.nn.Module], optimizer: Any, *, is_loading: bool, with_optimizer: bool
 ) -> dict[str, Any]:
     """The sharded state dict of every chunk (``model<i>``) and, once it has state, of the
     optimizer, which maps its state onto the chunks' sharded parameters."""
     state: dict[str, Any] = {
-        f"model{i}": ddp.module.sharded_state_dict() for i, ddp in enumerate(ddp_chunks)
+        f"model{i}": _trained_state(ddp.module.sharded_state_dict())
+        for i, ddp in enumerate(ddp_chunks)
     }
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -222,7 +233,12 @@ def _load_model(
         str(folder),
     )
     for i, ddp in enumerate(ddp_chunks):
-        ddp.module.load_state_dict(loaded[f"model{i}"], strict=True)
+        state = loaded[f"model{i}"]
+        # under LoRA the adapter alone (`_trained_state`): the frozen base stays as loaded
+        adapter_only = any(is_adapter_parameter(k) for k in state)
+        missing, unexpected = ddp.module.load_state_dict(state, strict=not adapter_only)
+        left = [k for k in [*missing, *unexpected] if is_adapter_parameter(k) or k in unexpected]
+        assert not left, f"checkpoint {folder}: adapter entries {left[:3]} not loaded"
     with torch.no_grad():  # megatron copies into the main parameters in place
         if with_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])

@@ -21,12 +21,20 @@ import torch
 from unirl.backends.megatron.checkpoint import ExtraModel
 from unirl.backends.megatron.fused_head import emit_hidden
 from unirl.backends.megatron.heads import Head, install_value_head
+from unirl.backends.megatron.lora.install import LoraAdapters
+from unirl.backends.megatron.lora.state import MergedParameters, adapter_state_dict
 from unirl.backends.megatron.model import build_model_chunks
 from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
 from unirl.backends.megatron.schedule import schedule_config
 from unirl.backends.megatron.sources import ModelSource
 from unirl.backends.megatron.weights import stream as weight_stream
-from unirl.backends.megatron.weights.hf_layout import export_hf_state_dict, load_hf_weights, save_hf
+from unirl.backends.megatron.weights.hf_layout import (
+    ParamsOf,
+    export_hf_state_dict,
+    load_hf_weights,
+    own_parameters,
+    save_hf,
+)
 from unirl.backends.megatron.weights_folder import MegatronWeights
 from unirl.core.backend import OptimizerStepStats
 from unirl.core.config.derived import fused_head
@@ -107,7 +115,10 @@ class OptimizerPlan:
 
 
 class MegatronModel:
-    """See the module docstring. ``plan`` None: frozen (``offload``: kept on the CPU)."""
+    """See the module docstring. ``plan`` None: frozen (``offload``: kept on the CPU).
+    ``adapters``: the LoRA adapters installed on the chunks (`unirl.backends.megatron.lora`):
+    the base is frozen, DDP and the optimizer hold the adapters only, and the exported / streamed
+    weights are the merged ones."""
 
     def __init__(
         self,
@@ -119,8 +130,10 @@ class MegatronModel:
         topology: Topology,
         plan: OptimizerPlan | None,
         offload: bool = False,
+        adapters: LoraAdapters | None = None,
     ) -> None:
         self.chunks = chunks
+        self.adapters = adapters
         self.hf_config = hf_config
         self.head = head
         self.cfg = cfg
@@ -191,12 +204,29 @@ class MegatronModel:
         self.zero_grads()
         self.apply_schedule()
 
+    def _params_of(self) -> ParamsOf:
+        """How the export reads the weights: under LoRA merged (``W + scale * B @ A``)."""
+        adapters = self.adapters
+        if adapters is None:
+            return own_parameters
+        return lambda index, chunk: MergedParameters(chunk, adapters, index)
+
     def export_hf(self, path: Path) -> None:
-        save_hf(Path(path), self.chunks, self.hf_config, self.topology)
+        """A Hugging Face folder; under LoRA of the merged weights (the adapter alone:
+        `export_adapter`)."""
+        if self.adapters is not None:
+            logger.info("exporting the policy with its LoRA adapter merged into %s", path)
+        save_hf(Path(path), self.chunks, self.hf_config, self.topology, params_of=self._params_of())
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full weights in Hugging Face names, on the CPU, on every rank (collective)."""
-        return export_hf_state_dict(self.chunks, self.hf_config, self.topology)
+        """The full weights in Hugging Face names, on the CPU, on every rank (collective); under
+        LoRA merged."""
+        return export_hf_state_dict(self.chunks, self.hf_config, self.topology, self._params_of())
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter in PEFT names, whole, on every rank (collective)."""
+        assert self.adapters is not None
+        return adapter_state_dict(self.adapters, self.topology)
 
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
@@ -204,11 +234,17 @@ class MegatronModel:
         """`hf_state_dict`'s tensors in buckets on ``device``, from the stages that own them
         (collective)."""
         return weight_stream.stream_weights(
-            self.chunks, self.hf_config, self.topology, bucket_bytes, dst=dst, device=device
+            self.chunks,
+            self.hf_config,
+            self.topology,
+            bucket_bytes,
+            dst=dst,
+            device=device,
+            params_of=self._params_of(),
         )
 
     def non_finite_weight(self) -> str | None:
-        return weight_stream.non_finite_weight(self.chunks, self.hf_config)
+        return weight_stream.non_finite_weight(self.chunks, self.hf_config, self._params_of())
 
     def close(self) -> None:
         self.optimizer = None

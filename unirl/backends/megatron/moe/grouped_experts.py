@@ -140,6 +140,14 @@ class _GroupedLinear(torch.autograd.Function):
         return dx_ti, None, *dws
 
 
+def grouped_linear(
+    x_ti: torch.Tensor, offs_e: torch.Tensor, weights_oi: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``x[rows of e] @ W_e^T`` for every expert ``e`` (rows sorted by expert, ``offs_e`` their
+    cumulative ends), each weight with its own gradient (`_GroupedLinear`)."""
+    return _GroupedLinear.apply(x_ti, offs_e, *weights_oi)
+
+
 def unsupported_reason(config: Any) -> str | None:
     """Why `GroupedExperts` cannot compute this megatron ``TransformerConfig``'s experts, or
     ``None``. It computes what Qwen3-MoE's experts are: SwiGLU, no bias, bf16/fp16/fp32."""
@@ -221,11 +229,16 @@ class GroupedExperts(SequentialMLP):
         assert x_th.dim() == 2, x_th.shape
         # End row of each expert's group (no host sync, unlike SequentialMLP's split sizes).
         offs_e = torch.cumsum(tokens_per_expert.to(x_th.device), dim=0, dtype=torch.int32)
-        fc1 = [e.linear_fc1.weight for e in self.local_experts]
-        fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        h_tf2 = _GroupedLinear.apply(x_th.contiguous(), offs_e, *fc1)
+        h_tf2 = self._fc1(x_th.contiguous(), offs_e)
         a_tf = self._weighted_swiglu(h_tf2, probs_t)
-        return _GroupedLinear.apply(a_tf.contiguous(), offs_e, *fc2), None
+        return self._fc2(a_tf.contiguous(), offs_e), None
+
+    def _fc1(self, x_th: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+        """Every local expert's ``linear_fc1`` on its rows (a LoRA subclass adds its branch)."""
+        return grouped_linear(x_th, offs_e, [e.linear_fc1.weight for e in self.local_experts])
+
+    def _fc2(self, a_tf: torch.Tensor, offs_e: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(a_tf, offs_e, [e.linear_fc2.weight for e in self.local_experts])
 
 
 @attrs.frozen(kw_only=True)

@@ -38,7 +38,7 @@ export refuses to return a state dict missing or adding a name.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,19 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from unirl.backends.megatron.lora.layout import is_adapter_parameter
 from unirl.core.errors import ConfigError
 from unirl.core.topology import Topology
+
+# A chunk's parameters by name as an export reads them: its own (`own_parameters`), or under
+# LoRA the adapted weights merged (`unirl.backends.megatron.lora.state.MergedParameters`).
+ParamsOf = Callable[[int, torch.nn.Module], Mapping[str, torch.Tensor]]
+
+
+def own_parameters(index: int, chunk: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+    """Chunk ``index``'s parameters as they are."""
+    return dict(chunk.named_parameters())
+
 
 # --- pure tensor layout functions ----------------------------------------------------------
 
@@ -195,6 +206,8 @@ def chunk_entries(chunk: torch.nn.Module, hf_config: Any) -> list[Entry]:
     layer_index = [layer.layer_number - 1 for layer in chunk.decoder.layers]
     entries = []
     for name, _ in chunk.named_parameters():
+        if is_adapter_parameter(name):
+            continue  # a LoRA adapter's: exported as a PEFT adapter, not as a model weight
         if name == "embedding.word_embeddings.weight":
             entries.append(Entry(name, ("model.embed_tokens.weight",), "vocab"))
         elif (
@@ -455,14 +468,17 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def stage_hf_tensors(
-    chunks: Sequence[torch.nn.Module], hf_config: Any, topology: Topology
+    chunks: Sequence[torch.nn.Module],
+    hf_config: Any,
+    topology: Topology,
+    params_of: ParamsOf = own_parameters,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors of this pipeline stage, on the parameters' device, TP- (and EP-) gathered
     one parameter at a time, so the device holds at most one gathered parameter beyond the
     shards; the same on every TP rank (collective over the TP / EP groups: every rank of the
     stage runs it to the end). Tensors may be views of one gathered parameter (a fused qkv)."""
-    for chunk in chunks:
-        params = dict(chunk.named_parameters())
+    for index, chunk in enumerate(chunks):
+        params = params_of(index, chunk)
         for entry in chunk_entries(chunk, hf_config):
             if entry.megatron_name == "output_layer.weight" and hf_config.tie_word_embeddings:
                 continue  # the first stage's embedding is the one copy HF keeps
@@ -481,10 +497,11 @@ def stage_hf_tensors(
 
 
 def _stage_hf_state_dict(
-    chunks: Sequence[torch.nn.Module], hf_config: Any, topology: Topology
+    chunks: Sequence[torch.nn.Module], hf_config: Any, topology: Topology, params_of: ParamsOf
 ) -> dict[str, torch.Tensor]:
     """CPU copies of `stage_hf_tensors`."""
-    return {name: _host_copy(t) for name, t in stage_hf_tensors(chunks, hf_config, topology)}
+    tensors = stage_hf_tensors(chunks, hf_config, topology, params_of)
+    return {name: _host_copy(t) for name, t in tensors}
 
 
 def check_export_names(names: set[str], hf_config: Any) -> None:
@@ -501,7 +518,10 @@ def check_export_names(names: set[str], hf_config: Any) -> None:
 
 @torch.no_grad()
 def export_hf_state_dict(
-    chunks: Sequence[torch.nn.Module], hf_config: Any, topology: Topology
+    chunks: Sequence[torch.nn.Module],
+    hf_config: Any,
+    topology: Topology,
+    params_of: ParamsOf = own_parameters,
 ) -> dict[str, torch.Tensor]:
     """The full HF state dict (CPU tensors, parameter dtype) on every rank, in HF key order.
 
@@ -509,7 +529,7 @@ def export_hf_state_dict(
     stages of its pipeline group, one tensor at a time on the parameters' device (NCCL needs
     CUDA tensors; the collectives' objects need ``torch.cuda.set_device`` done under NCCL).
     """
-    full = _stage_hf_state_dict(chunks, hf_config, topology)
+    full = _stage_hf_state_dict(chunks, hf_config, topology, params_of)
     if topology.pp_size > 1:
         group = topology.groups.pp
         device = next(chunks[0].parameters()).device
@@ -538,12 +558,13 @@ def save_hf(
     topology: Topology,
     *,
     max_shard_size: str = "5GB",
+    params_of: ParamsOf = own_parameters,
 ) -> None:
     """Write the model as a Hugging Face folder (safetensors + config.json) from rank 0, loadable
     by ``AutoModelForCausalLM.from_pretrained``. Every rank must call it (it gathers)."""
     from unirl.backends.megatron.weights.hf_io import write_hf_folder
 
-    state = export_hf_state_dict(chunks, hf_config, topology)
+    state = export_hf_state_dict(chunks, hf_config, topology, params_of)
     if topology.rank == 0:
         write_hf_folder(path, state, hf_config, max_shard_size=max_shard_size)
     if dist.is_initialized():

@@ -32,11 +32,13 @@ import torch.distributed as dist
 
 from unirl.backends.megatron.weights.hf_layout import (
     Entry,
+    ParamsOf,
     _all_gather,
     _expert_parallel_entries,
     _hf_tensors,
     check_export_names,
     chunk_entries,
+    own_parameters,
 )
 from unirl.core.topology import Topology
 from unirl.core.weights.stream import (
@@ -59,11 +61,13 @@ from unirl.core.weights.stream import (
 Gather = Callable[[torch.Tensor, int, Any], list[torch.Tensor]]
 
 
-def non_finite_weight(chunks: Sequence[torch.nn.Module], hf_config: Any) -> str | None:
+def non_finite_weight(
+    chunks: Sequence[torch.nn.Module], hf_config: Any, params_of: ParamsOf = own_parameters
+) -> str | None:
     """The first non-finite parameter, named by its HF tensor(s) (local shards, one all-reduce)."""
     local = None
-    for chunk in chunks:
-        params = dict(chunk.named_parameters())
+    for index, chunk in enumerate(chunks):
+        params = params_of(index, chunk)
         for entry in chunk_entries(chunk, hf_config):
             if first_non_finite_local([("", params[entry.megatron_name].detach())]) is not None:
                 local = f"{' / '.join(entry.hf_names)} (Megatron {entry.megatron_name})"
@@ -82,9 +86,11 @@ class _Unit:
     param: torch.Tensor
 
 
-def _units(chunks: Sequence[torch.nn.Module], hf_config: Any) -> Iterator[_Unit]:
-    for chunk in chunks:
-        params = dict(chunk.named_parameters())
+def _units(
+    chunks: Sequence[torch.nn.Module], hf_config: Any, params_of: ParamsOf
+) -> Iterator[_Unit]:
+    for index, chunk in enumerate(chunks):
+        params = params_of(index, chunk)
         for entry in chunk_entries(chunk, hf_config):
             if entry.megatron_name == "output_layer.weight" and hf_config.tie_word_embeddings:
                 continue  # the first stage's embedding is the one copy HF keeps
@@ -314,14 +320,16 @@ def stream_weights(
     *,
     dst: int | None,
     device: torch.device,
+    params_of: ParamsOf = own_parameters,
 ) -> WeightBuckets:
-    """See `unirl.core.backend.TrainingBackend.stream_weights`."""
+    """See `unirl.core.backend.TrainingBackend.stream_weights`; ``params_of``: the weights as
+    read (under LoRA the merged ones)."""
     keep = receives(dst)
     transit = next(chunks[0].parameters()).device
 
     def stage(keep_here: bool, where: torch.device) -> WeightBuckets:
         return planned_buckets(
-            _units(chunks, hf_config),
+            _units(chunks, hf_config, params_of),
             lambda u: _specs(u, topology, hf_config),
             _maker(topology, hf_config),
             bucket_bytes,
@@ -355,4 +363,4 @@ def stream_weights(
         if keep:
             check_export_names(names, hf_config)
 
-    return checked_stream(lambda: non_finite_weight(chunks, hf_config), make)
+    return checked_stream(lambda: non_finite_weight(chunks, hf_config, params_of), make)
