@@ -299,6 +299,8 @@ class _Job:
                 "old_logprobs/source": result.decision.source,
                 "time/generation_s": generation_s,
                 "time/weight_sync_s": self.sync_s,
+                # what that sync carried: the full weights, or under model.lora the adapter
+                "weight_sync/bytes": float(self.sync.last_bytes if self.sync else 0),
             }
             | source_metrics
         )

@@ -62,3 +62,35 @@ def adapter_fingerprint(
     for name, tensor in adapter.items():
         out.add(name, scaled_for_fingerprint(name, tensor, scale=scale, dtype=dtype))
     return out
+
+
+def _linear_shapes(hf: Mapping[str, object]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear of a Llama / Qwen-style decoder layer, from its HF config."""
+    hidden, inter = int(hf["hidden_size"]), int(hf["intermediate_size"])  # type: ignore[call-overload]
+    heads = int(hf["num_attention_heads"])  # type: ignore[call-overload]
+    kv = int(hf.get("num_key_value_heads") or heads)  # type: ignore[call-overload]
+    head_dim = int(hf.get("head_dim") or hidden // heads)  # type: ignore[call-overload]
+    return {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def adapter_numel(rank: int, targets: tuple[str, ...], hf: Mapping[str, object]) -> int | None:
+    """The elements of a rank-``rank`` adapter on ``targets`` of every decoder layer of the
+    dense model ``hf`` (a Hugging Face config as a mapping): ``rank * (in + out)`` per target
+    and layer. None where it cannot say (a config without these keys, a target it does not
+    know, routed experts)."""
+    try:
+        shapes = _linear_shapes(hf)
+        layers = int(hf["num_hidden_layers"])  # type: ignore[call-overload]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if any(t not in shapes for t in targets) or hf.get("num_experts") or hf.get("n_routed_experts"):
+        return None
+    return layers * sum(rank * sum(shapes[t]) for t in targets)
