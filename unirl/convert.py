@@ -124,11 +124,10 @@ def merge_adapter(base: Path, adapter: Path, dst: Path) -> Path:
     the base's dtype with its tokenizer files."""
     import shutil
 
+    import peft
     from transformers import AutoModelForCausalLM
 
     from unirl.backends.hf.export import TOKENIZER_FILES
-    import peft
-
     from unirl.backends.peft_folder import CONFIG_FILE, WEIGHTS_FILE
 
     if not (adapter / CONFIG_FILE).is_file() or not (adapter / WEIGHTS_FILE).is_file():
