@@ -4,7 +4,8 @@ and publishes the folder, so that a crash never leaves a checkpoint that looks c
 
 Layout of ``<path>/`` (on a filesystem every rank sees)::
 
-    state/...              engine.save_checkpoint(tag="state"): module, optimizer (per ZeRO rank),
+    state/...              engine.save_checkpoint(tag="state"): module (without frozen parameters:
+                           under model.lora the adapter only), optimizer (per ZeRO rank),
                            LR scheduler, and {"unirl": client_state}
     critic/...             the critic's engine, the same way (when the run trains one)
     rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
@@ -31,7 +32,11 @@ def write_files(partial: Path, models: Models, client: Mapping[str, Any], rank: 
     """Each `DeepSpeedModel`'s engine's own ``save_checkpoint``, the critic's under its name."""
     policy: DeepSpeedModel = models.policy
     policy.engine.save_checkpoint(
-        str(partial), tag=TAG, client_state={CLIENT_KEY: dict(client)}, save_latest=False
+        str(partial),
+        tag=TAG,
+        client_state={CLIENT_KEY: dict(client)},
+        save_latest=False,
+        exclude_frozen_parameters=True,  # a LoRA policy's frozen base is not saved
     )
     for tag, other in models.extra.items():
         other.engine.save_checkpoint(str(partial), tag=tag, save_latest=False)
@@ -41,7 +46,12 @@ def write_files(partial: Path, models: Models, client: Mapping[str, Any], rank: 
 def read_files(path: Path, models: Models) -> dict[str, Any]:
     policy: DeepSpeedModel = models.policy
     load_path, client = policy.engine.load_checkpoint(
-        str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(path),
+        tag=TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        # a LoRA policy's files hold the adapter only; its base is checked by fingerprint
+        load_module_strict=all(p.requires_grad for p in policy.hf_module.parameters()),
     )
     if load_path is None:
         raise ConfigError(f"checkpoint {str(path)!r}: DeepSpeed found no state under tag {TAG!r}")

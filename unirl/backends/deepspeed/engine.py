@@ -115,8 +115,8 @@ def one_rank_leaf_layers(
     linear and norm inside it (about a dozen per layer, forward and backward, every microbatch;
     Python work the GPU waits on: README, "Backend throughput"), and reduces the layer's
     gradients from one backward hook on the layer instead of one per parameter. That hook needs
-    the layer's input to require grad (it does in every unirl model: nothing is frozen below a
-    layer). Not when ``deepspeed.extra`` chooses leaf modules itself (the granularity threshold
+    the layer's input to require grad (under ``model.lora``, whose embeddings are frozen,
+    `initialize_trainable` makes it so). Not when ``deepspeed.extra`` chooses leaf modules itself (the granularity threshold
     or ``leaf_module``). Returns the flagged modules."""
     zero = extra.get("zero_optimization", {})
     if dp_size != 1 or offloaded or not _keeps_gathered_params(extra):
@@ -236,7 +236,11 @@ def initialize_trainable(
     import_muon_uncompiled()
     if zero_stage == 3:
         zero3_no_gather.install()
-        one_rank_leaf_layers(model, dp_size, cfg.backend_options.extra)
+        layers = one_rank_leaf_layers(model, dp_size, cfg.backend_options.extra)
+        if layers and not all(p.requires_grad for p in model.parameters()):
+            # A frozen embedding (model.lora): the leaf layers' backward hook needs their input
+            # to require grad, which HF's hook on the input embeddings' output gives.
+            model.enable_input_require_grads()
     optimizer, schedule = adamw(model, opt, total_steps=total_steps, key=key)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,

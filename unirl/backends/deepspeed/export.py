@@ -43,6 +43,18 @@ def hf_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     return state
 
 
+def trainable_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """Collective under ZeRO-3: every rank gets the parameters that require grad (a LoRA
+    adapter), gathered together (no frozen weight is gathered), as CPU copies."""
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    if engine.zero_optimization_stage() != 3:
+        return {n: p.detach().to("cpu", copy=True) for n, p in named}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        return {n: p.detach().to("cpu", copy=True) for n, p in named}
+
+
 def export_hf(engine: Any, model_cfg: ModelConfig, path: Path, *, rank: int) -> None:
     """Collective: every rank calls it; rank 0 writes `path`."""
     state = (

@@ -96,6 +96,10 @@ class DeepSpeedModel(PackedModule):
         """Collective under ZeRO-3."""
         return export.hf_state_dict(self.engine)
 
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective under ZeRO-3."""
+        return export.trainable_state_dict(self.engine)
+
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
     ) -> WeightBuckets:

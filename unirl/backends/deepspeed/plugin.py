@@ -49,6 +49,7 @@ PLUGIN = BackendPlugin(
     supports_critic=True,
     supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
     supports_routing_replay=True,
+    supports_lora=True,  # peft on the policy (`unirl.backends.hf.lora`)
     install_hint="pip install 'unirl[deepspeed,hf]'",
     # ZeRO 0/1/2/3 with one and two processes: optimizer-state (1), gradient (2) and parameter
     # (3) sharding each change where the step's numbers are reduced. zero 1/2 with one process

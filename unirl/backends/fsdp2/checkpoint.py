@@ -5,7 +5,8 @@ and publishes the folder.
 
 Layout of ``<path>/``::
 
-    dcp/                   DCP files: {"model": ..., "optim": ...} (sharded parameters, AdamW moments)
+    dcp/                   DCP files: {"model": ..., "optim": ...} (sharded parameters, AdamW moments;
+                           under model.lora the adapter's only, not the frozen base)
     critic_dcp/            the critic's, the same way (when the run trains one)
     meta.pt                {"scheduler": ..., "optimizer_started": bool, "unirl": client_state}
     rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
@@ -23,7 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from unirl.backends.fsdp2.model import Fsdp2Model
 from unirl.backends.hf.checkpoint import CLIENT_KEY, Marker, Models
@@ -38,9 +43,15 @@ def _forget_placeholder_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.state.clear()
 
 
+def _options(m: Fsdp2Model) -> StateDictOptions:
+    """Frozen parameters (a LoRA policy's base) are neither saved nor expected on load."""
+    frozen = not all(p.requires_grad for p in m.module.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _save_model(folder: Path, m: Fsdp2Model) -> bool:
     started = bool(m.optimizer.state)
-    model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
+    model_sd, optim_sd = get_state_dict(m.module, m.optimizer, options=_options(m))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
     if not started:
         _forget_placeholder_state(m.optimizer)
@@ -48,11 +59,16 @@ def _save_model(folder: Path, m: Fsdp2Model) -> bool:
 
 
 def _load_model(folder: Path, m: Fsdp2Model, started: bool, scheduler_state: Any) -> None:
-    model_sd, optim_sd = get_state_dict(m.module, m.optimizer)
+    options = _options(m)
+    model_sd, optim_sd = get_state_dict(m.module, m.optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(
-        m.module, m.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        m.module,
+        m.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
     )
     if not started:
         _forget_placeholder_state(m.optimizer)

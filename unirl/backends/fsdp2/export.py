@@ -28,6 +28,14 @@ def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch
     }
 
 
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank gets the full parameters that require grad (a LoRA adapter; the
+    frozen ones are neither gathered nor returned) as CPU tensors in their master dtype."""
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+    full = get_model_state_dict(model, options=options)
+    return {k: v.detach().to("cpu", copy=True) for k, v in full.items()}
+
+
 def export_hf(
     model: Any, model_cfg: ModelConfig, dtype: torch.dtype, path: Path, *, rank: int
 ) -> None:

@@ -117,6 +117,10 @@ class Fsdp2Model(PackedModule):
         """The full weights in the model's dtype (collective)."""
         return export.hf_state_dict(self.module, torch_dtype(self._model_cfg))
 
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained parameters in their fp32 masters (collective)."""
+        return export.trainable_state_dict(self.module)
+
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
     ) -> WeightBuckets:

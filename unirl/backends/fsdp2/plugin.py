@@ -125,6 +125,7 @@ PLUGIN = BackendPlugin(
     supports_critic=True,
     supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
     supports_routing_replay=True,
+    supports_lora=True,  # peft on the policy (`unirl.backends.hf.lora`)
     # full_shard with one process (sharding over one rank still runs FSDP2's gather and reduce
     # hooks) and two; Ulysses sp=2 (two ranks, one sequence split over both; dp = 1).
     layouts=(

@@ -20,21 +20,26 @@ writes its checkpoint files (``checkpoints``); the loss arithmetic is its traine
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
-from unirl.backends.causal_lm import load_critic, load_policy, load_reference
+from unirl.backends.causal_lm import load_critic, load_policy, load_reference, torch_dtype
 from unirl.backends.hf import checkpoint
 from unirl.backends.hf.checkpoint import CheckpointFiles
 from unirl.backends.hf.critic import HFCritic
+from unirl.backends.hf.export import write_hf_folder
 from unirl.backends.hf.fused_head import FusedLMHead, install_fused_head
 from unirl.backends.hf.liger import apply_liger_kernels
 from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
+from unirl.backends.hf.lora import adapter_state, base_fingerprint, merged_state, wrap_policy
 from unirl.backends.hf.model import PackedModule, TrainedModel, Training
 from unirl.backends.hf.moe import PolicyRouting, moe_routers
+from unirl.backends.peft_folder import write_peft_folder
 from unirl.backends.process_group import ProcessGroupSetup
 from unirl.core.backend import ModelRole, OptimizerStepStats
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
@@ -42,7 +47,7 @@ from unirl.core.critic import critic_optimizer_steps
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.maths.losses import Metric
 from unirl.core.topology import Topology
-from unirl.core.weights.stream import HOST, WeightBuckets
+from unirl.core.weights.stream import HOST, WeightBuckets, checked_stream, state_buckets
 
 
 class HFBackend(EngineBackend):
@@ -63,6 +68,15 @@ class HFBackend(EngineBackend):
         # A mixture-of-experts policy: its router logits for core's auxiliary losses, and routing
         # replay (`unirl.backends.hf.moe`); the reference and the critic route freely.
         self._routing = PolicyRouting(model) if moe_routers(model) else None
+        # model.lora: peft wraps the policy before the engine does (`unirl.backends.hf.lora`);
+        # the reference is then the policy with its adapter off unless model.ref_path is set.
+        self.lora = cfg.model.lora
+        self.base_fingerprint: str | None = None
+        if self.lora is not None:
+            self.base_fingerprint = base_fingerprint(model)
+            model = wrap_policy(model, cfg.model)
+            if cfg.model.ref_path is None:
+                self._heads["reference"] = self._heads["policy"]
         self.policy = self._trained(
             model, Training("policy", cfg.optimizer, "optimizer", total_optimizer_steps)
         )
@@ -122,7 +136,14 @@ class HFBackend(EngineBackend):
         if self.cfg.model.liger_kernels:
             apply_liger_kernels(model, self._dist.device.type)
 
+    @property
+    def _reference_is_base(self) -> bool:
+        """The reference is the policy with its adapter off (``model.lora``, no ref_path)."""
+        return self.lora is not None and self.cfg.model.ref_path is None
+
     def _reference_model(self) -> PackedModule:
+        if self._reference_is_base:
+            return self.policy
         if self._reference is None:
             ref = load_reference(self.cfg.model)
             self._heads["reference"] = self._prepare(ref)
@@ -133,16 +154,22 @@ class HFBackend(EngineBackend):
         role = run.role
         model = self.policy if role == "policy" else self._reference_model()
         routing = self._routing if role == "policy" else None
+        around = None if routing is None else routing.forward_only
         if routing is not None:
             routing.begin_forward_only(run.spec.routing)
+        if role == "reference" and self._reference_is_base:
+            around = self._adapter_off
         return forward_only_pass(
             model,
             LogprobHead(self._heads[role], run.spec),
             run.microbatches,
             progress=run.progress,
             count=lambda: self._count_forward(role),
-            around=None if routing is None else routing.forward_only,
+            around=around,
         )
+
+    def _adapter_off(self, mb: TrainMicrobatch) -> AbstractContextManager[Any]:
+        return self.policy.hf_module.disable_adapter()
 
     def recorded_routing(self) -> list[torch.Tensor]:
         """`unirl.core.backend.RecordsRouting`: the experts the last policy forward-only pass
@@ -195,6 +222,7 @@ class HFBackend(EngineBackend):
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             extra=self._extra_models(),
+            lora_base=self.base_fingerprint,
         )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
@@ -205,18 +233,47 @@ class HFBackend(EngineBackend):
             rank=self._dist.rank,
             world_size=self._dist.world_size,
             extra=self._extra_models(),
+            lora_base=self.base_fingerprint,
         )
 
     def export_hf(self, path: Path) -> None:
-        self.policy.export_hf(Path(path))
+        """The policy as a full Hugging Face folder; under ``model.lora`` the merged weights
+        (the run's own final export is then the adapter, `export_adapter`)."""
+        if self.lora is None:
+            self.policy.export_hf(Path(path))
+            return
+        merged = self.hf_state_dict()
+        base = self.policy.hf_module.get_base_model()
+        dtype = torch_dtype(self.cfg.model)
+        write_hf_folder(base, merged, self.cfg.model, Path(path), rank=self._dist.rank, dtype=dtype)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.policy.hf_state_dict()
+        """Under ``model.lora`` the merged weights ``W + scale * B @ A`` in clean names."""
+        state = self.policy.hf_state_dict()
+        return state if self.lora is None else merged_state(state, self.lora.scale)
 
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
     ) -> WeightBuckets:
-        return self.policy.stream_weights(bucket_bytes, dst=dst, device=device)
+        if self.lora is None:
+            return self.policy.stream_weights(bucket_bytes, dst=dst, device=device)
+        return checked_stream(
+            self.non_finite_weight,
+            lambda: state_buckets(self.hf_state_dict(), bucket_bytes, dst=dst, device=device),
+        )
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """`unirl.core.backend.TrainsAdapter`: the adapter in PEFT's names, on every rank."""
+        return adapter_state(self.policy.trainable_state_dict())
+
+    def export_adapter(self, path: Path) -> None:
+        """`unirl.core.backend.TrainsAdapter`: rank 0 writes the PEFT folder (collective)."""
+        if self.lora is None:
+            raise RuntimeError("export_adapter: the policy has no adapter (model.lora is unset)")
+        state = self.adapter_state_dict()
+        if self._dist.rank == 0:
+            write_peft_folder(state, self.lora, Path(path), base_model=self.cfg.model.path)
+        dist.barrier()
 
     def non_finite_weight(self) -> str | None:
         return self.policy.non_finite_weight()

@@ -7,6 +7,12 @@ Every rank writes into ``<path>.partial``; after a barrier rank 0 syncs every fi
 ``complete`` (with every file's size) and renames the folder to ``<path>`` (one rename: readers
 see all or nothing). Loading refuses a folder without ``complete`` and one written by another
 number of ranks.
+
+Under ``model.lora`` the engine's files hold the adapter and its optimizer state, not the frozen
+base: the base is re-read from ``model.path`` (or rebuilt from ``model.hf_config`` +
+``model.init_seed``) exactly as the first run read it, so resume stays exact. The marker records
+a fingerprint of that base (``lora_base``) and loading refuses another base, and a LoRA
+checkpoint resumed without LoRA or the other way round.
 """
 
 from __future__ import annotations
@@ -70,8 +76,11 @@ def save_checkpoint(
     rank: int,
     world_size: int,
     extra: Mapping[str, Any],
+    lora_base: str | None = None,
 ) -> None:
-    """Collective: every rank calls it with the same `path`."""
+    """Collective: every rank calls it with the same `path`. ``lora_base``: under
+    ``model.lora``, the base weights' fingerprint (`unirl.backends.hf.lora.base_fingerprint`),
+    recorded in the marker: the engine's files then hold the adapter, not the frozen base."""
     path = Path(path)
     partial = partial_dir(path)
     if rank == 0:
@@ -83,8 +92,33 @@ def save_checkpoint(
     dist.barrier()
     if rank == 0:
         marker = {"world_size": world_size, **own, "engines": sorted(extra)}
+        if lora_base is not None:
+            marker["lora_base"] = lora_base
         publish(partial, path, marker, client_state=client_state)
     dist.barrier()
+
+
+def check_lora_base(path: Path, saved: str | None, current: str | None) -> None:
+    """A LoRA checkpoint holds the adapter only: it resumes onto the same base weights (re-read
+    from model.path or rebuilt from model.hf_config + init_seed), and a full one without LoRA."""
+    if saved == current:
+        return
+    where = f"checkpoint {str(path)!r}"
+    if saved is None:
+        raise ConfigError(
+            f"{where} holds full weights (written without model.lora); resume it without "
+            "model.lora, or start a new LoRA run"
+        )
+    if current is None:
+        raise ConfigError(
+            f"{where} holds a LoRA adapter only (written with model.lora); set model.lora as in "
+            "the run that wrote it"
+        )
+    raise ConfigError(
+        f"{where} holds an adapter trained on other base weights (fingerprint {saved}, this "
+        f"run's base is {current}); set model.path / model.hf_config / model.init_seed / "
+        "model.dtype as in the run that wrote it"
+    )
 
 
 def load_checkpoint(
@@ -95,10 +129,12 @@ def load_checkpoint(
     rank: int,
     world_size: int,
     extra: Mapping[str, Any],
+    lora_base: str | None = None,
 ) -> dict[str, Any]:
     """Restore every model and this rank's RNG states; returns the client state."""
     path = Path(path)
     marker = read_marker(path)
+    check_lora_base(path, marker.get("lora_base"), lora_base)
     if marker["world_size"] != world_size:
         raise ConfigError(
             f"checkpoint {str(path)!r} was written by {marker['world_size']} ranks, this run has "

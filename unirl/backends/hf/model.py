@@ -81,6 +81,11 @@ class TrainedModel(TrainedPackedModel, Protocol):
         """The full weights in Hugging Face names, on the CPU, on every rank (collective)."""
         ...
 
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters that train (all of them, or a LoRA adapter's), full, in the module's
+        names, on the CPU, on every rank (collective); the frozen ones are not gathered."""
+        ...
+
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
     ) -> WeightBuckets:

@@ -263,6 +263,27 @@ def planned_buckets(
             del tensors
 
 
+def state_buckets(
+    state: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    *,
+    dst: int | None,
+    device: torch.device | str,
+) -> WeightBuckets:
+    """A state dict every rank already holds whole (a backend's computed weights, e.g. an
+    adapter merged into its base) as a stream's buckets, on ``dst`` only."""
+    if not receives(dst):
+        return iter(())
+    return planned_buckets(
+        list(state.items()),
+        lambda unit: [spec_of(*unit)],
+        lambda unit, out: [unit[1]],
+        bucket_bytes,
+        keep=True,
+        device=device,
+    )
+
+
 def gather_rows(out: torch.Tensor, shard: torch.Tensor, group: Any) -> torch.Tensor:
     """Fill ``out`` with every rank's equal ``shard`` of dim 0, in group-rank order (an
     all-gather; collective over ``group``). On the CPU it is one broadcast per rank straight into
