@@ -70,46 +70,12 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
     """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
     from unirl.core.protocols.source_plugin import SOURCES
+    from unirl.core.weights.adapter import adapter_sync_note
 
     source = cfg.rollout.source
     out = {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}
-    sync = _adapter_sync_note(cfg)
+    sync = adapter_sync_note(cfg)
     return out if sync is None else out | {"weight_sync_sends": sync}
-
-
-def _adapter_sync_note(cfg: UnirlConfig) -> str | None:
-    """What the weight sync carries under ``model.lora`` (unirl/core/weights/adapter.py); None
-    without an adapter or without a sync."""
-    import json
-    from pathlib import Path
-
-    from unirl.core.weight_sync import syncs_adapter
-    from unirl.core.weights.adapter import adapter_numel
-
-    lora = cfg.model.lora
-    if lora is None or not syncs_adapter(cfg):
-        return None
-    hf: dict[str, Any] | None = dict(cfg.model.hf_config or {})
-    if cfg.model.path is not None:
-        config_file = Path(cfg.model.path).expanduser() / "config.json"
-        hf = json.loads(config_file.read_text()) if config_file.is_file() else None
-    numel = adapter_numel(lora.rank, lora.target_modules, hf) if hf else None
-    size = (
-        "its size is logged per sync (weight_sync/bytes)"
-        if numel is None
-        else f"{numel:,} elements, {numel * 4:,} bytes per sync in fp32 (weight_sync/bytes)"
-    )
-    return (
-        f"the adapter only (A and B of {', '.join(lora.target_modules)}, rank {lora.rank}; "
-        f"{size}): the source keeps the base weights it loaded once (model.path, or "
-        "model.hf_config with model.init_seed) and takes each policy version's adapter (vLLM: "
-        "a PEFT folder per version, loaded as LoRA request policy-v<version>)"
-        + (
-            "; verify_sync checks the adapter it serves and that its base weights never changed"
-            if cfg.rollout.verify_sync
-            else ""
-        )
-    )
 
 
 def _verify_note(cfg: UnirlConfig) -> str:

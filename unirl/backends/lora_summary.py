@@ -55,7 +55,7 @@ def lora_summary(cfg: UnirlConfig) -> list[str]:
     lora = cfg.model.lora
     if lora is None:
         return []
-    from unirl.core.protocols.source_plugin import weight_receivers
+    from unirl.core.weights.adapter import adapter_sync_note
 
     experts = "routed experts adapted too" if lora.target_experts else "routed experts not adapted"
     start = f"from {lora.path}" if lora.path else f"A from seed {lora.init_seed}, B zero"
@@ -64,12 +64,7 @@ def lora_summary(cfg: UnirlConfig) -> list[str]:
         if cfg.model.ref_path
         else "the policy with its adapter off (the base model; no second copy of the weights)"
     )
-    sync = (
-        "no weight sync: the source receives no weights"
-        if weight_receivers(cfg) == "none"
-        else "the merged weights (W + alpha / rank * B @ A for every adapted linear, full size, "
-        "clean Hugging Face names) after every optimizer step"
-    )
+    sync = adapter_sync_note(cfg) or "no weight sync: the source receives no weights"
     lines = [
         f"targets: {list(lora.target_modules)} ({experts})",
         f"rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.scale:g}), dropout {lora.dropout:g}",

@@ -25,7 +25,7 @@ from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
 from unirl.core.protocols.source_plugin import weight_receivers
 from unirl.core.run.divergence import DivergenceGuard
-from unirl.core.weights.adapter import ReceivesAdapter, adapter_bytes
+from unirl.core.weights.adapter import ReceivesAdapter, adapter_bytes, syncs_adapter
 from unirl.core.weights.fingerprint import SyncVerificationError
 from unirl.core.weights.stream import (
     HOST,
@@ -34,13 +34,6 @@ from unirl.core.weights.stream import (
     WeightBuckets,
     first_non_finite_local,
 )
-
-
-def syncs_adapter(cfg: UnirlConfig) -> bool:
-    """Whether a run of ``cfg`` sends the rollout source the adapter only (``model.lora`` and a
-    source that receives weights); `WeightSync` then also needs a backend that `TrainsAdapter`
-    and a source that `ReceivesAdapter`."""
-    return cfg.model.lora is not None and weight_receivers(cfg) != "none"
 
 
 def _counted(buckets: WeightBuckets, sync: WeightSync) -> WeightBuckets:
