@@ -19,6 +19,7 @@ from tests.faults import inject
 from unirl.core.config.run_config import load_config
 from unirl.core.weight_sync import WeightSync
 from unirl.core.weights.fingerprint import SyncVerificationError
+from unirl.core.weights.stream import as_buckets
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.sampler_source import SamplerRolloutSource
 
@@ -75,9 +76,19 @@ def _follows(source: SamplerRolloutSource, trainer: Trainer) -> bool:
     return torch.allclose(gen.logprobs, trainer.logprobs(gen.response_tokens.tolist()), atol=1e-5)
 
 
+def _base(source: SamplerRolloutSource) -> torch.nn.Module:
+    """The trainer's base model: other weights than the sampler was built with (a seed of its
+    own), which reach the sampler only through the base sync."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(source.sampler.model.config).float().eval()
+
+
 def _setup(tmp_path: Path, verify: bool = True):
     cfg, source = _source(tmp_path, verify)
-    base = copy.deepcopy(source.sampler.model)
+    base = _base(source)
+    source.sync_weights(as_buckets(base.state_dict()), policy_version=0)  # the base, once
     return source, base, Trainer(base, cfg.model.lora.target_modules)
 
 
@@ -124,9 +135,12 @@ def test_a_changed_base_weight_is_caught(tmp_path):
 class AdapterBackend:
     """What `WeightSync` asks of a backend training an adapter (`TrainsAdapter`)."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: Trainer, base: torch.nn.Module) -> None:
+        self.trainer, self.base = trainer, base
         self.adapter = trainer.step()
+
+    def stream_base_weights(self, bucket_bytes: int, *, dst, device=None):
+        return as_buckets(self.base.state_dict())
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         return self.adapter
@@ -142,15 +156,20 @@ def test_weight_sync_sends_the_adapter_only(tmp_path):
     from unirl.core.run.divergence import DivergenceGuard
 
     cfg, source = _source(tmp_path)
-    trainer = Trainer(copy.deepcopy(source.sampler.model), cfg.model.lora.target_modules)
-    backend = AdapterBackend(trainer)
+    base = _base(source)
+    trainer = Trainer(base, cfg.model.lora.target_modules)
+    backend = AdapterBackend(trainer, base)
     sync = WeightSync(cfg, backend, source)  # type: ignore[arg-type]
     assert sync.adapter_only
-    sync.initial(0)
+    sync.initial(0)  # the base weights once, then the adapter
+    assert _follows(source, trainer)
     # A and B of 7 targets in 2 layers, fp32: hidden 128, intermediate 256, 2 kv heads of 32
     shapes = {"q": (128, 128), "k": (128, 64), "v": (128, 64), "o": (128, 128),
               "gate": (128, 256), "up": (128, 256), "down": (256, 128)}  # fmt: skip
-    assert sync.last_bytes == 2 * sum(4 * RANK * (i + o) for i, o in shapes.values())
+    adapter_bytes = 2 * sum(4 * RANK * (i + o) for i, o in shapes.values())
+    base_bytes = 4 * sum(p.numel() for p in base.parameters())
+    assert sync.last_bytes == base_bytes + adapter_bytes
     backend.adapter = trainer.step()
     sync.after_step(1, {}, DivergenceGuard(3), 1)
+    assert sync.last_bytes == adapter_bytes
     assert _follows(source, trainer)

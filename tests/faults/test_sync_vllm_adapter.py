@@ -24,6 +24,7 @@ pytest.importorskip(
 from tests.faults import inject
 from unirl.core.config.run_config import load_config
 from unirl.core.weights.fingerprint import SyncVerificationError
+from unirl.core.weights.stream import as_buckets
 from unirl.rollouts import build_rollout_source
 from unirl.rollouts.serving.engine import EngineRequest
 from unirl.rollouts.vllm import VllmRolloutSource
@@ -57,12 +58,12 @@ def source(cfg):
 
 class Trainer:
     """The trainer's model as the test computes it: the base (``model.hf_config`` initialised
-    with ``model.init_seed``, as the policy is) + a peft adapter, fp32."""
+    with a seed of its own) + a peft adapter, fp32."""
 
     def __init__(self, source: VllmRolloutSource, cfg) -> None:
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(cfg.model.init_seed)
+        torch.manual_seed(3)
         self.base = AutoModelForCausalLM.from_config(source.hf_config).float().eval()
         config = peft.LoraConfig(
             r=RANK, lora_alpha=ALPHA, target_modules=list(cfg.model.lora.target_modules)
@@ -88,7 +89,10 @@ class Trainer:
 
 @pytest.fixture(scope="module")
 def trainer(source, cfg):
-    return Trainer(source, cfg)
+    """The trainer, its base weights sent once (the engine starts from them)."""
+    trainer = Trainer(source, cfg)
+    source.sync_weights(as_buckets(trainer.base.state_dict()), policy_version=0)
+    return trainer
 
 
 def _gap(source: VllmRolloutSource, model: torch.nn.Module, trainer: Trainer) -> float:

@@ -42,6 +42,9 @@ class _AdapterBackend:
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         raise AssertionError("refused before any sync")
 
+    def stream_base_weights(self, bucket_bytes: int, *, dst, device=None):
+        raise AssertionError("refused before any sync")
+
     def export_adapter(self, path: Path) -> None:
         raise AssertionError
 

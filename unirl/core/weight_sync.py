@@ -5,9 +5,11 @@ rollout file) gets no stream at all: the step only runs the divergence guard's c
 local shards (one all-reduce of a flag), so a non-finite policy is still never checkpointed.
 
 Under ``model.lora`` (a backend that `TrainsAdapter`) the sync carries the adapter only
-(`unirl.core.weights.adapter`): the source keeps the base weights it loaded once and takes each
-policy version's adapter, ``adapter_state_dict()`` (every rank has all of it, so the non-finite
-check needs no collective). ``last_bytes``: what the last sync carried (``weight_sync/bytes``).
+(`unirl.core.weights.adapter`): the run's first sync streams the base weights once
+(``stream_base_weights``: exact also on a resumed run, whose merged weights are no longer the
+base), which the source keeps; every sync then hands it the policy version's adapter,
+``adapter_state_dict()`` (every rank has all of it, so its non-finite check needs no
+collective). ``last_bytes``: what the last sync carried (``weight_sync/bytes``).
 
     sync = WeightSync(cfg, backend, source)
     sync_s = sync.initial(version)                           # before the first rollout
@@ -76,15 +78,22 @@ class WeightSync:
     def enabled(self) -> bool:
         return self.receiver != "none"
 
-    def _stream(self) -> WeightBuckets:
+    def _stream(self, base: bool = False) -> WeightBuckets:
         """The stream for a sync, its buckets where the source wants them (its transport's
-        device: a GPU for vLLM's IPC / NCCL transports, the host otherwise)."""
+        device: a GPU for vLLM's IPC / NCCL transports, the host otherwise); ``base``: the
+        base weights of an adapter-training backend instead of the policy's."""
         # a source or backend written before ``weights_device`` existed: host buckets
         device = getattr(self.source, "weights_device", None) or HOST
         self.last_bytes = 0
-        if device == HOST:
-            return _counted(self.backend.stream_weights(self.bucket_bytes, dst=self.dst), self)
-        stream = self.backend.stream_weights(self.bucket_bytes, dst=self.dst, device=device)
+        if base:
+            assert isinstance(self.backend, TrainsAdapter)
+            stream = self.backend.stream_base_weights(
+                self.bucket_bytes, dst=self.dst, device=device
+            )
+        elif device == HOST:
+            stream = self.backend.stream_weights(self.bucket_bytes, dst=self.dst)
+        else:
+            stream = self.backend.stream_weights(self.bucket_bytes, dst=self.dst, device=device)
         return _counted(stream, self)
 
     def _send(self, stream: WeightBuckets | dict, version: int) -> None:
@@ -106,12 +115,18 @@ class WeightSync:
 
     def initial(self, version: int) -> float:
         """The weights the run starts from, to the source (seconds it took; 0 without a sync).
-        Adapter only: the source loads its base weights itself (model.path or model.hf_config
-        with model.init_seed, as the policy was built) and takes the adapter."""
+        Adapter only: the base weights (`TrainsAdapter.stream_base_weights`, through the
+        source's verified full sync), which the source keeps, then the adapter."""
         if not self.enabled:
             return 0.0
         t0 = time.perf_counter()
-        self._send(self._adapter() if self.adapter_only else self._stream(), version)
+        if self.adapter_only:  # the base weights once, then the adapter
+            self.source.sync_weights(self._stream(base=True), policy_version=version)
+            base_bytes = self.last_bytes
+            self._send(self._adapter(), version)
+            self.last_bytes += base_bytes
+        else:
+            self._send(self._stream(), version)
         return time.perf_counter() - t0
 
     def after_step(

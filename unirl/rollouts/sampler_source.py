@@ -10,8 +10,8 @@ on-policy; every sample carries the ``policy_version`` of the weights it was sam
 the initial weights, until the first sync says otherwise). `state_dict` holds both random
 streams, not the weights.
 
-Under ``model.lora`` the training loop calls `sync_adapter` instead: the sampler's model (built
-as the policy was, so it holds the base weights from the start) gets peft's LoRA layers at the
+Under ``model.lora`` the training loop calls `sync_weights` once with the base weights (the
+adapter left out) and then `sync_adapter`: the sampler's model gets peft's LoRA layers at its
 first call (`unirl.rollouts.sampler_adapter`) and each call overwrites their A and B; with
 ``rollout.verify_sync`` the adapter it holds must match the trainer's and its base weights the
 ones it started with.
@@ -172,7 +172,7 @@ class SamplerRolloutSource(GeneratingSource):
                 "SamplerRolloutSource.sync_adapter without model.lora: build the source with "
                 "lora=cfg.model.lora"
             )
-        if self.adapter is None:
+        if self.adapter is None:  # the model holds the base weights (the first sync's)
             self.adapter = SamplerAdapter(self.sampler.model, self.lora)
             self._base_print = self.adapter.base_fingerprint() if self.verify_sync else None
         self._load_adapter(adapter)

@@ -36,7 +36,13 @@ from unirl.backends.hf.export import write_hf_folder
 from unirl.backends.hf.fused_head import FusedLMHead, install_fused_head
 from unirl.backends.hf.liger import apply_liger_kernels
 from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
-from unirl.backends.hf.lora import adapter_state, base_fingerprint, merged_state, wrap_policy
+from unirl.backends.hf.lora import (
+    adapter_state,
+    base_fingerprint,
+    base_state,
+    merged_state,
+    wrap_policy,
+)
 from unirl.backends.hf.model import PackedModule, TrainedModel, Training
 from unirl.backends.hf.moe import PolicyRouting, moe_routers
 from unirl.backends.peft_folder import write_peft_folder
@@ -260,6 +266,20 @@ class HFBackend(EngineBackend):
         return checked_stream(
             self.non_finite_weight,
             lambda: state_buckets(self.hf_state_dict(), bucket_bytes, dst=dst, device=device),
+        )
+
+    def stream_base_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """`unirl.core.backend.TrainsAdapter`: the base weights (the adapter left out), as
+        `stream_weights` streams the merged ones."""
+        if self.lora is None:
+            raise RuntimeError("stream_base_weights: the policy has no adapter (model.lora)")
+        return checked_stream(
+            self.non_finite_weight,
+            lambda: state_buckets(
+                base_state(self.policy.hf_state_dict()), bucket_bytes, dst=dst, device=device
+            ),
         )
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""Adapter-only weight sync (``model.lora``): the rollout engine keeps the base weights it loaded
-once, and after every optimizer step it receives only the adapter, in PEFT's names
+"""Adapter-only weight sync (``model.lora``): the rollout engine keeps the base weights the run's
+first sync sent, and after every optimizer step it receives only the adapter, in PEFT's names
 (`unirl.core.backend.TrainsAdapter.adapter_state_dict`), a few MB instead of the model.
 
     sent = adapter_fingerprint(adapter, scale=lora.scale, dtype=torch.float32)
@@ -125,9 +125,9 @@ def adapter_sync_note(cfg: UnirlConfig) -> str | None:
     )
     return (
         f"the adapter only (A and B of {', '.join(lora.target_modules)}, rank {lora.rank}; "
-        f"{size}): the source keeps the base weights it loaded once (model.path, or "
-        "model.hf_config with model.init_seed) and takes each policy version's adapter (vLLM: "
-        "a PEFT folder per version, loaded as LoRA request policy-v<version>)"
+        f"{size}): the run's first sync sends the base weights once (the adapter left out), "
+        "which the source keeps, and each sync the policy version's adapter (vLLM: a PEFT "
+        "folder per version, loaded as LoRA request policy-v<version>)"
         + (
             "; verify_sync checks the adapter it serves and that its base weights never changed"
             if cfg.rollout.verify_sync

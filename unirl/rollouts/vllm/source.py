@@ -40,11 +40,10 @@ Episodes. With ``rollout.environment`` every sample is a multi-turn episode play
 episode so far as the token prompt, prefix cache on.
 
 Adapters. Under ``model.lora`` the training loop calls `sync_adapter` instead of
-`sync_weights` (adapter.py): the first call starts each engine with LoRA enabled on the base
-weights, which the source builds as the policy was built (``model.path``, or ``model.hf_config``
-with ``model.init_seed``) and checks like a weight sync; every call loads the version's adapter
-as a new LoRA request, removes the superseded one, and (``rollout.verify_sync``) proves the
-engine serves the sent adapter on unchanged base weights.
+`sync_weights` (adapter.py), after one `sync_weights` of the base weights (the adapter left
+out), which starts each engine with LoRA enabled; every call loads the version's adapter as a
+new LoRA request, removes the superseded one, and (``rollout.verify_sync``) proves the engine
+serves the sent adapter on base weights unchanged since that first sync.
 
 Resume. `state_dict` holds the prompt stream (the base's: the rollout count also fixes the
 per-sample seeds) and the run's seed.
@@ -64,7 +63,7 @@ from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weights.fingerprint import Fingerprint, SyncVerificationError
-from unirl.core.weights.stream import MIB, Bucket, as_buckets, drain
+from unirl.core.weights.stream import MIB, Bucket, drain
 from unirl.rollouts.build import build_task, episode_options
 from unirl.rollouts.data.stops import save_task_tokenizer, stop_ids
 from unirl.rollouts.data.tasks import Problem, Task
@@ -270,9 +269,16 @@ class VllmRolloutSource(GeneratingSource):
 
     def _adapter_sync(self, adapter: Mapping[str, torch.Tensor], engine: int, version: int) -> None:
         assert self.lora is not None
-        if self._engine is None:
-            self._start_base(engine)
-        assert self._adapters is not None
+        if self._engine is None or self._folder is None:
+            raise RunError(
+                "VllmRolloutSource.sync_adapter before the base weights: the engine starts from "
+                "them; call sync_weights(backend.stream_base_weights(...), policy_version=...) "
+                "first"
+            )
+        if self._adapters is None:  # the first adapter sync: the base as it landed
+            self._adapters = AdapterFolders(self._folder.path, self.lora)
+            if self.cfg.rollout.verify_sync:
+                self._base_print = engine_fingerprint(self._engine.llm)
         request = lora_request(version, self._adapters.write(adapter, version))
         self._deliver_adapter(request, engine)
         served = self._adapter_version
@@ -305,20 +311,6 @@ class VllmRolloutSource(GeneratingSource):
         self._adapter_version = request.lora_int_id - 1
         if previous is not None and previous != self._adapter_version:
             self._adapters.remove(previous)
-
-    def _start_base(self, engine: int) -> None:
-        """Start the engine on the base weights (built as the policy's were), through the
-        weight sync and its check; their fingerprint as the engine then holds them is what
-        every adapter sync compares its base weights with."""
-        from unirl.rollouts.model import build_task_model
-
-        base = build_task_model(self.cfg.model, self.task.tokenizer).state_dict()
-        self._verified_sync(as_buckets(base), engine, 0)
-        del base
-        assert self._engine is not None and self._folder is not None and self.lora is not None
-        self._adapters = AdapterFolders(self._folder.path, self.lora)
-        if self.cfg.rollout.verify_sync:
-            self._base_print = engine_fingerprint(self._engine.llm)
 
     def _verified_sync(self, buckets: Iterator[Bucket], engine: int, version: int) -> None:
         """`_sync`, then (``rollout.verify_sync``) the engine proves it holds what it was sent
