@@ -9,8 +9,8 @@ For each model (examples/tiny_grpo_vllm.yaml; the ~100M model by --set overrides
 model.hf_config) and each receiver: one source with full-weight syncs (the first starts the
 engine; then ``--repeats`` syncs of new weights, every tensor moved, in buckets of
 rollout.weight_bucket_mb), and one with ``model.lora`` (rank 16, alpha 32, every linear of each
-layer: the section's defaults) whose first adapter sync starts the engine on the base weights,
-then ``--repeats`` adapter syncs (every A and B moved). ``sync_s``: the whole ``sync_weights`` /
+layer: the section's defaults) whose first sync is the run's (the base weights once, which
+start the engine, then the adapter), then ``--repeats`` adapter syncs (every A and B moved). ``sync_s``: the whole ``sync_weights`` /
 ``sync_adapter`` call, medians; ``verify_s``: the check's seconds inside it (for the adapter: the
 adapter's fingerprint on both sides and the engine's base-weight fingerprint); ``bytes``: the
 tensors one sync carries. The JSON records the exact command.
@@ -114,11 +114,15 @@ def _adapter(model: str, receiver: str, repeats: int, run_dir: Path) -> dict[str
     from transformers import AutoModelForCausalLM
 
     from unirl.backends.peft_folder import peft_lora_config
+    from unirl.core.weights.stream import MIB, bucketed
 
     cfg, source = _source(model, receiver, run_dir / "lora", lora=True)
     hf = getattr(source, "hf_config", None) or source.sampler.model.config
     lora = cfg.model.lora
-    policy = peft.get_peft_model(AutoModelForCausalLM.from_config(hf), peft_lora_config(lora))
+    torch.manual_seed(0)
+    base_model = AutoModelForCausalLM.from_config(hf).float()
+    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+    policy = peft.get_peft_model(base_model, peft_lora_config(lora))
     adapter = {
         k: v.detach().float().clone() for k, v in peft.get_peft_model_state_dict(policy).items()
     }
@@ -128,8 +132,10 @@ def _adapter(model: str, receiver: str, repeats: int, run_dir: Path) -> dict[str
         for _ in range(repeats)
     ]
     try:
-        t0 = time.perf_counter()
-        source.sync_adapter(adapter, policy_version=0)  # starts the engine on the base weights
+        t0 = time.perf_counter()  # the run's first sync: the base weights once, then the adapter
+        bucket = cfg.rollout.weight_bucket_mb * MIB
+        source.sync_weights(bucketed(base.items(), bucket), policy_version=0)
+        source.sync_adapter(adapter, policy_version=0)
         first = time.perf_counter() - t0
         run = _timed(source, lambda a, v: source.sync_adapter(a, policy_version=v), versions)
     finally:
@@ -139,6 +145,7 @@ def _adapter(model: str, receiver: str, repeats: int, run_dir: Path) -> dict[str
         "rank": lora.rank,
         "targets": list(lora.target_modules),
         "bytes": _nbytes(adapter),
+        "first_sync_bytes": _nbytes(base) + _nbytes(adapter),
         "first_sync_s": first,
         **run,
     }
