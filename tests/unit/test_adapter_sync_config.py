@@ -58,3 +58,9 @@ def test_a_source_that_cannot_take_an_adapter_is_refused():
     cfg = load_config(EXAMPLES / "tiny_grpo.yaml", [LORA])
     with pytest.raises(ConfigError, match=r"rollout.source='sampler'.*_FullWeightsSource"):
         WeightSync(cfg, _AdapterBackend(), _FullWeightsSource())  # type: ignore[arg-type]
+
+
+def test_vllm_sleep_discard_is_refused_under_lora():
+    # level 2 would drop the base weights, which an adapter-only sync sends only once
+    with pytest.raises(ConfigError, match=r"rollout.vllm.sleep='discard' with model.lora"):
+        load_config(EXAMPLES / "tiny_grpo_vllm.yaml", [LORA, "rollout.vllm.sleep=discard"])
