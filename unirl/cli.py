@@ -70,7 +70,7 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
     """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
     from unirl.core.protocols.source_plugin import SOURCES
-    from unirl.core.weights.adapter import adapter_sync_note
+    from unirl.core.weight_sync import adapter_sync_note
 
     source = cfg.rollout.source
     out = {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}

@@ -55,7 +55,7 @@ def lora_summary(cfg: UnirlConfig) -> list[str]:
     lora = cfg.model.lora
     if lora is None:
         return []
-    from unirl.core.weights.adapter import adapter_sync_note
+    from unirl.core.weight_sync import adapter_sync_note
 
     experts = "routed experts adapted too" if lora.target_experts else "routed experts not adapted"
     start = f"from {lora.path}" if lora.path else f"A from seed {lora.init_seed}, B zero"

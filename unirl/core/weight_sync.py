@@ -18,8 +18,10 @@ collective). ``last_bytes``: what the last sync carried (``weight_sync/bytes``).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from unirl.core.backend import TrainingBackend, TrainsAdapter
@@ -27,7 +29,7 @@ from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
 from unirl.core.protocols.source_plugin import weight_receivers
 from unirl.core.run.divergence import DivergenceGuard
-from unirl.core.weights.adapter import ReceivesAdapter, adapter_bytes, syncs_adapter
+from unirl.core.weights.adapter import ReceivesAdapter, adapter_bytes, adapter_numel
 from unirl.core.weights.fingerprint import SyncVerificationError
 from unirl.core.weights.stream import (
     HOST,
@@ -36,6 +38,42 @@ from unirl.core.weights.stream import (
     WeightBuckets,
     first_non_finite_local,
 )
+
+
+def syncs_adapter(cfg: UnirlConfig) -> bool:
+    """Whether a run of ``cfg`` sends the rollout source the adapter only (``model.lora`` and a
+    source that receives weights); `unirl.core.weight_sync.WeightSync` then also needs a
+    backend that `TrainsAdapter` and a source that `ReceivesAdapter`."""
+    return cfg.model.lora is not None and weight_receivers(cfg) != "none"
+
+
+def adapter_sync_note(cfg: UnirlConfig) -> str | None:
+    """What the weight sync carries under ``model.lora`` (`unirl check`); None
+    without an adapter or without a sync."""
+    lora = cfg.model.lora
+    if lora is None or not syncs_adapter(cfg):
+        return None
+    hf: dict[str, Any] | None = dict(cfg.model.hf_config or {})
+    if cfg.model.path is not None:
+        config_file = Path(cfg.model.path).expanduser() / "config.json"
+        hf = json.loads(config_file.read_text()) if config_file.is_file() else None
+    numel = adapter_numel(lora.rank, lora.target_modules, hf) if hf else None
+    size = (
+        "its size is logged per sync (weight_sync/bytes)"
+        if numel is None
+        else f"{numel:,} elements, {numel * 4:,} bytes per sync in fp32 (weight_sync/bytes)"
+    )
+    return (
+        f"the adapter only (A and B of {', '.join(lora.target_modules)}, rank {lora.rank}; "
+        f"{size}): the run's first sync sends the base weights once (the adapter left out), "
+        "which the source keeps, and each sync the policy version's adapter (a serving engine "
+        "loads it as a new LoRA request, policy-v<version>)"
+        + (
+            "; verify_sync checks the adapter it serves and that its base weights never changed"
+            if cfg.rollout.verify_sync
+            else ""
+        )
+    )
 
 
 def _counted(buckets: WeightBuckets, sync: WeightSync) -> WeightBuckets:
@@ -55,8 +93,8 @@ def _adapter_receiver(cfg: UnirlConfig, backend: TrainingBackend, source: Any) -
         raise ConfigError(
             f"model.lora: rollout.source={cfg.rollout.source!r} (here a "
             f"{type(source).__name__}) cannot take an adapter-only weight sync; use "
-            "rollout.source: sampler or vllm with train.max_staleness: 0, or rollout.source: "
-            "file"
+            "a generating source that keeps its base weights (the built-in sampler or a serving "
+            "engine) with train.max_staleness: 0, or rollout.source: file"
         )
     return True
 

@@ -19,15 +19,11 @@ an adapter sync never touches them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from unirl.core.config.run_config import UnirlConfig
-from unirl.core.protocols.source_plugin import weight_receivers
 from unirl.core.weights.fingerprint import Fingerprint
 
 LORA_B = ".lora_B."
@@ -41,13 +37,6 @@ class ReceivesAdapter(Protocol):
     `unirl.core.weights.fingerprint.SyncVerificationError` when the receiver's check fails."""
 
     def sync_adapter(self, adapter: Mapping[str, torch.Tensor], *, policy_version: int) -> None: ...
-
-
-def syncs_adapter(cfg: UnirlConfig) -> bool:
-    """Whether a run of ``cfg`` sends the rollout source the adapter only (``model.lora`` and a
-    source that receives weights); `unirl.core.weight_sync.WeightSync` then also needs a
-    backend that `TrainsAdapter` and a source that `ReceivesAdapter`."""
-    return cfg.model.lora is not None and weight_receivers(cfg) != "none"
 
 
 def adapter_bytes(adapter: Mapping[str, torch.Tensor]) -> int:
@@ -105,32 +94,3 @@ def adapter_numel(rank: int, targets: tuple[str, ...], hf: Mapping[str, object])
     if any(t not in shapes for t in targets) or hf.get("num_experts") or hf.get("n_routed_experts"):
         return None
     return layers * sum(rank * sum(shapes[t]) for t in targets)
-
-
-def adapter_sync_note(cfg: UnirlConfig) -> str | None:
-    """What the weight sync carries under ``model.lora`` (`unirl check`; this module); None
-    without an adapter or without a sync."""
-    lora = cfg.model.lora
-    if lora is None or not syncs_adapter(cfg):
-        return None
-    hf: dict[str, Any] | None = dict(cfg.model.hf_config or {})
-    if cfg.model.path is not None:
-        config_file = Path(cfg.model.path).expanduser() / "config.json"
-        hf = json.loads(config_file.read_text()) if config_file.is_file() else None
-    numel = adapter_numel(lora.rank, lora.target_modules, hf) if hf else None
-    size = (
-        "its size is logged per sync (weight_sync/bytes)"
-        if numel is None
-        else f"{numel:,} elements, {numel * 4:,} bytes per sync in fp32 (weight_sync/bytes)"
-    )
-    return (
-        f"the adapter only (A and B of {', '.join(lora.target_modules)}, rank {lora.rank}; "
-        f"{size}): the run's first sync sends the base weights once (the adapter left out), "
-        "which the source keeps, and each sync the policy version's adapter (vLLM: a PEFT "
-        "folder per version, loaded as LoRA request policy-v<version>)"
-        + (
-            "; verify_sync checks the adapter it serves and that its base weights never changed"
-            if cfg.rollout.verify_sync
-            else ""
-        )
-    )
