@@ -70,12 +70,9 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
     """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
     from unirl.core.protocols.source_plugin import SOURCES
-    from unirl.core.weight_sync import adapter_sync_note
 
     source = cfg.rollout.source
-    out = {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}
-    sync = adapter_sync_note(cfg)
-    return out if sync is None else out | {"weight_sync_sends": sync}
+    return {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}
 
 
 def _verify_note(cfg: UnirlConfig) -> str:

@@ -1,5 +1,5 @@
-"""What the weight sync carries under ``model.lora``, as `unirl check` prints it (the adapter's
-size counted by hand below), and the sync refusing a source that cannot take an adapter."""
+"""What the weight sync carries under ``model.lora``, as `unirl check` prints it in its LoRA section
+(the adapter's size counted by hand below), and the sync refusing a source that cannot take an adapter."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ LORA = "model.lora={rank: 4, alpha: 8, target_modules: [q_proj, k_proj, down_pro
 
 def test_check_prints_the_adapter_only_sync_and_its_size():
     cfg = load_config(EXAMPLES / "tiny_grpo_vllm.yaml", [LORA])
-    line = check_report(cfg)["rollout"]["weight_sync_sends"]
+    (line,) = [x for x in check_report(cfg)["lora"] if x.startswith("weight sync:")]
     # tiny_grpo_vllm: hidden 128, intermediate 256, 4 heads of 32, 2 kv heads, 2 layers;
     # rank 4 * (in + out): q 4*(128+128), k 4*(128+64), down 4*(256+128) = 1024+768+1536
     assert "the adapter only" in line and "rank 4" in line
