@@ -27,15 +27,13 @@ def test_check_prints_the_adapter_only_sync_and_its_size():
     assert "base weights never changed" in line
 
 
-def test_check_says_nothing_of_adapters_without_lora_or_without_a_sync(tmp_path):
-    assert (
-        "weight_sync_sends" not in check_report(load_config(EXAMPLES / "tiny_grpo.yaml"))["rollout"]
-    )
+def test_check_says_no_sync_without_one(tmp_path):
     rollouts = tmp_path / "r.jsonl"
     rollouts.write_text("")
     cfg = load_config(EXAMPLES / "tiny_grpo.yaml", [LORA, "rollout.source=file",
                                                     f"rollout.file={rollouts}"])  # fmt: skip
-    assert "weight_sync_sends" not in check_report(cfg)["rollout"]
+    lines = check_report(cfg)["lora"]
+    assert "weight sync: no weight sync: the source receives no weights" in lines
 
 
 class _AdapterBackend:
