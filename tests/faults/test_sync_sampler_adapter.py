@@ -173,3 +173,28 @@ def test_weight_sync_sends_the_adapter_only(tmp_path):
     sync.after_step(1, {}, DivergenceGuard(3), 1)
     assert sync.last_bytes == adapter_bytes
     assert _follows(source, trainer)
+
+
+def test_a_job_whose_adapter_sync_is_dropped_stops_and_resumes(job, tmp_path):
+    """A real `unirl train` on DeepSpeed under model.lora (examples/tiny_grpo_lora.yaml): the
+    third adapter sync (after RL step 2) is never delivered; the run ends with one error line
+    naming it, the step-1 checkpoint intact, and --resume (whose first sync sends the base
+    weights again, not the merged ones) finishes with the sampler following the trainer."""
+    from tests.faults.conftest import metric_steps, newest_checkpoint
+    from unirl.core.run.metrics_log import read_metrics
+
+    run = tmp_path / "run"
+    args = ["train", str(EXAMPLE.parent / "tiny_grpo_lora.yaml"), "--set", "train.rl_steps=3",
+            "--set", f"logging.run_dir={run}", "--set", "checkpoint.every=1",
+            "--set", "progress.enabled=false"]  # fmt: skip
+    failed = job(args, fault="drop_adapter_sync:3", timeout=300)
+    assert failed.returncode != 0
+    (line,) = failed.error_lines()
+    assert "after RL step 2: the adapter sync of policy version 2 to the sampler's model did " \
+        "not land: layer 0" in line, line  # fmt: skip
+    assert newest_checkpoint(run)[0] == 1
+    done = job([*args, "--resume"], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert metric_steps(run) == [1, 2, 3]
+    for record in read_metrics(run / "metrics.jsonl"):
+        assert record["train_rollout_logprob_abs_diff_max"] < 1e-5, record
