@@ -224,8 +224,9 @@ class VllmRolloutSource(GeneratingSource):
         self._policy_version = policy_version
 
     def sync_adapter(self, adapter: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
-        """Each leader hands its engine the adapter of ``policy_version`` (the first call starts
-        the engine on the base weights); every rank learns whether every engine took it."""
+        """Each leader hands its engine the adapter of ``policy_version`` (the engine started on
+        the base weights at the run's first `sync_weights`); every rank learns whether every
+        engine took it."""
         if self.lora is None:
             raise ConfigError("VllmRolloutSource.sync_adapter without model.lora")
         self._on_leaders(
@@ -280,6 +281,8 @@ class VllmRolloutSource(GeneratingSource):
             if self.cfg.rollout.verify_sync:
                 self._base_print = engine_fingerprint(self._engine.llm)
         request = lora_request(version, self._adapters.write(adapter, version))
+        assert self._sleep is not None
+        self._sleep.before_sync()  # a sleeping engine's weights are woken first, as for a sync
         self._deliver_adapter(request, engine)
         served = self._adapter_version
         if self.cfg.rollout.verify_sync:
