@@ -158,6 +158,11 @@ def test_lora_step_matches_peft(tiny_folder, tmp_path, backend_name, stage):
         with torch.no_grad():
             reloaded = reference_logprobs(peft_model(tiny_folder, tmp_path / "out"), seqs)
         assert_logprobs_match(trained, reloaded, seqs, atol=1e-5)
+        # the merged Hugging Face folder (on request) is a plain model with those log-probs
+        backend.export_hf(tmp_path / "merged")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        with torch.no_grad():
+            assert_logprobs_match(trained, reference_logprobs(plain, seqs), seqs, atol=1e-5)
     finally:
         backend.close()
 
