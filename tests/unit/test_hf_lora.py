@@ -208,7 +208,10 @@ def _steps(backend, n: int) -> list:
     return out
 
 
-@pytest.mark.parametrize(("backend_name", "stage"), LAYOUTS, ids=["zero0", "zero3", "fsdp2"])
+# ZeRO-3's LoRA checkpoint is restored in the contract (tests/contract/lora.py, L4 on zero3-dp2).
+@pytest.mark.parametrize(
+    ("backend_name", "stage"), [LAYOUTS[0], LAYOUTS[2]], ids=["zero0", "fsdp2"]
+)
 def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(
     tiny_folder, tmp_path, backend_name, stage
 ):

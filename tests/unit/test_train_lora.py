@@ -31,6 +31,9 @@ def _base_model(example: dict) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+# The slow tier: two CLI runs; CI proves the same on the step itself (tests/contract/test_lora.py,
+# test_lora_l4_across_backends: FSDP2's metrics and adapter equal DeepSpeed's).
+@pytest.mark.slow
 def test_fsdp2_takes_the_same_first_steps(tmp_path):
     rows = {}
     for backend in ("deepspeed", "fsdp2"):
