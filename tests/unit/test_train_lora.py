@@ -97,3 +97,23 @@ def test_tiny_grpo_lora_learns_and_exports_an_adapter(tmp_path):
         if f"{key}.lora_A.weight" in state:
             want = w + scale * state[f"{key}.lora_B.weight"] @ state[f"{key}.lora_A.weight"]
         torch.testing.assert_close(merged[name], want, atol=1e-6, rtol=0, msg=name)
+
+
+# The slow tier: the whole example (hundreds of RL steps, minutes on two cores); CI runs its
+# first 40 steps above (the reward rises) and the LoRA contract proves each step's numbers.
+@pytest.mark.slow
+def test_tiny_grpo_lora_reaches_reward_0_9(tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    args = [str(LORA), "--set", f"logging.run_dir={run}", "--set", "checkpoint.every=0",
+            "--set", "logging.tensorboard=false"]  # fmt: skip
+    proc = subprocess.run(  # longer than test_train's 600 s: a loaded 2-core machine
+        [sys.executable, "-m", "unirl.cli", "train", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(run / "metrics.jsonl")
+    last = sum(r["reward/mean"] for r in rows[-10:]) / 10
+    assert last >= 0.9, last
