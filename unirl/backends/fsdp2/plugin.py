@@ -129,7 +129,7 @@ PLUGIN = BackendPlugin(
     # full_shard with one process (sharding over one rank still runs FSDP2's gather and reduce
     # hooks) and two; Ulysses sp=2 (two ranks, one sequence split over both; dp = 1).
     layouts=(
-        ContractLayout.of("full-dp1", 1),
+        ContractLayout.of("full-dp1", 1, lora=True),
         ContractLayout.of("full-dp2", 2),
         ContractLayout.of("sp2", 2, options={"sp": 2}, critic=True),
         ContractLayout.of("full-dp1-fused", 1, model={"fused_head": True}),

@@ -283,17 +283,22 @@ class HFBackend(EngineBackend):
         )
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """`unirl.core.backend.TrainsAdapter`: the adapter in PEFT's names, on every rank."""
+        """`unirl.core.backend.TrainsAdapter`: the adapter in PEFT's names, on every rank, in
+        the trained parameters' dtype (collective)."""
+        self._need_adapter("adapter_state_dict")
         return adapter_state(self.policy.trainable_state_dict())
 
     def export_adapter(self, path: Path) -> None:
         """`unirl.core.backend.TrainsAdapter`: rank 0 writes the PEFT folder (collective)."""
-        if self.lora is None:
-            raise RuntimeError("export_adapter: the policy has no adapter (model.lora is unset)")
         state = self.adapter_state_dict()
+        assert self.lora is not None
         if self._dist.rank == 0:
             write_peft_folder(state, self.lora, Path(path), base_model=self.cfg.model.path)
         dist.barrier()
+
+    def _need_adapter(self, call: str) -> None:
+        if self.lora is None:
+            raise RuntimeError(f"{call}: the policy has no adapter (model.lora is unset)")
 
     def non_finite_weight(self) -> str | None:
         return self.policy.non_finite_weight()
