@@ -273,8 +273,7 @@ class HFBackend(EngineBackend):
     ) -> WeightBuckets:
         """`unirl.core.backend.TrainsAdapter`: the base weights (the adapter left out), as
         `stream_weights` streams the merged ones."""
-        if self.lora is None:
-            raise RuntimeError("stream_base_weights: the policy has no adapter (model.lora)")
+        self._need_adapter("stream_base_weights")
         return checked_stream(
             self.non_finite_weight,
             lambda: state_buckets(
