@@ -62,3 +62,12 @@ def test_vllm_sleep_discard_is_refused_under_lora():
     # level 2 would drop the base weights, which an adapter-only sync sends only once
     with pytest.raises(ConfigError, match=r"rollout.vllm.sleep='discard' with model.lora"):
         load_config(EXAMPLES / "tiny_grpo_vllm.yaml", [LORA, "rollout.vllm.sleep=discard"])
+
+
+def test_rollouts_generated_ahead_are_refused_under_lora():
+    # the async worker takes full-weight snapshots (seen failing: unirl check passed before)
+    from unirl.rollouts.check import check_rollout_config
+
+    cfg = load_config(EXAMPLES / "tiny_grpo.yaml", [LORA, "train.max_staleness=1"])
+    with pytest.raises(ConfigError, match=r"model.lora with train.max_staleness=1"):
+        check_rollout_config(cfg)
