@@ -94,6 +94,7 @@ def _verify_note(cfg: UnirlConfig) -> str:
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
+    from unirl.backends.lora_summary import lora_summary
     from unirl.core.config.derived import head_path
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
@@ -133,6 +134,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         },
         "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
         "critic": critic_summary(cfg),
+        "lora": lora_summary(cfg),
     }
 
 
@@ -156,6 +158,8 @@ def _print_report(report: dict[str, Any]) -> None:
         out.write("WARNING: " + report["old_logprobs"]["staleness_warning"] + "\n")
     out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
+    if report["lora"]:
+        out.write("\n# LoRA adapter (model.lora)\n" + "\n".join(report["lora"]) + "\n")
     for title, key in (
         ("microbatch plan", "plan"),
         ("rollouts", "rollout"),
@@ -256,7 +260,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from unirl.convert import LAYOUT_FLAGS, convert
 
     layout = {k: getattr(args, k) for k in LAYOUT_FLAGS}
-    out = convert(args.source, args.out, layout, args.dtype, trust_code=args.trust_checkpoint_code)
+    out = convert(
+        args.source,
+        args.out,
+        layout,
+        args.dtype,
+        trust_code=args.trust_checkpoint_code,
+        adapter=args.merge_adapter,
+        merged=args.merged,
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         sys.stdout.write(f"{out}\n")
     return 0
@@ -271,6 +283,7 @@ _EXAMPLES = """examples:
   torchrun --nproc_per_node 2 -m unirl.cli train examples/qwen2_megatron_tp2.yaml
   unirl plot runs/tiny_grpo                                 # reward and loss curves
   unirl convert runs/x/checkpoints/step_40 ./hf-out         # a checkpoint -> Hugging Face
+  unirl convert BASE_HF ./merged --merge-adapter runs/x/adapter  # LoRA adapter merged in
 
 every key: docs/reference/config.md; errors and their fixes: docs/troubleshooting.md
 """
@@ -382,6 +395,18 @@ def _add_convert_parser(sub: Any) -> None:
         action="store_true",
         help="a checkpoint's recorded config names code to import (a custom loss, reward, "
         "hook): build it anyway (only for checkpoints whose origin you trust)",
+    )
+    conv.add_argument(
+        "--merge-adapter",
+        metavar="ADAPTER",
+        default=None,
+        help="a PEFT adapter folder (a LoRA run's adapter/) to merge into the Hugging Face "
+        "SOURCE; OUT is then the full merged model",
+    )
+    conv.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run's checkpoint as the full merged model (default: its adapter)",
     )
     conv.set_defaults(func=_cmd_convert)
 

@@ -9,7 +9,12 @@ outside a training run. What SOURCE is decides the direction:
 - a checkpoint of a run (``checkpoints/step_N``, any backend, any layout) -> a Hugging Face
   folder, exactly what the run's own final export writes: the backend is built from the config
   recorded in the checkpoint, the checkpoint loaded and exported the way `unirl.train` does,
-  with the run's tokenizer. Run it with the ranks that wrote the checkpoint. A recorded config that
+  with the run's tokenizer. Run it with the ranks that wrote the checkpoint. A checkpoint of a
+  ``model.lora`` run gives the run's adapter (a PEFT folder), or with ``--merged`` the full model
+  ``W + scale * B @ A``;
+- a Hugging Face folder with ``--merge-adapter ADAPTER`` (a PEFT folder, e.g. a LoRA run's
+  ``adapter/``) -> a Hugging Face folder of the base with the adapter merged in (peft's
+  ``merge_and_unload``). An adapter is only ever merged on request. A recorded config that
 names code to import (a ``package.module:function`` loss, reward, hook...) is refused unless
 ``--trust-checkpoint-code`` is given: converting a checkpoint from elsewhere must not run its code.
 
@@ -67,9 +72,13 @@ def convert(
     dtype: str | None,
     *,
     trust_code: bool = False,
+    adapter: str | None = None,
+    merged: bool = False,
 ) -> Path:
     """See the module docstring. ``layout``: the flags given (None = not given).
-    ``trust_code``: a checkpoint's recorded config may name code to import (`code_references`)."""
+    ``trust_code``: a checkpoint's recorded config may name code to import (`code_references`).
+    ``adapter``: a PEFT folder to merge into the Hugging Face SOURCE; ``merged``: a LoRA run's
+    checkpoint as its merged full model instead of its adapter."""
     src, dst = Path(source).expanduser(), Path(out).expanduser()
     kind = source_kind(src)
     if dst.exists():
@@ -77,6 +86,23 @@ def convert(
             f"unirl convert: OUT {str(dst)!r} exists; choose a new directory (nothing is "
             "overwritten)"
         )
+    if adapter is not None and kind != "hf":
+        raise ConfigError(
+            f"unirl convert: --merge-adapter merges into a Hugging Face SOURCE (the base model); "
+            f"{str(src)!r} is a {kind} folder (for a LoRA run's checkpoint use --merged)"
+        )
+    if merged and kind != "checkpoint":
+        raise ConfigError(
+            f"unirl convert: --merged applies to a LoRA run's checkpoint; {str(src)!r} is a {kind} "
+            "folder (to merge a PEFT adapter into a Hugging Face folder use --merge-adapter)"
+        )
+    if adapter is not None:
+        if any(v is not None for v in layout.values()):
+            raise ConfigError(
+                "unirl convert: --merge-adapter writes a Hugging Face folder; "
+                "remove the Megatron layout flags"
+            )
+        return merge_adapter(src, Path(adapter).expanduser(), dst)
     given = {k: v for k, v in layout.items() if v is not None}
     if kind != "hf" and (given or dtype is not None):
         flags = " ".join(f"--{k}" for k in given) + (" --dtype" if dtype is not None else "")
@@ -90,7 +116,35 @@ def convert(
         from unirl.backends.megatron.weights_folder import weights_folder_to_hf
 
         return weights_folder_to_hf(src, dst)
-    return checkpoint_to_hf(src, dst, trust_code=trust_code)
+    return checkpoint_to_hf(src, dst, trust_code=trust_code, merged=merged)
+
+
+def merge_adapter(base: Path, adapter: Path, dst: Path) -> Path:
+    """``base`` (a Hugging Face folder) with the PEFT ``adapter`` merged in, saved in ``dst`` in
+    the base's dtype with its tokenizer files."""
+    import shutil
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from unirl.backends.hf.export import TOKENIZER_FILES
+    from unirl.backends.peft_folder import CONFIG_FILE, WEIGHTS_FILE
+
+    if not (adapter / CONFIG_FILE).is_file() or not (adapter / WEIGHTS_FILE).is_file():
+        raise ConfigError(
+            f"unirl convert: --merge-adapter {str(adapter)!r} holds no PEFT adapter "
+            f"({CONFIG_FILE} and {WEIGHTS_FILE}); give a LoRA run's adapter/ folder"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype="auto", local_files_only=True)
+    wrapped = peft.PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
+    merged = wrapped.merge_and_unload()
+    merged.save_pretrained(str(dst))
+    for name in TOKENIZER_FILES:
+        for folder in (adapter, base):  # the run's tokenizer first
+            if (folder / name).is_file() and not (dst / name).exists():
+                shutil.copy2(folder / name, dst / name)
+    logger.info("merged the adapter %s into %s: %s", adapter, base, dst)
+    return dst
 
 
 def _hf_to_megatron(src: Path, dst: Path, given: dict[str, int], dtype: str | None) -> Path:
@@ -143,8 +197,11 @@ def _check_trusted(path: Path, saved: dict[str, Any], trust_code: bool) -> None:
         )
 
 
-def checkpoint_to_hf(path: Path, out: Path, *, trust_code: bool = False) -> Path:
-    """The run's final export of the checkpoint ``path`` (collective over its ranks)."""
+def checkpoint_to_hf(
+    path: Path, out: Path, *, trust_code: bool = False, merged: bool = False
+) -> Path:
+    """The run's final export of the checkpoint ``path`` (collective over its ranks): under
+    ``model.lora`` its adapter, or with ``merged`` the full merged model."""
     import torch.distributed as dist
 
     from unirl.backends import build_backend
@@ -167,11 +224,19 @@ def checkpoint_to_hf(path: Path, out: Path, *, trust_code: bool = False) -> Path
             f"-m unirl.cli convert {path} {out}"
         )
     cfg = config_from_dict(saved, world_size=ranks)
+    if merged and cfg.model.lora is None:
+        raise ConfigError(
+            f"unirl convert: --merged: checkpoint {str(path)!r} is of a run without model.lora "
+            "(its weights are already full); remove --merged"
+        )
     steps = policy_rl_steps(cfg, cfg.train.rl_steps) * cfg.layout.optimizer_steps_per_rollout
     backend = build_backend(cfg, total_optimizer_steps=max(steps, 1), needs_reference=False)
     try:
         backend.load_checkpoint(path)
-        backend.export_hf(out)
+        if cfg.model.lora is not None and not merged:
+            backend.export_adapter(out)
+        else:
+            backend.export_hf(out)
         if backend.topology.rank == 0:
             save_run_tokenizer(cfg, out)
         if dist.is_initialized():

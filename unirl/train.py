@@ -19,6 +19,7 @@ import torch.distributed as dist
 import yaml
 
 from unirl.backends import build_backend, watchdog
+from unirl.core.backend import TrainsAdapter
 from unirl.core.config.derived import needs_reference
 from unirl.core.config.paths import check_local_paths
 from unirl.core.config.run_config import UnirlConfig, config_from_dict, policy_rl_steps
@@ -309,6 +310,8 @@ class _Job:
                 "old_logprobs/source": result.decision.source,
                 "time/generation_s": generation_s,
                 "time/weight_sync_s": self.sync_s,
+                # what that sync carried: the full weights, or under model.lora the adapter
+                "weight_sync/bytes": float(self.sync.last_bytes if self.sync else 0),
             }
             | source_metrics
         )
@@ -363,7 +366,9 @@ class _Job:
 
     def finish(self) -> RunSummary:
         """Export the policy (and critic) in Hugging Face layout; close the metrics log."""
-        export = self.run_dir / "hf" if self.cfg.checkpoint.export_hf else None
+        # under model.lora the run's export is the adapter (a PEFT folder), never a merged model
+        name = "hf" if self.cfg.model.lora is None else "adapter"
+        export = self.run_dir / name if self.cfg.checkpoint.export_hf else None
         if export is not None:
             self._export(export)
         if self.metrics_log is not None:
@@ -383,12 +388,20 @@ class _Job:
         from unirl.rollouts.build import save_run_tokenizer
 
         reporting = self.topo.is_reporting_rank
-        self.backend.export_hf(export)
+        if self.cfg.model.lora is not None:
+            # the adapter as a PEFT folder; `unirl convert --merge-adapter` makes a full model
+            if not isinstance(self.backend, TrainsAdapter):
+                raise RuntimeError(f"model.lora: backend {self.cfg.backend} trains no adapter")
+            self.backend.export_adapter(export)
+            what = "LoRA adapter exported as a PEFT folder"
+        else:
+            self.backend.export_hf(export)
+            what = "policy exported in Hugging Face layout"
         if _is_rank0():  # the tokenizer the rollouts used, for AutoTokenizer and engines
             save_run_tokenizer(self.cfg, export)
         _barrier()
         if reporting:
-            logger.info("policy exported in Hugging Face layout to %s", export)
+            logger.info("%s to %s", what, export)
         if self.backend.critic is not None:
             self.backend.critic.export_hf(self.run_dir / "hf_critic")
             _barrier()

@@ -46,6 +46,16 @@ def critic_layouts(entry: BackendPlugin) -> tuple[ContractLayout, ...]:
     return tuple(layout for layout in dense if layout.critic) or tuple(dense[:1])
 
 
+def lora_layouts(entry: BackendPlugin) -> tuple[ContractLayout, ...]:
+    """The layouts the CPU suite runs the LoRA contract on (`tests.contract.lora`), as
+    `critic_layouts` picks the critic's: none without ``supports_lora``; else the dense layouts
+    it marks ``lora``, or its first dense layout when it marks none."""
+    if not entry.supports_lora:
+        return ()
+    dense = [layout for layout in entry.layouts if layout.fixture == "dense"]
+    return tuple(layout for layout in dense if layout.lora) or tuple(dense[:1])
+
+
 FusedHeadMode = Literal["declared", "on", "off"]
 FUSED_HEAD_MODES = ("declared", "on", "off")
 

@@ -45,8 +45,29 @@ def kill_rank_in_worker(spec: str) -> None:
     async_source.RolloutsAhead._generate = generate
 
 
+def drop_adapter_sync(n: str) -> None:
+    """The ``n``-th adapter sync (1-based, counted per source) is never delivered: the sampler
+    keeps its adapter, the vLLM engine is never given the new LoRA request (it goes on serving
+    the previous one); everything else of the sync runs."""
+    from unirl.rollouts.sampler_source import SamplerRolloutSource
+    from unirl.rollouts.vllm.source import VllmRolloutSource
+
+    targets = ((SamplerRolloutSource, "_load_adapter"), (VllmRolloutSource, "_deliver_adapter"))
+    for cls, method in targets:
+        original = getattr(cls, method)
+        calls = {"n": 0}
+
+        def dropping(self, *args, _original=original, _calls=calls):
+            _calls["n"] += 1
+            if _calls["n"] != int(n):
+                _original(self, *args)
+
+        setattr(cls, method, dropping)
+
+
 FAULTS: dict[str, Callable[[str], None]] = {
     "disk_full_at_checkpoint": disk_full_at_checkpoint,
+    "drop_adapter_sync": drop_adapter_sync,
     "kill_rank_in_worker": kill_rank_in_worker,
 }
 

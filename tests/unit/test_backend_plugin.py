@@ -106,3 +106,12 @@ def test_rl_step_on_the_toy_backend(toy_registered):
         for a, b in zip(backend.model.state_dict().values(), initial.state_dict().values())
     ]
     assert any(changed)
+
+
+def test_model_lora_on_a_backend_without_supports_lora_is_refused(toy_registered):
+    """A plug-in that does not declare ``supports_lora`` refuses ``model.lora`` at load, naming
+    the backends that train adapters."""
+    data = config_data()
+    data["model"] = {**data["model"], "lora": {"rank": 4}}
+    with pytest.raises(ConfigError, match=r"model\.lora is set but backend: toy trains no adapter"):
+        config_from_dict(data)

@@ -158,6 +158,11 @@ def test_lora_step_matches_peft(tiny_folder, tmp_path, backend_name, stage):
         with torch.no_grad():
             reloaded = reference_logprobs(peft_model(tiny_folder, tmp_path / "out"), seqs)
         assert_logprobs_match(trained, reloaded, seqs, atol=1e-5)
+        # the merged Hugging Face folder (on request) is a plain model with those log-probs
+        backend.export_hf(tmp_path / "merged")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        with torch.no_grad():
+            assert_logprobs_match(trained, reference_logprobs(plain, seqs), seqs, atol=1e-5)
     finally:
         backend.close()
 
@@ -203,7 +208,10 @@ def _steps(backend, n: int) -> list:
     return out
 
 
-@pytest.mark.parametrize(("backend_name", "stage"), LAYOUTS, ids=["zero0", "zero3", "fsdp2"])
+# ZeRO-3's LoRA checkpoint is restored in the contract (tests/contract/lora.py, L4 on zero3-dp2).
+@pytest.mark.parametrize(
+    ("backend_name", "stage"), [LAYOUTS[0], LAYOUTS[2]], ids=["zero0", "fsdp2"]
+)
 def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(
     tiny_folder, tmp_path, backend_name, stage
 ):
@@ -245,3 +253,45 @@ def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(
             third.load_checkpoint(tmp_path / "ckpt")
     finally:
         third.close()
+
+
+def test_convert_merges_an_adapter_only_on_request(tiny_folder, tmp_path):
+    """``unirl convert BASE OUT --merge-adapter ADAPTER`` writes base + scale * B @ A (computed
+    here); a Megatron layout flag with it, or a non-Hugging Face SOURCE, is refused."""
+    from safetensors.torch import load_file
+
+    from unirl.convert import convert
+
+    adapter = random_adapter(tiny_folder, tmp_path / "adapter")
+    out = convert(str(tiny_folder), str(tmp_path / "merged"), {}, None, adapter=str(adapter))
+    merged = load_file(str(out / "model.safetensors"))
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder).state_dict()
+    for name, w in base.items():
+        module = name.removesuffix(".weight")
+        a = state.get(f"base_model.model.{module}.lora_A.weight")
+        want = (
+            w
+            if a is None
+            else w + ALPHA / RANK * state[f"base_model.model.{module}.lora_B.weight"] @ a
+        )
+        if name in merged:
+            torch.testing.assert_close(merged[name], want, atol=1e-6, rtol=0, msg=name)
+    assert "model.layers.0.self_attn.q_proj.weight" in merged
+    with pytest.raises(ConfigError, match="remove the Megatron layout flags"):
+        convert(str(tiny_folder), str(tmp_path / "x"), {"tp": 2}, None, adapter=str(adapter))
+    with pytest.raises(ConfigError, match="holds no PEFT adapter"):
+        convert(str(tiny_folder), str(tmp_path / "y"), {}, None, adapter=str(tmp_path))
+
+
+def test_check_counts_the_adapter_as_peft_does(tiny_folder, capsys):
+    """`unirl check`'s trainable-parameter count equals peft's own count on the same model."""
+    from unirl.cli import check_report
+
+    cfg = lora_config(tiny_folder, None, "deepspeed")
+    lines = check_report(cfg)["lora"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS))
+    trainable, _total = peft.get_peft_model(model, config).get_nb_trainable_parameters()
+    assert f"trainable parameters: {trainable:,} in 6 adapted linears" in "\n".join(lines)
+    assert any("the policy with its adapter off" in line for line in lines)

@@ -313,6 +313,15 @@ class TrainsAdapter(Protocol):
         targets (q/k/v, gate/up) and its shards gathered."""
         ...
 
+    def stream_base_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """The base weights, the adapter left out, in Hugging Face names, streamed as
+        `TrainingBackend.stream_weights` streams the (merged) policy: what a rollout engine that
+        keeps the base weights loads once (`unirl.core.weight_sync`), also on a resumed run,
+        whose merged weights are no longer the base."""
+        ...
+
     def export_adapter(self, path: Path) -> None:
         """Collective: rank 0 writes the adapter as a PEFT folder
         (`unirl.backends.peft_folder.write_peft_folder`)."""

@@ -79,6 +79,7 @@ def _sampler_source(
         stop=cfg.rollout.stop,
         stop_token_ids=cfg.rollout.stop_token_ids,
         shaping=RolloutShaping.from_config(cfg),
+        lora=cfg.model.lora,
         **episode_options(cfg),
     )
 

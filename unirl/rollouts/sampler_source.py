@@ -9,6 +9,12 @@ global rank 0, and attaches the sampler's log-probs as ``rollout_logprobs``. Cal
 on-policy; every sample carries the ``policy_version`` of the weights it was sampled from (0,
 the initial weights, until the first sync says otherwise). `state_dict` holds both random
 streams, not the weights.
+
+Under ``model.lora`` the training loop calls `sync_weights` once with the base weights (the
+adapter left out) and then `sync_adapter`: the sampler's model gets peft's LoRA layers at its
+first call (`unirl.rollouts.sampler_adapter`) and each call overwrites their A and B; with
+``rollout.verify_sync`` the adapter it holds must match the trainer's and its base weights the
+ones it started with.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ from typing import Any
 
 import torch
 
+from unirl.core.config.sections.lora import LoraConfig
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
+from unirl.core.weights.adapter import adapter_fingerprint
 from unirl.core.weights.fingerprint import Fingerprint, compare, fingerprinted, module_fingerprint
 from unirl.core.weights.stream import HOST, Bucket, drain
 from unirl.rollouts.data.stops import stop_ids, stop_text
@@ -33,6 +41,7 @@ from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
 from unirl.rollouts.generating import GeneratingSource
 from unirl.rollouts.once import on_rank0
 from unirl.rollouts.sampler import Sampler
+from unirl.rollouts.sampler_adapter import SamplerAdapter
 from unirl.rollouts.shaping.settings import RolloutShaping
 
 logger = logging.getLogger(__name__)
@@ -72,11 +81,12 @@ class SamplerRolloutSource(GeneratingSource):
         episode_limits: EpisodeLimits | None = None,
         max_seq_len: int | None = None,
         shaping: RolloutShaping | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """With ``environment`` (a builder of one episode's environment), every sample is a
         multi-turn episode (`unirl.rollouts.environments.episodes`) within ``episode_limits`` and
         ``max_seq_len`` tokens; ``max_new_tokens`` is then each turn's budget. ``verify_sync``:
-        ``rollout.verify_sync``."""
+        ``rollout.verify_sync``; ``lora``: ``model.lora`` (`sync_adapter`)."""
         # The model starts as the policy's init (build_rollout_source's contract): version 0.
         super().__init__(
             task,
@@ -109,6 +119,9 @@ class SamplerRolloutSource(GeneratingSource):
             decode=self._stop_text,
         )
         self.verify_sync = verify_sync
+        self.lora = lora
+        self.adapter: SamplerAdapter | None = None  # made at the first adapter sync
+        self._base_print: Fingerprint | None = None  # the base weights then (verify_sync)
         self.environment = environment
         self.episodes: EpisodeRunner | None = None
         if environment is not None:
@@ -149,6 +162,36 @@ class SamplerRolloutSource(GeneratingSource):
             compare(sent, held, receiver="the sampler's model", version=policy_version)
             self.last_verify_s = sent.seconds + time.perf_counter() - t0
         self._policy_version = policy_version
+
+    def sync_adapter(self, adapter: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
+        """Overwrite the sampler's adapter with ``adapter`` (PEFT names; the first call adds the
+        LoRA layers); with ``rollout.verify_sync`` the adapter it then holds must match the one
+        sent and its base weights the ones it held at the first call."""
+        if self.lora is None:
+            raise ConfigError(
+                "SamplerRolloutSource.sync_adapter without model.lora: build the source with "
+                "lora=cfg.model.lora"
+            )
+        if self.adapter is None:  # the model holds the base weights (the first sync's)
+            self.adapter = SamplerAdapter(self.sampler.model, self.lora)
+            self._base_print = self.adapter.base_fingerprint() if self.verify_sync else None
+        self._load_adapter(adapter)
+        if self.verify_sync:
+            t0 = time.perf_counter()
+            receiver = "the sampler's model"
+            sent = adapter_fingerprint(adapter, scale=self.lora.scale, dtype=self.adapter.dtype)
+            compare(sent, self.adapter.fingerprint(), receiver=receiver,
+                    version=policy_version, what="adapter sync")  # fmt: skip
+            assert self._base_print is not None
+            compare(self._base_print, self.adapter.base_fingerprint(), receiver=receiver,
+                    version=policy_version, what="base weights")  # fmt: skip
+            self.last_verify_s = time.perf_counter() - t0
+        self._policy_version = policy_version
+
+    def _load_adapter(self, adapter: Mapping[str, torch.Tensor]) -> None:
+        """The delivery itself (a fault test drops it here)."""
+        assert self.adapter is not None
+        self.adapter.load(adapter)
 
     def generate_eval(
         self,

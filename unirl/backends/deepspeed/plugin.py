@@ -49,17 +49,18 @@ PLUGIN = BackendPlugin(
     supports_critic=True,
     supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
     supports_routing_replay=True,
+    supports_lora=True,  # peft on the policy (`unirl.backends.hf.lora`)
     install_hint="pip install 'unirl[deepspeed,hf]'",
     # ZeRO 0/1/2/3 with one and two processes: optimizer-state (1), gradient (2) and parameter
     # (3) sharding each change where the step's numbers are reduced. zero 1/2 with one process
     # shard nothing, so they run with two only; zero 3 runs with both (one process still
     # partitions through its parameter hooks).
     layouts=(
-        ContractLayout.of("zero0-dp1", 1, zero_stage=0, critic=True),
+        ContractLayout.of("zero0-dp1", 1, zero_stage=0, critic=True, lora=True),
         ContractLayout.of("zero1-dp2", 2, zero_stage=1),
         ContractLayout.of("zero2-dp2", 2, zero_stage=2),
         ContractLayout.of("zero3-dp1", 1, zero_stage=3),
-        ContractLayout.of("zero3-dp2", 2, zero_stage=3, critic=True),
+        ContractLayout.of("zero3-dp2", 2, zero_stage=3, critic=True, lora=True),
         # model.fused_head: the log-probs from the LM head's input (ZeRO-3 gathers its weight)
         ContractLayout.of("zero3-dp1-fused", 1, model={"fused_head": True}, zero_stage=3),
         # the tiny Qwen3-MoE through transformers' own Qwen3MoeForCausalLM (no expert parallel)

@@ -125,10 +125,11 @@ PLUGIN = BackendPlugin(
     supports_critic=True,
     supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
     supports_routing_replay=True,
+    supports_lora=True,  # peft on the policy (`unirl.backends.hf.lora`)
     # full_shard with one process (sharding over one rank still runs FSDP2's gather and reduce
     # hooks) and two; Ulysses sp=2 (two ranks, one sequence split over both; dp = 1).
     layouts=(
-        ContractLayout.of("full-dp1", 1),
+        ContractLayout.of("full-dp1", 1, lora=True),
         ContractLayout.of("full-dp2", 2),
         ContractLayout.of("sp2", 2, options={"sp": 2}, critic=True),
         ContractLayout.of("full-dp1-fused", 1, model={"fused_head": True}),

@@ -36,7 +36,13 @@ from unirl.backends.hf.export import write_hf_folder
 from unirl.backends.hf.fused_head import FusedLMHead, install_fused_head
 from unirl.backends.hf.liger import apply_liger_kernels
 from unirl.backends.hf.loop import HeadOutput, LogprobHead, forward_only_pass, training_pass
-from unirl.backends.hf.lora import adapter_state, base_fingerprint, merged_state, wrap_policy
+from unirl.backends.hf.lora import (
+    adapter_state,
+    base_fingerprint,
+    base_state,
+    merged_state,
+    wrap_policy,
+)
 from unirl.backends.hf.model import PackedModule, TrainedModel, Training
 from unirl.backends.hf.moe import PolicyRouting, moe_routers
 from unirl.backends.peft_folder import write_peft_folder
@@ -263,18 +269,36 @@ class HFBackend(EngineBackend):
             lambda: state_buckets(self.hf_state_dict(), bucket_bytes, dst=dst, device=device),
         )
 
+    def stream_base_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """`unirl.core.backend.TrainsAdapter`: the base weights (the adapter left out), as
+        `stream_weights` streams the merged ones."""
+        self._need_adapter("stream_base_weights")
+        return checked_stream(
+            self.non_finite_weight,
+            lambda: state_buckets(
+                base_state(self.policy.hf_state_dict()), bucket_bytes, dst=dst, device=device
+            ),
+        )
+
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """`unirl.core.backend.TrainsAdapter`: the adapter in PEFT's names, on every rank."""
+        """`unirl.core.backend.TrainsAdapter`: the adapter in PEFT's names, on every rank, in
+        the trained parameters' dtype (collective)."""
+        self._need_adapter("adapter_state_dict")
         return adapter_state(self.policy.trainable_state_dict())
 
     def export_adapter(self, path: Path) -> None:
         """`unirl.core.backend.TrainsAdapter`: rank 0 writes the PEFT folder (collective)."""
-        if self.lora is None:
-            raise RuntimeError("export_adapter: the policy has no adapter (model.lora is unset)")
         state = self.adapter_state_dict()
+        assert self.lora is not None
         if self._dist.rank == 0:
             write_peft_folder(state, self.lora, Path(path), base_model=self.cfg.model.path)
         dist.barrier()
+
+    def _need_adapter(self, call: str) -> None:
+        if self.lora is None:
+            raise RuntimeError(f"{call}: the policy has no adapter (model.lora is unset)")
 
     def non_finite_weight(self) -> str | None:
         return self.policy.non_finite_weight()

@@ -143,6 +143,17 @@ def merged_state(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, t
     return out
 
 
+def base_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A wrapped module's full state dict as its base model, the adapter left out: clean
+    Hugging Face names, the frozen weights as they are (what a rollout engine that keeps the
+    base weights loads once, `unirl.core.backend.TrainsAdapter.stream_base_weights`)."""
+    return {
+        name.removeprefix(PEFT_PREFIX).replace(_BASE, "."): tensor
+        for name, tensor in state.items()
+        if not is_adapter_name(name)
+    }
+
+
 def base_fingerprint(model: torch.nn.Module) -> str:
     """A hash of ``model``'s weights (the base, before the wrap): names, dtypes, shapes, bytes."""
     digest = hashlib.blake2b(digest_size=16)

@@ -239,7 +239,18 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     check_registered_rules(cfg)
     _check_wandb(cfg)
     _check_critic(cfg)
+    _check_lora(cfg)
     check_routing_replay(cfg)
+
+
+def _check_lora(cfg: UnirlConfig) -> None:
+    """``model.lora`` needs a backend that trains an adapter (its plug-in's ``supports_lora``)."""
+    if cfg.model.lora is not None and not BACKENDS.get(cfg.backend).supports_lora:
+        lora_backends = [n for n in BACKENDS.names() if BACKENDS.get(n).supports_lora]
+        raise ConfigError(
+            f"model.lora is set but backend: {cfg.backend} trains no adapter; remove model.lora "
+            f"or use one of {lora_backends}"
+        )
 
 
 def _check_wandb(cfg: UnirlConfig) -> None:

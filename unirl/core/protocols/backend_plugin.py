@@ -16,7 +16,9 @@ it, so adding a backend edits no file under ``unirl/core``:
   marks none: a critic-capable backend never gets no critic case);
 - ``supports_routing_replay``: whether its forwards record and replay MoE routing
   (``algorithm.routing_replay``, `unirl.core.config.routing_replay`);
-  ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features.
+  ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features;
+- ``supports_lora``: whether it trains a ``model.lora`` adapter (its backends implement
+  `unirl.core.backend.TrainsAdapter`); the LoRA contract then runs on its layouts marked ``lora``.
 
 Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
 outside the package registers itself with ``BACKENDS.register(plugin.name, plugin)``.
@@ -76,7 +78,7 @@ class ContractLayout:
     runs: ``dense`` (a tiny Llama) or ``moe`` (a tiny Qwen3-MoE: expert-parallel layouts need
     experts to split). ``critic``: the CPU suite (CI) also runs PPO's critic contract on it (a
     backend with ``supports_critic``; a few layouts keep CI's added time small, the GPU runners
-    run every layout)."""
+    run every layout). ``lora``: likewise the LoRA contract (a backend with ``supports_lora``)."""
 
     name: str
     world_size: int
@@ -85,6 +87,7 @@ class ContractLayout:
     model: tuple[tuple[str, Any], ...] = ()
     fixture: str = attrs.field(default="dense", validator=attrs.validators.in_(("dense", "moe")))
     critic: bool = False
+    lora: bool = False
 
     @classmethod
     def of(
@@ -95,6 +98,7 @@ class ContractLayout:
         model: Mapping[str, Any] | None = None,
         fixture: str = "dense",
         critic: bool = False,
+        lora: bool = False,
         **parallel: Any,
     ) -> ContractLayout:
         return cls(
@@ -105,6 +109,7 @@ class ContractLayout:
             model=tuple(sorted((model or {}).items())),
             fixture=fixture,
             critic=critic,
+            lora=lora,
         )
 
     def with_model(self, suffix: str, **model: Any) -> ContractLayout:
@@ -161,6 +166,9 @@ class BackendPlugin:
     # head when the log-prob spec says ``loss_in_head`` (`unirl.core.backend.token_loss_from_hidden`);
     # on a backend without, the RL step asks for the log-probs and the loss after them.
     supports_loss_in_head: bool = False
+    # Whether it trains a ``model.lora`` adapter (`unirl.core.backend.TrainsAdapter`); a config
+    # with model.lora on a backend without is refused at load.
+    supports_lora: bool = False
 
 
 BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")

@@ -65,7 +65,10 @@ class SyncVerificationError(RunError):
 
 
 def layer_key(name: str) -> str:
-    """The fingerprint key of parameter ``name`` (module docstring)."""
+    """The fingerprint key of parameter ``name`` (module docstring). A module wrapped by an
+    adapter keeps its key: ``embed_tokens.base_layer`` (vLLM's and peft's LoRA wrappers) is
+    ``embed_tokens``."""
+    name = name.replace(".base_layer.", ".")
     m = _LAYER.search(name)
     if m is not None:
         return f"layer {m.group(1)}"
@@ -191,12 +194,21 @@ def _show(s: Stats) -> str:
     return f"n={int(s[0])}, sum={s[1]:.9g}, sum_sq={s[2]:.9g}, max_abs={s[3]:.6g}"
 
 
-def compare(sent: Fingerprint, held: Fingerprint, *, receiver: str, version: int) -> None:
+def compare(
+    sent: Fingerprint,
+    held: Fingerprint,
+    *,
+    receiver: str,
+    version: int,
+    what: str = "weight sync",
+) -> None:
     """Raise `SyncVerificationError` unless ``held`` (the receiver's) matches ``sent`` (the
-    trainer's) on every key, with the same keys on both sides."""
+    trainer's) on every key, with the same keys on both sides. ``what``: the sync's kind, as
+    the error names it (``adapter sync``; ``base weights`` for the check that an adapter sync
+    left them alone)."""
     expected = dict(sent.keys)
     _untie(expected, held.keys)
-    what = f"the weight sync of policy version {version} to {receiver}"
+    what = f"the {what} of policy version {version} to {receiver}"
     missing = sorted(set(held.keys) - set(expected))
     if missing:
         raise SyncVerificationError(

@@ -134,6 +134,8 @@ class VllmEngine:
         self.stop = list(stop)
         self.max_model_len = max_model_len
         self._pids: set[int] = set()  # the engine's processes, set by `start`
+        # under model.lora: the adapter every generation carries (`use_adapter`); None: the base
+        self.lora_request: Any = None
         self.watch: EngineWatch | None = None  # its health (health.py), set by `start`
 
     @classmethod
@@ -232,7 +234,7 @@ class VllmEngine:
             )
             for r in requests
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         samples = []
         for out in outputs:
             completion = out.outputs[0]
@@ -243,6 +245,20 @@ class VllmEngine:
                 EngineSample(response_tokens=tokens, logprobs=logprobs, finished=finished)
             )
         return samples
+
+    def use_adapter(self, request: Any) -> None:
+        """Load the LoRA adapter of ``request`` (a `vllm.lora.request.LoRARequest`) into every
+        worker and generate with it from now on; the adapter used before is removed. The
+        prefix cache needs no reset: vLLM keys its blocks by the LoRA request too."""
+        if not self.llm.llm_engine.add_lora(request):
+            raise RunError(f"the vLLM engine did not load the adapter {request.lora_path}")
+        previous, self.lora_request = self.lora_request, request
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    def adapters(self) -> set[int]:
+        """The LoRA ids the engine holds."""
+        return set(self.llm.llm_engine.list_loras())
 
     def reload_weights(self, model_dir: str) -> None:
         """Load the safetensors in ``model_dir`` into the running engine, in place (vLLM's

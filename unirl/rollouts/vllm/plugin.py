@@ -191,6 +191,13 @@ def check(cfg: UnirlConfig) -> None:
             "engine with gpu_memory_utilization or rollout.vllm.devices), or "
             "train.max_staleness: 0"
         )
+    if v.sleep == "discard" and cfg.model.lora is not None:
+        # the adapter-only sync sends the base weights once (unirl/core/weight_sync.py)
+        raise ConfigError(
+            "rollout.vllm.sleep='discard' with model.lora: sleep level 2 drops the engine's "
+            "weights while the trainer trains, and under model.lora the base weights are sent "
+            "only once (each sync carries the adapter); set rollout.vllm.sleep: offload or off"
+        )
     placement.split_prompts(cfg.batch.prompts_per_rollout, v.engines)
     placement.check_transport(v)
 

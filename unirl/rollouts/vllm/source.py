@@ -39,6 +39,12 @@ Episodes. With ``rollout.environment`` every sample is a multi-turn episode play
 (`unirl.rollouts.serving.episodes`): one generate call per turn for every episode still going, the
 episode so far as the token prompt, prefix cache on.
 
+Adapters. Under ``model.lora`` the training loop calls `sync_adapter` instead of
+`sync_weights` (adapter.py), after one `sync_weights` of the base weights (the adapter left
+out), which starts each engine with LoRA enabled; every call loads the version's adapter as a
+new LoRA request, removes the superseded one, and (``rollout.verify_sync``) proves the engine
+serves the sent adapter on base weights unchanged since that first sync.
+
 Resume. `state_dict` holds the prompt stream (the base's: the rollout count also fixes the
 per-sample seeds) and the run's seed.
 """
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -56,7 +62,7 @@ from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError, RunError, UnirlError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.weights.fingerprint import SyncVerificationError
+from unirl.core.weights.fingerprint import Fingerprint, SyncVerificationError
 from unirl.core.weights.stream import MIB, Bucket, drain
 from unirl.rollouts.build import build_task, episode_options
 from unirl.rollouts.data.stops import save_task_tokenizer, stop_ids
@@ -76,8 +82,14 @@ from unirl.rollouts.serving.placement import (
 )
 from unirl.rollouts.serving.weights import WeightFolder
 from unirl.rollouts.shaping.settings import RolloutShaping
+from unirl.rollouts.vllm.adapter import (
+    AdapterFolders,
+    lora_engine_kwargs,
+    lora_request,
+    verify_adapter,
+)
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
-from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, verified_sync
+from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, engine_fingerprint, verified_sync
 from unirl.rollouts.vllm.health import EngineFailure
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
@@ -147,6 +159,10 @@ class VllmRolloutSource(GeneratingSource):
         self._exchange: RolloutExchange | None = None  # made at the first collective call
         self._restarts = 0  # of this leader's engine (health.py)
         self._restarts_all = 0  # of every engine, as of the last rollout gathered
+        self.lora = cfg.model.lora  # adapter-only sync (`sync_adapter`) when set
+        self._adapters: AdapterFolders | None = None
+        self._adapter_version: int | None = None  # whose adapter the engine serves
+        self._base_print: Fingerprint | None = None  # the engine's base weights at the start
         self.options = cfg.rollout.source_options
         self.max_model_len = max_model_len(cfg)
         self.dtype = engine_dtype(cfg)
@@ -200,32 +216,104 @@ class VllmRolloutSource(GeneratingSource):
         engine took them. A failure on a leader still runs the stream to its end, so no rank
         waits in a gather for it."""
         buckets = iter(buckets)
+        self._on_leaders(
+            lambda engine: self._verified_sync(buckets, engine, policy_version),
+            "weight sync",
+            finish=lambda: drain(buckets),
+        )
+        self._policy_version = policy_version
+
+    def sync_adapter(self, adapter: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
+        """Each leader hands its engine the adapter of ``policy_version`` (the engine started on
+        the base weights at the run's first `sync_weights`); every rank learns whether every
+        engine took it."""
+        if self.lora is None:
+            raise ConfigError("VllmRolloutSource.sync_adapter without model.lora")
+        self._on_leaders(
+            lambda engine: self._adapter_sync(adapter, engine, policy_version),
+            "adapter sync",
+        )
+        self._policy_version = policy_version
+
+    def _on_leaders(
+        self, work: Callable[[int], None], what: str, finish: Callable[[], None] = lambda: None
+    ) -> None:
+        """``work(engine)`` on each leader, then ``finish()`` on every rank (a stream's drain:
+        collective), then every rank raises the first leader's failure, if any."""
         error: str | SyncVerificationError | None = None
         _, _, engine = self._world()
         if engine is None:
-            drain(buckets)
+            finish()
         else:
             try:
-                self._verified_sync(buckets, engine, policy_version)
+                work(engine)
             except SyncVerificationError as exc:  # travels as it is: its type says what failed
                 error = SyncVerificationError(self._tag(engine) + str(exc), exc.layer)
             except UnirlError as exc:
                 error = self._tag(engine) + str(exc)
             except Exception as exc:
                 error = (
-                    f"the weight sync to {self._name(engine)} failed ({type(exc).__name__}: "
+                    f"the {what} to {self._name(engine)} failed ({type(exc).__name__}: "
                     f"{exc}); the newest complete checkpoint is intact: run again with --resume "
                     "(with logging.level: DEBUG to see the engine's report)"
                 )
-                logger.debug("weight sync failed", exc_info=True)
+                logger.debug("%s failed", what, exc_info=True)
             finally:
-                drain(buckets)
+                finish()
         assert self._exchange is not None
-        errors = self._exchange.all_gather(error, what="the engines' weight sync")
+        errors = self._exchange.all_gather(error, what=f"the engines' {what}")
         failed = [e for e in errors if e is not None]
         if failed:
             raise failed[0] if isinstance(failed[0], RunError) else RunError(failed[0])
-        self._policy_version = policy_version
+
+    # -- adapters (adapter.py) -------------------------------------------------------------------
+
+    def _adapter_sync(self, adapter: Mapping[str, torch.Tensor], engine: int, version: int) -> None:
+        assert self.lora is not None
+        if self._engine is None or self._folder is None:
+            raise RunError(
+                "VllmRolloutSource.sync_adapter before the base weights: the engine starts from "
+                "them; call sync_weights(backend.stream_base_weights(...), policy_version=...) "
+                "first"
+            )
+        if self._adapters is None:  # the first adapter sync: the base as it landed
+            self._adapters = AdapterFolders(self._folder.path, self.lora)
+            if self.cfg.rollout.verify_sync:
+                self._base_print = engine_fingerprint(self._engine.llm)
+        request = lora_request(version, self._adapters.write(adapter, version))
+        assert self._sleep is not None
+        self._sleep.before_sync()  # a sleeping engine's weights are woken first, as for a sync
+        self._deliver_adapter(request, engine)
+        served = self._adapter_version
+        if self.cfg.rollout.verify_sync:
+            assert self._engine is not None and self._base_print is not None
+            self.last_verify_s = verify_adapter(
+                self._engine.llm,
+                adapter,
+                lora=self.lora,
+                lora_id=(served if served is not None else -1) + 1,
+                dtype=self.dtype,
+                base=self._base_print,
+                receiver=self._name(engine),
+                version=version,
+            )
+        if served != version:  # not delivered: nothing of it is in use
+            self._adapters.remove(version)
+
+    def _deliver_adapter(self, request: Any, engine: int) -> None:
+        """The engine loads the adapter of ``request`` and generates with it; the superseded
+        adapter is removed from the engine and its folder deleted (a fault test drops this)."""
+        assert self._adapters is not None
+        previous = self._adapter_version
+
+        def deliver() -> None:
+            assert self._engine is not None  # (re)started
+            self._engine.use_adapter(request)
+
+        self._surviving(engine, "an adapter sync", deliver)
+        self._adapter_version = request.lora_int_id - 1
+        if previous is not None and previous != self._adapter_version:
+            self._adapters.remove(previous)
 
     def _verified_sync(self, buckets: Iterator[Bucket], engine: int, version: int) -> None:
         """`_sync`, then (``rollout.verify_sync``) the engine proves it holds what it was sent
@@ -306,10 +394,14 @@ class VllmRolloutSource(GeneratingSource):
             stop=r.stop,
             # the workers' fingerprint call for the verified sync (fingerprint.py, worker.py)
             extra=launch.llm_kwargs()
-            | ({"worker_extension_cls": WORKER_EXTENSION} if r.verify_sync else {}),
+            | ({"worker_extension_cls": WORKER_EXTENSION} if r.verify_sync else {})
+            | (lora_engine_kwargs(self.lora) if self.lora is not None else {}),
             env=launch.env,
         )
         self._sleep = SleepCycle(self._engine.llm, launch.sleep)
+        if restart and self._adapters is not None and self._adapter_version is not None:
+            v = self._adapter_version  # the restarted engine serves the adapter in use
+            self._engine.use_adapter(lora_request(v, self._adapters.path(v)))
         self._transport = make_transport(
             launch.transport.value,
             engine=self._engine,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from unirl.rollouts.vllm.adapter import worker_adapter_fingerprint
 from unirl.rollouts.vllm.fingerprint import worker_fingerprint
 
 
@@ -39,8 +40,13 @@ _keep_cpu_linear_weights()
 
 
 class FingerprintWorker:
-    """Mixed into vLLM's worker class: ``collective_rpc("unirl_fingerprint")``."""
+    """Mixed into vLLM's worker class: ``collective_rpc("unirl_fingerprint")``, and under
+    ``model.lora`` ``collective_rpc("unirl_adapter_fingerprint", args=(lora_id,))`` (adapter.py)."""
 
     def unirl_fingerprint(self) -> dict[str, list[float]]:
         with torch.no_grad():
             return worker_fingerprint(self.model_runner.model)  # type: ignore[attr-defined]
+
+    def unirl_adapter_fingerprint(self, lora_id: int) -> dict[str, list[float]] | None:
+        with torch.no_grad():
+            return worker_adapter_fingerprint(self.model_runner, lora_id)  # type: ignore[attr-defined]

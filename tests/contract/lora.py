@@ -1,0 +1,268 @@
+"""The LoRA contract (``model.lora``): per backend and layout, against the independent
+transformers + peft fp32 reference of `tests.contract.lora_reference`.
+
+Clauses (L for LoRA), on the contract's batch, from a random start adapter (B non-zero):
+
+- L1 the policy's log-probs at the start adapter; the reference's log-probs are the plain base
+  model's (the policy with its adapter off), counted as reference forwards, one per microbatch;
+- L2 one RL step (PPO dual-clip, KL k1 to the reference model, entropy bonus, rollout log-probs
+  as old): every metric the backend logs equals the reference's (the same keys), and the
+  gradient norm before clipping (over the adapter only, clipping active);
+- L3 the adapter after the step (``adapter_state_dict``, PEFT names) equals the reference's
+  adapter, and the merged weights (``hf_state_dict``) are the untouched base plus
+  ``scale * B @ A`` of that adapter;
+- L4 the same step with one sample per microbatch, after restoring the start checkpoint (a LoRA
+  checkpoint: adapter and optimizer state), gives the same metrics and adapter; the suite
+  compares each LoRA layout with its backend's first, and each backend's first with the first
+  LoRA-capable backend's;
+- L5 the exported adapter (``export_adapter``) loads with ``peft.PeftModel.from_pretrained``
+  onto the base and gives the trainer's log-probs after the step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from tests.contract import clauses, fixtures
+from tests.contract.backends import BackendEntry, Layout
+from tests.contract.clauses import Check, Measured, Tolerance, close, holds
+from tests.contract.harness import forward_only, section
+from tests.contract.lora_reference import ALPHA, RANK, LoraReference, load_adapted, lora_section
+from tests.contract.reference import batch_logprobs, single_thread
+from tests.spawn import run_distributed
+
+VARIANT = "ppo_dual_k1_token_mean"  # KL against the reference model (no ref_logprobs in data)
+DATA = ("rollout_logprobs",)
+# below the reference's adapter gradient norm (2.64 on the std-0.2 fixture) so clipping is active
+LORA_GRAD_CLIP = 1.0
+LORA_GROUP_TIMEOUT_S = 480.0
+
+
+def lora_config(base: dict[str, Any], adapter: str, *, micro_batch_size: int | None = None):
+    cfg = fixtures.merged(
+        fixtures.variant_config(base, fixtures.VARIANTS[VARIANT]),
+        {"model": {"lora": lora_section(adapter)}, "optimizer": {"grad_clip": LORA_GRAD_CLIP}},
+    )
+    if micro_batch_size is not None:
+        cfg["batch"]["micro_batch_size"] = micro_batch_size
+    return cfg
+
+
+@attrs.frozen(kw_only=True)
+class LoraJob:
+    backend: str
+    layout: Layout
+    model_dir: str
+    work_dir: str
+    adapter: str
+    records: list[dict[str, Any]]
+
+
+def _step(backend: Any, cfg: dict, world_size: int, records: list) -> dict[str, Any]:
+    from unirl.core.config.run_config import config_from_dict
+    from unirl.core.data.rollout import RolloutBatch
+    from unirl.core.step import RLStep
+
+    run_cfg = config_from_dict(cfg, world_size=world_size)
+    batch = RolloutBatch.from_records(fixtures.select_fields(records, DATA))
+    before = dict(backend.forward_calls)
+    metrics = RLStep(run_cfg, backend).run(batch, rl_step=0).metrics
+    calls = {k: v - before[k] for k, v in backend.forward_calls.items()}
+    return {"metrics": dict(metrics), "calls": calls, "adapter": backend.adapter_state_dict()}
+
+
+def run_lora_job(rank: int, world_size: int, job: LoraJob) -> dict[str, Any]:
+    """Every LoRA clause's measurements on this rank (module docstring)."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    os.environ["UNIRL_PROGRESS"] = "0"
+    from unirl.core.config.run_config import config_from_dict
+    from unirl.core.protocols.backend_plugin import build_backend
+
+    work = Path(job.work_dir)
+    base = fixtures.base_config(
+        backend=job.backend, model_dir=job.model_dir, world_size=world_size,
+        parallel=job.layout.parallel_dict, options=job.layout.options_dict, dtype="fp32",
+        run_dir=str(work / "runs"), model=job.layout.model_dict,
+    )  # fmt: skip
+    errors: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    out: dict[str, Any] = {"rank": rank, "errors": errors, "timings": timings}
+    t0 = time.perf_counter()
+    backend = None
+    with section("build", errors, timings):
+        cfg = config_from_dict(lora_config(base, job.adapter), world_size=world_size)
+        backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=True)
+        topo = backend.topology
+        out["topology"] = {"dp_size": topo.dp_size, "is_reporting_rank": topo.is_reporting_rank}
+    if backend is None:
+        return out
+    init = work / "ckpt-init"
+    with section("forward", errors, timings):
+        out["policy"], _ = forward_only(backend, job.records, "policy")
+        before = backend.forward_calls["reference"]
+        out["reference"], n = forward_only(backend, job.records, "reference")
+        out["reference_calls"] = (backend.forward_calls["reference"] - before, n)
+        backend.save_checkpoint(init, {"tag": "init"})
+    with section("step", errors, timings):
+        out["step"] = _step(backend, lora_config(base, job.adapter), world_size, job.records)
+        merged = backend.hf_state_dict()  # collective
+        out["merged"] = merged if topo.is_reporting_rank else None
+        out["after"], _ = forward_only(backend, job.records, "policy")
+        export = work / "adapter"
+        backend.export_adapter(export)
+        out["export"] = str(export)
+    with section("step_micro1", errors, timings):
+        backend.load_checkpoint(init)
+        micro = lora_config(base, job.adapter, micro_batch_size=1)
+        out["step_micro1"] = _step(backend, micro, world_size, job.records)
+    with section("close", errors, timings):
+        backend.close()
+    timings["total"] = time.perf_counter() - t0
+    return out
+
+
+def run_lora_group(
+    entry: BackendEntry, layout: Layout, *, model_dir: Path, adapter: Path,
+    records: list[dict[str, Any]], work_dir: Path,
+) -> Measured:  # fmt: skip
+    job = LoraJob(
+        backend=entry.name, layout=layout, model_dir=str(model_dir), work_dir=str(work_dir),
+        adapter=str(adapter), records=records,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    ranks = run_distributed(run_lora_job, layout.world_size, job, timeout=LORA_GROUP_TIMEOUT_S)
+    return Measured(ranks, wall_s=time.perf_counter() - t0)
+
+
+# -- the reference, once ------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class LoraReferenceResults:
+    policy: list[torch.Tensor]
+    base: list[torch.Tensor]
+    metrics: dict[str, float]
+    clipped: bool
+    adapter: dict[str, torch.Tensor]
+    after: list[torch.Tensor]
+    base_weights: dict[str, torch.Tensor]
+
+
+def compute_lora_reference(
+    model_dir: Path, adapter: Path, records: list[dict[str, Any]]
+) -> LoraReferenceResults:
+    base = fixtures.base_config(
+        backend="deepspeed", model_dir=str(model_dir), world_size=1, parallel={}, dtype="fp32",
+        run_dir="unused",
+    )  # fmt: skip
+    with single_thread():
+        ref = LoraReference(model_dir, adapter, lora_config(base, str(adapter)))
+        data = fixtures.select_fields(records, DATA)
+        policy, base_lp = ref.logprobs(data), ref.base_logprobs(data)
+        result = ref.step(data)
+        return LoraReferenceResults(
+            policy=policy,
+            base=base_lp,
+            metrics=result["metrics"],
+            clipped=result["clipped"],
+            adapter=ref.adapter(),
+            after=ref.logprobs(data),
+            base_weights={k: v.detach().clone() for k, v in ref.base.state_dict().items()},
+        )
+
+
+# -- the clauses --------------------------------------------------------------------------------
+
+
+def _samples(clause: str, m: Measured, key: str, expected: list, tol: Tolerance) -> list[Check]:
+    merged, problems = clauses.merge_samples(r[key] for r in m.ranks)
+    checks = [holds(clause, f"{key}: every sample on one rank", not problems, "; ".join(problems))]
+    for i, exp in enumerate(expected):
+        if i in merged:
+            checks.append(close(clause, f"{key} sample {i}", merged[i], exp, tol))
+    return checks
+
+
+def clause_l1_forward(m: Measured, ref: LoraReferenceResults, tol: Tolerance) -> list[Check]:
+    m.need("forward")
+    checks = _samples("L1", m, "policy", ref.policy, tol)
+    checks += _samples("L1", m, "reference", ref.base, tol)
+    for r in m.ranks:
+        counted, microbatches = r["reference_calls"]
+        checks.append(
+            clauses.equal("L1", f"rank {r['rank']} reference forwards", counted, microbatches)
+        )
+    return checks
+
+
+def clause_l2_step(m: Measured, ref: LoraReferenceResults, tol: Tolerance) -> list[Check]:
+    m.need("step")
+    got = m.reporting["step"]
+    checks = [
+        holds("L2", "the reference clips the adapter's gradient", ref.clipped, "raise the clip"),
+        holds("L2", "the reference model ran", got["calls"]["reference"] > 0, f"{got['calls']}"),
+        close("L2", "grad_norm", got["metrics"].get("grad_norm", float("nan")),
+              ref.metrics["grad_norm"], tol),
+    ]  # fmt: skip
+    measured = clauses.comparable(got["metrics"], clauses.UPDATE_METRICS)
+    expected = clauses.comparable(ref.metrics, clauses.UPDATE_METRICS)
+    return checks + clauses.close_metrics("L2", "metric", measured, expected, tol)
+
+
+def clause_l3_adapter(m: Measured, ref: LoraReferenceResults, tol: Tolerance) -> list[Check]:
+    m.need("step")
+    got = m.reporting["step"]["adapter"]
+    checks = clauses.close_dicts("L3", "adapter", got, ref.adapter, tol)
+    merged = next(r["merged"] for r in m.ranks if r["merged"] is not None)
+    scale = ALPHA / RANK
+    expected = {}
+    for name, w in ref.base_weights.items():
+        a = got.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        b = got.get(f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight")
+        expected[name] = w if a is None else w + scale * (b @ a)
+    return checks + clauses.close_dicts("L3", "merged weight", merged, expected, tol)
+
+
+def clause_l4_microbatching(m: Measured, tol: Tolerance) -> list[Check]:
+    m.need("step", "step_micro1")
+    return compare_steps(m.reporting["step_micro1"], m.reporting["step"], tol, "micro 1 vs 3")
+
+
+def compare_steps(a: dict, b: dict, tol: Tolerance, label: str) -> list[Check]:
+    checks = clauses.close_metrics(
+        "L4",
+        f"{label} metric",
+        clauses.comparable(a["metrics"]),
+        clauses.comparable(b["metrics"]),
+        tol,
+    )
+    return checks + clauses.close_dicts("L4", f"{label} adapter", a["adapter"], b["adapter"], tol)
+
+
+def compare_lora_layouts(a: Measured, b: Measured, tol: Tolerance, label: str) -> list[Check]:
+    a.need("step")
+    b.need("step")
+    return compare_steps(a.reporting["step"], b.reporting["step"], tol, label)
+
+
+def clause_l5_export(
+    m: Measured, model_dir: Path, records: list[dict[str, Any]], tol: Tolerance
+) -> list[Check]:
+    m.need("step")
+    from safetensors.torch import load_file
+
+    export = Path(m.ranks[0]["export"])
+    with single_thread():
+        model = load_adapted(model_dir, export, trainable=False)
+        reloaded = batch_logprobs(model, fixtures.select_fields(records, ()), fixtures.TEMPERATURE)
+    names = sorted(load_file(str(export / "adapter_model.safetensors")))
+    only = [n for n in names if ".lora_A." not in n and ".lora_B." not in n]
+    checks = [holds("L5", "the export holds the adapter only", names and not only, f"{only[:3]}")]
+    return checks + _samples("L5", m, "after", reloaded, tol)
