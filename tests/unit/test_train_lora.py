@@ -1,6 +1,6 @@
 """`examples/tiny_grpo_lora.yaml` end to end on the CPU (one process): it learns on DeepSpeed,
-its outputs are an adapter (never a merged model, unless converted on request), and FSDP2 takes
-the same first steps."""
+its outputs are an adapter (never a merged model, unless converted on request), and FSDP2 and
+Megatron take the same first steps."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _base_model(example: dict) -> torch.nn.Module:
 @pytest.mark.slow
 def test_fsdp2_takes_the_same_first_steps(tmp_path):
     rows = {}
-    for backend in ("deepspeed", "fsdp2"):
+    for backend in ("deepspeed", "fsdp2", "megatron"):
         run = tmp_path / backend
         proc = _run_train_in_subprocess(
             [str(LORA), *SMALL, "--set", f"backend={backend}", "--set", f"logging.run_dir={run}",
@@ -45,10 +45,13 @@ def test_fsdp2_takes_the_same_first_steps(tmp_path):
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows[backend] = read_metrics(run / "metrics.jsonl")
-    for a, b in zip(rows["deepspeed"], rows["fsdp2"], strict=True):
-        assert a["reward/mean"] == b["reward/mean"], a["step"]
-        for key in ("loss", "grad_norm", "entropy", "pg_loss"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (a["step"], key)
+    for other in ("fsdp2", "megatron"):  # one A-initialisation rule on every backend
+        for a, b in zip(rows["deepspeed"], rows[other], strict=True):
+            assert a["reward/mean"] == b["reward/mean"], (other, a["step"])
+            for key in ("loss", "grad_norm", "entropy", "pg_loss"):
+                assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (
+                    other, a["step"], key,
+                )  # fmt: skip
 
 
 def test_tiny_grpo_lora_learns_and_exports_an_adapter(tmp_path):

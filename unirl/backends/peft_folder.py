@@ -10,8 +10,10 @@ Rank 0 writes into ``<path>.partial`` and renames it: a crash leaves no half-wri
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -102,3 +104,15 @@ def read_peft_folder(path: str | Path, lora: LoraConfig) -> dict[str, torch.Tens
             f"{list(lora.target_modules)}; set model.lora.target_modules to the adapter's"
         )
     return load_file(str(weights))
+
+
+def initial_lora_a(name: str, rank: int, in_features: int, seed: int) -> torch.Tensor:
+    """A's starting value (fp32 ``[rank, in_features]``) of the adapter whose PEFT name is
+    ``name`` (``base_model.model.<module>.lora_A.weight``), the same on every backend and
+    layout: uniform in +-1/sqrt(in_features) (peft's ``kaiming_uniform_(a=sqrt(5))`` bound),
+    drawn from a generator seeded with ``seed + crc32(name)``. So ``model.lora.init_seed`` gives
+    one adapter whichever backend trains it (peft's own draw depends on the module order and the
+    global RNG); B starts at zero."""
+    gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+    bound = 1.0 / math.sqrt(in_features)
+    return (torch.rand(rank, in_features, generator=gen) * 2 - 1) * bound

@@ -24,7 +24,12 @@ from typing import Any
 
 import torch
 
-from unirl.backends.peft_folder import PEFT_PREFIX, peft_lora_config, read_peft_folder
+from unirl.backends.peft_folder import (
+    PEFT_PREFIX,
+    initial_lora_a,
+    peft_lora_config,
+    read_peft_folder,
+)
 from unirl.core.config.run_config import ModelConfig
 from unirl.core.config.sections.lora import LoraConfig
 from unirl.core.errors import ConfigError
@@ -81,8 +86,20 @@ def wrap_policy(model: torch.nn.Module, model_cfg: ModelConfig) -> Any:
         wrapped = peft.get_peft_model(model, config)
     if state is not None:
         _load_adapter(wrapped, state, lora)
+    else:
+        _init_a(wrapped, lora)
     wrapped.train()
     return wrapped
+
+
+def _init_a(wrapped: Any, lora: LoraConfig) -> None:
+    """Every A from `initial_lora_a` (the rule every backend draws by), replacing peft's draw."""
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if is_adapter_name(name) and ".lora_A." in name:
+                peft = name.replace(f".{ADAPTER}.weight", ".weight")
+                rank, width = param.shape
+                param.copy_(initial_lora_a(peft, rank, width, lora.init_seed))
 
 
 def _load_adapter(wrapped: Any, state: Mapping[str, torch.Tensor], lora: LoraConfig) -> None:

@@ -340,6 +340,14 @@ class MegatronBackend(EngineBackend):
         self._need_adapter("adapter_state_dict")
         return self.policy.adapter_state_dict()
 
+    def stream_base_weights(
+        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+    ) -> WeightBuckets:
+        """`TrainsAdapter`: the frozen base weights (the adapter left out), streamed as
+        `stream_weights` streams the merged ones: what a rollout engine keeps under LoRA."""
+        self._need_adapter("stream_base_weights")
+        return self.policy.stream_weights(bucket_bytes, dst=dst, device=device, merged=False)
+
     def export_adapter(self, path: Path) -> None:
         """`TrainsAdapter`: rank 0 writes the adapter as a PEFT folder (collective)."""
         lora = self._need_adapter("export_adapter")

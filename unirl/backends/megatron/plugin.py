@@ -276,6 +276,7 @@ PLUGIN = BackendPlugin(
     requires=("megatron", "transformers"),
     install_hint="pip install 'unirl[megatron,hf]'",
     supports_critic=True,
+    supports_lora=True,  # its own adapters on the parallel linears (`unirl.backends.megatron.lora`)
     # R3 / R2 in `RecordingTopKRouter`, mapped per layer number (`unirl.backends.megatron.moe.replay`)
     supports_routing_replay=True,
     supports_sequence_parallel=True,
@@ -285,7 +286,7 @@ PLUGIN = BackendPlugin(
     # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's
     # 4 layers on each virtual stage.
     layouts=(
-        ContractLayout.of("tp1-pp1-dp1", 1),
+        ContractLayout.of("tp1-pp1-dp1", 1, lora=True),
         ContractLayout.of("padded", 1, options={"attention": "padded"}),
         # model.fused_head, the loss inside the head for separable losses (every layout:
         # benchmarks/megatron_contract.py --fused-head on)
@@ -310,11 +311,11 @@ PLUGIN = BackendPlugin(
         ),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2, critic=True),
-        ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True),
+        ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True, lora=True),
         ContractLayout.of(
             "padded-tp2-sp", 2, options={"attention": "padded"}, tp=2, sequence_parallel=True
         ),
-        ContractLayout.of("pp2", 2, pp=2),
+        ContractLayout.of("pp2", 2, pp=2, lora=True),
         ContractLayout.of("pp2-vpp2", 2, pp=2, vpp=2, critic=True),
         ContractLayout.of("padded-pp2-vpp2", 2, options={"attention": "padded"}, pp=2, vpp=2),
         ContractLayout.of("cp2", 2, cp=2),

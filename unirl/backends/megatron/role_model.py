@@ -229,10 +229,15 @@ class MegatronModel:
         return adapter_state_dict(self.adapters, self.topology)
 
     def stream_weights(
-        self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
+        self,
+        bucket_bytes: int,
+        *,
+        dst: int | None,
+        device: torch.device = HOST,
+        merged: bool = True,
     ) -> WeightBuckets:
         """`hf_state_dict`'s tensors in buckets on ``device``, from the stages that own them
-        (collective)."""
+        (collective); ``merged`` False: the base weights as they are (the adapter left out)."""
         return weight_stream.stream_weights(
             self.chunks,
             self.hf_config,
@@ -240,7 +245,7 @@ class MegatronModel:
             bucket_bytes,
             dst=dst,
             device=device,
-            params_of=self._params_of(),
+            params_of=self._params_of() if merged else own_parameters,
         )
 
     def non_finite_weight(self) -> str | None:

@@ -18,8 +18,6 @@ adapter; B starts at zero (the first policy is the base model)."""
 from __future__ import annotations
 
 import contextlib
-import math
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,6 +39,7 @@ from unirl.backends.megatron.lora.layout import (
     FusedLayout,
 )
 from unirl.backends.megatron.moe.grouped_experts import GroupedExperts
+from unirl.backends.peft_folder import initial_lora_a
 from unirl.core.config.sections.lora import LoraConfig
 from unirl.core.errors import ConfigError
 
@@ -128,11 +127,8 @@ def _layout(owner: Any, linear_name: str, linear: Any, targets: tuple[str, ...])
 def _init_a(branch: LoraBranch, lora: LoraConfig) -> None:
     spec = branch.spec
     for target, module in zip(spec.adapted, spec.hf_modules):
-        gen = torch.Generator().manual_seed(
-            lora.init_seed + zlib.crc32(peft_name(module, "lora_A").encode())
-        )
-        bound = 1.0 / math.sqrt(spec.in_features)
-        full = (torch.rand(lora.rank, spec.in_features, generator=gen) * 2 - 1) * bound
+        name = peft_name(module, "lora_A")
+        full = initial_lora_a(name, lora.rank, spec.in_features, lora.init_seed)
         if spec.kind == "row":
             full = full.chunk(spec.tp_size, dim=1)[spec.tp_rank]
         with torch.no_grad():
