@@ -44,6 +44,7 @@ import torch
 
 from benchmarks.megatron_throughput import (
     MODELS,
+    add_lora_argument,
     add_recompute_arguments,
     config_dict,
     matmul_params,
@@ -237,6 +238,7 @@ def main() -> None:
         action="store_true",
         help="model.liger_kernels on the HF engines: Liger's RMSNorm / rotary / SwiGLU kernels",
     )
+    add_lora_argument(parser)
     parser.add_argument("--modes", default="reuse")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)

@@ -31,6 +31,11 @@ declare -A ROWS=(
   # Qwen3-4B's layer shape with 18 of its 36 layers (the head whole): fits one H100's 80 GB
   [m4b18-64k]="$M --model qwen3-4b --layers 18 $(at 65536 1) --recompute-activations --steps 1"
   [m4b18-16k]="$M --model qwen3-4b --layers 18 $(at 16384 2) --fused-head --recompute-activations --recompute-layers 6 --steps 2"
+  # issue 45's LoRA rows: rank 16 on every decoder linear, the same settings as full fine-tuning
+  [m4b18-16k-lora]="$M --model qwen3-4b --layers 18 $(at 16384 2) --fused-head --recompute-activations --recompute-layers 6 --steps 2 --lora-rank 16"
+  [m4b-16k-lora]="$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --recompute-layers 12 --steps 2 --lora-rank 16 \
+|$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --steps 2 --lora-rank 16"
+  [f4b-16k-lora]="$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --steps 2 --lora-rank 16"
   [f06b-64k-gc]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --steps 2"
   [m4b-128k]="$M --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"
   [f4b-128k]="$F --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"

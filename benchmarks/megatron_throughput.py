@@ -246,6 +246,11 @@ def config_dict(
         megatron["recompute_modules"] = args.recompute_modules.split(",")
     if args.recompute_layers is not None:
         megatron["recompute_layers"] = args.recompute_layers
+    model: dict[str, Any] = {}
+    if getattr(args, "lora_rank", 0):
+        # LoRA on every linear of the decoder (the rows); MFU still counts the model's
+        # 6 * N * tokens, as full fine-tuning's rows do (the adapter's own FLOPs are not added)
+        model["lora"] = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}
     return {
         "backend": "megatron",
         "old_logprobs": old_logprobs,
@@ -258,6 +263,7 @@ def config_dict(
             "gradient_checkpointing": args.recompute_activations,
             # auto: the loss inside the head when the logits would exceed the budget
             "fused_head": True if args.fused_head else "auto",
+            **model,
         },
         "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
         "batch": {
@@ -523,6 +529,16 @@ def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lora_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="model.lora on every decoder linear with this rank (alpha 2 x rank); 0: full "
+        "fine-tuning",
+    )
+
+
 def recompute_summary(args: argparse.Namespace) -> str:
     if args.recompute_activations:
         n = args.recompute_layers
@@ -595,6 +611,7 @@ def main() -> None:
         action="store_true",
         help="A/B: megatron's unfused weight-gradient accumulation (bf16 grad, then DDP's add)",
     )
+    add_lora_argument(parser)
     parser.add_argument(
         "--search-tokens",
         default="",
@@ -606,6 +623,8 @@ def main() -> None:
             "--fused-head: the plain megatron-core loop computes its cross-entropy from logits; "
             "pass --modes reuse,recompute"
         )
+    if args.lora_rank and "plain" in args.modes.split(","):
+        parser.error("--lora-rank: the plain megatron-core loop has no adapters; --modes reuse")
     PROFILE["dir"] = args.profile_dir
     PROFILE["trace"] = args.profile_trace
     PROFILE["gaps"] = args.profile_gaps
