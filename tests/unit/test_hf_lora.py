@@ -183,6 +183,7 @@ def test_a_missing_target_is_a_config_error_naming_it(tiny_folder):
     cfg = make_config(tiny_folder, model={"lora": LoraConfig(target_modules=("q_proj", "c_attn"))})
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: \['c_attn'\]"):
         build_backend(cfg, total_optimizer_steps=1)
+    assert not torch.distributed.is_initialized()  # the process group it started is gone
 
 
 def _saved_weights(ckpt: Path) -> list[str]:
@@ -295,3 +296,11 @@ def test_check_counts_the_adapter_as_peft_does(tiny_folder, capsys):
     trainable, _total = peft.get_peft_model(model, config).get_nb_trainable_parameters()
     assert f"trainable parameters: {trainable:,} in 6 adapted linears" in "\n".join(lines)
     assert any("the policy with its adapter off" in line for line in lines)
+
+
+def test_target_experts_is_a_config_error_naming_it(tiny_folder):
+    from unirl.backends import build_backend
+
+    cfg = make_config(tiny_folder, model={"lora": LoraConfig(target_experts=True)})
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_experts: true.*no routed experts"):
+        build_backend(cfg, total_optimizer_steps=1)

@@ -52,6 +52,7 @@ from unirl.core.config.derived import fused_head
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.critic import critic_optimizer_steps
 from unirl.core.data.microbatch import TrainMicrobatch
+from unirl.core.errors import ConfigError
 from unirl.core.maths.losses import Metric
 from unirl.core.topology import Topology
 from unirl.core.weights.stream import HOST, WeightBuckets, checked_stream, state_buckets
@@ -81,7 +82,11 @@ class HFBackend(EngineBackend):
         self.base_fingerprint: str | None = None
         if self.lora is not None:
             self.base_fingerprint = base_fingerprint(model)
-            model = wrap_policy(model, cfg.model)
+            try:
+                model = wrap_policy(model, cfg.model)
+            except ConfigError:
+                self._stop()  # a bad target: leave the process group as it was found
+                raise
             if cfg.model.ref_path is None:
                 self._heads["reference"] = self._heads["policy"]
         self.policy = self._trained(

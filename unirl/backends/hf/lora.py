@@ -61,11 +61,17 @@ def _check_targets(model: torch.nn.Module, lora: LoraConfig) -> None:
             f"the DeepSpeed / FSDP2 backends adapt linears only: choose from {linears}"
         )
     if lora.target_experts:
+        has_experts = any(name.endswith(".experts") for name, _ in model.named_modules())
+        why = (
+            f"{type(model).__name__}'s experts are fused 3-D parameters, not linears peft "
+            "adapts one by one"
+            if has_experts
+            else f"{type(model).__name__} has no routed experts"
+        )
         raise ConfigError(
-            "model.lora.target_experts: true, but the DeepSpeed / FSDP2 backends adapt no routed "
-            f"experts ({type(model).__name__}'s experts are fused 3-D parameters, not linears "
-            "peft adapts one by one); set model.lora.target_experts: false (attention and dense "
-            "MLPs are adapted), or use backend: megatron for expert adapters"
+            f"model.lora.target_experts: true, but the DeepSpeed / FSDP2 backends adapt no routed "
+            f"experts ({why}); set model.lora.target_experts: false (attention and dense MLPs "
+            "are adapted), or use backend: megatron for expert adapters"
         )
 
 
