@@ -9,11 +9,18 @@ right answer 0.8: without the tool a policy can only guess (1 in 10). Point ``ba
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 from openai import OpenAI
 
 CALL = "c"
+
+
+@cache
+def _client(base_url: str) -> OpenAI:
+    """One client (one connection pool) per endpoint; each episode's key is set per call."""
+    return OpenAI(base_url=base_url, api_key="unset", max_retries=0)
 
 
 def lookup(secret: str) -> str:
@@ -22,7 +29,7 @@ def lookup(secret: str) -> str:
 
 
 def agent(base_url: str, task: dict[str, Any], api_key: str) -> float:
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = _client(base_url).with_options(api_key=api_key)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "?"}]
     reward, called = 0.0, False
     for _ in range(3):

@@ -423,3 +423,40 @@ def test_readme_environment_snippet():
         assert env.step(Turn(token_ids=(2,), text="84", index=1, finished=True))[1:] == (1.0, True)
     finally:
         ENVIRONMENTS.unregister("calculator")
+
+
+def test_environment_episodes_take_their_tasks_from_a_prompt_dataset(tmp_path):
+    """rollout.environment with rollout.prompts: each episode's reset gets its row's prompt and
+    metadata (here the hidden digit, from the file), the environment scores it, and a
+    rollout.reward beside it is refused (it would go unused)."""
+    import json
+
+    from unirl.rollouts.build import build_sampler_source
+
+    rows = [{"prompt": "?", "metadata": {"secret": s, "chars": "0123456789=c?"}} for s in "386"]
+    path = tmp_path / "secrets.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _example(prompts=str(path), task="reverse_digits")
+    with pytest.raises(ConfigError, match=r"rollout.reward='exact_match' with rollout.environment"):
+        _example(prompts=str(path), reward="exact_match")
+    seen = []
+
+    class Recording:
+        def __init__(self):
+            self.env = make_environment("hidden_number")
+
+        def reset(self, prompt, metadata):
+            seen.append((prompt, metadata["secret"]))
+            return self.env.reset(prompt, metadata)
+
+        def step(self, turn):
+            return self.env.step(turn)
+
+    source = build_sampler_source(cfg)
+    source.episodes.limits  # built with the environment's limits
+    source.environment = Recording
+    batch = source.next_rollout(0)
+    assert sorted({s for _, s in seen}) == ["3", "6", "8"] and {p for p, _ in seen} == {"?"}
+    for sample in batch.samples:
+        assert sample.metadata["prompt_metadata"]["secret"] in "386"
+        assert not sample.metadata["episode"]["env_failed"]

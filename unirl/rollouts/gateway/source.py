@@ -121,6 +121,8 @@ class AgentRolloutSource(GeneratingSource):
         self.gateway: Any = None  # started at the first rollout, on global rank 0
         self._queue: GenerationQueue | None = None
         self._gateway_metrics: dict[str, float] = {}
+        # the last rollout's episodes as played (global rank 0): every call, forked or not
+        self.last_episodes: list[EpisodeResult] = []
 
     # -- the gateway --------------------------------------------------------------------------
 
@@ -194,6 +196,7 @@ class AgentRolloutSource(GeneratingSource):
             gateway.base_url,
             [task_of(p) for p in sample_problems],
         )
+        self.last_episodes = results
         if progress is not None:
             progress.update(
                 samples=len(results),
