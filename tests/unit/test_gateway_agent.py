@@ -48,6 +48,8 @@ SPECIAL = {0, 1, 3}  # <pad> <bos> <sep>: skipped when a completion is decoded
 
 
 def make_config(tmp_path, *, agent, template, prompts, group=2, **options):
+    """The tiny example's model and trainer, a prompt file whose metadata carries every
+    character (the character tokenizer's alphabet), ``template`` as the chat template."""
     with open("examples/tiny_agent.yaml") as f:
         data = yaml.safe_load(f)
     lines = [{"prompt": p, "metadata": {"answer": "7", "chars": ALPHABET}} for p in prompts]
