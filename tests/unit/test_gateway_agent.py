@@ -148,7 +148,11 @@ def test_tool_agent_samples_are_the_engines_tokens(tmp_path):
         for before, call in zip(episode.calls, episode.calls[1:]):
             generated = [(p, x.response_tokens) for p, x in seen]
             assert (call.prompt_ids, call.completion_ids) in generated  # recorded as generated
-            inner = before.completion_ids[:-1] if before.completion_ids[-1] == 2 else before.completion_ids
+            inner = (
+                before.completion_ids[:-1]
+                if before.completion_ids[-1] == 2
+                else before.completion_ids
+            )
             clean = not SPECIAL & set(inner)
             assert (fork_of[call.index] == fork_of[before.index]) == clean
     assert joined >= 1

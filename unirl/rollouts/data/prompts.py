@@ -448,7 +448,9 @@ def make_prompt_task(cfg: UnirlConfig) -> PromptFileTask:
     r = cfg.rollout
     # the config checks both, unless an environment scores the episodes (no reward function)
     assert r.prompts is not None and (r.reward is not None or r.environment is not None)
-    reward = None if r.reward is None else NamedReward(r.reward, r.reward_options, RewardRun.of(cfg))
+    reward = (
+        None if r.reward is None else NamedReward(r.reward, r.reward_options, RewardRun.of(cfg))
+    )
     records = prompt_records(cfg)
     return PromptFileTask(
         r.prompts,

@@ -147,7 +147,7 @@ PLUGIN = SourcePlugin(
     describe=_describe,
     requires=("fastapi", "uvicorn", "transformers"),
     install_hint=INSTALL_HINT,
-    loggers=("uvicorn", "httpx", "openai", "vllm"),
+    loggers=("uvicorn", "httpx", "httpx2", "openai", "vllm"),
     top_p_logprobs=None,  # the sampler's are untruncated, vLLM's truncated
     weights=_weights,
 )
