@@ -453,7 +453,6 @@ def test_environment_episodes_take_their_tasks_from_a_prompt_dataset(tmp_path):
             return self.env.step(turn)
 
     source = build_sampler_source(cfg)
-    source.episodes.limits  # built with the environment's limits
     source.environment = Recording
     batch = source.next_rollout(0)
     assert sorted({s for _, s in seen}) == ["3", "6", "8"] and {p for p, _ in seen} == {"?"}

@@ -104,11 +104,11 @@ def played(tmp_path, delay_s=0.0, **kwargs):
     cfg = make_config(tmp_path, **kwargs)
     source = build_agent_source(cfg)
     source.engine = Recorded(source.engine, delay_s)
-    return cfg, source
+    return source
 
 
 def test_tool_agent_samples_are_the_engines_tokens(tmp_path):
-    cfg, source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY,
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY,
                          prompts=["what is x?", "say 7"])  # fmt: skip
     try:
         batch = source.next_rollout(0)
@@ -159,7 +159,7 @@ def test_tool_agent_samples_are_the_engines_tokens(tmp_path):
 
 
 def test_a_template_that_drops_reasoning_forks_every_call(tmp_path):
-    cfg, source = played(tmp_path, agent="tool_agent", template=DROPS_REASONING,
+    source = played(tmp_path, agent="tool_agent", template=DROPS_REASONING,
                          prompts=["what is x?"])  # fmt: skip
     try:
         batch = source.next_rollout(0)
@@ -180,7 +180,7 @@ FAULTS = ["ok", "crash", "hang", "late", "burst"]
 
 def test_faults_are_named_per_episode(tmp_path):
     gateway_agents.LATE.clear()
-    cfg, source = played(tmp_path, agent="fault_agent", template=KEEPS_HISTORY, prompts=FAULTS,
+    source = played(tmp_path, agent="fault_agent", template=KEEPS_HISTORY, prompts=FAULTS,
                          group=1, failure_reward=-1.0, episode_timeout_s=4.0,
                          max_calls_in_flight=2, delay_s=0.2)  # fmt: skip
     try:
@@ -210,7 +210,7 @@ def test_faults_are_named_per_episode(tmp_path):
 
 
 def test_a_failed_episode_stops_the_run_without_failure_reward(tmp_path):
-    cfg, source = played(tmp_path, agent="fault_agent", template=KEEPS_HISTORY,
+    source = played(tmp_path, agent="fault_agent", template=KEEPS_HISTORY,
                          prompts=["ok", "crash"], group=1)  # fmt: skip
     try:
         with pytest.raises(RolloutDataError, match=r"episode \d \(group \d\): the agent's "
@@ -233,7 +233,7 @@ class Scripted:
 
 
 def test_endpoint_keys_limits_and_tool_calls(tmp_path):
-    cfg, source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=["x"],
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=["x"],
                          max_request_bytes=2000)  # fmt: skip
     text = '<tool_call>{"name": "lookup", "arguments": {"q": "7"}}</tool_call>'
     source.engine = Scripted(source.tokenizer(text, add_special_tokens=False)["input_ids"] + [2])
@@ -254,7 +254,7 @@ def test_endpoint_keys_limits_and_tool_calls(tmp_path):
         done = by_url.completions.create(model="p", prompt=[1, 5, 3],
                                          extra_body={"return_token_ids": True})  # fmt: skip
         assert done.choices[0].text == text
-        with pytest.raises(openai.BadRequestError, match="rollout.temperature=1"):
+        with pytest.raises(openai.BadRequestError, match=r"rollout\.temperature=1"):
             client.chat.completions.create(model="p", messages=ask, temperature=0.3)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=gateway.base_url, api_key="guess",

@@ -54,3 +54,12 @@ def test_tiny_agent_learns_the_tool(tmp_path, staleness):
     first = rows[0]["reward/mean"]
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert first < 0.15 and last >= 0.5, (first, last)
+
+
+def test_the_guides_agent_is_the_examples():
+    """docs/guides/agents.md shows examples/tiny_agent.py's agent function as it is."""
+    from pathlib import Path
+
+    from tests.unit.doc_snippets import doc_snippet
+
+    assert doc_snippet("guides/agents.md", "agent") in Path("examples/tiny_agent.py").read_text()
