@@ -96,3 +96,12 @@ def _swallow(fn: Any) -> None:
     # the 429 is the gateway's answer; the episode's outcome is what the test reads
     with contextlib.suppress(Exception):
         fn()
+
+
+def parity_agent(base_url: str, task: dict[str, Any], api_key: str) -> float:
+    """One call; reward 1 when the reply has an odd length (so about half the groups of two
+    differ in reward)."""
+    reply = _client(base_url, api_key).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=4
+    )
+    return float(len(reply.choices[0].message.content or "") % 2)

@@ -14,9 +14,11 @@ built-in sampler (a tiny Llama, fp32, a character tokenizer with a chat template
 from __future__ import annotations
 
 import json
+from typing import Any
 import string
 import time
 
+import attrs
 import httpx
 import openai
 import pytest
@@ -47,7 +49,7 @@ DROPS_REASONING = KEEPS_HISTORY.replace(
 SPECIAL = {0, 1, 3}  # <pad> <bos> <sep>: skipped when a completion is decoded
 
 
-def make_config(tmp_path, *, agent, template, prompts, group=2, **options):
+def make_config(tmp_path, *, agent, template, prompts, group=2, extra=None, **options):
     """The tiny example's model and trainer, a prompt file whose metadata carries every
     character (the character tokenizer's alphabet), ``template`` as the chat template."""
     with open("examples/tiny_agent.yaml") as f:
@@ -68,6 +70,7 @@ def make_config(tmp_path, *, agent, template, prompts, group=2, **options):
     r["agent"] = {"function": f"tests.unit.gateway_agents:{agent}",
                   "chat_template": str(tmp_path / "chat.jinja"), **options}  # fmt: skip
     data["logging"] = {"run_dir": str(tmp_path / "run")}
+    data.update(extra or {})
     return config_from_dict(data)
 
 
@@ -100,7 +103,7 @@ def spans(mask):
     return out
 
 
-def played(tmp_path, delay_s=0.0, **kwargs):
+def played(tmp_path, delay_s=0.0, **kwargs) -> Any:
     cfg = make_config(tmp_path, **kwargs)
     source = build_agent_source(cfg)
     source.engine = Recorded(source.engine, delay_s)
@@ -271,3 +274,38 @@ def test_endpoint_keys_limits_and_tool_calls(tmp_path):
         assert late.value.status_code == 410
     finally:
         source.close()
+
+
+def test_eval_and_dynamic_sampling_on_the_agent_source(tmp_path):
+    """The ``eval:`` section generates on the engine behind the gateway (no agent, its own
+    random stream); dynamic sampling draws again until the groups differ in reward (the agent's
+    reward here is 1 when the reply holds "7", so many groups are uniform)."""
+    from unirl.rollouts.eval.evaluator import build_evaluator
+
+    prompts = ["what is x?", "say 7", "seven?", "7?"]
+    extra = {"eval": {"prompts": str(tmp_path / "prompts.jsonl"), "samples_per_prompt": 2}}
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=prompts,
+                    extra=extra)  # fmt: skip
+    try:
+        evaluator = build_evaluator(source.cfg, source)
+        before = source.inner.sampler.state_dict()["generator"].clone()
+        metrics = evaluator.run(1)
+        assert "eval/reward_mean" in metrics and source.engine.seen == []  # not through the gateway
+        assert torch.equal(source.inner.sampler.state_dict()["generator"], before)
+    finally:
+        source.close()
+    rollout = {"dynamic_sampling": {"enabled": True, "max_draws": 8}}
+    cfg = make_config(tmp_path, agent="parity_agent", template=KEEPS_HISTORY, prompts=prompts)
+    cfg = attrs.evolve(cfg, rollout=attrs.evolve(cfg.rollout, dynamic_sampling=attrs.evolve(
+        cfg.rollout.dynamic_sampling, **rollout["dynamic_sampling"])))  # fmt: skip
+    source = build_agent_source(cfg)
+    try:
+        batch = source.next_rollout(0)
+        metrics = source.rollout_metrics()
+    finally:
+        source.close()
+    assert metrics["rollout/draws"] >= 1 and metrics["rollout/padding_groups"] == 0
+    groups: dict = {}
+    for s in batch.samples:
+        groups.setdefault(s.group_id, []).append(s.reward)
+    assert len(groups) == 4 and all(len(set(r)) == 2 for r in groups.values())
