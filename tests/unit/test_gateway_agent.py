@@ -14,9 +14,9 @@ built-in sampler (a tiny Llama, fp32, a character tokenizer with a chat template
 from __future__ import annotations
 
 import json
-from typing import Any
 import string
 import time
+from typing import Any
 
 import attrs
 import httpx
