@@ -1,8 +1,9 @@
 """What the gateway keeps of an episode: every call as the engine saw it, token in, token out.
 
 A `CallRecord` holds the exact prompt ids the engine was given (the gateway's rendering of the
-agent's request), the ids it sampled, their log-probs (temperature applied), the policy version
-of the weights that sampled them and, where the engine returns them, the routed experts. An
+agent's request), the ids it sampled, their log-probs (temperature applied) and the policy
+version of the weights that sampled them (neither engine behind the gateway returns routed
+experts today: `rollout.agent`'s rule refuses ``routing_replay: rollout``). An
 `EpisodeRecord` is one episode's calls in the order the gateway received them, its request
 limits, and whether it is still open: a call after its episode ended is refused (the key stays
 known, so the refusal says which episode it was)."""
@@ -10,7 +11,6 @@ known, so the refusal says which episode it was)."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import attrs
 
@@ -29,7 +29,6 @@ class CallRecord:
     logprobs: tuple[float, ...]
     finished: bool
     policy_version: int | None
-    routed_experts: Any = None
 
 
 class EpisodeFailure(Exception):
