@@ -24,6 +24,11 @@ def _example(**agent):
         ({"function": ""}, r"rollout.source: agent needs rollout.agent.function"),
         ({"function": "no_colon"}, r"rollout.agent.function='no_colon'; give the agent function"),
         ({"engine": "vllm", "vllm": {"engines": 2}}, r"rollout.agent.vllm.engines=2"),
+        ({"engine": "vllm", "vllm": {"sleep": "offload"}}, r"rollout.agent.vllm.sleep='offload'"),
+        (
+            {"engine": "vllm", "vllm": {"max_model_len": 999}},
+            r"rollout.agent.vllm.max_model_len=999",
+        ),
         ({"failure_reward": float("nan")}, r"rollout.agent.failure_reward=nan"),
         ({"concurrency": 0}, r"concurrency"),
     ],

@@ -14,6 +14,7 @@ from unirl.core.config.validators import positive
 from unirl.core.errors import ConfigError
 from unirl.core.protocols.source_plugin import LazySourceBuilder, SourcePlugin
 from unirl.rollouts.vllm.plugin import VllmOptions
+from unirl.rollouts.vllm.plugin import check as vllm_check
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -88,11 +89,8 @@ def _check(cfg: UnirlConfig) -> None:
             f"rollout.environment={r.environment!r} with rollout.source: agent: the agent "
             "function plays the episode; remove rollout.environment"
         )
-    if a.engine == "vllm" and a.vllm.engines > 1:
-        raise ConfigError(
-            f"rollout.agent.vllm.engines={a.vllm.engines}: the gateway drives one vLLM engine "
-            "(from global rank 0) today; set rollout.agent.vllm.engines: 1"
-        )
+    if a.engine == "vllm":
+        _check_vllm(cfg, a.vllm)
     if cfg.algorithm.routing_replay == "rollout":
         raise ConfigError(
             "algorithm.routing_replay: rollout replays the engine's routed experts, which neither "
@@ -103,6 +101,28 @@ def _check(cfg: UnirlConfig) -> None:
             "rollout.agent.host=%s: the gateway listens beyond loopback; only the per-episode "
             "keys guard it", a.host,
         )  # fmt: skip
+
+
+def _check_vllm(cfg: UnirlConfig, v: VllmOptions) -> None:
+    """The engine's section: one engine, awake (the agents call it at any time), and the vLLM
+    source's own rules on it, its keys named under rollout.agent.vllm."""
+    if v.engines > 1:
+        raise ConfigError(
+            f"rollout.agent.vllm.engines={v.engines}: the gateway drives one vLLM engine (from "
+            "global rank 0) today; set rollout.agent.vllm.engines: 1"
+        )
+    if v.sleep != "off":
+        raise ConfigError(
+            f"rollout.agent.vllm.sleep={v.sleep!r}: the agents call the engine whenever they "
+            "like during a rollout, so it cannot sleep between generations; set it to off"
+        )
+    try:  # (building the evolved config runs the vLLM plug-in's rules too)
+        engine_cfg = attrs.evolve(
+            cfg, rollout=attrs.evolve(cfg.rollout, source="vllm", source_options=v)
+        )
+        vllm_check(engine_cfg)
+    except ConfigError as err:
+        raise ConfigError(str(err).replace("rollout.vllm.", "rollout.agent.vllm.")) from None
 
 
 def _weights(cfg: UnirlConfig) -> Literal["rank0", "every_rank"]:
