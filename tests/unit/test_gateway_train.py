@@ -6,7 +6,11 @@ program, examples/tiny_agent.py) trained through the gateway on the CPU.
   engine thread left behind in the process), logs the gateway's metrics, and the rollouts the
   worker generated ahead are one policy version old;
 - (slow) the policy learns the tool: from about 0.03 (a guess, without the tool, is right 1 in
-  10) the mean reward of the last 10 of 200 steps reaches 0.5, synchronous and with k = 1.
+  10) the mean reward of the last 10 of 300 steps reaches 0.5, synchronous and with k = 1.
+  Measured (benchmarks/results/tiny_agent/): 10-step means of 0.5 by step 124 and 0.9 by 168
+  (synchronous), 0.5 by step 167 (k = 1); one synchronous run was still at 0.23 after 200 steps
+  (the sampler's one random stream is shared by concurrent calls in batching order, so runs
+  differ), hence 300 steps here.
 """
 
 from __future__ import annotations
@@ -46,10 +50,10 @@ def test_tiny_agent_trains_through_the_gateway(tmp_path, staleness):
     assert not {n for n in left if n.startswith(("unirl-gateway", "unirl-agent"))}, left
 
 
-@pytest.mark.slow  # 200 steps (~5 minutes on 2 shared cores); the test above runs by default
+@pytest.mark.slow  # 300 steps (~10 minutes on 2 shared cores); the test above runs by default
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_tiny_agent_learns_the_tool(tmp_path, staleness):
-    rows = _train(tmp_path, "train.rl_steps=200", f"train.max_staleness={staleness}",
+    rows = _train(tmp_path, "train.rl_steps=300", f"train.max_staleness={staleness}",
                   "checkpoint.export_hf=false")  # fmt: skip
     first = rows[0]["reward/mean"]
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
