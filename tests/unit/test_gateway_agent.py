@@ -251,6 +251,16 @@ def test_endpoint_keys_limits_and_tool_calls(tmp_path):
         assert tool_call.function.name == "lookup"
         assert json.loads(tool_call.function.arguments) == {"q": "7"}
         assert reply.choices[0].finish_reason == "tool_calls"
+        # streamed: the tool call in a delta, then the finish reason
+        chunks = list(client.chat.completions.create(
+            model="p", messages=ask, tools=gateway_agents.TOOLS, stream=True))  # fmt: skip
+        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+        assert [c.function.name for c in calls] == ["lookup"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        streamed = "".join(
+            ch.choices[0].text for ch in client.completions.create(
+                model="p", prompt=[1, 5, 3], stream=True))  # fmt: skip
+        assert streamed == text
         # the key in the URL instead of the header; the completions API with token ids
         by_url = openai.OpenAI(base_url=gateway.url_with_key(episode.key), api_key="-",
                                max_retries=0)  # fmt: skip
@@ -267,8 +277,8 @@ def test_endpoint_keys_limits_and_tool_calls(tmp_path):
                          json={"messages": [{"role": "user", "content": "x" * 3000}]})  # fmt: skip
         assert big.status_code == 413 and "max_request_bytes=2000" in big.text
         calls = gateway.end_episode(episode)
-        assert [c.endpoint for c in calls] == ["chat", "completion"]
-        assert calls[1].prompt_ids == (1, 5, 3)
+        assert [c.endpoint for c in calls] == ["chat", "chat", "completion", "completion"]
+        assert calls[3].prompt_ids == (1, 5, 3)
         with pytest.raises(openai.APIStatusError, match="has ended") as late:
             client.chat.completions.create(model="p", messages=ask)
         assert late.value.status_code == 410
