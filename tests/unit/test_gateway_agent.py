@@ -319,3 +319,27 @@ def test_eval_and_dynamic_sampling_on_the_agent_source(tmp_path):
     for s in batch.samples:
         groups.setdefault(s.group_id, []).append(s.reward)
     assert len(groups) == 4 and all(len(set(r)) == 2 for r in groups.values())
+
+
+def test_a_calls_sample_does_not_depend_on_its_batch(tmp_path):
+    """Each call is drawn from a generator seeded by its own seed (the sampler's stream
+    untouched), so a redrawn rollout, with calls batched as they happen to arrive, is the same
+    (what a resumed run needs)."""
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY,
+                    prompts=["what is x?", "say 7"], concurrency=4)  # fmt: skip
+    sampler = source.inner.sampler
+    stream = sampler.state_dict()["generator"].clone()
+    alone = sampler.generate([[1, 5, 6]], seeds=[11])[0]
+    batched = sampler.generate([[1, 7, 8], [1, 5, 6], [1, 9]], seeds=[3, 11, 4])[1]
+    assert alone.response_tokens.tolist() == batched.response_tokens.tolist()
+    torch.testing.assert_close(alone.logprobs, batched.logprobs, atol=1e-5, rtol=0)
+    assert torch.equal(sampler.state_dict()["generator"], stream)
+    try:
+        state = source.state_dict()
+        first = source.next_rollout(0)
+        source.load_state_dict(state)
+        again = source.next_rollout(0)
+    finally:
+        source.close()
+    for a, b in zip(first.samples, again.samples):
+        assert a.response_tokens.tolist() == b.response_tokens.tolist()

@@ -9,8 +9,8 @@ program, examples/tiny_agent.py) trained through the gateway on the CPU.
   10) the mean reward of the last 10 of 300 steps reaches 0.5, synchronous and with k = 1.
   Measured (benchmarks/results/tiny_agent/): 10-step means of 0.5 by step 124 and 0.9 by 168
   (synchronous), 0.5 by step 167 (k = 1); one synchronous run was still at 0.23 after 200 steps
-  (the sampler's one random stream is shared by concurrent calls in batching order, so runs
-  differ), hence 300 steps here.
+  (those runs predate the per-call seeds, when concurrent calls shared one random stream and
+  runs of one seed differed), hence 300 steps here.
 """
 
 from __future__ import annotations

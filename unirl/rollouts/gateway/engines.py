@@ -5,11 +5,11 @@ every call waiting, generates them in one engine call per token budget, and answ
 future. A call is a prompt (token ids), a seed and a budget; the answer an `EngineSample` (ids,
 log-probs with the temperature applied, whether a stop ended it).
 
-Two engines: the built-in sampler (`SamplerCalls`: the policy's copy in this process; its one
-random stream is shared by the calls in the order the queue batches them, so a run is
-reproducible only with one agent at a time) and vLLM (`VllmCalls`: a seed per call, so a call's
-sample does not depend on the batching; a dead or hung engine is restarted and the batch
-re-issued, as for the vLLM source's own rollouts).
+Two engines: the built-in sampler (`SamplerCalls`: the policy's copy in this process) and vLLM
+(`VllmCalls`; a dead or hung engine is restarted and the batch re-issued, as for the vLLM
+source's own rollouts). Both draw each call from a random stream of its own, seeded by the call's
+seed, so a call's sample does not depend on the calls batched with it (up to the float rounding
+of a batched forward).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class CallEngine(Protocol):
 
 
 class SamplerCalls:
-    """The built-in sampler as a `CallEngine`: it samples its own budget and a call's smaller
-    budget cuts the sample (the same distribution: generation is left to right)."""
+    """The built-in sampler as a `CallEngine`: each call drawn with a generator seeded by its
+    seed; it samples its own budget and a call's smaller budget cuts the sample (the same
+    tokens: generation is left to right)."""
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -48,7 +49,7 @@ class SamplerCalls:
         self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new_tokens: int
     ) -> list[EngineSample]:
         out = []
-        for gen in self.sampler.generate([list(p) for p in prompts]):
+        for gen in self.sampler.generate([list(p) for p in prompts], seeds=seeds):
             ids, lps = gen.response_tokens.tolist(), gen.logprobs.tolist()
             cut = len(ids) > max_new_tokens
             out.append(
