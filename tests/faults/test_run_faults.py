@@ -86,3 +86,42 @@ def test_an_environment_that_fails_is_named_and_resume_continues(job, tmp_path, 
     done = job([*args, "--resume"], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert metric_steps(run) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("how", "words"),
+    [
+        # a crash is also a unit test (tests/unit/test_gateway_agent.py); a hang is the job's
+        pytest.param("raise", "ended as crashed: ValueError: the agent's tool broke",
+                     marks=pytest.mark.slow),
+        ("hang", "ended as timeout: the agent did not return within rollout.agent.episode_timeout_s=3"),
+    ],
+)  # fmt: skip
+def test_an_agent_that_fails_is_named_and_resume_continues(job, tmp_path, how, words):
+    """rollout.source: agent; the agent function raises or hangs from RL step 2 on: one error
+    line naming the episode, its outcome and the fix, no process left (the hung agent's thread
+    is abandoned), step 1's checkpoint intact, and --resume finishing once the agent is fixed."""
+    run = tmp_path / "run"
+    flag = tmp_path / "broken"
+    args = [
+        "train", str(EXAMPLES / "tiny_agent.yaml"), "--set", f"logging.run_dir={run}",
+        "--set", "logging.tensorboard=false", "--set", "train.rl_steps=3",
+        "--set", "checkpoint.every=1", "--set", "rollout.agent.episode_timeout_s=3",
+        "--set", "rollout.agent.function=tests.faults.agents:agent",
+        "--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_prompt=4",
+        "--set", "batch.samples_per_optimizer_step=16", "--set", "batch.micro_batch_size=16",
+    ]  # fmt: skip
+    env = {"UNIRL_AGENT_FLAG": str(flag), "UNIRL_AGENT_HOW": how, "OMP_NUM_THREADS": "1"}
+    first = job([*args, "--set", "train.rl_steps=1"], timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    flag.write_text("")  # from now on the agent fails
+    failed = job([*args, "--resume"], timeout=300, env=env)
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    [line] = failed.error_lines()
+    assert words in line and "RL step 2 episode" in line, line
+    assert "rollout.agent.failure_reward" in line  # the fix
+    assert newest_checkpoint(run)[0] == 1
+    flag.unlink()
+    done = job([*args, "--resume"], timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert metric_steps(run) == [1, 2, 3]

@@ -458,3 +458,39 @@ def test_overlong_penalty_on_an_episode_against_its_token_budget():
     )
     with pytest.raises(ConfigError, match=r"longer than rollout.max_episode_tokens=6"):
         _example(overlong={"buffer_tokens": 7}, max_episode_tokens=6)
+
+
+def test_environment_episodes_take_their_tasks_from_a_prompt_dataset(tmp_path):
+    """rollout.environment with rollout.prompts: each episode's reset gets its row's prompt and
+    metadata (here the hidden digit, from the file), the environment scores it, and a
+    rollout.reward beside it is refused (it would go unused)."""
+    import json
+
+    from unirl.rollouts.build import build_sampler_source
+
+    rows = [{"prompt": "?", "metadata": {"secret": s, "chars": "0123456789=c?"}} for s in "386"]
+    path = tmp_path / "secrets.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _example(prompts=str(path), task="reverse_digits")
+    with pytest.raises(ConfigError, match=r"rollout.reward='exact_match' with rollout.environment"):
+        _example(prompts=str(path), reward="exact_match")
+    seen = []
+
+    class Recording:
+        def __init__(self):
+            self.env = make_environment("hidden_number")
+
+        def reset(self, prompt, metadata):
+            seen.append((prompt, metadata["secret"]))
+            return self.env.reset(prompt, metadata)
+
+        def step(self, turn):
+            return self.env.step(turn)
+
+    source = build_sampler_source(cfg)
+    source.environment = Recording
+    batch = source.next_rollout(0)
+    assert sorted({s for _, s in seen}) == ["3", "6", "8"] and {p for p, _ in seen} == {"?"}
+    for sample in batch.samples:
+        assert sample.metadata["prompt_metadata"]["secret"] in "386"
+        assert not sample.metadata["episode"]["env_failed"]

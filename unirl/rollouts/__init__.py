@@ -9,7 +9,7 @@ sampler, a reader for rollout files from other engines, and vLLM.
         ...                                               # train on the batch
         source.sync_weights(policy_state_dict, policy_version=n)  # the next rollout is on-policy
 
-Importing this package registers the built-in sources (``sampler``, ``file``, ``vllm``) in
+Importing this package registers the built-in sources (``sampler``, ``file``, ``vllm``, ``agent``) in
 `unirl.core.protocols.source_plugin.SOURCES` from their light ``plugins`` modules, and the rules of the
 rollout-owned config keys in `unirl.core.config.rules.CONFIG_RULES`, and imports nothing else: the names below load on first use (so ``import unirl`` stays free of torch). What a new
 source provides, file by file: ``unirl/rollouts/README.md``.
@@ -31,11 +31,12 @@ from unirl.core.protocols.source_plugin import SOURCES
 from unirl.rollouts.data.rules import check_prompts, check_stops
 from unirl.rollouts.environments.rules import check_environment
 from unirl.rollouts.eval.rules import check_eval
+from unirl.rollouts.gateway.plugin import PLUGIN as AGENT
 from unirl.rollouts.plugins import FILE, SAMPLER
 from unirl.rollouts.shaping.settings import check_dynamic_sampling
 from unirl.rollouts.vllm.plugin import PLUGIN as VLLM
 
-for _plugin in (SAMPLER, FILE, VLLM):
+for _plugin in (SAMPLER, FILE, VLLM, AGENT):
     SOURCES.register(_plugin.name, _plugin)
 
 # The rules of the rollout-owned keys, run when a config is built, in this order.

@@ -243,10 +243,17 @@ class Sampler:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[Sequence[int]], progress: GenerationProgress | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        progress: GenerationProgress | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         """One response per prompt, in the order given. `progress` (a generation bar) hears of
-        every decode step: the tokens it generated and the samples it finished."""
+        every decode step: the tokens it generated and the samples it finished. ``seeds``: one
+        per prompt, each row drawn from a generator of its own seeded so (the sampler's stream
+        untouched), so that a row's tokens do not depend on the rows batched with it (the agent
+        gateway's calls); None: every row from the sampler's one stream."""
         by_length: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
@@ -257,7 +264,8 @@ class Sampler:
         for length in sorted(by_length):
             indices = by_length[length]
             ids = torch.tensor([list(prompts[i]) for i in indices], dtype=torch.long)
-            gens = self._generate_equal_length(ids.to(self.device), progress)
+            per_row = None if seeds is None else [self._row_generator(seeds[i]) for i in indices]
+            gens = self._generate_equal_length(ids.to(self.device), progress, per_row)
             for i, gen in zip(indices, gens):
                 results[i] = gen
         assert all(g is not None for g in results)
@@ -269,7 +277,14 @@ class Sampler:
         new_cache = out.cache if self._cache_arg == "cache" else out.past_key_values
         return out.logits[:, -1, :], new_cache
 
-    def _draw(self, logp_bv: torch.Tensor) -> torch.Tensor:
+    def _row_generator(self, seed: int) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(int(seed))
+        return generator
+
+    def _draw(
+        self, logp_bv: torch.Tensor, per_row: Sequence[torch.Generator] | None = None
+    ) -> torch.Tensor:
         probs = top_p_filter(logp_bv.exp(), self.top_p)
         if bool(torch.isnan(probs).any()):  # one sync per token; the loop syncs anyway
             raise RunError(
@@ -277,6 +292,9 @@ class Sampler:
                 "grad_norm and lr in metrics.jsonl); lower optimizer.lr or keep "
                 "optimizer.grad_clip set, then --resume from the newest checkpoint"
             )
+        if per_row is not None:  # one generator per row
+            return torch.cat([torch.multinomial(p[None], 1, generator=g)[:, 0]
+                              for p, g in zip(probs, per_row)])  # fmt: skip
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
     def _stop_string_rows(
@@ -294,7 +312,10 @@ class Sampler:
         return hits
 
     def _generate_equal_length(
-        self, ids_bp: torch.Tensor, progress: GenerationProgress | None
+        self,
+        ids_bp: torch.Tensor,
+        progress: GenerationProgress | None,
+        per_row: Sequence[torch.Generator] | None = None,
     ) -> list[Generation]:
         rows = ids_bp.shape[0]
         finished = 0  # rows done before this step (ended by <eos>)
@@ -311,7 +332,7 @@ class Sampler:
         for step in range(self.max_new_tokens):
             # The trainer's distribution: fp32 logits divided by the temperature, unfiltered.
             logp_bv = torch.log_softmax(logits_bv.float() / self.temperature, dim=-1)
-            token_b = self._draw(logp_bv)
+            token_b = self._draw(logp_bv, per_row)
             tokens.append(token_b)
             logprobs.append(logp_bv.gather(1, token_b[:, None])[:, 0])
             if len(self.stop_ids) == 1:

@@ -46,7 +46,7 @@ from typing import Any
 import attrs
 
 from unirl.core.config.run_config import RolloutConfig, UnirlConfig
-from unirl.core.errors import ConfigError, RolloutDataError
+from unirl.core.errors import ConfigError, RolloutDataError, RunError
 from unirl.rollouts.data.chat import chat_prompt_ids, check_messages
 from unirl.rollouts.data.hf_tokenizer import (
     HFTokenizer,
@@ -289,7 +289,7 @@ class PromptFileTask:
         self,
         path: str | Path,
         tokenizer: HFTokenizer,
-        reward: NamedReward,
+        reward: NamedReward | None,
         *,
         seed: int,
         max_prompt_length: int,
@@ -398,6 +398,11 @@ class PromptFileTask:
     def rewards(
         self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]
     ) -> list[float]:
+        if self.reward_fn is None:
+            raise RunError(
+                "rollout.prompts has no rollout.reward (rollout.environment scores its episodes), "
+                "but a response needs the task's reward here; set rollout.reward"
+            )
         return self.reward_fn(
             [p.prompt_text for p in problems],
             [self.tokenizer.decode(r) for r in responses],
@@ -409,7 +414,8 @@ class PromptFileTask:
 
     def close(self) -> None:
         """Stop the reward's worker processes (``rollout.reward_workers``), if any."""
-        self.reward_fn.close()
+        if self.reward_fn is not None:
+            self.reward_fn.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -440,8 +446,11 @@ class PromptFileTask:
 def make_prompt_task(cfg: UnirlConfig) -> PromptFileTask:
     """The task of ``rollout.prompts`` and ``rollout.reward`` (file read, tokenized, checked)."""
     r = cfg.rollout
-    assert r.prompts is not None and r.reward is not None  # the config checks both
-    reward = NamedReward(r.reward, r.reward_options, RewardRun.of(cfg))
+    # the config checks both, unless an environment scores the episodes (no reward function)
+    assert r.prompts is not None and (r.reward is not None or r.environment is not None)
+    reward = (
+        None if r.reward is None else NamedReward(r.reward, r.reward_options, RewardRun.of(cfg))
+    )
     records = prompt_records(cfg)
     return PromptFileTask(
         r.prompts,

@@ -42,10 +42,10 @@ def check_prompts(cfg: UnirlConfig) -> None:
             f"rollout.prompts is read by a generating source, but rollout.source: {r.source} "
             "trains on finished rollouts; remove rollout.prompts or set rollout.source: sampler"
         )
-    if r.reward is None:
+    if r.reward is None and r.environment is None:  # an environment's steps score episodes
         raise ConfigError(
             "rollout.prompts needs rollout.reward: a registered reward such as math_answer, or "
-            "'package.module:function'"
+            "'package.module:function' (or rollout.environment, whose steps score episodes)"
         )
     if r.task_options:
         raise ConfigError(

@@ -43,10 +43,12 @@ def check_environment(cfg: UnirlConfig) -> None:
             f"rollout.environment={r.environment!r}: rollout.source: {r.source} does not run "
             f"multi-turn episodes; set rollout.source: {episodic}, or remove rollout.environment"
         )
-    if r.prompts is not None:
+    if r.prompts is not None and r.reward is not None:
+        # the episodes' rewards are the environment's steps'; a reward function would go unused
         raise ConfigError(
-            "rollout.environment with rollout.prompts: episodes are drawn from rollout.task "
-            "today (its problems' metadata reach the environment's reset); remove one of them"
+            f"rollout.reward={r.reward!r} with rollout.environment={r.environment!r}: the "
+            "environment's step rewards score each episode (its problems' metadata reach its "
+            "reset); remove rollout.reward"
         )
     if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
         raise ConfigError(

@@ -76,7 +76,7 @@ def build_eval_task(
             "dataset's; train on rollout.prompts to evaluate"
         )
     spec = e.reward or r.reward
-    assert spec is not None  # rollout.prompts (which eval needs) needs rollout.reward
+    assert spec is not None  # check_eval: eval.reward, or rollout.reward
     options = e.reward_options if e.reward is not None else r.reward_options
     same = train_reward is not None and (train_reward.spec, train_reward.options) == (spec, options)
     max_new_tokens = r.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens

@@ -34,6 +34,11 @@ def check_eval(cfg: UnirlConfig) -> None:
             f"eval: with train.max_staleness={cfg.train.max_staleness} the rollout engine "
             "belongs to the worker that generates ahead; set train.max_staleness: 0 or remove eval"
         )
+    if e.reward is None and r.reward is None:
+        raise ConfigError(
+            "eval: scores its responses with rollout.reward, which is not set (the episodes of "
+            f"rollout.environment={r.environment!r} are scored by its steps); set eval.reward"
+        )
     if e.reward is None and e.reward_options:
         raise ConfigError(
             "eval.reward_options are the options of eval.reward, which is not set (the eval "

@@ -1,0 +1,56 @@
+"""The ``rollout.agent`` section's rules: each mistake is one `ConfigError` naming the key and the
+fix, met when the config is built (so ``unirl check`` and ``unirl train`` agree)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from unirl.core.config.run_config import config_from_dict
+from unirl.core.errors import ConfigError
+from unirl.rollouts.gateway.runner import load_agent
+
+
+def _example(**agent):
+    with open("examples/tiny_agent.yaml") as f:
+        data = yaml.safe_load(f)
+    data["rollout"]["agent"].update(agent)
+    return data
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"function": ""}, r"rollout.source: agent needs rollout.agent.function"),
+        ({"function": "no_colon"}, r"rollout.agent.function='no_colon'; give the agent function"),
+        ({"engine": "vllm", "vllm": {"engines": 2}}, r"rollout.agent.vllm.engines=2"),
+        ({"engine": "vllm", "vllm": {"sleep": "offload"}}, r"rollout.agent.vllm.sleep='offload'"),
+        (
+            {"engine": "vllm", "vllm": {"max_model_len": 999}},
+            r"rollout.agent.vllm.max_model_len=999",
+        ),
+        ({"failure_reward": float("nan")}, r"rollout.agent.failure_reward=nan"),
+        ({"concurrency": 0}, r"concurrency"),
+    ],
+)
+def test_agent_section_mistakes(change, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(_example(**change))
+
+
+def test_agent_with_an_environment_is_refused():
+    data = _example()
+    data["rollout"]["environment"] = "hidden_number"
+    with pytest.raises(ConfigError, match=r"rollout.environment='hidden_number' with rollout."):
+        config_from_dict(data)
+
+
+def test_the_agent_function_is_loaded_by_module_or_file(tmp_path):
+    assert load_agent("tests.unit.gateway_agents:tool_agent").__name__ == "tool_agent"
+    assert load_agent("examples/tiny_agent.py:agent").__name__ == "agent"
+    with pytest.raises(ConfigError, match=r"module 'no_such_module' cannot be imported"):
+        load_agent("no_such_module:agent")
+    with pytest.raises(ConfigError, match=r"has no function 'nope'"):
+        load_agent("tests.unit.gateway_agents:nope")
+    with pytest.raises(ConfigError, match=r"missing.py is not a file"):
+        load_agent(f"{tmp_path}/missing.py:agent")
