@@ -244,13 +244,13 @@ class ImportsAndCalls:
 
 
 def called_helpers(found: ImportsAndCalls, module: str, helpers: dict[str, set]) -> set[str]:
-    """Names of `module`'s helpers that the scanned module imports from it and calls."""
-    imported = {
-        alias.asname or alias.name
+    """Names (as `module` defines them) of `module`'s helpers that the scanned module imports
+    from it and calls, under their own name or an ``as`` name."""
+    return {
+        alias.name
         for alias in found.imports.get(module, ())
-        if alias.name in helpers
+        if alias.name in helpers and (alias.asname or alias.name) in found.calls
     }
-    return imported & found.calls
 
 
 def unread_keys(root: Path = UNIRL) -> list[str]:

@@ -105,6 +105,7 @@ METRICS: dict[str, str] = {
     "time/train_s": "Seconds of the policy's optimizer steps (forward, backward, step).",
     "time/critic_train_s": "Seconds of the critic's optimizer steps.",
     "time/weight_sync_s": "Seconds streaming the new weights to the rollout engine or sampler.",
+    "weight_sync/bytes": "Bytes the weight sync sent this step: the whole model, or under model.lora the adapter alone (the first sync also the base weights once).",
     "time/verify_s": "Seconds the verified sync took (the receiver's fingerprints compared with the stream's).",
     "time/eval_s": "Seconds of the evaluation, on evaluation steps.",
 }
