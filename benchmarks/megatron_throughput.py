@@ -242,9 +242,10 @@ def config_dict(
 ) -> dict:
     samples = samples or args.samples
     megatron: dict[str, Any] = {"attention": args.attention}
-    if args.recompute_modules:
+    # callers that build their own arguments (weight_transfer.py) may leave these out
+    if getattr(args, "recompute_modules", ""):
         megatron["recompute_modules"] = args.recompute_modules.split(",")
-    if args.recompute_layers is not None:
+    if getattr(args, "recompute_layers", None) is not None:
         megatron["recompute_layers"] = args.recompute_layers
     model: dict[str, Any] = {}
     if getattr(args, "lora_rank", 0):

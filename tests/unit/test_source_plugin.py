@@ -70,7 +70,7 @@ def test_check_prints_the_sources_section_and_description(toys_registered, tmp_p
     path = write(tmp_path, config_data(tmp_path))
     assert main(["check", path]) == 0
     out = capsys.readouterr().out
-    resolved = yaml.safe_load(out.split("# layout")[0])
+    resolved = yaml.safe_load(out.split("# resolved config")[1].split("\n", 1)[1])
     assert resolved["rollout"]["toy"] == {"response_length": 4, "lag": 1}
     rollouts = out.split("# rollouts")[1].split("# old-log-prob")[0]
     assert "source: toy" in rollouts
