@@ -45,15 +45,20 @@ def kill_rank_in_worker(spec: str) -> None:
     async_source.RolloutsAhead._generate = generate
 
 
+def adapter_delivery() -> tuple[tuple[type, str], ...]:
+    """The methods that hand an adapter to its receiver (what `drop_adapter_sync` patches; a
+    test in one process puts every one of them back afterwards)."""
+    from unirl.rollouts.sampler_source import SamplerRolloutSource
+    from unirl.rollouts.vllm.source import VllmRolloutSource
+
+    return ((SamplerRolloutSource, "_load_adapter"), (VllmRolloutSource, "_deliver_adapter"))
+
+
 def drop_adapter_sync(n: str) -> None:
     """The ``n``-th adapter sync (1-based, counted per source) is never delivered: the sampler
     keeps its adapter, the vLLM engine is never given the new LoRA request (it goes on serving
     the previous one); everything else of the sync runs."""
-    from unirl.rollouts.sampler_source import SamplerRolloutSource
-    from unirl.rollouts.vllm.source import VllmRolloutSource
-
-    targets = ((SamplerRolloutSource, "_load_adapter"), (VllmRolloutSource, "_deliver_adapter"))
-    for cls, method in targets:
+    for cls, method in adapter_delivery():
         original = getattr(cls, method)
         calls = {"n": 0}
 

@@ -110,7 +110,9 @@ def test_a_dropped_adapter_sync_is_caught(tmp_path, monkeypatch, verify):
     source, _, trainer = _setup(tmp_path, verify)
     source.sync_adapter(trainer.step(), policy_version=1)
     # the injector patches the library; monkeypatch puts the original back afterwards
-    monkeypatch.setattr(SamplerRolloutSource, "_load_adapter", SamplerRolloutSource._load_adapter)
+    # (both receivers' methods: one left patched dropped the other file's first delivery)
+    for cls, method in inject.adapter_delivery():
+        monkeypatch.setattr(cls, method, getattr(cls, method))
     inject.drop_adapter_sync("1")  # the next adapter sync is never delivered
     if not verify:  # without the check the sampler goes on with the previous adapter
         source.sync_adapter(trainer.step(), policy_version=2)

@@ -126,7 +126,9 @@ def test_a_dropped_adapter_sync_is_caught(source, trainer, monkeypatch, verify):
         rollout = attrs.evolve(source.cfg.rollout, verify_sync=False)
         monkeypatch.setattr(source, "cfg", attrs.evolve(source.cfg, rollout=rollout))
     # the injector patches the library; monkeypatch puts the original back afterwards
-    monkeypatch.setattr(VllmRolloutSource, "_deliver_adapter", VllmRolloutSource._deliver_adapter)
+    # (both receivers' methods: one left patched dropped the other file's first delivery)
+    for cls, method in inject.adapter_delivery():
+        monkeypatch.setattr(cls, method, getattr(cls, method))
     inject.drop_adapter_sync("1")  # the next adapter sync is never delivered
     if not verify:  # without the check the engine serves the previous adapter, silently
         source.sync_adapter(trainer.step(11), policy_version=11)
