@@ -182,3 +182,18 @@ def test_a_run_scores_in_its_workers_and_leaves_none_behind(tmp_path):
     assert summary.steps_done == 2
     with pytest.raises(ProcessLookupError):  # the worker was stopped with the run
         os.kill(pids.pop(), 0)
+
+
+def test_a_run_that_stops_at_a_failure_does_not_wait_out_the_later_samples():
+    """With reward_on_error: raise the first failure ends the scoring: eight slow samples on two
+    workers with a 1 s limit took every sample's timeout (4 s) before the error; now the
+    workers stop at the first (their busy samples are dropped)."""
+    reward = _reward("misbehaves", timeout_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardTimeoutError, match=r"timed out on sample 0 "):
+            _score(reward, [{"slow": True}] * 8)
+        assert time.monotonic() - t0 < 3.0
+        assert _score(reward, [{}, {}]) == [4.0, 4.0]  # the workers were replaced
+    finally:
+        reward.close()

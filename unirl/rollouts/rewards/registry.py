@@ -181,10 +181,13 @@ class NamedReward:
     def _in_workers(self, inputs: tuple, origins: Sequence[str]) -> list[Any]:
         """One call per sample in the workers; failures become ``reward_on_error`` or raise."""
         assert self._workers is not None and self.run is not None
-        outcomes = self._workers.score(list(zip(*inputs)))
+        stop = self.run.on_error == "raise"
+        outcomes = self._workers.score(list(zip(*inputs)), stop_on_failure=stop)
         values: list[Any] = []
         failed: Counter[str] = Counter()
         for i, outcome in enumerate(outcomes):
+            if outcome is None:  # not scored: a later sample failed and stops the run
+                continue
             if isinstance(outcome, SampleFailure):
                 if self.run.on_error == "raise":
                     raise self._worker_failure(outcome, i, inputs[1][i], origins[i])

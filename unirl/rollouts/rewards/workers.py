@@ -183,15 +183,26 @@ class RewardWorkers:
     def _start(self) -> _Worker:
         return _Worker(self._ctx, self._payload)
 
-    def score(self, samples: Sequence[SampleInputs]) -> list[list[float] | SampleFailure]:
+    def score(
+        self, samples: Sequence[SampleInputs], *, stop_on_failure: bool = False
+    ) -> list[list[float] | SampleFailure | None]:
         """Each sample's values (what the function returned for it: one reward when it keeps
-        its contract) or its `SampleFailure`, in order."""
+        its contract) or its `SampleFailure`, in order. ``stop_on_failure``: after the first
+        failure no sample is started and the busy workers are replaced; the samples not scored
+        are None (a run that stops at a failure does not wait out every later sample's
+        timeout)."""
         while len(self._workers) < self.count:
             self._workers.append(self._start())
         outcomes: list[list[float] | SampleFailure | None] = [None] * len(samples)
         pending = deque(range(len(samples)))
         limit = self.timeout_s
         while pending or any(w.job is not None for w in self._workers):
+            if stop_on_failure and any(isinstance(o, SampleFailure) for o in outcomes):
+                pending.clear()
+                for i, w in enumerate(self._workers):
+                    if w.job is not None:
+                        self._replace(i, kill=True)
+                break
             for w in self._workers:
                 if w.job is None and pending:
                     w.wait_ready(self.spec)
@@ -227,8 +238,7 @@ class RewardWorkers:
                         "timeout", f"it took longer than rollout.reward_timeout_s={limit}"
                     )
                     self._replace(i, kill=True)
-        assert all(o is not None for o in outcomes)
-        return outcomes  # type: ignore[return-value]
+        return outcomes
 
     def _replace(self, i: int, *, kill: bool) -> None:
         old = self._workers[i]
