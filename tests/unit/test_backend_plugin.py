@@ -57,7 +57,9 @@ def test_check_runs_with_the_plugins_section_and_rules(toy_registered, tmp_path,
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert "backend=toy" in out
-    assert yaml.safe_load(out.split("# resolved config")[1].split("\n", 1)[1])["toy"] == {"hidden_size": 8}
+    assert yaml.safe_load(out.split("# resolved config")[1].split("\n", 1)[1])["toy"] == {
+        "hidden_size": 8
+    }
     # the plug-in's own validation and rules
     assert main(["check", str(path), "--set", "toy.hidden=4"]) == 2
     assert "unknown key 'toy.hidden' (did you mean 'hidden_size'?)" in capsys.readouterr().err
