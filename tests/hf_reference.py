@@ -138,11 +138,11 @@ def reference_logprobs(model, seqs) -> list[torch.Tensor]:
     return out
 
 
-def reference_step(folder: Path, seqs, *, lr: float, clip: float, weight_decay: float):
-    """The plain-PyTorch step on the full batch: returns (grad norm before clipping, new params)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+def reference_loss(model, seqs) -> torch.Tensor:
+    """The step's loss written out per sequence: minus the response tokens' log-probs, minus the
+    entropy bonus, over the batch's response tokens (the full model or a peft-wrapped one)."""
     n = num_response_tokens(seqs)
-    total = 0.0
+    total = torch.zeros(())
     for ids, prompt in seqs:
         x = torch.tensor(ids)[None]
         logp_all = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
@@ -150,7 +150,13 @@ def reference_step(folder: Path, seqs, *, lr: float, clip: float, weight_decay: 
         entropy = -(logp_all.exp() * logp_all).sum(-1)[:-1]
         valid = torch.tensor([1.0 if t + 1 >= prompt else 0.0 for t in range(len(ids) - 1)])
         total = total + (-(logp * valid).sum() - ENTROPY_COEF * (entropy * valid).sum()) / n
-    total.backward()
+    return total
+
+
+def reference_step(folder: Path, seqs, *, lr: float, clip: float, weight_decay: float):
+    """The plain-PyTorch step on the full batch: returns (grad norm before clipping, new params)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    reference_loss(model, seqs).backward()
     params = list(model.parameters())
     norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params))
     torch.nn.utils.clip_grad_norm_(params, clip)

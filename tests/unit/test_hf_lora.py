@@ -27,6 +27,7 @@ from tests.hf_reference import (  # noqa: E402
     num_response_tokens,
     pack,
     reference_logprobs,
+    reference_loss,
     save_tiny_model,
     train_step,
 )
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TARGETS = ("q_proj", "v_proj", "down_proj")
 RANK, ALPHA = 4, 8.0
-ENTROPY_COEF = 0.01
 
 
 def random_adapter(base: Path, out: Path) -> Path:
@@ -63,16 +63,7 @@ def peft_model(base: Path, adapter: Path, *, trainable: bool = False):
 def reference_step(base: Path, adapter: Path, seqs, *, lr: float, clip: float, wd: float):
     """The step in plain peft fp32 on the full batch: (grad norm, {PEFT name: new tensor})."""
     model = peft_model(base, adapter, trainable=True)
-    n = num_response_tokens(seqs)
-    total = 0.0
-    for ids, prompt in seqs:
-        x = torch.tensor(ids)[None]
-        logp_all = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
-        logp = logp_all[:-1].gather(-1, x[0, 1:, None])[:, 0]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)[:-1]
-        valid = torch.tensor([1.0 if t + 1 >= prompt else 0.0 for t in range(len(ids) - 1)])
-        total = total + (-(logp * valid).sum() - ENTROPY_COEF * (entropy * valid).sum()) / n
-    total.backward()
+    reference_loss(model, seqs).backward()
     params = [p for p in model.parameters() if p.requires_grad]
     assert params and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params))
