@@ -223,4 +223,38 @@ def test_tensor_stats_on_a_gpu_is_the_plain_float64_sums():
     t = torch.randn(3000, 1000, generator=torch.Generator().manual_seed(4)).bfloat16()
     x = t.double().reshape(-1)
     want = (float(x.numel()), float(x.sum()), float((x * x).sum()), float(x.abs().max()))
-    assert tensor_stats(t.cuda()) == pytest.approx(want, rel=1e-12, abs=1e-9)
+    # sums in another order: within float64 rounding of the sum of |x|
+    assert tensor_stats(t.cuda()) == pytest.approx(want, rel=1e-12, abs=1e-13 * float(x.abs().sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("numel", "have", "want"),
+    [
+        (0, torch.bfloat16, None),
+        (1, torch.float32, None),
+        (4095, torch.bfloat16, None),  # one partial block
+        (4096 * 1000 + 17, torch.bfloat16, None),  # more blocks than programs: each loops
+        (300_001, torch.float32, torch.bfloat16),  # the trainer's fp32, cast to the engine's
+        (300_001, torch.float32, torch.float16),
+        (300_001, torch.float16, torch.float32),  # a widening cast: the values as they are
+        (5_000_000, torch.float32, None),
+    ],
+)
+def test_the_gpu_kernel_is_the_plain_float64_sums(numel, have, want):
+    """`fingerprint_triton`'s one pass against float64 sums written here, several tensors into
+    one key (the atomics add up)."""
+    from unirl.core.weights.fingerprint import Fingerprint
+
+    g = torch.Generator().manual_seed(numel)
+    parts = [torch.randn(numel, generator=g).to(have) * 3 for _ in range(2)]
+    fp = Fingerprint(dtype=want)
+    for t in parts:
+        fp.add_tensor("k", t.cuda())
+    x = torch.cat([(t.to(want) if want in (torch.bfloat16, torch.float16) else t) for t in parts])
+    x = x.double()
+    peak = float(x.abs().max()) if x.numel() else 0.0
+    want_stats = (float(x.numel()), float(x.sum()), float((x * x).sum()), peak)
+    # sums in another order: within float64 rounding of the sum of |x|
+    assert fp.keys["k"] == pytest.approx(want_stats, rel=1e-12, abs=1e-13 * float(x.abs().sum()))

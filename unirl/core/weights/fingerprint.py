@@ -78,9 +78,13 @@ def layer_key(name: str) -> str:
 
 def tensor_stats(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Stats:
     """The statistics of ``tensor`` (cast to ``dtype`` first, when given), in float64. On the
-    CPU in chunks that stay in the cache (the cost is about one read of the tensor); on a GPU
-    accumulated on the device (`_device_stats`)."""
+    CPU in chunks that stay in the cache (the cost is about one read of the tensor); on a GPU in
+    one pass of `fingerprint_triton` (`_device_stats` where it does not apply)."""
     if tensor.device.type != "cpu":
+        if _kernel_takes(tensor, dtype):
+            fp = Fingerprint(dtype)
+            fp.add_tensor("t", tensor)
+            return fp.keys["t"]
         return _device_stats(tensor, dtype)
     flat = tensor.detach().reshape(-1)
     total, squares, peak = 0.0, 0.0, 0.0
@@ -94,6 +98,17 @@ def tensor_stats(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Stat
         total += float(c.sum())
         squares += float(torch.dot(c, c))  # x^2 of a float32 is exact in float64
     return float(flat.numel()), total, squares, peak
+
+
+def _kernel_takes(tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether the one-pass GPU kernel applies (a CUDA tensor, Triton importable)."""
+    if tensor.device.type != "cuda":
+        return False
+    try:
+        from unirl.core.weights.fingerprint_triton import can_accumulate
+    except ImportError:  # no Triton on this machine: the torch path
+        return False
+    return can_accumulate(tensor, dtype)
 
 
 def _device_stats(tensor: torch.Tensor, dtype: torch.dtype | None) -> Stats:
@@ -123,19 +138,65 @@ def merge(a: Stats, b: Stats) -> Stats:
 
 class Fingerprint:
     """Per-key statistics, accumulated tensor by tensor; ``dtype``: what each tensor is cast to
-    before it counts (the receiver's dtype), None: as it is."""
+    before it counts (the receiver's dtype), None: as it is. GPU tensors accumulate on their
+    device and reach the host together, at the first read of ``keys`` (one wait per
+    fingerprint, not one per tensor)."""
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
-        self.keys: dict[str, Stats] = {}
+        self._keys: dict[str, Stats] = {}
+        # key -> [element count, float64 (sum, sum x^2), float32 max |x|] on a GPU
+        self._pending: dict[str, list] = {}
         self.seconds = 0.0  # spent in `fingerprinted`
 
+    @property
+    def keys(self) -> dict[str, Stats]:
+        self._flush()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: dict[str, Stats]) -> None:
+        self._pending.clear()
+        self._keys = value
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.add_stats(layer_key(name), tensor_stats(tensor, self.dtype))
+        self.add_tensor(layer_key(name), tensor)
+
+    def add_tensor(self, key: str, tensor: torch.Tensor) -> None:
+        """``tensor``'s statistics into ``key``'s."""
+        if not _kernel_takes(tensor, self.dtype):
+            self.add_stats(key, tensor_stats(tensor, self.dtype))
+            return
+        from unirl.core.weights.fingerprint_triton import accumulate
+
+        slot = self._pending.get(key)
+        if slot is not None and slot[1].device != tensor.device:
+            self._flush()
+            slot = None
+        if slot is None:
+            sums = torch.zeros(2, dtype=torch.float64, device=tensor.device)
+            slot = [0, sums, torch.zeros(1, dtype=torch.float32, device=tensor.device)]
+            self._pending[key] = slot
+        slot[0] += tensor.numel()
+        accumulate(tensor, self.dtype, slot[1], slot[2])
 
     def add_stats(self, key: str, stats: Stats) -> None:
-        old = self.keys.get(key)
-        self.keys[key] = stats if old is None else merge(old, stats)
+        old = self._keys.get(key)
+        self._keys[key] = stats if old is None else merge(old, stats)
+
+    def _flush(self) -> None:
+        """The pending GPU sums to the host: one copy per device."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        by_device: dict[torch.device, list[tuple[str, list]]] = {}
+        for key, slot in pending.items():
+            by_device.setdefault(slot[1].device, []).append((key, slot))
+        for slots in by_device.values():
+            flat = torch.cat([torch.cat((s[1], s[2].double())) for _, s in slots]).tolist()
+            for i, (key, slot) in enumerate(slots):
+                total, squares, peak = flat[3 * i : 3 * i + 3]
+                self.add_stats(key, (float(slot[0]), total, squares, peak))
 
     @classmethod
     def of(cls, parts: Iterable[Mapping[str, Stats]]) -> Fingerprint:
@@ -167,6 +228,9 @@ def fingerprinted(buckets: Iterable[list], seen: Fingerprint) -> Iterator[list]:
         seen.seconds += time.perf_counter() - t0
         yield bucket
         del bucket
+    t0 = time.perf_counter()
+    seen.keys  # noqa: B018 -- the GPU's pending sums, so that ``seconds`` holds their time
+    seen.seconds += time.perf_counter() - t0
 
 
 def _close(a: Stats, b: Stats) -> bool:

@@ -43,7 +43,6 @@ from unirl.core.weights.fingerprint import (
     SyncVerificationError,
     compare,
     layer_key,
-    tensor_stats,
 )
 
 # vLLM 0.32's LoRAConfig.max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
@@ -126,9 +125,9 @@ def _slot_stats(module: Any, slot: int, weights: Any, key: str, out: Fingerprint
             continue
         rank = int(a.shape[0])
         if a_here:
-            out.add_stats(key, tensor_stats(module.lora_a_stacked[index][slot, 0, :rank]))
+            out.add_tensor(key, module.lora_a_stacked[index][slot, 0, :rank])
         if b_here:
-            out.add_stats(key, tensor_stats(module.lora_b_stacked[index][slot, 0, :, :rank]))
+            out.add_tensor(key, module.lora_b_stacked[index][slot, 0, :, :rank])
 
 
 def worker_adapter_fingerprint(model_runner: Any, lora_id: int) -> dict[str, list[float]] | None:

@@ -27,12 +27,9 @@ import torch
 
 from unirl.core.weights.fingerprint import (
     Fingerprint,
-    Stats,
     compare,
     fingerprinted,
     layer_key,
-    merge,
-    tensor_stats,
 )
 from unirl.core.weights.stream import Bucket, drain
 
@@ -73,8 +70,8 @@ def _qkv_parts(module: Any, t: torch.Tensor, rank: int) -> list[torch.Tensor]:
     return [t[: int(module.num_heads) * int(module.head_size)]]
 
 
-def module_stats(name: str, param: torch.Tensor, module: Any) -> Stats | None:
-    """What this worker counts of ``param`` (module docstring), None: another rank counts it."""
+def module_parts(name: str, param: torch.Tensor, module: Any) -> list[torch.Tensor]:
+    """What this worker counts of ``param`` (module docstring); none: another rank counts it."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         QKVParallelLinear,
@@ -88,19 +85,14 @@ def module_stats(name: str, param: torch.Tensor, module: Any) -> Stats | None:
         isinstance(module, RowParallelLinear) and leaf == "weight"
     )
     if size > 1 and not sharded and rank != 0:
-        return None
+        return []
     t = param.detach()
     if leaf == "weight" and t.numel() == 0 and hasattr(module, "cpu_linear"):
         t = _packed_weight_rows(module)
     if isinstance(module, VocabParallelEmbedding):
         idx = module.shard_indices
         t = t[: idx.org_vocab_end_index - idx.org_vocab_start_index]
-    parts = _qkv_parts(module, t, rank) if isinstance(module, QKVParallelLinear) else [t]
-    stats: Stats | None = None
-    for part in parts:
-        s = tensor_stats(part)
-        stats = s if stats is None else merge(stats, s)
-    return stats
+    return _qkv_parts(module, t, rank) if isinstance(module, QKVParallelLinear) else [t]
 
 
 def worker_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
@@ -108,9 +100,8 @@ def worker_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
     out = Fingerprint()
     for name, param in model.named_parameters():
         module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        stats = module_stats(name, param, module)
-        if stats is not None:
-            out.add_stats(layer_key(name), stats)
+        for part in module_parts(name, param, module):
+            out.add_tensor(layer_key(name), part)
     return {k: list(v) for k, v in out.keys.items()}
 
 
