@@ -224,7 +224,9 @@ def test_tensor_stats_on_a_gpu_is_the_plain_float64_sums():
     x = t.double().reshape(-1)
     want = (float(x.numel()), float(x.sum()), float((x * x).sum()), float(x.abs().max()))
     # sums in another order: within float64 rounding of the sum of |x|
-    assert tensor_stats(t.cuda()) == pytest.approx(want, rel=1e-12, abs=1e-13 * float(x.abs().sum()))
+    assert tensor_stats(t.cuda()) == pytest.approx(
+        want, rel=1e-12, abs=1e-13 * float(x.abs().sum())
+    )
 
 
 @pytest.mark.gpu
