@@ -114,22 +114,38 @@ class LoraBranch(torch.nn.Module):
             if spec.expert:
                 a.allreduce = b.allreduce = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+        """The branch's output; added to ``base`` (the linear's output) inside the up
+        projection's matmul when given: one pass over the output, where a matmul per target,
+        the fusing copy and the add made four (`fused_b`)."""
         if self.dropout:
             x = F.dropout(x, self.dropout, self.training)
         spec = self.spec
         targets = list(spec.adapted)
         if spec.kind == "row":
             h = self._row_comm(F.linear(x, self.lora_A[targets[0]])) * self.scale
-            return F.linear(h, self.lora_B[targets[0]])
+            return _up(h, self.lora_B[targets[0]], base)
         a = torch.cat([self.lora_A[t] for t in targets]) if len(targets) > 1 else None
         h = F.linear(x, a if a is not None else self.lora_A[targets[0]])
         h = self._column_comm(h) * self.scale
-        parts = dict(zip(targets, h.split(self.rank, dim=-1)))
-        outs = [
-            F.linear(parts[t], self.lora_B[t]) if t in parts else None for t in spec.layout.targets
-        ]
-        return spec.layout.fuse(outs)
+        return _up(h, self.fused_b(), base)
+
+    def fused_b(self) -> torch.Tensor:
+        """Every target's B as one ``[fused width, rank x adapted targets]`` matrix: target t's
+        rows in its fused place, its columns the t-th rank block of ``h`` (A's order), zeros
+        elsewhere; a linear with one target and no others is its B."""
+        spec = self.spec
+        if spec.layout.targets == spec.adapted and len(spec.adapted) == 1:
+            return self.lora_B[spec.adapted[0]]
+        k = self.rank * len(spec.adapted)
+        blocks: list[torch.Tensor | None] = []
+        for t in spec.layout.targets:
+            if t not in spec.adapted:
+                blocks.append(None)
+                continue
+            i = spec.adapted.index(t)
+            blocks.append(F.pad(self.lora_B[t], (i * self.rank, k - (i + 1) * self.rank)))
+        return spec.layout.fuse_rows(blocks)
 
     def _column_comm(self, h: torch.Tensor) -> torch.Tensor:
         if self.spec.comm == "sp":
@@ -181,3 +197,12 @@ class LoraBranch(torch.nn.Module):
             tp_group=self.tp_group,
             dp_cp_group=(metadata or {}).get("dp_cp_group"),
         )
+
+
+def _up(h: torch.Tensor, b: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """``base + h b^T`` in one matmul (``h b^T`` without ``base``)."""
+    if base is None:
+        return F.linear(h, b)
+    lead, width = base.shape[:-1], base.shape[-1]
+    flat = torch.addmm(base.reshape(-1, width), h.reshape(-1, h.shape[-1]), b.t())
+    return flat.view(*lead, width)

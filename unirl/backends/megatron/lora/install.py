@@ -98,7 +98,7 @@ def _add_branch(branch: LoraBranch, module: Any, args: tuple, output: Any) -> An
     if not branch.enabled:
         return output
     out, bias = output
-    return out + branch(args[0]), bias
+    return branch(args[0], out), bias
 
 
 def _comm(linear: Any, where: str) -> Comm:
