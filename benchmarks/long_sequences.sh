@@ -36,8 +36,7 @@ declare -A ROWS=(
   [m4b-16k-lora]="$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --recompute-layers 12 --steps 2 --lora-rank 16 \
 |$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --steps 2 --lora-rank 16"
   # LoRA holds no base gradients or Adam state: the activations may fit without recompute
-  [m4b-16k-lora-norc]="$M --model qwen3-4b $(at 16384 2) --steps 2 --lora-rank 16 \
-|$M --model qwen3-4b $(at 16384 2) --fused-head --steps 2 --lora-rank 16 \
+  [m4b-16k-lora-norc]="$M --model qwen3-4b $(at 16384 2) --fused-head --steps 2 --lora-rank 16 \
 |$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-modules mlp --steps 2 --lora-rank 16"
   [m4b18-16k-lora-norc]="$M --model qwen3-4b --layers 18 $(at 16384 2) --steps 2 --lora-rank 16 \
 |$M --model qwen3-4b --layers 18 $(at 16384 2) --fused-head --steps 2 --lora-rank 16"
