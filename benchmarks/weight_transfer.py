@@ -136,8 +136,7 @@ def _receiver(inbox: Any, outbox: Any) -> None:
             torch.cuda.synchronize()
             if verify is not None:  # the engine's side of the verified sync, on what it holds
                 t0 = time.perf_counter()
-                for name, clone in zip(info["names"], clones):
-                    verify.add(name, clone)
+                verify.add_named(zip(info["names"], clones))
                 verify.keys  # noqa: B018 -- the GPU's pending sums, as the engine reads them
                 verify.seconds += time.perf_counter() - t0
             del buffer, parts, clones

@@ -260,3 +260,75 @@ def test_the_gpu_kernel_is_the_plain_float64_sums(numel, have, want):
     want_stats = (float(x.numel()), float(x.sum()), float((x * x).sum()), peak)
     # sums in another order: within float64 rounding of the sum of |x|
     assert fp.keys["k"] == pytest.approx(want_stats, rel=1e-12, abs=1e-13 * float(x.abs().sum()))
+
+
+def _plain_stats(tensors, cast=None):
+    x = torch.cat([(t.to(cast) if cast else t).double().reshape(-1) for t in tensors])
+    peak = float(x.abs().max()) if x.numel() else 0.0
+    return (float(x.numel()), float(x.sum()), float((x * x).sum()), peak), float(x.abs().sum())
+
+
+def _bucket(device, keys=70):
+    """A flat bucket's views at unaligned offsets, separate tensors, ``keys`` more keys (70:
+    past the device buffer's first capacity): what `add_named` takes in one launch per dtype."""
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(20_000, generator=g).to(device)
+    items = [("a", flat[:9001]), ("b", flat[9003:19_999]), ("a", flat[19_999:])]
+    items += [(f"k{i}", torch.randn(37 * i + 1, generator=g).to(device)) for i in range(keys)]
+    return items
+
+
+def _check_bucket(fp, items, cast):
+    for key in {k for k, _ in items}:
+        want, scale = _plain_stats([t.cpu() for k, t in items if k == key], cast)
+        assert fp.keys[key] == pytest.approx(want, rel=1e-12, abs=1e-13 * scale), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+def test_one_launch_for_a_bucket_is_the_plain_float64_sums(cast):
+    from unirl.core.weights.fingerprint import Fingerprint
+
+    items = _bucket("cuda")
+    fp = Fingerprint(dtype=cast)
+    fp.add_many(items)
+    _check_bucket(fp, items, cast)
+
+
+_INTERPRETED = """
+import sys, torch
+import unirl.core.weights.fingerprint_triton as ft
+from unirl.core.weights.fingerprint import Fingerprint
+sys.path.insert(0, {tests!r})
+from unit.test_weight_fingerprint import _bucket, _check_bucket
+ft._programs = lambda index: 3  # a few programs and small blocks: each walks several blocks
+ft._BLOCK = 256
+for cast in (None, torch.float16):  # the interpreter's bf16 cast truncates (a GPU's rounds)
+    items = _bucket("cpu", keys=5)
+    sums = ft.DeviceSums(torch.device("cpu"), capacity=2)  # grows twice
+    sums.add(items, cast)
+    fp = Fingerprint(dtype=cast)
+    for key, stats in sums.read().items():
+        fp.add_stats(key, stats)
+    _check_bucket(fp, items, cast)
+print("ok")
+"""
+
+
+def test_the_gpu_kernel_in_triton_s_interpreter_is_the_plain_float64_sums():
+    """The kernel's walk (offsets into one base, whole blocks then the tail, a slot per key,
+    the slot buffer growing) run by Triton's CPU interpreter, so CI checks it without a GPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = _INTERPRETED.format(tests=tests)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -31,6 +31,7 @@ import math
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def tensor_stats(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Stat
     if tensor.device.type != "cpu":
         if _kernel_takes(tensor, dtype):
             fp = Fingerprint(dtype)
-            fp.add_tensor("t", tensor)
+            fp.add_many([("t", tensor)])
             return fp.keys["t"]
         return _device_stats(tensor, dtype)
     flat = tensor.detach().reshape(-1)
@@ -145,8 +146,7 @@ class Fingerprint:
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
         self._keys: dict[str, Stats] = {}
-        # key -> [element count, float64 (sum, sum x^2), float32 max |x|] on a GPU
-        self._pending: dict[str, list] = {}
+        self._device: dict[torch.device, Any] = {}  # a GPU's `DeviceSums`, not read yet
         self.seconds = 0.0  # spent in `fingerprinted`
 
     @property
@@ -156,47 +156,47 @@ class Fingerprint:
 
     @keys.setter
     def keys(self, value: dict[str, Stats]) -> None:
-        self._pending.clear()
+        self._device.clear()
         self._keys = value
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.add_tensor(layer_key(name), tensor)
+        self.add_many([(layer_key(name), tensor)])
 
     def add_tensor(self, key: str, tensor: torch.Tensor) -> None:
         """``tensor``'s statistics into ``key``'s."""
-        if not _kernel_takes(tensor, self.dtype):
-            self.add_stats(key, tensor_stats(tensor, self.dtype))
-            return
-        from unirl.core.weights.fingerprint_triton import accumulate
+        self.add_many([(key, tensor)])
 
-        slot = self._pending.get(key)
-        if slot is not None and slot[1].device != tensor.device:
-            self._flush()
-            slot = None
-        if slot is None:
-            sums = torch.zeros(2, dtype=torch.float64, device=tensor.device)
-            slot = [0, sums, torch.zeros(1, dtype=torch.float32, device=tensor.device)]
-            self._pending[key] = slot
-        slot[0] += tensor.numel()
-        accumulate(tensor, self.dtype, slot[1], slot[2])
+    def add_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each (parameter name, tensor): on a GPU in one launch per dtype (a bucket)."""
+        self.add_many([(layer_key(name), tensor) for name, tensor in named])
+
+    def add_many(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each (key, tensor) of ``items``; the GPU ones accumulate on their device."""
+        on_gpu: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for key, tensor in items:
+            if _kernel_takes(tensor, self.dtype):
+                on_gpu.setdefault(tensor.device, []).append((key, tensor))
+            else:
+                self.add_stats(key, tensor_stats(tensor, self.dtype))
+        if not on_gpu:
+            return
+        from unirl.core.weights.fingerprint_triton import DeviceSums
+
+        for device, group in on_gpu.items():
+            if device not in self._device:
+                self._device[device] = DeviceSums(device)
+            self._device[device].add(group, self.dtype)
 
     def add_stats(self, key: str, stats: Stats) -> None:
         old = self._keys.get(key)
         self._keys[key] = stats if old is None else merge(old, stats)
 
     def _flush(self) -> None:
-        """The pending GPU sums to the host: one copy per device."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
-        by_device: dict[torch.device, list[tuple[str, list]]] = {}
-        for key, slot in pending.items():
-            by_device.setdefault(slot[1].device, []).append((key, slot))
-        for slots in by_device.values():
-            flat = torch.cat([torch.cat((s[1], s[2].double())) for _, s in slots]).tolist()
-            for i, (key, slot) in enumerate(slots):
-                total, squares, peak = flat[3 * i : 3 * i + 3]
-                self.add_stats(key, (float(slot[0]), total, squares, peak))
+        """The GPUs' sums to the host: one copy per device."""
+        devices, self._device = self._device, {}
+        for sums in devices.values():
+            for key, stats in sums.read().items():
+                self.add_stats(key, stats)
 
     @classmethod
     def of(cls, parts: Iterable[Mapping[str, Stats]]) -> Fingerprint:
@@ -223,8 +223,7 @@ def fingerprinted(buckets: Iterable[list], seen: Fingerprint) -> Iterator[list]:
     side: what the receiver was sent)."""
     for bucket in buckets:
         t0 = time.perf_counter()
-        for name, tensor in bucket:
-            seen.add(name, tensor)
+        seen.add_named(bucket)
         seen.seconds += time.perf_counter() - t0
         yield bucket
         del bucket

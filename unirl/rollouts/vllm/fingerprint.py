@@ -98,10 +98,11 @@ def module_parts(name: str, param: torch.Tensor, module: Any) -> list[torch.Tens
 def worker_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
     """This worker's shard of the engine's fingerprint, as plain data."""
     out = Fingerprint()
+    parts = []
     for name, param in model.named_parameters():
         module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        for part in module_parts(name, param, module):
-            out.add_tensor(layer_key(name), part)
+        parts += [(layer_key(name), part) for part in module_parts(name, param, module)]
+    out.add_many(parts)  # on a GPU: one launch for the whole model
     return {k: list(v) for k, v in out.keys.items()}
 
 
