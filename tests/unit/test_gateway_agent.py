@@ -343,3 +343,46 @@ def test_a_calls_sample_does_not_depend_on_its_batch(tmp_path):
         source.close()
     for a, b in zip(first.samples, again.samples):
         assert a.response_tokens.tolist() == b.response_tokens.tolist()
+
+
+def test_two_engines_each_episode_on_one_engine(tmp_path):
+    """Two engines behind the gateway (the sampler stands in for vLLM): engine 1 is a second
+    policy copy with other weights, served as a leader rank serves its engine to rank 0
+    (gateway/remote.py over loopback, here in this process) and reporting policy version 7.
+    The four episodes spread two and two; every call of an episode went to its engine, and its
+    tokens are what that engine returned; each sample carries its engine's policy version."""
+    import copy
+    import threading
+
+    from unirl.rollouts.gateway.engines import SamplerCalls
+    from unirl.rollouts.gateway.remote import EngineServer, RemoteCalls
+
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY,
+                    prompts=["what is x?", "say 7"], concurrency=4)  # fmt: skip
+    other = Recorded(SamplerCalls(copy.deepcopy(source.inner.sampler)))
+    with torch.no_grad():  # other weights: the engines' samples differ
+        for p in other.engine.sampler.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    server = EngineServer(other, version=lambda: 7, lock=threading.Lock())
+    source.remote = [RemoteCalls(1, server.address, server.authkey, timeout_s=60)]
+    source.engine_count = 2
+    try:
+        batch = source.next_rollout(0)
+        metrics = source.rollout_metrics()
+    finally:
+        source.close()
+        server.close()
+    seen = {0: source.engine.seen, 1: other.seen}  # (prompt, sample) per engine
+    assert [e.record.engine for e in source.last_episodes] == [0, 1, 0, 1]
+    assert metrics["gateway/engine_imbalance"] == 1.0
+    for engine in (0, 1):
+        calls = [c for e in source.last_episodes if e.record.engine == engine for c in e.calls]
+        assert len(calls) == len(seen[engine]) == 6  # 2 episodes x 3 calls, no call elsewhere
+        returned = [(p, x.response_tokens, tuple(x.logprobs)) for p, x in seen[engine]]
+        for c in calls:
+            assert c.engine == engine and c.policy_version == (0, 7)[engine]
+            assert (c.prompt_ids, c.completion_ids, c.logprobs) in returned
+    for s in batch.samples:
+        engine = s.metadata["agent"]["engine"]
+        assert s.policy_version == (0, 7)[engine]
+        assert set(s.metadata["agent"]["call_policy_versions"]) == {(0, 7)[engine]}

@@ -120,3 +120,17 @@ def test_episode_limits_name_the_outcome():
     assert err.value.outcome == "too_many_calls"
     assert [c.index for c in ep.close()] == [0]
     assert ep.call_seed(0) != ep.call_seed(1)
+
+
+def test_router_gives_a_new_episode_the_least_loaded_engine():
+    from unirl.rollouts.gateway.routing import EngineRouter
+
+    router = EngineRouter([object(), object(), object()])  # type: ignore[list-item]
+    # open episodes per engine after each step, written out:
+    assert [router.assign() for _ in range(4)] == [0, 1, 2, 0]  # open [2, 1, 1]
+    router.release(1)  # open [2, 0, 1]
+    assert router.assign() == 1  # open [2, 1, 1]; given [2, 2, 1]
+    assert router.assign() == 2  # ties on open (1, 1): engine 2 was given fewer
+    router.release(0)
+    router.release(0)  # open [0, 1, 2]
+    assert router.assign() == 0

@@ -23,7 +23,7 @@ def _example(**agent):
     [
         ({"function": ""}, r"rollout.source: agent needs rollout.agent.function"),
         ({"function": "no_colon"}, r"rollout.agent.function='no_colon'; give the agent function"),
-        ({"engine": "vllm", "vllm": {"engines": 2}}, r"rollout.agent.vllm.engines=2"),
+        ({"engine": "vllm", "vllm": {"engines": 32}}, r"rollout.agent.vllm.engines=32"),
         ({"engine": "vllm", "vllm": {"sleep": "offload"}}, r"rollout.agent.vllm.sleep='offload'"),
         (
             {"engine": "vllm", "vllm": {"max_model_len": 999}},
@@ -36,6 +36,17 @@ def _example(**agent):
 def test_agent_section_mistakes(change, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(_example(**change))
+
+
+def test_several_vllm_engines_are_routed_and_each_synced():
+    from unirl.core.protocols.source_plugin import SOURCES
+
+    cfg = config_from_dict(_example(engine="vllm", vllm={"engines": 2}))
+    plugin = SOURCES.get("agent")
+    assert plugin.weights(cfg) == "every_rank"  # each engine's leader receives the weights
+    assert plugin.weights(config_from_dict(_example(engine="vllm"))) == "rank0"
+    engine = plugin.describe(cfg)["engine"]
+    assert "2 vLLM engines" in engine and "fewest open episodes" in engine
 
 
 def test_agent_with_an_environment_is_refused():

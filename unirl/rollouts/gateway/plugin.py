@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install fastapi uvicorn (the agents' own client: pip install openai)"
+INSTALL_HINT = "pip install -e '.[agent]' (fastapi, uvicorn and the agents' openai SDK)"
 
 
 def _module_function(instance: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -104,13 +104,8 @@ def _check(cfg: UnirlConfig) -> None:
 
 
 def _check_vllm(cfg: UnirlConfig, v: VllmOptions) -> None:
-    """The engine's section: one engine, awake (the agents call it at any time), and the vLLM
-    source's own rules on it, its keys named under rollout.agent.vllm."""
-    if v.engines > 1:
-        raise ConfigError(
-            f"rollout.agent.vllm.engines={v.engines}: the gateway drives one vLLM engine (from "
-            "global rank 0) today; set rollout.agent.vllm.engines: 1"
-        )
+    """The engines' section: awake (the agents call them at any time), and the vLLM source's own
+    rules on it, its keys named under rollout.agent.vllm."""
     if v.sleep != "off":
         raise ConfigError(
             f"rollout.agent.vllm.sleep={v.sleep!r}: the agents call the engine whenever they "
@@ -126,8 +121,10 @@ def _check_vllm(cfg: UnirlConfig, v: VllmOptions) -> None:
 
 
 def _weights(cfg: UnirlConfig) -> Literal["rank0", "every_rank"]:
-    # the sampler's copy is on every rank (only rank 0 generates); one vLLM engine on rank 0
-    return "every_rank" if cfg.rollout.source_options.engine == "sampler" else "rank0"
+    # the sampler's copy is on every rank (only rank 0 generates); one vLLM engine on rank 0,
+    # several on their leaders (as the vLLM source's)
+    a = cfg.rollout.source_options
+    return "rank0" if a.engine == "vllm" and a.vllm.engines == 1 else "every_rank"
 
 
 def _describe(cfg: UnirlConfig) -> Mapping[str, Any]:
@@ -138,7 +135,7 @@ def _describe(cfg: UnirlConfig) -> Mapping[str, Any]:
         "engine": (
             "the built-in sampler: a copy of the policy in this process"
             if a.engine == "sampler"
-            else "one vLLM engine driven from global rank 0 (rollout.agent.vllm)"
+            else _describe_vllm(a.vllm.engines)
         ),
         "endpoint": (
             f"OpenAI-compatible on http://{a.host}:{a.port or '<free port>'}/v1 (chat "
@@ -155,8 +152,22 @@ def _describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             "completion joins its sample (the tokens in between masked), else the episode forks "
             "and trains on its last fork"
         ),
-        "policy_version": "stamped per call (rollout/staleness from the oldest call)",
+        "policy_version": (
+            "stamped per call with the version its engine reported (rollout/staleness from the "
+            "oldest call)"
+        ),
     }
+
+
+def _describe_vllm(engines: int) -> str:
+    if engines == 1:
+        return "one vLLM engine driven from global rank 0 (rollout.agent.vllm)"
+    return (
+        f"{engines} vLLM engines (rollout.agent.vllm.engines), engine k driven by global rank "
+        "k * world / engines, each synced and verified; each episode's calls go to one engine "
+        "(its prefix cache holds the episode), a new episode to the engine with the fewest open "
+        "episodes; the leaders serve their engines to the gateway on rank 0"
+    )
 
 
 PLUGIN = SourcePlugin(
