@@ -386,3 +386,57 @@ def test_two_engines_each_episode_on_one_engine(tmp_path):
         engine = s.metadata["agent"]["engine"]
         assert s.policy_version == (0, 7)[engine]
         assert set(s.metadata["agent"]["call_policy_versions"]) == {(0, 7)[engine]}
+
+
+class SleepyLLM:
+    """What `SleepCycle` calls on a vLLM engine, recorded; ``asleep`` while it sleeps."""
+
+    def __init__(self):
+        self.calls, self.asleep = [], False
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+        self.asleep = True
+
+    def wake_up(self, tags):
+        self.calls.append(f"wake_up({tags[0]})")
+        self.asleep = tags[0] != "kv_cache"
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+
+def test_under_sleep_mode_the_engine_is_awake_for_the_episodes_only(tmp_path):
+    """``rollout.agent.vllm.sleep`` (vLLM's sleep mode needs CUDA: a recording stand-in for the
+    engine's sleep calls, the sampler generating): the engine wakes before a rollout's episodes
+    and sleeps after them; every call the agents made met it awake; a call outside the episodes
+    is refused with a named error."""
+    from unirl.core.errors import RunError
+    from unirl.rollouts.vllm.sleep import SleepCycle
+
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=["x"])
+    llm = SleepyLLM()
+    source.sleep_cycle = lambda: cycle
+    cycle = SleepCycle(llm, "offload")
+    awake_at_call = []
+    engine = source.engine
+
+    class Watched:  # each prompt of a batch: was the engine awake when it was generated
+        def generate(self, prompts, seeds, max_new_tokens):
+            awake_at_call.extend([not llm.asleep] * len(prompts))
+            return engine.generate(prompts, seeds, max_new_tokens)
+
+    source.engine = Watched()
+    try:
+        source.next_rollout(0)
+        assert llm.calls == ["sleep(1)"] and awake_at_call == [True] * 6  # 2 episodes x 3
+        source.next_rollout(1)
+        assert llm.calls == ["sleep(1)", "wake_up(weights)", "wake_up(kv_cache)",
+                             "reset_prefix_cache", "sleep(1)"]  # fmt: skip
+        assert awake_at_call == [True] * 12
+        late = source._router.submit(0, [1, 5, 3], seed=0, max_new_tokens=2)
+        with pytest.raises(RunError, match=r"engine sleeps \(rollout.agent.vllm.sleep\)"):
+            late.result(timeout=30)
+        assert len(awake_at_call) == 12  # never reached the engine
+    finally:
+        source.close()

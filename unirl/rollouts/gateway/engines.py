@@ -26,6 +26,7 @@ from typing import Protocol
 
 import attrs
 
+from unirl.core.errors import RunError
 from unirl.rollouts.sampler import Sampler
 from unirl.rollouts.serving.engine import EngineRequest, EngineSample
 
@@ -88,6 +89,26 @@ class VllmCalls:
             "an agent's calls",
             lambda: self.engine().generate(requests, max_new_tokens=max_new_tokens),  # type: ignore[attr-defined]
         )
+
+
+class AwakeOnly:
+    """An engine under vLLM's sleep mode (``rollout.agent.vllm.sleep``): awake only while a
+    rollout's episodes run (the source wakes it before them and puts it to sleep after); a call
+    that reaches it outside them (one an abandoned agent made before its episode timed out) is
+    refused with a named error instead of meeting an engine without weights or KV cache."""
+
+    def __init__(self, engine: CallEngine, awake: Callable[[], bool]) -> None:
+        self.engine, self.awake = engine, awake
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new_tokens: int
+    ) -> list[EngineSample]:
+        if not self.awake():
+            raise RunError(
+                "the vLLM engine sleeps (rollout.agent.vllm.sleep) outside a rollout's episodes, "
+                "and this call came when none was running (its episode had ended or timed out)"
+            )
+        return self.engine.generate(prompts, seeds, max_new_tokens)
 
 
 @attrs.frozen

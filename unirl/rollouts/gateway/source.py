@@ -33,11 +33,12 @@ source as it wraps the others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,13 @@ from unirl.rollouts.build import build_task
 from unirl.rollouts.collectives import rollout_group
 from unirl.rollouts.data.tasks import Problem, Task
 from unirl.rollouts.gateway.assembly import Fork, assemble
-from unirl.rollouts.gateway.engines import CallEngine, GenerationQueue, SamplerCalls, VllmCalls
+from unirl.rollouts.gateway.engines import (
+    AwakeOnly,
+    CallEngine,
+    GenerationQueue,
+    SamplerCalls,
+    VllmCalls,
+)
 from unirl.rollouts.gateway.protocol import Limits
 from unirl.rollouts.gateway.remote import EngineServer, RemoteCalls
 from unirl.rollouts.gateway.routing import EngineRouter
@@ -62,8 +69,9 @@ from unirl.rollouts.generating import GeneratingSource
 from unirl.rollouts.once import on_rank0, waits_group
 from unirl.rollouts.serving.engine import sample_seed
 from unirl.rollouts.serving.exchange import RolloutExchange, world
-from unirl.rollouts.serving.placement import check_engine_count, engine_of
+from unirl.rollouts.serving.placement import engine_of
 from unirl.rollouts.shaping.settings import RolloutShaping
+from unirl.rollouts.vllm.sleep import SleepCycle
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +121,19 @@ class AgentRolloutSource(GeneratingSource):
     source_name = "agent"
 
     def __init__(
-        self, task: Task, cfg: UnirlConfig, *, inner: Any, engine: CallEngine, engines: int = 1
+        self,
+        task: Task,
+        cfg: UnirlConfig,
+        *,
+        inner: Any,
+        engine: CallEngine,
+        engines: int,
+        sleep_cycle: Callable[[], SleepCycle | None],
     ) -> None:
         """``inner``: the generating source of the engines (weights, eval, its own state);
         ``engine``: the calls of the engine this rank drives, as the gateway makes them;
-        ``engines``: how many there are (engine k driven by global rank k * world / engines)."""
+        ``engines``: how many there are (engine k driven by global rank k * world / engines);
+        ``sleep_cycle()``: this rank's engine's sleep mode (vLLM), None without an engine."""
         super().__init__(
             task,
             prompts_per_rollout=cfg.batch.prompts_per_rollout,
@@ -134,6 +150,8 @@ class AgentRolloutSource(GeneratingSource):
         self._connected = engines == 1
         # held by each batch of calls and by the weight sync: no call meets half-synced weights
         self._engine_lock = threading.Lock()
+        self.sleep_cycle = sleep_cycle
+        self._awake = False  # between the wake before a rollout's episodes and the sleep after
         self.options = cfg.rollout.source_options
         self.seed = cfg.train.seed
         self.runner = AgentRunner(
@@ -158,7 +176,8 @@ class AgentRolloutSource(GeneratingSource):
 
             r = self.cfg.rollout
             batch = max(64, self.options.concurrency)
-            local = GenerationQueue(self.engine, max_batch=batch, lock=self._engine_lock,
+            local = GenerationQueue(self._guarded(self.engine), max_batch=batch,
+                                    lock=self._engine_lock,
                                     version=lambda: self._policy_version)  # fmt: skip
             others = [  # each leader serves under its own sync's lock
                 GenerationQueue(
@@ -210,7 +229,7 @@ class AgentRolloutSource(GeneratingSource):
         engine = engine_of(rank, self.engine_count, size)
         offer = None
         if engine is not None and engine > 0:
-            self._server = EngineServer(self.engine, version=lambda: self._policy_version,
+            self._server = EngineServer(self._guarded(self.engine), version=lambda: self._policy_version,
                                         lock=self._engine_lock, host=_serving_host())  # fmt: skip
             offer = (engine, self._server.address, self._server.authkey)
         group = None if rollout_group() is not None else waits_group()
@@ -221,15 +240,43 @@ class AgentRolloutSource(GeneratingSource):
                            for k, address, key in sorted(o for o in offers if o is not None)]  # fmt: skip
         self._connected = True
 
+    def _sleeps(self) -> bool:
+        cycle = self.sleep_cycle()
+        return cycle is not None and cycle.level is not None
+
+    def _guarded(self, engine: CallEngine) -> CallEngine:
+        """The engine's calls, refused while it sleeps (under vLLM's sleep mode)."""
+        return AwakeOnly(engine, lambda: self._awake or not self._sleeps())
+
+    @contextlib.contextmanager
+    def _engine_awake(self) -> Iterator[None]:
+        """vLLM's sleep mode: this rank's engine wakes for the rollout's episodes and sleeps
+        after them (the trainer trains next); every rank, each for its own engine."""
+        if not self._sleeps():
+            yield
+            return
+        with self._engine_lock:
+            self.sleep_cycle().before_generate()  # type: ignore[union-attr]
+            self._awake = True
+        try:
+            yield
+        finally:
+            with self._engine_lock:
+                self._awake = False
+                cycle = self.sleep_cycle()  # (a restart in the rollout made a new one)
+                if cycle is not None:
+                    cycle.after_generate()
+
     def _generate_rollout(
         self, rl_step: int, problems: list[Problem], progress: GenerationProgress | None
     ) -> RolloutBatch:
         if not self._connected:
             self._connect()
-        batch, metrics = on_rank0(
-            lambda: self._play(rl_step, problems, progress),
-            f"the agents' episodes of rollout {rl_step + 1}",
-        )
+        with self._engine_awake():
+            batch, metrics = on_rank0(
+                lambda: self._play(rl_step, problems, progress),
+                f"the agents' episodes of rollout {rl_step + 1}",
+            )
         self._gateway_metrics = metrics
         return batch
 
@@ -443,13 +490,13 @@ def build_agent_source(
         inner: Any = VllmRolloutSource(task, vcfg, hf_config=plain.hf_config,
                                        vocab_size=plain.vocab_size, seed=cfg.train.seed)  # fmt: skip
         plain.close()
-        rank, size = world()
-        check_engine_count(inner.engines, size)
-        mine = engine_of(rank, inner.engines, size) or 0  # the engine this rank drives
         engine: CallEngine = VllmCalls(
-            lambda: inner._engine, lambda what, attempt: inner._surviving(mine, what, attempt)
+            lambda: inner._engine,
+            # the engine this rank drives (known once the process group is)
+            lambda what, attempt: inner._surviving(inner._world()[2] or 0, what, attempt),
         )
-        return AgentRolloutSource(task, cfg, inner=inner, engine=engine, engines=inner.engines)
+        return AgentRolloutSource(task, cfg, inner=inner, engine=engine, engines=inner.engines,
+                                  sleep_cycle=lambda: inner._sleep)  # fmt: skip
     else:
         from unirl.rollouts.model import build_task_model
         from unirl.rollouts.sampler_source import SamplerRolloutSource
@@ -463,4 +510,5 @@ def build_agent_source(
             verify_sync=r.verify_sync, device=device, stop=r.stop, stop_token_ids=r.stop_token_ids,
         )  # fmt: skip
         engine = SamplerCalls(inner.sampler)
-    return AgentRolloutSource(task, cfg, inner=inner, engine=engine)
+    return AgentRolloutSource(task, cfg, inner=inner, engine=engine, engines=1,
+                              sleep_cycle=lambda: None)  # fmt: skip
