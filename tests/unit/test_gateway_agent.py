@@ -440,3 +440,26 @@ def test_under_sleep_mode_the_engine_is_awake_for_the_episodes_only(tmp_path):
         assert len(awake_at_call) == 12  # never reached the engine
     finally:
         source.close()
+
+
+def test_the_engines_start_rules_name_the_agents_section(tmp_path):
+    """The vLLM source's rules met when its engines start (the engine count against the world
+    size, the GPU's free memory) name the keys the user wrote: rollout.agent.vllm.*."""
+    from unirl.core.errors import ConfigError
+
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=["x"])
+
+    class Refusing:
+        def sync_weights(self, buckets, *, policy_version):
+            raise ConfigError("rollout.vllm.engines=2 does not divide the 3 trainer processes")
+
+        def close(self):
+            pass
+
+    inner, source.inner = source.inner, Refusing()
+    try:
+        with pytest.raises(ConfigError, match=r"^rollout\.agent\.vllm\.engines=2 does not"):
+            source.sync_weights(iter(()), policy_version=1)
+    finally:
+        inner.close()
+        source.close()

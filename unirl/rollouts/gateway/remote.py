@@ -7,8 +7,8 @@ verifies its weights and restarts it when it dies. The gateway and the agents ru
 ``(prompts, seeds, max_new_tokens)`` with the samples and the policy version its engine holds)
 and rank 0 reaches it through `RemoteCalls`, a `CallEngine` like the local one. The channel is
 Python's `multiprocessing.connection` (pickled objects over a socket, the peer authenticated by
-an HMAC challenge on a random key of the run), on loopback when every rank is on rank 0's node,
-else on the leader's host address. A leader serves under the lock its weight sync takes, so a
+an HMAC challenge on a random key of the engine), on loopback when every rank is on rank 0's
+node, else on every interface, reached by the leader's host name. A leader serves under the lock its weight sync takes, so a
 call never meets half-synced weights.
 
     server = EngineServer(calls, version=lambda: source.policy_version, lock=lock)   # leader k

@@ -212,7 +212,12 @@ class AgentRolloutSource(GeneratingSource):
         """Every engine's (verified) sync, under the lock its calls take; the calls after it are
         stamped ``policy_version``."""
         with self._engine_lock:
-            self.inner.sync_weights(buckets, policy_version=policy_version)
+            try:
+                self.inner.sync_weights(buckets, policy_version=policy_version)
+            except ConfigError as err:  # the vLLM source's rules at start name its own section
+                raise ConfigError(
+                    str(err).replace("rollout.vllm.", "rollout.agent.vllm.")
+                ) from None
             self.last_verify_s = self.inner.last_verify_s
             self._policy_version = policy_version
 
@@ -229,9 +234,10 @@ class AgentRolloutSource(GeneratingSource):
         engine = engine_of(rank, self.engine_count, size)
         offer = None
         if engine is not None and engine > 0:
+            bind, name = _serving_host()
             self._server = EngineServer(self._guarded(self.engine), version=lambda: self._policy_version,
-                                        lock=self._engine_lock, host=_serving_host())  # fmt: skip
-            offer = (engine, self._server.address, self._server.authkey)
+                                        lock=self._engine_lock, host=bind)  # fmt: skip
+            offer = (engine, (name, self._server.address[1]), self._server.authkey)
         group = None if rollout_group() is not None else waits_group()
         offers = RolloutExchange(None, group=group).all_gather(offer, what="the engines' addresses")
         if rank == 0:
@@ -458,13 +464,15 @@ class AgentRolloutSource(GeneratingSource):
             super().close()
 
 
-def _serving_host() -> str:
-    """Where a leader serves its engine to rank 0: loopback when every rank is on one node (the
-    launcher's LOCAL_WORLD_SIZE equals the world), else this host's address."""
+def _serving_host() -> tuple[str, str]:
+    """Where a leader serves its engine to rank 0 (the address it binds, the name rank 0 connects
+    to): loopback when every rank is on one node (the launcher's LOCAL_WORLD_SIZE equals the
+    world); else every interface, reached by this host's name (the connection is authenticated
+    by the engine's random key: a stranger's handshake fails)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is None or int(local) == world()[1]:
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+        return "127.0.0.1", "127.0.0.1"
+    return "0.0.0.0", socket.getfqdn()
 
 
 def _engine_config(cfg: UnirlConfig) -> UnirlConfig:
