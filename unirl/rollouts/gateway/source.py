@@ -47,7 +47,7 @@ import torch
 
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.data.rollout import RolloutBatch, RolloutSample
-from unirl.core.errors import ConfigError, RolloutDataError
+from unirl.core.errors import ConfigError, RolloutDataError, RunError
 from unirl.core.progress.bars import GenerationProgress
 from unirl.core.weights.stream import Bucket
 from unirl.rollouts.build import build_task
@@ -234,17 +234,27 @@ class AgentRolloutSource(GeneratingSource):
         engine = engine_of(rank, self.engine_count, size)
         offer = None
         if engine is not None and engine > 0:
-            bind, name = _serving_host()
-            self._server = EngineServer(self._guarded(self.engine), version=lambda: self._policy_version,
-                                        lock=self._engine_lock, host=bind)  # fmt: skip
-            offer = (engine, (name, self._server.address[1]), self._server.authkey)
-        group = None if rollout_group() is not None else waits_group()
-        offers = RolloutExchange(None, group=group).all_gather(offer, what="the engines' addresses")
+            try:
+                bind, name = _serving_host()
+                self._server = EngineServer(self._guarded(self.engine), version=lambda: self._policy_version,
+                                            lock=self._engine_lock, host=bind)  # fmt: skip
+                offer = (engine, (name, self._server.address[1]), self._server.authkey)
+            except OSError as exc:  # travels to every rank, none waits for it
+                offer = f"vLLM engine {engine} could not serve the gateway: {exc}"
+        offers = self._exchange().all_gather(offer, what="the engines' addresses")
+        failed = [o for o in offers if isinstance(o, str)]
+        if failed:
+            raise RunError(failed[0])
         if rank == 0:
             timeout = self.options.vllm.generation_timeout_s
             self.remote = [RemoteCalls(k, address, key, timeout_s=timeout)
                            for k, address, key in sorted(o for o in offers if o is not None)]  # fmt: skip
         self._connected = True
+
+    @staticmethod
+    def _exchange() -> RolloutExchange:
+        """The ranks' bounded waits: the rollout worker's group, else the job's waits group."""
+        return RolloutExchange(None, group=None if rollout_group() is not None else waits_group())
 
     def _sleeps(self) -> bool:
         cycle = self.sleep_cycle()
@@ -258,20 +268,32 @@ class AgentRolloutSource(GeneratingSource):
     def _engine_awake(self) -> Iterator[None]:
         """vLLM's sleep mode: this rank's engine wakes for the rollout's episodes and sleeps
         after them (the trainer trains next); every rank, each for its own engine."""
-        if not self._sleeps():
-            yield
-            return
-        with self._engine_lock:
-            self.sleep_cycle().before_generate()  # type: ignore[union-attr]
-            self._awake = True
+        sleeps, error = self._sleeps(), None
+        if sleeps:
+            try:
+                with self._engine_lock:
+                    self.sleep_cycle().before_generate()  # type: ignore[union-attr]
+                    self._awake = True
+            except Exception as exc:  # travels to every rank (below), none waits for it
+                error = (
+                    f"rank {world()[0]}'s vLLM engine did not wake ({type(exc).__name__}: {exc})"
+                )
+        o = self.options
+        if self.engine_count > 1 and o.engine == "vllm" and o.vllm.sleep != "off":
+            # every engine awake before rank 0's agents call any (a collective, every rank)
+            errors = self._exchange().all_gather(error, what="the engines' wake")
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise RunError(error)
         try:
             yield
         finally:
-            with self._engine_lock:
-                self._awake = False
-                cycle = self.sleep_cycle()  # (a restart in the rollout made a new one)
-                if cycle is not None:
-                    cycle.after_generate()
+            if sleeps:
+                with self._engine_lock:
+                    self._awake = False
+                    cycle = self.sleep_cycle()  # (a restart in the rollout made a new one)
+                    if cycle is not None:
+                        cycle.after_generate()
 
     def _generate_rollout(
         self, rl_step: int, problems: list[Problem], progress: GenerationProgress | None
