@@ -12,8 +12,10 @@ template, the queue, the recording) plus the ``openai`` SDK client's own time.
 
 Per call (one agent, sequential calls, medians over ``--calls``): ``direct_ms``, the engine's
 ``generate`` on one prompt; ``queue_ms``, the same through the gateway's queue (its thread and a
-future, no HTTP); ``gateway_ms``, a chat completion through the ``openai`` SDK; ``overhead_ms`` =
-gateway - direct. Episodes: the example's agent (examples/tiny_agent.py: one client per endpoint,
+future, no HTTP); ``remote_ms``, the same engine served as another rank's engine is to the
+gateway with several engines (gateway/remote.py: a loopback connection, pickled, authenticated;
+here both ends in this process); ``gateway_ms``, a chat completion through the ``openai`` SDK;
+``overhead_ms`` = gateway - direct. Episodes: the example's agent (examples/tiny_agent.py: one client per endpoint,
 up to three chat calls) over ``--episodes`` episodes with 1, 8 and 64 running at once
 (rollout.agent.concurrency); ``episodes_per_s`` and ``calls_per_s`` over the wall time.
 """
@@ -60,31 +62,42 @@ def _source(run_dir: Path, concurrency: int) -> Any:
 
 
 def _per_call(source: Any, engine: Any, calls: int) -> dict[str, float]:
+    import threading
+
     import openai
+
+    from unirl.rollouts.gateway.remote import EngineServer, RemoteCalls
 
     source.engine = engine
     gateway = source.start_gateway()
     episode = gateway.open_episode("benchmark", seed=0)
     prompt = [1, 14, 3]  # <bos> ? <sep>: what the template renders for the user's "?"
-    direct, queued, served = [], [], []
+    direct, queued, remote, served = [], [], [], []
     client = openai.OpenAI(base_url=gateway.base_url, api_key=episode.key, max_retries=0)
+    server = EngineServer(engine, version=lambda: 0, lock=threading.Lock())
+    far = RemoteCalls(1, server.address, server.authkey, timeout_s=60)
     for i in range(calls + 3):  # 3 warm-ups
         t0 = time.perf_counter()
         engine.generate([prompt], [i], 3)
         t1 = time.perf_counter()
-        source._queue.submit(prompt, seed=i, max_new_tokens=3).result()
+        source._router.submit(0, prompt, seed=i, max_new_tokens=3).result()
         t2 = time.perf_counter()
         client.chat.completions.create(model="p", messages=[{"role": "user", "content": "?"}],
                                        max_tokens=3)  # fmt: skip
         t3 = time.perf_counter()
+        far.generate([prompt], [i], 3)
+        t4 = time.perf_counter()
         if i >= 3:
             direct.append(t1 - t0), queued.append(t2 - t1), served.append(t3 - t2)
+            remote.append(t4 - t3)
         episode.calls.clear()
         episode._started = 0
     gateway.end_episode(episode)
+    far.close()
+    server.close()
     ms = lambda xs: round(1000 * statistics.median(xs), 3)  # noqa: E731
-    return {"direct_ms": ms(direct), "queue_ms": ms(queued), "gateway_ms": ms(served),
-            "overhead_ms": round(ms(served) - ms(direct), 3)}  # fmt: skip
+    return {"direct_ms": ms(direct), "queue_ms": ms(queued), "remote_ms": ms(remote),
+            "gateway_ms": ms(served), "overhead_ms": round(ms(served) - ms(direct), 3)}  # fmt: skip
 
 
 def _episodes(source: Any, engine: Any, episodes: int) -> dict[str, float]:

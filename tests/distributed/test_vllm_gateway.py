@@ -64,3 +64,42 @@ def test_tool_agent_on_vllm_records_the_engines_tokens(gateway_on_vllm):
     assert sorted(s.response_tokens.tolist() for s in again.samples) == sorted(
         s.response_tokens.tolist() for s in batch.samples
     )
+
+
+@pytest.mark.slow
+def test_two_vllm_engines_behind_the_gateway_under_two_ranks(tmp_path):
+    """``rollout.agent.vllm.engines: 2`` under two DeepSpeed ranks (torchrun), as a user runs
+    it: rank 1 serves its engine to the gateway on rank 0, the episodes spread over both
+    engines, both engines are synced (and verified) after each step and follow the trainer; no
+    engine process outlives the run. (The token-for-token checks per engine are the sampler's
+    two-engine test in tests/unit/test_gateway_agent.py.)"""
+    import sys
+
+    pytest.importorskip("deepspeed", reason="needs deepspeed (pip install unirl[deepspeed])")
+    from tests.distributed.test_vllm_main_job import ROOT, _left_over, _run
+    from unirl.core.run.metrics_log import read_metrics
+
+    sets = [f"logging.run_dir={tmp_path / 'run'}", "train.rl_steps=2", "logging.tensorboard=false",
+            "checkpoint.export_hf=false", "rollout.agent.engine=vllm",
+            "rollout.agent.vllm.engines=2", "batch.prompts_per_rollout=4",
+            "batch.samples_per_prompt=4", "batch.samples_per_optimizer_step=16",
+            "batch.micro_batch_size=8", "rollout.agent.concurrency=8",
+            f"rollout.agent.function={ROOT}/examples/tiny_agent.py:agent",
+            f"rollout.agent.chat_template={ROOT}/examples/tiny_agent_chat.jinja"]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "-m", "unirl.cli", "train", str(ROOT / "examples/tiny_agent.yaml")]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    proc, marker = _run(cmd, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not _left_over(marker)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        # new episodes go to the engine with fewer open ones, so a faster engine serves more;
+        # both serve (2.0 would be every episode on one engine, 1.0 an even split)
+        assert row["gateway/engine_imbalance"] < 2.0, row
+        assert row["gateway/failed_episodes"] == 0, row
+        assert row["train_rollout_logprob_abs_diff_max"] < 1e-4, row  # both engines follow
+        assert row["time/verify_s"] > 0, row
+        assert row["rollout/staleness"] == 0, row

@@ -16,7 +16,7 @@ from unirl.core.run.metric_names import METRICS, entry_for
 
 ROOT = Path(__file__).parents[2]
 PAGE = ROOT / "docs" / "reference" / "metrics.md"
-NAMESPACES = "reward|response_length|time|throughput|rollout|old_logprobs|critic|eval|episode|router|mismatch"
+NAMESPACES = "reward|response_length|time|throughput|rollout|old_logprobs|critic|eval|episode|router|mismatch|gateway"
 
 
 def _page_names() -> set[str]:

@@ -343,3 +343,123 @@ def test_a_calls_sample_does_not_depend_on_its_batch(tmp_path):
         source.close()
     for a, b in zip(first.samples, again.samples):
         assert a.response_tokens.tolist() == b.response_tokens.tolist()
+
+
+def test_two_engines_each_episode_on_one_engine(tmp_path):
+    """Two engines behind the gateway (the sampler stands in for vLLM): engine 1 is a second
+    policy copy with other weights, served as a leader rank serves its engine to rank 0
+    (gateway/remote.py over loopback, here in this process) and reporting policy version 7.
+    The four episodes spread two and two; every call of an episode went to its engine, and its
+    tokens are what that engine returned; each sample carries its engine's policy version."""
+    import copy
+    import threading
+
+    from unirl.rollouts.gateway.engines import SamplerCalls
+    from unirl.rollouts.gateway.remote import EngineServer, RemoteCalls
+
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY,
+                    prompts=["what is x?", "say 7"], concurrency=4)  # fmt: skip
+    other = Recorded(SamplerCalls(copy.deepcopy(source.inner.sampler)))
+    with torch.no_grad():  # other weights: the engines' samples differ
+        for p in other.engine.sampler.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    server = EngineServer(other, version=lambda: 7, lock=threading.Lock())
+    source.remote = [RemoteCalls(1, server.address, server.authkey, timeout_s=60)]
+    source.engine_count = 2
+    try:
+        batch = source.next_rollout(0)
+        metrics = source.rollout_metrics()
+    finally:
+        source.close()
+        server.close()
+    seen = {0: source.engine.seen, 1: other.seen}  # (prompt, sample) per engine
+    assert [e.record.engine for e in source.last_episodes] == [0, 1, 0, 1]
+    assert metrics["gateway/engine_imbalance"] == 1.0
+    for engine in (0, 1):
+        calls = [c for e in source.last_episodes if e.record.engine == engine for c in e.calls]
+        assert len(calls) == len(seen[engine]) == 6  # 2 episodes x 3 calls, no call elsewhere
+        returned = [(p, x.response_tokens, tuple(x.logprobs)) for p, x in seen[engine]]
+        for c in calls:
+            assert c.engine == engine and c.policy_version == (0, 7)[engine]
+            assert (c.prompt_ids, c.completion_ids, c.logprobs) in returned
+    for s in batch.samples:
+        engine = s.metadata["agent"]["engine"]
+        assert s.policy_version == (0, 7)[engine]
+        assert set(s.metadata["agent"]["call_policy_versions"]) == {(0, 7)[engine]}
+
+
+class SleepyLLM:
+    """What `SleepCycle` calls on a vLLM engine, recorded; ``asleep`` while it sleeps."""
+
+    def __init__(self):
+        self.calls, self.asleep = [], False
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+        self.asleep = True
+
+    def wake_up(self, tags):
+        self.calls.append(f"wake_up({tags[0]})")
+        self.asleep = tags[0] != "kv_cache"
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+
+def test_under_sleep_mode_the_engine_is_awake_for_the_episodes_only(tmp_path):
+    """``rollout.agent.vllm.sleep`` (vLLM's sleep mode needs CUDA: a recording stand-in for the
+    engine's sleep calls, the sampler generating): the engine wakes before a rollout's episodes
+    and sleeps after them; every call the agents made met it awake; a call outside the episodes
+    is refused with a named error."""
+    from unirl.core.errors import RunError
+    from unirl.rollouts.vllm.sleep import SleepCycle
+
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=["x"])
+    llm = SleepyLLM()
+    source.sleep_cycle = lambda: cycle
+    cycle = SleepCycle(llm, "offload")
+    awake_at_call = []
+    engine = source.engine
+
+    class Watched:  # each prompt of a batch: was the engine awake when it was generated
+        def generate(self, prompts, seeds, max_new_tokens):
+            awake_at_call.extend([not llm.asleep] * len(prompts))
+            return engine.generate(prompts, seeds, max_new_tokens)
+
+    source.engine = Watched()
+    try:
+        source.next_rollout(0)
+        assert llm.calls == ["sleep(1)"] and awake_at_call == [True] * 6  # 2 episodes x 3
+        source.next_rollout(1)
+        assert llm.calls == ["sleep(1)", "wake_up(weights)", "wake_up(kv_cache)",
+                             "reset_prefix_cache", "sleep(1)"]  # fmt: skip
+        assert awake_at_call == [True] * 12
+        late = source._router.submit(0, [1, 5, 3], seed=0, max_new_tokens=2)
+        with pytest.raises(RunError, match=r"engine sleeps \(rollout.agent.vllm.sleep\)"):
+            late.result(timeout=30)
+        assert len(awake_at_call) == 12  # never reached the engine
+    finally:
+        source.close()
+
+
+def test_the_engines_start_rules_name_the_agents_section(tmp_path):
+    """The vLLM source's rules met when its engines start (the engine count against the world
+    size, the GPU's free memory) name the keys the user wrote: rollout.agent.vllm.*."""
+    from unirl.core.errors import ConfigError
+
+    source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=["x"])
+
+    class Refusing:
+        def sync_weights(self, buckets, *, policy_version):
+            raise ConfigError("rollout.vllm.engines=2 does not divide the 3 trainer processes")
+
+        def close(self):
+            pass
+
+    inner, source.inner = source.inner, Refusing()
+    try:
+        with pytest.raises(ConfigError, match=r"^rollout\.agent\.vllm\.engines=2 does not"):
+            source.sync_weights(iter(()), policy_version=1)
+    finally:
+        inner.close()
+        source.close()

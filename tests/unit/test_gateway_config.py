@@ -23,8 +23,7 @@ def _example(**agent):
     [
         ({"function": ""}, r"rollout.source: agent needs rollout.agent.function"),
         ({"function": "no_colon"}, r"rollout.agent.function='no_colon'; give the agent function"),
-        ({"engine": "vllm", "vllm": {"engines": 2}}, r"rollout.agent.vllm.engines=2"),
-        ({"engine": "vllm", "vllm": {"sleep": "offload"}}, r"rollout.agent.vllm.sleep='offload'"),
+        ({"engine": "vllm", "vllm": {"engines": 32}}, r"rollout.agent.vllm.engines=32"),
         (
             {"engine": "vllm", "vllm": {"max_model_len": 999}},
             r"rollout.agent.vllm.max_model_len=999",
@@ -36,6 +35,29 @@ def _example(**agent):
 def test_agent_section_mistakes(change, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(_example(**change))
+
+
+def test_several_vllm_engines_are_routed_and_each_synced():
+    from unirl.core.protocols.source_plugin import SOURCES
+
+    cfg = config_from_dict(_example(engine="vllm", vllm={"engines": 2}))
+    plugin = SOURCES.get("agent")
+    assert plugin.weights(cfg) == "every_rank"  # each engine's leader receives the weights
+    assert plugin.weights(config_from_dict(_example(engine="vllm"))) == "rank0"
+    engine = plugin.describe(cfg)["engine"]
+    assert "2 vLLM engines" in engine and "fewest open episodes" in engine
+
+
+def test_sleep_mode_is_described_and_keeps_the_vllm_sources_rules():
+    from unirl.core.protocols.source_plugin import SOURCES
+
+    data = _example(engine="vllm", vllm={"sleep": "offload"})
+    assert (
+        "wake before each rollout" in SOURCES.get("agent").describe(config_from_dict(data))["sleep"]
+    )
+    data["train"]["max_staleness"] = 1  # the vLLM source's rule, named under rollout.agent.vllm
+    with pytest.raises(ConfigError, match=r"rollout.agent.vllm.sleep='offload' with train.max_st"):
+        config_from_dict(data)
 
 
 def test_agent_with_an_environment_is_refused():
@@ -54,3 +76,14 @@ def test_the_agent_function_is_loaded_by_module_or_file(tmp_path):
         load_agent("tests.unit.gateway_agents:nope")
     with pytest.raises(ConfigError, match=r"missing.py is not a file"):
         load_agent(f"{tmp_path}/missing.py:agent")
+
+
+def test_routing_replay_from_the_engine_is_refused_with_why():
+    """Neither engine behind the gateway returns routed experts on the CPU (the sampler records
+    none; vLLM's CPU build cannot run the runner that returns them): one error that says so and
+    names what works."""
+    data = _example()
+    data["algorithm"]["routing_replay"] = "rollout"
+    with pytest.raises(ConfigError, match=r"routing_replay: rollout .* the built-in sampler "
+                       r"records none.*Model Runner V2.*routing_replay: record"):  # fmt: skip
+        config_from_dict(data)

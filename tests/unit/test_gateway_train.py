@@ -66,3 +66,27 @@ def test_the_guides_agent_is_the_examples():
     from tests.unit.doc_snippets import doc_snippet
 
     assert doc_snippet("guides/agents.md", "agent") in Path("examples/tiny_agent.py").read_text()
+
+
+def test_the_readmes_agent_loop_is_the_examples():
+    """The README's few lines on agents: the example's signature and its call, the config its
+    command trains naming that function; the `agent` extra holds what the loop imports."""
+    import re
+    from pathlib import Path
+
+    import tomllib
+    import yaml
+
+    readme = Path("README.md").read_text()
+    example = Path("examples/tiny_agent.py").read_text()
+    (shown,) = re.findall(r"```python\n(def agent.*?)```", readme, re.S)
+    assert (
+        "def agent(base_url: str, task: dict" in shown
+        and "def agent(base_url: str, task: dict" in example
+    )
+    assert 'client.chat.completions.create(model="policy", messages=' in example
+    assert "`unirl train examples/tiny_agent.yaml`" in readme
+    cfg = yaml.safe_load(Path("examples/tiny_agent.yaml").read_text())
+    assert cfg["rollout"]["agent"]["function"] == "examples/tiny_agent.py:agent"
+    extras = tomllib.loads(Path("pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {re.split(r"[<>=]", d)[0] for d in extras["agent"]} == {"fastapi", "uvicorn", "openai"}

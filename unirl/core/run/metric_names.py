@@ -71,6 +71,14 @@ METRICS: dict[str, str] = {
     "episode/tool_calls": "Mean observations the environment returned per episode.",
     "episode/truncated": "Fraction of episodes cut by max_turns or the episode token budget.",
     "episode/env_failed": "Fraction of episodes the environment failed (they get the failure reward).",
+    # the agent gateway (rollout.source: agent)
+    "gateway/calls_per_episode": "Mean calls an agent made per episode.",
+    "gateway/failed_episodes": "Episodes that ended in a failure (crashed, timeout, a request limit, no call, a bad reward).",
+    "gateway/forked_episodes": "Episodes whose calls did not all extend one sample (each trains on its last fork).",
+    "gateway/dropped_calls": "Calls of forked episodes outside the fork that trains (recorded, not trained).",
+    "gateway/late_calls": "Calls refused because their episode had ended.",
+    "gateway/episode_s": "Seconds of the rollout's longest episode.",
+    "gateway/engine_imbalance": "Several engines: the busiest engine's episodes over the fair share (1: even).",
     # routing (mixture of experts)
     "router/aux_loss": "The router's load-balancing auxiliary loss (MoE), as it enters the loss.",
     "router/z_loss": "The router's z-loss (MoE), as it enters the loss.",

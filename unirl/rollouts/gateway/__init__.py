@@ -11,6 +11,9 @@ calls are assembled into training samples without re-tokenising.
     protocol.py   the OpenAI request and response bodies: chat rendering, tool calls, stops
     engines.py    the engine behind the gateway (the built-in sampler, vLLM) and the queue that
                   batches concurrent calls onto it
+    routing.py    several engines: each episode's calls on one engine, new episodes to the least
+                  loaded
+    remote.py     an engine driven by another rank, served to the gateway on rank 0
     app.py        the FastAPI app (chat completions, completions, models) and its server thread
     runner.py     the agent functions of a rollout, concurrently, each within its timeout
     source.py     the rollout source over all of it (a `GeneratingSource`)

@@ -7,8 +7,9 @@ API key (``Authorization: Bearer KEY``, what the ``openai`` SDK sends), or at
 episode: it authenticates the caller and names the episode its calls belong to. A request with
 no known key gets 401; one with the key of an episode that has ended gets 410 (a late call,
 logged and counted, never recorded); a body over ``rollout.agent.max_request_bytes`` 413; a call
-past the episode's limits 429, and its episode ends as a failure. Each call is generated through
-the `GenerationQueue` and recorded (`CallRecord`) before it is answered.
+past the episode's limits 429, and its episode ends as a failure. Each call is generated on its
+episode's engine (`routing.EngineRouter`: one engine per episode) and recorded (`CallRecord`)
+before it is answered.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from unirl.rollouts.gateway import protocol
-from unirl.rollouts.gateway.engines import GenerationQueue
+from unirl.rollouts.gateway.engines import Served
 from unirl.rollouts.gateway.plugin import AgentOptions
 from unirl.rollouts.gateway.recording import CallRecord, EpisodeFailure, EpisodeRecord
-from unirl.rollouts.serving.engine import EngineSample
+from unirl.rollouts.gateway.routing import EngineRouter
 
 logger = logging.getLogger(__name__)
 
@@ -37,23 +37,22 @@ MODEL_NAME = "unirl-policy"
 
 
 class Gateway:
-    """The endpoint's state: the open episodes by key, the engine queue, how requests become
+    """The endpoint's state: the open episodes by key, the engines' router, how requests become
     prompt ids. `start` serves it; `open_episode` / `end_episode` bracket each episode."""
 
     def __init__(
         self,
         *,
-        queue: GenerationQueue,
+        router: EngineRouter,
         tokenizer: Any,
         limits: protocol.Limits,
         vocab_size: int,
         options: AgentOptions,
-        policy_version: Callable[[], int | None],
         chat_template: str | None = None,
     ) -> None:
-        self.queue, self.tokenizer, self.limits = queue, tokenizer, limits
+        self.router, self.tokenizer, self.limits = router, tokenizer, limits
         self.vocab_size, self.options = vocab_size, options
-        self.policy_version, self.chat_template = policy_version, chat_template
+        self.chat_template = chat_template
         self.episodes: dict[str, EpisodeRecord] = {}
         self.ended: dict[str, str] = {}  # key -> the episode it named
         self.late_calls = 0
@@ -72,6 +71,7 @@ class Gateway:
             seed=seed,
             max_calls=self.options.max_calls,
             max_in_flight=self.options.max_calls_in_flight,
+            engine=self.router.assign(),
         )
         with self._lock:
             self.episodes[record.key] = record
@@ -81,6 +81,7 @@ class Gateway:
         with self._lock:
             self.episodes.pop(record.key, None)
             self.ended[record.key] = record.where
+        self.router.release(record.engine)
         return record.close()
 
     def _episode(self, request: Request, path_key: str | None) -> EpisodeRecord:
@@ -156,13 +157,14 @@ class Gateway:
         settings: protocol.Sampling,
         body: dict[str, Any],
     ) -> protocol.Completion:
-        version = self.policy_version()
         call: CallRecord | None = None
         try:
-            future = self.queue.submit(
-                prompt, seed=record.call_seed(index), max_new_tokens=settings.max_tokens
-            )
-            sample: EngineSample = await asyncio.wrap_future(future)
+            future = self.router.submit(
+                record.engine, prompt, seed=record.call_seed(index),
+                max_new_tokens=settings.max_tokens,
+            )  # fmt: skip
+            served: Served = await asyncio.wrap_future(future)
+            sample = served.sample
             keep, stop = protocol.cut_at_stop(sample.response_tokens, settings.stop, self._decode)
             ids = list(sample.response_tokens[:keep])
             call = CallRecord(
@@ -172,7 +174,8 @@ class Gateway:
                 completion_ids=tuple(ids),
                 logprobs=tuple(sample.logprobs[:keep]),
                 finished=sample.finished or stop is not None,
-                policy_version=version,
+                policy_version=served.policy_version,
+                engine=record.engine,
             )
         except Exception as exc:
             logger.debug("gateway call failed", exc_info=True)

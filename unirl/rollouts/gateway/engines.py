@@ -2,8 +2,11 @@
 
 Agents call one at a time each, but many at once: `GenerationQueue` runs one thread that takes
 every call waiting, generates them in one engine call per token budget, and answers each call's
-future. A call is a prompt (token ids), a seed and a budget; the answer an `EngineSample` (ids,
-log-probs with the temperature applied, whether a stop ended it).
+future. A call is a prompt (token ids), a seed and a budget; the answer a `Served`: the
+`EngineSample` (ids, log-probs with the temperature applied, whether a stop ended it) and the
+policy version of the weights that generated it, read from the engine under the lock its weight
+sync takes, so a call is stamped with the version that served it, not the version of the moment
+it arrived. With several engines each has a queue (`routing.EngineRouter`).
 
 Two engines: the built-in sampler (`SamplerCalls`: the policy's copy in this process) and vLLM
 (`VllmCalls`; a dead or hung engine is restarted and the batch re-issued, as for the vLLM
@@ -23,6 +26,7 @@ from typing import Protocol
 
 import attrs
 
+from unirl.core.errors import RunError
 from unirl.rollouts.sampler import Sampler
 from unirl.rollouts.serving.engine import EngineRequest, EngineSample
 
@@ -64,7 +68,8 @@ class SamplerCalls:
 
 class VllmCalls:
     """A vLLM engine as a `CallEngine`; ``surviving(what, attempt)`` is the source's restart
-    loop (`unirl.rollouts.vllm.source.VllmRolloutSource._surviving` on engine 0)."""
+    loop (`unirl.rollouts.vllm.source.VllmRolloutSource._surviving` on the engine this rank
+    drives)."""
 
     def __init__(
         self,
@@ -86,6 +91,34 @@ class VllmCalls:
         )
 
 
+class AwakeOnly:
+    """An engine under vLLM's sleep mode (``rollout.agent.vllm.sleep``): awake only while a
+    rollout's episodes run (the source wakes it before them and puts it to sleep after); a call
+    that reaches it outside them (one an abandoned agent made before its episode timed out) is
+    refused with a named error instead of meeting an engine without weights or KV cache."""
+
+    def __init__(self, engine: CallEngine, awake: Callable[[], bool]) -> None:
+        self.engine, self.awake = engine, awake
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new_tokens: int
+    ) -> list[EngineSample]:
+        if not self.awake():
+            raise RunError(
+                "the vLLM engine sleeps (rollout.agent.vllm.sleep) outside a rollout's episodes, "
+                "and this call came when none was running (its episode had ended or timed out)"
+            )
+        return self.engine.generate(prompts, seeds, max_new_tokens)
+
+
+@attrs.frozen
+class Served:
+    """A call's answer: the engine's sample and the policy version of the weights it used."""
+
+    sample: EngineSample
+    policy_version: int | None
+
+
 @attrs.frozen
 class _Call:
     prompt: tuple[int, ...]
@@ -95,11 +128,21 @@ class _Call:
 
 
 class GenerationQueue:
-    """One thread feeding an engine: `submit` returns a future of the call's `EngineSample`; the
-    thread batches every call waiting when it comes round (up to ``max_batch``)."""
+    """One thread feeding an engine: `submit` returns a future of the call's `Served`; the
+    thread batches every call waiting when it comes round (up to ``max_batch``). ``version()``
+    is the policy version the engine holds, read after each batch while ``lock`` (the one the
+    engine's weight sync takes) is still held."""
 
-    def __init__(self, engine: CallEngine, *, max_batch: int) -> None:
+    def __init__(
+        self,
+        engine: CallEngine,
+        *,
+        max_batch: int,
+        version: Callable[[], int | None],
+        lock: threading.Lock,
+    ) -> None:
         self.engine, self.max_batch = engine, max_batch
+        self.version, self.lock = version, lock
         self._queue: queue.Queue[_Call | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="unirl-gateway-engine", daemon=True)
         self._thread.start()
@@ -133,16 +176,18 @@ class GenerationQueue:
                 by_budget.setdefault(c.max_new_tokens, []).append(c)
             for budget, group in sorted(by_budget.items()):
                 try:
-                    samples = self.engine.generate(
-                        [c.prompt for c in group], [c.seed for c in group], budget
-                    )
+                    with self.lock:
+                        samples = self.engine.generate(
+                            [c.prompt for c in group], [c.seed for c in group], budget
+                        )
+                        version = self.version()
                     self.batches += 1
                 except BaseException as exc:  # answered to every caller; the thread goes on
                     for c in group:
                         c.future.set_exception(exc)
                     continue
                 for c, s in zip(group, samples):
-                    c.future.set_result(s)
+                    c.future.set_result(Served(s, version))
 
     def close(self) -> None:
         self._queue.put(None)

@@ -21,7 +21,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install fastapi uvicorn (the agents' own client: pip install openai)"
+INSTALL_HINT = "pip install -e '.[agent]' (fastapi, uvicorn and the agents' openai SDK)"
+
+
+# Why the gateway cannot record routed experts per call: no engine behind it returns them here.
+NO_ROUTED_EXPERTS = (
+    "algorithm.routing_replay: rollout replays the experts the engine routed each token to, and "
+    "neither engine behind the gateway returns them: the built-in sampler records none, and "
+    "vLLM 0.32 returns them (enable_return_routed_experts) only from its Model Runner V2, which "
+    "its CPU build cannot run without triton-cpu and unirl does not wire yet (as for "
+    "rollout.source: vllm). Use algorithm.routing_replay: record (the trainer records its own "
+    "routing of the episodes' tokens)"
+)
 
 
 def _module_function(instance: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -92,10 +103,7 @@ def _check(cfg: UnirlConfig) -> None:
     if a.engine == "vllm":
         _check_vllm(cfg, a.vllm)
     if cfg.algorithm.routing_replay == "rollout":
-        raise ConfigError(
-            "algorithm.routing_replay: rollout replays the engine's routed experts, which neither "
-            "engine behind the gateway returns today; use algorithm.routing_replay: record"
-        )
+        raise ConfigError(NO_ROUTED_EXPERTS)
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
             "rollout.agent.host=%s: the gateway listens beyond loopback; only the per-episode "
@@ -104,18 +112,9 @@ def _check(cfg: UnirlConfig) -> None:
 
 
 def _check_vllm(cfg: UnirlConfig, v: VllmOptions) -> None:
-    """The engine's section: one engine, awake (the agents call it at any time), and the vLLM
-    source's own rules on it, its keys named under rollout.agent.vllm."""
-    if v.engines > 1:
-        raise ConfigError(
-            f"rollout.agent.vllm.engines={v.engines}: the gateway drives one vLLM engine (from "
-            "global rank 0) today; set rollout.agent.vllm.engines: 1"
-        )
-    if v.sleep != "off":
-        raise ConfigError(
-            f"rollout.agent.vllm.sleep={v.sleep!r}: the agents call the engine whenever they "
-            "like during a rollout, so it cannot sleep between generations; set it to off"
-        )
+    """The vLLM source's own rules on the engines' section, its keys named under
+    rollout.agent.vllm (with sleep: the engines sleep between rollouts, awake while the
+    episodes run)."""
     try:  # (building the evolved config runs the vLLM plug-in's rules too)
         engine_cfg = attrs.evolve(
             cfg, rollout=attrs.evolve(cfg.rollout, source="vllm", source_options=v)
@@ -126,19 +125,21 @@ def _check_vllm(cfg: UnirlConfig, v: VllmOptions) -> None:
 
 
 def _weights(cfg: UnirlConfig) -> Literal["rank0", "every_rank"]:
-    # the sampler's copy is on every rank (only rank 0 generates); one vLLM engine on rank 0
-    return "every_rank" if cfg.rollout.source_options.engine == "sampler" else "rank0"
+    # the sampler's copy is on every rank (only rank 0 generates); one vLLM engine on rank 0,
+    # several on their leaders (as the vLLM source's)
+    a = cfg.rollout.source_options
+    return "rank0" if a.engine == "vllm" and a.vllm.engines == 1 else "every_rank"
 
 
 def _describe(cfg: UnirlConfig) -> Mapping[str, Any]:
     a = cfg.rollout.source_options
     failure = f"reward {a.failure_reward:g}" if a.failure_reward is not None else "the run stops"
-    return {
+    out = {
         "agent": f"{a.function}(base_url, task, api_key), once per episode",
         "engine": (
             "the built-in sampler: a copy of the policy in this process"
             if a.engine == "sampler"
-            else "one vLLM engine driven from global rank 0 (rollout.agent.vllm)"
+            else _describe_vllm(a.vllm.engines)
         ),
         "endpoint": (
             f"OpenAI-compatible on http://{a.host}:{a.port or '<free port>'}/v1 (chat "
@@ -155,8 +156,28 @@ def _describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             "completion joins its sample (the tokens in between masked), else the episode forks "
             "and trains on its last fork"
         ),
-        "policy_version": "stamped per call (rollout/staleness from the oldest call)",
+        "policy_version": (
+            "stamped per call with the version its engine reported (rollout/staleness from the "
+            "oldest call)"
+        ),
     }
+    if a.engine == "vllm" and a.vllm.sleep != "off":
+        out["sleep"] = (
+            f"rollout.agent.vllm.sleep={a.vllm.sleep}: the engines wake before each rollout's "
+            "episodes and sleep after them; a call outside them is refused"
+        )
+    return out
+
+
+def _describe_vllm(engines: int) -> str:
+    if engines == 1:
+        return "one vLLM engine driven from global rank 0 (rollout.agent.vllm)"
+    return (
+        f"{engines} vLLM engines (rollout.agent.vllm.engines), engine k driven by global rank "
+        "k * world / engines, each synced and verified; each episode's calls go to one engine "
+        "(its prefix cache holds the episode), a new episode to the engine with the fewest open "
+        "episodes; the leaders serve their engines to the gateway on rank 0"
+    )
 
 
 PLUGIN = SourcePlugin(

@@ -1,12 +1,13 @@
 """What the gateway keeps of an episode: every call as the engine saw it, token in, token out.
 
 A `CallRecord` holds the exact prompt ids the engine was given (the gateway's rendering of the
-agent's request), the ids it sampled, their log-probs (temperature applied) and the policy
-version of the weights that sampled them (neither engine behind the gateway returns routed
-experts today: `rollout.agent`'s rule refuses ``routing_replay: rollout``). An
-`EpisodeRecord` is one episode's calls in the order the gateway received them, its request
-limits, and whether it is still open: a call after its episode ended is refused (the key stays
-known, so the refusal says which episode it was)."""
+agent's request), the ids it sampled, their log-probs (temperature applied), which engine served
+it and the policy version of the weights that sampled them, as that engine reported it (neither
+engine behind the gateway returns routed experts on the CPU: `rollout.agent`'s rule refuses
+``routing_replay: rollout``). An `EpisodeRecord` is one episode's calls in the order the gateway
+received them, the engine they all go to, its request limits, and whether it is still open: a
+call after its episode ended is refused (the key stays known, so the refusal says which episode
+it was)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class CallRecord:
     logprobs: tuple[float, ...]
     finished: bool
     policy_version: int | None
+    engine: int = 0
 
 
 class EpisodeFailure(Exception):
@@ -44,10 +46,18 @@ class EpisodeRecord:
     """One episode's calls and state. The app thread records calls; the runner closes it."""
 
     def __init__(
-        self, key: str, where: str, *, seed: int, max_calls: int, max_in_flight: int
+        self,
+        key: str,
+        where: str,
+        *,
+        seed: int,
+        max_calls: int,
+        max_in_flight: int,
+        engine: int = 0,
     ) -> None:
-        """``seed``: the episode's, from which each call's seed derives (`call_seed`)."""
-        self.key, self.where, self.seed = key, where, seed
+        """``seed``: the episode's, from which each call's seed derives (`call_seed`);
+        ``engine``: the one that serves every call of the episode (`routing.EngineRouter`)."""
+        self.key, self.where, self.seed, self.engine = key, where, seed, engine
         self.max_calls, self.max_in_flight = max_calls, max_in_flight
         self.calls: list[CallRecord] = []
         self.open = True
