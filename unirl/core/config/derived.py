@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from unirl.core.config.head_memory import choose_fused_head
+from unirl.core.config.optimizer_offload import choose_optimizer_offload
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.head_loss import HeadPath, choose_head_path
 from unirl.core.maths.logprob_spec import LogprobSpec, RoutingReplay
@@ -77,6 +78,12 @@ def fused_head(cfg: UnirlConfig) -> bool:
     """Whether the backends build the fused head (`choose_fused_head`); every backend reads this,
     never ``model.fused_head`` itself (which may be ``auto``)."""
     return choose_fused_head(cfg).fused
+
+
+def optimizer_offload(cfg: UnirlConfig) -> bool:
+    """Whether the policy's optimizer state lives in host memory (`choose_optimizer_offload`);
+    every backend reads this, never ``optimizer.offload`` itself (which may be ``auto``)."""
+    return choose_optimizer_offload(cfg).offload
 
 
 def forward_logprob_spec(

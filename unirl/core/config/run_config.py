@@ -19,6 +19,7 @@ import attrs
 import yaml
 
 from unirl.core.config.from_data import _convert, _structure
+from unirl.core.config.optimizer_offload import check_offload
 from unirl.core.config.overrides import apply_overrides
 from unirl.core.config.routing_replay import check_routing_replay
 from unirl.core.config.rules import check_registered_rules
@@ -240,6 +241,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     _check_wandb(cfg)
     _check_critic(cfg)
     _check_lora(cfg)
+    check_offload(cfg)
     check_routing_replay(cfg)
 
 

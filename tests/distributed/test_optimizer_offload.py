@@ -1,0 +1,105 @@
+"""``optimizer.offload: cpu`` takes AdamW's steps: two optimizer steps of a backend built on the
+CPU, with gradients the test writes in, against AdamW written out by hand in float64 (decay on
+matrices only, bias-corrected moments), offloaded and not; and the offloaded optimizer's state
+really is a host copy (its own tensors, not the parameters).
+
+On the CPU the offload is a real copy, not a no-op: the master weights and moments are separate
+host tensors that torch's AdamW steps, the gradients are copied in and the weights copied back
+(megatron-core's HybridDeviceOptimizer through `unirl.backends.megatron.compat.cpu`; FSDP2's
+CPUOffloadPolicy). One process each, gloo.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.spawn import run_distributed
+from tests.tiny_models import TINY_BATCH, TINY_LLAMA
+
+LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
+HF_CONFIG = {**TINY_LLAMA, "vocab_size": 64, "tie_word_embeddings": False}
+
+
+def _config(backend: str, offload: str) -> dict:
+    parallel = {"zero_stage": 1} if backend == "megatron" else {}
+    return {
+        "backend": backend,
+        "model": {"hf_config": dict(HF_CONFIG), "init_seed": 3, "max_seq_len": 16},
+        "optimizer": {
+            "lr": LR,
+            "weight_decay": WD,
+            "betas": list(BETAS),
+            "eps": EPS,
+            "grad_clip": None,
+            "offload": offload,
+        },
+        "batch": dict(TINY_BATCH),
+        "parallel": parallel,
+        "train": {"seed": 0},
+        "logging": {"tensorboard": False},
+    }
+
+
+def _adamw_by_hand(w: torch.Tensor, grads: list[torch.Tensor], wd: float) -> torch.Tensor:
+    """torch.optim.AdamW's update, in float64."""
+    w = w.double().clone()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    b1, b2 = BETAS
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        w = w * (1 - LR * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        w = w - LR * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
+    return w
+
+
+def _megatron_steps(rank: int, world_size: int, offload: str) -> dict:
+    from unirl.backends.megatron import build_backend
+    from unirl.backends.megatron.optimizer import fuse_adam, inner_optimizers
+    from unirl.core.config.run_config import config_from_dict
+
+    backend = build_backend(config_from_dict(_config("megatron", offload), world_size=1),
+                            total_optimizer_steps=4)  # fmt: skip
+    model = backend.policy
+    params = [p for ddp in model.ddp for p in ddp.module.parameters() if p.requires_grad]
+    out: dict = {"w0": [p.detach().clone() for p in params], "grads": [], "how": ""}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for p, grad in zip(params, grads):
+            p.main_grad.copy_(grad)  # what the schedule's backward leaves in DDP's buffer
+        stats = model.optimizer_step()
+        assert not stats.skipped
+        out["grads"].append(grads)
+    out["w2"] = [p.detach().clone() for p in params]
+    out["ndim"] = [p.ndim for p in params]
+    out["how"] = fuse_adam(model.optimizer)
+    (inner,) = inner_optimizers(model.optimizer)
+    if offload == "cpu":
+        # every shard has a host copy of its own (master weights), stepped with its moments
+        copies = [q for o in inner.cpu_optimizers for grp in o.param_groups for q in grp["params"]]
+        own = {q.data_ptr() for q in copies}
+        out["host_copies"] = len(copies)
+        out["shares_storage"] = any(p.data_ptr() in own for p in params)
+        out["moments"] = sum("exp_avg" in o.state[q] for o in inner.cpu_optimizers for q in o.state)
+    backend.close()
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_megatron_offloaded_adamw_steps_equal_adamw_by_hand(offload: str) -> None:
+    (out,) = run_distributed(_megatron_steps, 1, offload)
+    for w0, w2, ndim, *grads in zip(out["w0"], out["w2"], out["ndim"], *out["grads"]):
+        want = _adamw_by_hand(w0, grads, WD if ndim >= 2 else 0.0)
+        torch.testing.assert_close(w2.double(), want, rtol=1e-5, atol=1e-6)
+    if offload == "cpu":
+        assert "HybridDeviceOptimizer" in out["how"]
+        assert out["host_copies"] == len(out["w0"]) and not out["shares_storage"]
+        assert out["moments"] == len(out["w0"])
+    else:
+        assert "HybridDeviceOptimizer" not in out["how"]
