@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from unirl.core.config.model_shape import hf_config_fields
-from unirl.core.errors import ConfigError
 from unirl.core.protocols.backend_plugin import BACKENDS
 
 if TYPE_CHECKING:
@@ -80,33 +79,6 @@ def gpu_memory_gib(cfg: UnirlConfig) -> tuple[float | None, str]:
     return props.total_memory / GIB, f"GPU 0 ({props.name})"
 
 
-def check_offload(cfg: UnirlConfig) -> None:
-    """Load-time rules: ``cpu`` needs a backend (and layout) that offloads; the critic's
-    optimizer is never offloaded."""
-    if cfg.critic.optimizer.offload == "cpu":
-        raise ConfigError(
-            "critic.optimizer.offload: cpu: the critic's optimizer state stays on the GPU (only "
-            "the policy's is offloaded); set critic.optimizer.offload: auto or none"
-        )
-    if cfg.optimizer.offload != "cpu":
-        return
-    support = BACKENDS.get(cfg.backend).optimizer_offload
-    if support is None:
-        offloading = [n for n in BACKENDS.names() if BACKENDS.get(n).optimizer_offload]
-        raise ConfigError(
-            f"optimizer.offload: cpu with backend: {cfg.backend}, which cannot offload its "
-            f"optimizer state; set optimizer.offload: none or use one of {offloading}"
-        )
-    if cfg.model.lora is not None:
-        raise ConfigError(
-            "optimizer.offload: cpu with model.lora: the optimizer holds only the adapter (a few "
-            "MiB); set optimizer.offload: none"
-        )
-    why = support.refuses(cfg)
-    if why is not None:
-        raise ConfigError(f"optimizer.offload: cpu with backend: {cfg.backend}: {why}")
-
-
 def choose_optimizer_offload(cfg: UnirlConfig) -> OffloadChoice:
     """``optimizer.offload`` resolved (module docstring)."""
     mode = cfg.optimizer.offload
@@ -114,7 +86,7 @@ def choose_optimizer_offload(cfg: UnirlConfig) -> OffloadChoice:
     if mode == "none":
         return OffloadChoice(False, "optimizer.offload: none: the optimizer state on the GPU")
     if mode == "cpu":
-        assert support is not None  # check_offload refused it at load
+        assert support is not None  # the config refused it at load (run_config._check_offload)
         return OffloadChoice(True, f"optimizer.offload: cpu: {support.how}")
     auto = "optimizer.offload: auto"
     if cfg.model.lora is not None:
