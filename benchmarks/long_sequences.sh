@@ -70,6 +70,9 @@ declare -A ROWS=(
   [m4b-16k-offload]="$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --recompute-layers 12 --optimizer-offload cpu --steps 2 \
 |$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --optimizer-offload cpu --steps 2"
   [f4b-64k-offload]="$F --model qwen3-4b $(at 65536 1) --recompute-activations --optimizer-offload cpu --steps 1"
+  # what the offload costs: the measured m4b18-64k / f4b-16k rows with their state offloaded
+  [m4b18-64k-offload]="$M --model qwen3-4b --layers 18 $(at 65536 1) --recompute-activations --optimizer-offload cpu --steps 1"
+  [f4b-16k-offload]="$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --optimizer-offload cpu --steps 2"
   # run with LIMIT=300 or more: the search's budget is LIMIT - 10 s, each length's LIMIT - 20 s
   [m4b-longest]="$L $(lengths 98304 131072 196608 262144) --out $OUT/m4b-longest.json -- \
 $M --model qwen3-4b --recompute-activations --optimizer-offload cpu --steps 1 --warmup 0"
