@@ -3,6 +3,8 @@ CPU, with gradients the test writes in, against AdamW written out by hand in flo
 matrices only, bias-corrected moments), offloaded and not; and the offloaded optimizer's state
 really is a host copy (its own tensors, not the parameters).
 
+The offloaded run saves a checkpoint after its first step and resumes from it in a new backend
+for the second (the host state is saved by unirl: `unirl.backends.megatron.offload_state`).
 On the CPU the offload is a real copy, not a no-op: the master weights and moments are separate
 host tensors that torch's AdamW steps, the gradients are copied in and the weights copied back
 (megatron-core's HybridDeviceOptimizer through `unirl.backends.megatron.compat.cpu`; FSDP2's
@@ -12,6 +14,7 @@ CPUOffloadPolicy). One process each, gloo.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,28 +60,38 @@ def _adamw_by_hand(w: torch.Tensor, grads: list[torch.Tensor], wd: float) -> tor
     return w
 
 
-def _megatron_steps(rank: int, world_size: int, offload: str) -> dict:
+def _build(offload: str) -> tuple:
     from unirl.backends.megatron import build_backend
-    from unirl.backends.megatron.optimizer import fuse_adam, inner_optimizers
     from unirl.core.config.run_config import config_from_dict
 
-    backend = build_backend(config_from_dict(_config("megatron", offload), world_size=1),
-                            total_optimizer_steps=4)  # fmt: skip
-    model = backend.policy
-    params = [p for ddp in model.ddp for p in ddp.module.parameters() if p.requires_grad]
-    out: dict = {"w0": [p.detach().clone() for p in params], "grads": [], "how": ""}
+    cfg = config_from_dict(_config("megatron", offload), world_size=1)
+    backend = build_backend(cfg, total_optimizer_steps=4)
+    params = [p for ddp in backend.policy.ddp for p in ddp.module.parameters() if p.requires_grad]
+    return backend, params
+
+
+def _megatron_steps(rank: int, world_size: int, offload: str, resume_dir: str | None) -> dict:
+    """Two optimizer steps with the gradients written into DDP's buffer (what the schedule's
+    backward leaves there); with ``resume_dir`` a checkpoint after the first, loaded into a
+    newly built backend that takes the second."""
+    from unirl.backends.megatron.optimizer import fuse_adam, inner_optimizers
+
+    backend, params = _build(offload)
+    out: dict = {"w0": [p.detach().clone() for p in params], "ndim": [p.ndim for p in params]}
     g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        grads = [torch.randn(p.shape, generator=g) for p in params]
+    out["grads"] = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(2)]
+    for step, grads in enumerate(out["grads"]):
+        if step == 1 and resume_dir is not None:
+            backend.save_checkpoint(Path(resume_dir), {})
+            backend.close()
+            backend, params = _build(offload)
+            backend.load_checkpoint(Path(resume_dir))
         for p, grad in zip(params, grads):
-            p.main_grad.copy_(grad)  # what the schedule's backward leaves in DDP's buffer
-        stats = model.optimizer_step()
-        assert not stats.skipped
-        out["grads"].append(grads)
+            p.main_grad.copy_(grad)
+        assert not backend.policy.optimizer_step().skipped
     out["w2"] = [p.detach().clone() for p in params]
-    out["ndim"] = [p.ndim for p in params]
-    out["how"] = fuse_adam(model.optimizer)
-    (inner,) = inner_optimizers(model.optimizer)
+    out["how"] = fuse_adam(backend.policy.optimizer)
+    (inner,) = inner_optimizers(backend.policy.optimizer)
     if offload == "cpu":
         # every shard has a host copy of its own (master weights), stepped with its moments
         copies = [q for o in inner.cpu_optimizers for grp in o.param_groups for q in grp["params"]]
@@ -91,9 +104,19 @@ def _megatron_steps(rank: int, world_size: int, offload: str) -> dict:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
-@pytest.mark.parametrize("offload", ["none", "cpu"])
-def test_megatron_offloaded_adamw_steps_equal_adamw_by_hand(offload: str) -> None:
-    (out,) = run_distributed(_megatron_steps, 1, offload)
+@pytest.mark.parametrize(
+    ("offload", "resume"),
+    [
+        # the default tier: offloaded steps across a checkpoint resume (the host state is saved
+        # by unirl, `unirl.backends.megatron.offload_state`)
+        ("cpu", True),
+        # the control: the GPU-resident optimizer against the same hand-written AdamW
+        pytest.param("none", False, marks=pytest.mark.slow),
+    ],
+)
+def test_megatron_offloaded_adamw_steps_equal_adamw_by_hand(offload, resume, tmp_path) -> None:
+    resume_dir = str(tmp_path / "ckpt") if resume else None
+    (out,) = run_distributed(_megatron_steps, 1, offload, resume_dir)
     for w0, w2, ndim, *grads in zip(out["w0"], out["w2"], out["ndim"], *out["grads"]):
         want = _adamw_by_hand(w0, grads, WD if ndim >= 2 else 0.0)
         torch.testing.assert_close(w2.double(), want, rtol=1e-5, atol=1e-6)
