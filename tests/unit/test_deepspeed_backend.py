@@ -101,6 +101,8 @@ def test_step_matches_plain_pytorch(tiny_folder, stage, offload):
     try:
         zero = backend.policy.engine.config["zero_optimization"]
         assert ("offload_optimizer" in zero) == offload
+        # ZeRO's optimizer keeps its fp32 partitions and moments on the host (cpu_offload)
+        assert getattr(backend.policy.engine.optimizer, "cpu_offload", False) == offload
         n = num_response_tokens(seqs)
         mbs = [pack(seqs[:3]), empty_microbatch(), pack(seqs[3:])]
         metrics, stats = train_step(backend, mbs, n)
