@@ -70,6 +70,8 @@ def test_step_matches_plain_pytorch(tiny_folder, tmp_path, offload):
     try:
         state = backend.policy.module._get_fsdp_state()._fsdp_param_group
         assert (type(state.offload_policy).__name__ == "CPUOffloadPolicy") == offload
+        # the host's Adam step: torch's fused CPU kernel
+        assert all(bool(g["fused"]) == offload for g in backend.policy.optimizer.param_groups)
         assert isinstance(backend, TrainingBackend)
         assert backend.vocab_size == 64 and backend.loss_scale(3) == 1.0
         ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
