@@ -91,6 +91,11 @@ def _megatron_steps(rank: int, world_size: int, offload: str, resume_dir: str | 
         assert not backend.policy.optimizer_step().skipped
     out["w2"] = [p.detach().clone() for p in params]
     out["how"] = fuse_adam(backend.policy.optimizer)
+    from unirl.backends.megatron.compat import cpu as cpu_compat
+
+    # every patched megatron-core line the offload reached is a listed (reviewed) one
+    out["unlisted"] = sorted(cpu_compat.reached_lines() - cpu_compat.listed_lines())
+    out["reached"] = sorted(cpu_compat.reached_lines())
     (inner,) = inner_optimizers(backend.policy.optimizer)
     if offload == "cpu":
         # every shard has a host copy of its own (master weights), stepped with its moments
@@ -120,7 +125,9 @@ def test_megatron_offloaded_adamw_steps_equal_adamw_by_hand(offload, resume, tmp
     for w0, w2, ndim, *grads in zip(out["w0"], out["w2"], out["ndim"], *out["grads"]):
         want = _adamw_by_hand(w0, grads, WD if ndim >= 2 else 0.0)
         torch.testing.assert_close(w2.double(), want, rtol=1e-5, atol=1e-6)
+    assert out["unlisted"] == []
     if offload == "cpu":
+        assert "optimizer/cpu_offloading/hybrid_optimizer.py:273" in out["reached"]
         assert "HybridDeviceOptimizer" in out["how"]
         assert out["host_copies"] == len(out["w0"]) and not out["shares_storage"]
         assert out["moments"] == len(out["w0"])

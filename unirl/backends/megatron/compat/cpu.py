@@ -209,6 +209,7 @@ class ModulePatch:
 
     module: str
     lines: tuple[str, ...]  # "line: code  -- why", megatron-core 0.16.1
+    reads: str = "cuda"  # what each listed line reads (the tests check it)
 
 
 @attrs.frozen(kw_only=True)
@@ -579,12 +580,15 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             # torch.cuda.stream(self._d2h_stream): the gradients' device-to-host copies
             "optimizer/cpu_offloading/hybrid_optimizer.py:162",
             "optimizer/cpu_offloading/hybrid_optimizer.py:163",
+            # _set_sub_optimizer_grads: self._d2h_stream.record_event(), the copies' event
+            "optimizer/cpu_offloading/hybrid_optimizer.py:115",
             # the host step's hook: the same for the weights' host-to-device copies, then
             # self._h2d_stream.record_event().wait(torch.cuda.current_stream())
             "optimizer/cpu_offloading/hybrid_optimizer.py:120",
             "optimizer/cpu_offloading/hybrid_optimizer.py:121",
             "optimizer/cpu_offloading/hybrid_optimizer.py:125",
         ),
+        reads="stream",  # each line uses a CUDA stream (the one stream's stand-in on the CPU)
     ),
     ReplacePatch(
         module="megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
