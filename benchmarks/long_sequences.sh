@@ -11,12 +11,13 @@
 # The full Qwen3-4B rows (issue 49) on one 80 GB H100 keep the optimizer state in host memory
 # (--optimizer-offload cpu: 18 bytes per parameter, 67 GiB, leave the GPU's 6, 22.5 GiB); each row
 # JSON records the MFU on 6N + attention FLOPs, the peak memory, the offload choice and `unirl
-# check`'s memory plan. Their times on one H100 (build + steps, estimated from the 18-layer rows):
-# m4b-64k-offload ~170 s, m4b-16k-offload ~130 s, m4b-longest its --budget-s (300 s here),
-# f4b-64k-offload ~350 s (FSDP2's 4B init alone ~230 s): two calls of <= 10 minutes, e.g.
+# check`'s memory plan. Estimated on one H100 from the measured rows (36-layer Megatron build
+# 76 s, FSDP2 4B build 56-88 s, the 18-layer 64k step 10 s): m4b-64k-offload ~170 s,
+# m4b-16k-offload ~130 s, f4b-64k-offload ~190 s, m4b-longest ~150-210 s per length (each length
+# builds the model again): the three rows fit one call of <= 10 minutes, the search a second:
 #
-#   OUT=$OUT TOTAL=570 bash benchmarks/long_sequences.sh m4b-64k-offload m4b-16k-offload m4b-longest
-#   OUT=$OUT TOTAL=570 LIMIT=540 bash benchmarks/long_sequences.sh f4b-64k-offload
+#   OUT=$OUT TOTAL=580 bash benchmarks/long_sequences.sh m4b-64k-offload m4b-16k-offload f4b-64k-offload
+#   OUT=$OUT TOTAL=580 LIMIT=570 bash benchmarks/long_sequences.sh m4b-longest
 #
 # TOTAL (seconds) bounds the whole call: a setting is not started when its LIMIT would pass it
 # (logged as skipped). A dry run of the plumbing on the CPU, every length / SHRINK and EXTRA
