@@ -23,6 +23,9 @@ from tests.spawn import run_distributed
 from tests.tiny_models import TINY_BATCH, TINY_LLAMA
 
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
+# optimizer.warmup_steps: 4: the steps run at lr x 1/4 and x 2/4 (unirl's schedule writes them
+# into the optimizer's groups, which the host optimizer must see; the second after a resume)
+LRS = (LR / 4, LR / 2)
 HF_CONFIG = {**TINY_LLAMA, "vocab_size": 64, "tie_word_embeddings": False}
 
 
@@ -37,6 +40,7 @@ def _config(backend: str, offload: str) -> dict:
             "betas": list(BETAS),
             "eps": EPS,
             "grad_clip": None,
+            "warmup_steps": 4,
             "offload": offload,
         },
         "batch": dict(TINY_BATCH),
@@ -47,16 +51,16 @@ def _config(backend: str, offload: str) -> dict:
 
 
 def _adamw_by_hand(w: torch.Tensor, grads: list[torch.Tensor], wd: float) -> torch.Tensor:
-    """torch.optim.AdamW's update, in float64."""
+    """torch.optim.AdamW's update, in float64, at the learning rates `LRS`."""
     w = w.double().clone()
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     b1, b2 = BETAS
-    for t, g in enumerate(grads, start=1):
+    for t, (g, lr) in enumerate(zip(grads, LRS), start=1):
         g = g.double()
-        w = w * (1 - LR * wd)
+        w = w * (1 - lr * wd)
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        w = w - LR * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
+        w = w - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
     return w
 
 
