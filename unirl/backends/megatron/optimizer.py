@@ -164,8 +164,27 @@ def build_optimizer(
         on_gpu = next(ddp_chunks[0].parameters()).is_cuda
         offload_config(config, on_gpu)
     built = get_megatron_optimizer(config, list(ddp_chunks))
+    if offload and on_gpu:
+        pin_host_masters(built)
     logger.info("megatron optimizer: %s", fuse_adam(built))
     return built
+
+
+def pin_host_masters(optimizer: Any) -> None:
+    """Page-lock the offloaded optimizer's fp32 master copies, in place (``.data``: every map of
+    megatron's HybridDeviceOptimizer keys the tensor object, which stays). megatron pins the bf16
+    copy it takes from the GPU, then makes the fp32 master with ``.float()``, which is pageable:
+    each step's weight copy back to the GPU would then be a synchronous pageable copy instead of
+    an asynchronous one overlapped with the next parameters' host step."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    for inner in inner_optimizers(optimizer):
+        if isinstance(inner, HybridDeviceOptimizer):
+            for sub in inner.cpu_optimizers:
+                for group in sub.param_groups:
+                    for param in group["params"]:
+                        if not param.is_pinned():
+                            param.data = param.data.pin_memory()
 
 
 def inner_optimizers(optimizer: Any) -> list[Any]:
