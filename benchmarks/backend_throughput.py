@@ -45,10 +45,13 @@ import torch
 from benchmarks.megatron_throughput import (
     MODELS,
     add_lora_argument,
+    add_offload_argument,
     add_recompute_arguments,
     config_dict,
     matmul_params,
+    memory_plan,
     model_flops,
+    model_shape,
     rollout_lengths,
     rollout_records,
     summary,
@@ -151,6 +154,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                 "old_logprob_source": result.decision.source,
                 # with --fused-head: the loss inside the head (3 matmuls) or after it (4)
                 "head_path": head_path(cfgs[mode]).reason,
+                # `unirl check`'s memory decisions: the head and where the optimizer state lives
+                "memory_plan": memory_plan(cfgs[mode]),
                 "loss": result.metrics.get("loss"),
                 "grad_norm": result.metrics.get("grad_norm"),
             }
@@ -158,8 +163,9 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                 res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 # weights + gradients + optimizer state between steps (the peak's rest: the step)
                 res["memory_between_steps_gib"] = torch.cuda.memory_allocated() / 2**30
-            else:  # the process's peak resident memory (CPU smoke runs)
-                res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            # the process's peak resident host memory (the whole run on the CPU smoke runs;
+            # the offloaded optimizer state on a GPU)
+            res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             res["summary"] = summary(hf, lengths, res, backend.topology.world_size)
             if args.profile_dir is not None:
                 path = args.profile_dir / f"profile_{args.engine}_{mode}.txt"
@@ -180,21 +186,6 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         backend.close()
     return out
-
-
-def model_shape(args: argparse.Namespace) -> dict[str, Any]:
-    hf = dict(MODELS[args.model])
-    if args.layers is not None:
-        hf["num_hidden_layers"] = args.layers
-    # RoPE's position table long enough for --max-len (the longest-sequence rows)
-    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_len)
-    if args.hidden is not None:  # smoke runs: a small model of the same family
-        heads = hf["num_attention_heads"]
-        hf.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden)
-        hf["num_attention_heads"] = heads if args.hidden % heads == 0 else 4
-        hf["num_key_value_heads"] = min(hf["num_key_value_heads"], hf["num_attention_heads"])
-        hf["vocab_size"] = 1024
-    return hf
 
 
 def _child_command(args: argparse.Namespace, engine: str, out: Path) -> list[str]:
@@ -230,6 +221,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-microbatch", type=int, default=16384)
     parser.add_argument("--recompute-activations", action="store_true")
     add_recompute_arguments(parser)  # the Megatron engine's (the HF engines recompute whole layers)
+    add_offload_argument(parser)
     parser.add_argument(
         "--fused-head", action="store_true", help="model.fused_head: log-probs without logits"
     )
@@ -292,6 +284,7 @@ def main() -> None:
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "activation_recompute": args.recompute_activations,
             "fused_head": args.fused_head,
+            "optimizer_offload": args.optimizer_offload,
             "liger_kernels": args.liger_kernels,
             "fsdp2_options": args.fsdp2_options or None,
             "deepspeed_extra": args.deepspeed_extra or None,
@@ -334,6 +327,7 @@ def main() -> None:
             "tokens_per_s": r["results"]["reuse"]["summary"].get("train_tokens_per_s"),
             "mfu": r["results"]["reuse"]["summary"].get("train_mfu"),
             "peak_memory_gib": r["results"]["reuse"].get("peak_memory_gib"),
+            "optimizer_offload": r["results"]["reuse"]["memory_plan"]["optimizer_offload"],
             "step_s": statistics.median(r["results"]["reuse"]["step_s"]),
         }
         for name, r in report["engines"].items()

@@ -7,14 +7,41 @@
 #   OUT=/tmp/out bash benchmarks/long_sequences.sh m4b-16k m4b-64k m06b-64k
 #
 # A row whose first setting runs out of memory tries the next one listed for it (more recompute).
+#
+# The full Qwen3-4B rows (issue 49) on one 80 GB H100 keep the optimizer state in host memory
+# (--optimizer-offload cpu: 18 bytes per parameter, 67 GiB, leave the GPU's 6, 22.5 GiB); each row
+# JSON records the MFU on 6N + attention FLOPs, the peak memory, the offload choice and `unirl
+# check`'s memory plan. Estimated on one H100 from the measured rows (36-layer Megatron build
+# 76 s, FSDP2 4B build 56-88 s, the 18-layer 64k step 10 s): m4b-64k-offload ~170 s,
+# m4b-16k-offload ~130 s, f4b-64k-offload ~190 s, m4b-longest ~150-210 s per length (each length
+# builds the model again): the three rows fit one call of <= 10 minutes, the search a second:
+#
+#   OUT=$OUT TOTAL=580 bash benchmarks/long_sequences.sh m4b-64k-offload m4b-16k-offload f4b-64k-offload
+#   OUT=$OUT TOTAL=580 LIMIT=570 bash benchmarks/long_sequences.sh m4b-longest
+#
+# TOTAL (seconds) bounds the whole call: a setting is not started when its LIMIT would pass it
+# (logged as skipped). A dry run of the plumbing on the CPU, every length / SHRINK and EXTRA
+# appended to each command (tiny shapes):
+#
+#   OUT=/tmp/ls SHRINK=1024 EXTRA="--device cpu --layers 1 --hidden 64" \
+#       bash benchmarks/long_sequences.sh m4b-64k-offload f4b-64k-offload m4b-longest
 set -u
 OUT=${OUT:?set OUT to the folder for the JSON}
 mkdir -p "$OUT"
+EXTRA=${EXTRA:-}
+SHRINK=${SHRINK:-1}
 M="python benchmarks/megatron_throughput.py --modes reuse"
 LIMIT=${LIMIT:-240}
+TOTAL=${TOTAL:-100000}
 # the parent's own timeout ends its child engine process (a killed parent would leave it running)
 F="python benchmarks/backend_throughput.py --engines fsdp2 --timeout-s $((LIMIT - 15))"
-at() { echo "--samples $2 --group $2 --min-len $1 --max-len $1 --tokens-per-microbatch $1"; }
+at() {
+  local n=$(($1 / SHRINK))
+  echo "--samples $2 --group $2 --min-len $n --max-len $n --tokens-per-microbatch $n"
+}
+# the longest single sequence that fits, each length in its own process (longest_sequence.py)
+L="python benchmarks/longest_sequence.py --timeout-s $((LIMIT - 20)) --budget-s $((LIMIT - 10))"
+lengths() { local o=""; for n in "$@"; do o="$o,$((n / SHRINK))"; done; echo "--lengths ${o#,}"; }
 
 # row -> settings to try in turn, separated by '|'
 declare -A ROWS=(
@@ -44,19 +71,38 @@ declare -A ROWS=(
   [f06b-64k-gc]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --steps 2"
   [m4b-128k]="$M --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"
   [f4b-128k]="$F --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"
+  # the full Qwen3-4B with its optimizer state in host memory (optimizer.offload: cpu)
+  [m4b-64k-offload]="$M --model qwen3-4b $(at 65536 1) --recompute-activations --optimizer-offload cpu --steps 1"
+  [m4b-16k-offload]="$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --recompute-layers 12 --optimizer-offload cpu --steps 2 \
+|$M --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --optimizer-offload cpu --steps 2"
+  [f4b-64k-offload]="$F --model qwen3-4b $(at 65536 1) --recompute-activations --optimizer-offload cpu --steps 1"
+  # what the offload costs: the measured m4b18-64k / f4b-16k rows with their state offloaded
+  [m4b18-64k-offload]="$M --model qwen3-4b --layers 18 $(at 65536 1) --recompute-activations --optimizer-offload cpu --steps 1"
+  [f4b-16k-offload]="$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --optimizer-offload cpu --steps 2"
+  # run with LIMIT=300 or more: the search's budget is LIMIT - 10 s, each length's LIMIT - 20 s
+  [m4b-longest]="$L $(lengths 98304 131072 196608 262144) --out $OUT/m4b-longest.json -- \
+$M --model qwen3-4b --recompute-activations --optimizer-offload cpu --steps 1 --warmup 0"
 )
 # a row's JSON counts when it holds a measured step (backend_throughput writes one for a failed
 # engine too)
 measured() {
-  python -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d.get('table') or d.get('results') else 1)" "$1"
+  python -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d.get('table') or d.get('results') or d.get('largest') else 1)" "$1"
 }
 
+began=$(date +%s)
 for row in "$@"; do
+  [ -n "${ROWS[$row]:-}" ] || { echo "=== $row: no such row" >> "$OUT/log.txt"; continue; }
   IFS='|' read -ra tries <<< "${ROWS[$row]}"
   for cmd in "${tries[@]}"; do
-    echo "=== $row: $cmd" >> "$OUT/log.txt"
+    if [ $(( $(date +%s) - began + LIMIT )) -gt "$TOTAL" ]; then
+      echo "=== $row: skipped, its LIMIT=$LIMIT s would pass TOTAL=$TOTAL s" >> "$OUT/log.txt"
+      break
+    fi
+    # the search row names its own --out (its children write theirs)
+    case "$cmd" in *longest_sequence.py*) dest="" ;; *) dest="--out $OUT/$row.json" ;; esac
+    echo "=== $row: $cmd $EXTRA" >> "$OUT/log.txt"
     start=$(date +%s)
-    timeout "$LIMIT" $cmd --out "$OUT/$row.json" > "$OUT/.row.log" 2>&1
+    timeout "$LIMIT" $cmd $EXTRA $dest > "$OUT/.row.log" 2>&1
     rc=$?
     tail -n 15 "$OUT/.row.log" | cut -c1-400 >> "$OUT/log.txt"
     echo "=== $row: exit $rc after $(( $(date +%s) - start )) s" >> "$OUT/log.txt"

@@ -207,6 +207,23 @@ def model_flops(hf: dict[str, Any], lengths: list[int], *, training: bool) -> fl
     return factor * (matmul_params(hf) * tokens + attention)
 
 
+def model_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """``--model`` with the ``--layers`` / ``--hidden`` overrides and a RoPE table as long as
+    ``--max-len``."""
+    hf = dict(MODELS[args.model])
+    if args.layers is not None:
+        hf["num_hidden_layers"] = args.layers
+    # RoPE's position table long enough for --max-len (the longest-sequence rows)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_len)
+    if args.hidden is not None:  # smoke runs: a small model of the same family
+        heads = hf["num_attention_heads"]
+        hf.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden)
+        hf["num_attention_heads"] = heads if args.hidden % heads == 0 else 4
+        hf["num_key_value_heads"] = min(hf["num_key_value_heads"], hf["num_attention_heads"])
+        hf["vocab_size"] = 1024
+    return hf
+
+
 # -- the batch and the configs -----------------------------------------------------------------
 
 
@@ -259,14 +276,21 @@ def config_dict(
         "model": {
             "hf_config": hf,
             "init_seed": 0,
-            "dtype": "bf16",
+            # the CPU dry runs (--device cpu): fp32, megatron's CPU path (unirl cpu_compat)
+            "dtype": getattr(args, "dtype", "bf16"),
             "max_seq_len": args.max_len,
             "gradient_checkpointing": args.recompute_activations,
             # auto: the loss inside the head when the logits would exceed the budget
             "fused_head": True if args.fused_head else "auto",
             **model,
         },
-        "optimizer": {"lr": 1e-6, "grad_clip": 1.0},
+        # auto: offloaded when weights + gradients + optimizer state exceed 0.8 of the GPU
+        # (`unirl.core.config.optimizer_offload`); --optimizer-offload none | cpu forces it
+        "optimizer": {
+            "lr": 1e-6,
+            "grad_clip": 1.0,
+            "offload": getattr(args, "optimizer_offload", "auto"),
+        },
         "batch": {
             "prompts_per_rollout": samples // args.group,
             "samples_per_prompt": args.group,
@@ -288,6 +312,47 @@ def config_dict(
 
 
 # -- timing ------------------------------------------------------------------------------------
+
+
+def sync() -> None:
+    """Wait for the GPU (nothing to wait for on the CPU dry runs)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gib() -> float | None:
+    """The GPU's peak allocated memory since the last reset; None on the CPU."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def allocated_gib() -> float | None:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def host_peak_rss_gib() -> float:
+    """This process's peak resident host memory (the offloaded optimizer state lives there)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_plan(cfg: Any) -> dict[str, Any]:
+    """What `unirl check` decides about memory for ``cfg``: the LM head and the optimizer state,
+    each with its reason."""
+    from unirl.core.config.derived import head_path
+    from unirl.core.config.optimizer_offload import choose_optimizer_offload
+
+    offload = choose_optimizer_offload(cfg)
+    return {
+        "head": head_path(cfg).reason,
+        "optimizer_offload": offload.offload,
+        "optimizer_state": offload.reason,
+    }
 
 
 PROFILE: dict[str, Any] = {"dir": None}
@@ -326,10 +391,10 @@ def timed(fn: Any, warmup: int, steps: int) -> tuple[list[float], Any]:
     last = None
     times = []
     for i in range(warmup + steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         last = fn()
-        torch.cuda.synchronize()
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times, last
@@ -462,7 +527,7 @@ def search_tokens(
         )
         row: dict[str, Any] = {"tokens_per_microbatch": budget, "samples": samples}
         rows.append(row)
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory()
         try:
             res = run_rl_steps(cfg, backend, batch, args)
         except torch.OutOfMemoryError as err:
@@ -471,7 +536,7 @@ def search_tokens(
             logger.info("%d tokens per microbatch: out of memory", budget)
             break
         row["fits"] = True
-        row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_memory_gib"] = peak_memory_gib()
         row["tokens"] = sum(lengths)
         row["summary"] = summary(hf, lengths, res, gpus)
         largest = budget
@@ -540,6 +605,16 @@ def add_lora_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_offload_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--optimizer-offload",
+        choices=["auto", "none", "cpu"],
+        default="auto",
+        help="optimizer.offload: the optimizer state in host memory (auto: when weights + "
+        "gradients + state exceed 0.8 of the GPU's memory)",
+    )
+
+
 def recompute_summary(args: argparse.Namespace) -> str:
     if args.recompute_activations:
         n = args.recompute_layers
@@ -574,6 +649,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     parser.add_argument("--layers", type=int, default=None, help="override (smoke runs)")
+    parser.add_argument("--hidden", type=int, default=None, help="override (smoke runs)")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: a dry run of the plumbing (fp32, gloo, megatron's CPU path; tiny shapes)",
+    )
+    add_offload_argument(parser)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--min-len", type=int, default=256)
@@ -619,6 +702,7 @@ def main() -> None:
         help="comma-separated microbatch token budgets: the largest that fits (reuse step)",
     )
     args = parser.parse_args()
+    args.dtype = "fp32" if args.device == "cpu" else "bf16"  # megatron on the CPU: fp32 only
     if args.fused_head and "plain" in args.modes.split(",") and not args.search_tokens:
         parser.error(
             "--fused-head: the plain megatron-core loop computes its cross-entropy from logits; "
@@ -645,11 +729,7 @@ def main() -> None:
         from unirl.backends.megatron.kernels import wgrad_fusion
 
         wgrad_fusion._state["installed"] = False
-    hf = dict(MODELS[args.model])
-    if args.layers is not None:
-        hf["num_hidden_layers"] = args.layers
-    # RoPE's position table long enough for --max-len (the longest-sequence rows)
-    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.max_len)
+    hf = model_shape(args)
     lengths = rollout_lengths(args)
     batch = RolloutBatch.from_records(rollout_records(lengths, hf["vocab_size"], args.group, 0))
     cfgs = {mode: config_from_dict(config_dict(args, hf, mode)) for mode in ("reuse", "recompute")}
@@ -657,7 +737,7 @@ def main() -> None:
     backend = build_backend(cfgs["reuse"], total_optimizer_steps=1000, needs_reference=False)
     build_s = time.perf_counter() - t0
     gpus = backend.topology.world_size
-    built_gib = torch.cuda.memory_allocated() / 2**30
+    built_gib = allocated_gib()
     if fused_head(cfgs["reuse"]) and "plain" in args.modes.split(","):
         # the plain loop takes megatron's cross-entropy from logits, which the fused head omits
         logger.info("model.fused_head: auto chose the fused head: no plain megatron-core mode")
@@ -690,7 +770,11 @@ def main() -> None:
             # the training forward's head path (`unirl check`): with --fused-head, PPO-clip's
             # loss inside the head (3 head matmuls)
             "head_path": head_path(cfgs["reuse"]).reason,
+            # optimizer.offload (--optimizer-offload): where the optimizer state lives, and why
+            "optimizer_offload": memory_plan(cfgs["reuse"])["optimizer_offload"],
         },
+        # `unirl check`'s decisions on memory for this config (head, optimizer state)
+        "memory_plan": memory_plan(cfgs["reuse"]),
         "parallel": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "cp": args.cp, "gpus": gpus},
         "flops": {
             "train_pass": model_flops(hf, lengths, training=True),
@@ -714,15 +798,17 @@ def main() -> None:
         return
     for mode in [m for m in args.modes.split(",") if m]:
         logger.info("mode %s", mode)
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory()
         if mode == "plain":
             res = plain_megatron_steps(backend, cfgs["reuse"], batch, args)
         else:
             res = run_rl_steps(cfgs[mode], backend, batch, args)
-        res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        # between steps: weights + gradient buffers + optimizer state; the peak's rest is the
-        # step's activations, logits (or the fused head's chunk) and temporaries
-        res["memory_between_steps_gib"] = torch.cuda.memory_allocated() / 2**30
+        res["peak_memory_gib"] = peak_memory_gib()
+        # between steps: weights + gradient buffers + optimizer state (on the GPU unless
+        # offloaded); the peak's rest is the step's activations, logits (or the fused head's
+        # chunk) and temporaries
+        res["memory_between_steps_gib"] = allocated_gib()
+        res["peak_host_rss_gib"] = host_peak_rss_gib()
         res["summary"] = summary(hf, lengths, res, gpus)
         results[mode] = res
         logger.info("%s: %s", mode, json.dumps(res["summary"]))

@@ -8,7 +8,8 @@
     unirl serve SERVE_CONFIG
 
 `check` validates a config and explains what a run would do: the resolved config, the parallel
-layout, the microbatch plan and the old-log-prob decision with its reasons. `train` runs the RL
+layout, the microbatch plan, the old-log-prob decision, the LM head and where the optimizer
+state lives, with their reasons. `train` runs the RL
 job (under torchrun / the deepspeed launcher for several processes). `plot` draws the reward and
 loss curves of a run. `convert` turns a Hugging Face folder into a
 Megatron weights folder for a parallel layout, and such a folder or any run checkpoint into a
@@ -96,6 +97,7 @@ def _verify_note(cfg: UnirlConfig) -> str:
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.backends.lora_summary import lora_summary
     from unirl.core.config.derived import head_path
+    from unirl.core.config.optimizer_offload import choose_optimizer_offload
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
     from unirl.core.old_logprobs import (
@@ -109,6 +111,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     staleness = configured_staleness(cfg)
     decision = decide_old_logprobs(cfg, staleness=staleness)
     head = head_path(cfg)
+    offload = choose_optimizer_offload(cfg)
     lay, p = cfg.layout, cfg.parallel
     return {
         "config": cfg.to_dict(),
@@ -133,6 +136,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
             "staleness_warning": uncorrected_staleness(cfg, staleness),
         },
         "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
+        "optimizer_state": {"offload": offload.offload, "reason": offload.reason},
         "critic": critic_summary(cfg),
         "lora": lora_summary(cfg),
     }
@@ -157,6 +161,7 @@ def _print_report(report: dict[str, Any]) -> None:
     if report["old_logprobs"]["staleness_warning"]:
         out.write("WARNING: " + report["old_logprobs"]["staleness_warning"] + "\n")
     out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
+    out.write("\n# optimizer state\n" + report["optimizer_state"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
     if report["lora"]:
         out.write("\n# LoRA adapter (model.lora)\n" + "\n".join(report["lora"]) + "\n")

@@ -80,17 +80,29 @@ def test_close_removes_the_launcher_variables_it_set(tiny_folder, monkeypatch):
     assert [name for name in names if name in os.environ] == []
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_step_matches_plain_pytorch(tiny_folder, stage):
+@pytest.mark.parametrize(
+    ("stage", "offload"), [(0, False), (1, False), (2, False), (3, False), (1, True)]
+)
+def test_step_matches_plain_pytorch(tiny_folder, stage, offload):
     """Two microbatches plus an empty one (a rank with no tokens) accumulate into exactly the
     gradient of the summed loss; clipping (norm ~1 > 0.5), AdamW with decay on matrices only.
-    ZeRO 2 and 3 run with gradient checkpointing on (recomputed activations, same gradients)."""
+    ZeRO 2 and 3 run with gradient checkpointing on (recomputed activations, same gradients).
+    ``optimizer.offload: cpu`` (ZeRO-Offload) takes the same step on the optimizer's host copy."""
     from unirl.backends.deepspeed import build_backend
 
     seqs = make_sequences(2)
-    cfg = make_config(tiny_folder, stage=stage, model={"gradient_checkpointing": stage >= 2})
+    cfg = make_config(
+        tiny_folder,
+        stage=stage,
+        model={"gradient_checkpointing": stage >= 2},
+        optimizer={"offload": "cpu" if offload else "none"},
+    )
     backend = build_backend(cfg, total_optimizer_steps=3)
     try:
+        zero = backend.policy.engine.config["zero_optimization"]
+        assert ("offload_optimizer" in zero) == offload
+        # ZeRO's optimizer keeps its fp32 partitions and moments on the host (cpu_offload)
+        assert getattr(backend.policy.engine.optimizer, "cpu_offload", False) == offload
         n = num_response_tokens(seqs)
         mbs = [pack(seqs[:3]), empty_microbatch(), pack(seqs[3:])]
         metrics, stats = train_step(backend, mbs, n)

@@ -56,15 +56,22 @@ def forward(backend, seqs, role="policy"):
     return logp
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "cpu-offload"])
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "optimizer-offload"])
 def test_step_matches_plain_pytorch(tiny_folder, tmp_path, offload):
     """Forward log-probs; two microbatches plus an empty one accumulate into exactly the gradient
     of the summed loss; clipping (norm > 0.5), AdamW with decay on matrices only (its first step,
     also after a checkpoint of the initial state: saving must not start AdamW's step count); the
     weight sync holds the updated weights under every HF key."""
     seqs = make_sequences(2)
-    backend = build(fsdp2_config(tiny_folder, {"cpu_offload": offload}))
+    # optimizer.offload: cpu is FSDP2's CPUOffloadPolicy on the policy (fsdp2.cpu_offload's);
+    # on the CPU the host copy is the shard itself (no device to move it from)
+    optimizer = {"offload": "cpu" if offload else "none"}
+    backend = build(fsdp2_config(tiny_folder, optimizer=optimizer))
     try:
+        state = backend.policy.module._get_fsdp_state()._fsdp_param_group
+        assert (type(state.offload_policy).__name__ == "CPUOffloadPolicy") == offload
+        # the host's Adam step: torch's fused CPU kernel
+        assert all(bool(g["fused"]) == offload for g in backend.policy.optimizer.param_groups)
         assert isinstance(backend, TrainingBackend)
         assert backend.vocab_size == 64 and backend.loss_scale(3) == 1.0
         ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)

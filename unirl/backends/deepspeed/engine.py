@@ -144,9 +144,13 @@ def deepspeed_config(
     *,
     optimizer: OptimizerConfig | None = None,
     zero_stage: int | None = None,
+    offload: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict of the policy engine, or (``optimizer`` / ``zero_stage`` given)
-    of the critic's; ``deepspeed.extra`` is merged into both."""
+    of the critic's; ``deepspeed.extra`` is merged into both. ``offload``: ZeRO-Offload of the
+    optimizer (``optimizer.offload``): the fp32 master weights, gradient partitions and Adam
+    moments in host memory, the client torch AdamW stepping them on the CPU (DeepSpeed's own
+    CPU Adam is a JIT-compiled op: `unirl.backends.hf.optim`)."""
     opt = cfg.optimizer if optimizer is None else optimizer
     stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
     if cfg.model.dtype == "bf16" and stage == 0:
@@ -169,6 +173,10 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,  # unirl logs; DeepSpeed's periodic prints stay off
         "wall_clock_breakdown": False,
     }
+    if offload:
+        pin = torch.cuda.is_available()
+        generated["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        generated["zero_force_ds_cpu_optimizer"] = False  # the client AdamW, not DeepSpeed's
     if stage == 3 and dp_size == 1 and _keeps_gathered_params(cfg.backend_options.extra):
         # one rank: each parameter's partition is the whole parameter, so keeping every one
         # gathered costs no memory, and ZeRO-3 skips its fetch and release around every module
@@ -228,9 +236,11 @@ def initialize_trainable(
     total_steps: int,
     dp_size: int,
     key: str,
+    offload: bool = False,
 ):
     """``deepspeed.initialize`` of a trained model (the policy, the critic) with its own
-    optimizer section and ZeRO stage; returns ``(engine, scheduler)``."""
+    optimizer section and ZeRO stage (``offload``: its state in host memory,
+    `deepspeed_config`); returns ``(engine, scheduler)``."""
     import deepspeed
 
     import_muon_uncompiled()
@@ -246,7 +256,9 @@ def initialize_trainable(
         model=model,
         optimizer=optimizer,
         lr_scheduler=lambda basic_optimizer: ScheduledLR(basic_optimizer, schedule),
-        config=deepspeed_config(cfg, dp_size, optimizer=opt, zero_stage=zero_stage),
+        config=deepspeed_config(
+            cfg, dp_size, optimizer=opt, zero_stage=zero_stage, offload=offload
+        ),
     )
     return engine, scheduler
 

@@ -22,6 +22,7 @@ from unirl.backends.deepspeed.engine import initialize_trainable, step_engine
 from unirl.backends.hf.model import PackedModule, Training
 from unirl.backends.hf.packed import forward_packed
 from unirl.core.backend import AdamStepSettings, OptimizerStepStats
+from unirl.core.config.derived import optimizer_offload
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.weights.stream import HOST, WeightBuckets
 
@@ -54,6 +55,7 @@ class DeepSpeedModel(PackedModule):
             total_steps=training.total_steps,
             dp_size=dp_size,
             key=training.key,
+            offload=training.role == "policy" and optimizer_offload(cfg),
         )
         if dp_size == 1 and zero_stage == 0:
             # One data-parallel rank: DeepSpeed would still flatten every gradient, all-reduce

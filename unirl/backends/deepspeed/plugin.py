@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from unirl.core.errors import ConfigError
-from unirl.core.protocols.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
+from unirl.core.protocols.backend_plugin import (
+    BackendPlugin,
+    ContractLayout,
+    LazyBuilder,
+    OptimizerOffload,
+)
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -40,6 +45,35 @@ def check(cfg: UnirlConfig) -> None:
         )
 
 
+def _gpu_bytes(cfg: UnirlConfig, offloaded: bool) -> float:
+    """Bytes per parameter on one GPU: the weights (bf16: 2, fp32: 4; over the data-parallel
+    ranks under ZeRO-3), their gradients (the same; sharded from ZeRO-2), and the optimizer's
+    fp32 master weights and gradient partition (bf16 only: 8) and Adam moments (8), sharded from
+    ZeRO-1. ZeRO-Offload moves the optimizer's part to host memory."""
+    stage, dp, bf16 = cfg.parallel.zero_stage, cfg.layout.dp, cfg.model.dtype == "bf16"
+    weights = (2 if bf16 else 4) / (dp if stage == 3 else 1)
+    grads = (2 if bf16 else 4) / (dp if stage >= 2 else 1)
+    state = 0.0 if offloaded else ((8 if bf16 else 0) + 8) / (dp if stage >= 1 else 1)
+    return weights + grads + state
+
+
+def _refuses_offload(cfg: UnirlConfig) -> str | None:
+    if cfg.parallel.zero_stage == 0:
+        return "ZeRO-Offload moves ZeRO's optimizer partitions: set parallel.zero_stage >= 1"
+    return None
+
+
+OFFLOAD = OptimizerOffload(
+    how=(
+        "DeepSpeed's ZeRO-Offload (zero_optimization.offload_optimizer: cpu): fp32 master "
+        "weights, gradient partitions and Adam moments in host memory, the client torch AdamW "
+        "steps them on the CPU"
+    ),
+    gpu_bytes=_gpu_bytes,
+    refuses=_refuses_offload,
+)
+
+
 PLUGIN = BackendPlugin(
     name="deepspeed",
     options=DeepSpeedOptions,
@@ -50,6 +84,7 @@ PLUGIN = BackendPlugin(
     supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
     supports_routing_replay=True,
     supports_lora=True,  # peft on the policy (`unirl.backends.hf.lora`)
+    optimizer_offload=OFFLOAD,  # ZeRO-Offload of the policy (`engine.deepspeed_config`)
     install_hint="pip install 'unirl[deepspeed,hf]'",
     # ZeRO 0/1/2/3 with one and two processes: optimizer-state (1), gradient (2) and parameter
     # (3) sharding each change where the step's numbers are reduced. zero 1/2 with one process

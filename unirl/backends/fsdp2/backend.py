@@ -5,13 +5,16 @@ The passes, the reference and the critic are `unirl.backends.hf.backend.HFBacken
 says how FSDP2 starts (the process group and the ``(dp, sp)`` device mesh), wraps a model for
 training (`Fsdp2Model`: sharded on the mesh, own AdamW; the critic shards like the policy, and
 ``critic.zero_stage`` does not apply, the config refuses it) or for frozen forwards
-(`frozen_model`), and checkpoints (DCP, `unirl.backends.fsdp2.checkpoint`). Its loss scale is the
+(`frozen_model`; ``optimizer.offload`` puts the policy's shards, gradients and optimizer
+state in host memory with FSDP2's CPUOffloadPolicy), and checkpoints (DCP, `unirl.backends.fsdp2.checkpoint`). Its loss scale is the
 world size (`Fsdp2Model.loss_scale`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import attrs
 
 from unirl.backends.fsdp2 import checkpoint, packed
 from unirl.backends.fsdp2.model import Fsdp2Model, frozen_model
@@ -25,6 +28,7 @@ from unirl.backends.process_group import (
     init_process_group,
 )
 from unirl.core.backend import AdamStepSettings
+from unirl.core.config.derived import optimizer_offload
 from unirl.core.topology import Topology
 
 
@@ -51,7 +55,12 @@ class Fsdp2Backend(HFBackend):
         }
 
     def _trained(self, model: Any, training: Training) -> Fsdp2Model:
-        return Fsdp2Model(model, training, **self._placement())
+        """Sharded on the mesh; the policy under ``optimizer.offload`` (`optimizer_offload`)
+        with FSDP2's CPUOffloadPolicy, as ``fsdp2.cpu_offload: true``."""
+        placement = self._placement()
+        if training.role == "policy" and optimizer_offload(self.cfg):
+            placement["options"] = attrs.evolve(self.fsdp, cpu_offload=True)
+        return Fsdp2Model(model, training, **placement)
 
     def _frozen(self, model: Any) -> PackedModule:
         return frozen_model(model, **self._placement())

@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from unirl.core.errors import ConfigError
-from unirl.core.protocols.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
+from unirl.core.protocols.backend_plugin import (
+    BackendPlugin,
+    ContractLayout,
+    LazyBuilder,
+    OptimizerOffload,
+)
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -108,11 +113,36 @@ def check(cfg: UnirlConfig) -> None:
             f"critic.zero_stage={cfg.critic.zero_stage} with backend: fsdp2; the critic is "
             "sharded like the policy (fsdp2.sharding): remove critic.zero_stage"
         )
+    if options.cpu_offload and cfg.optimizer.offload == "none":
+        raise ConfigError(
+            "fsdp2.cpu_offload: true keeps the optimizer state in host memory, but "
+            "optimizer.offload: none asks for it on the GPU; remove one of them"
+        )
     if options.shard_size is not None and options.sharding != "hybrid":
         raise ConfigError(
             f"fsdp2.shard_size={options.shard_size} is only used with fsdp2.sharding: hybrid "
             f"(got {options.sharding!r}); remove it or set fsdp2.sharding: hybrid"
         )
+
+
+def _gpu_bytes(cfg: UnirlConfig, offloaded: bool) -> float:
+    """Bytes per parameter on one GPU: fp32 sharded weights and gradients and two Adam moments
+    (16, over the data-parallel ranks), plus under ``grad_reduce: step`` on several ranks the
+    unsharded fp32 gradient sum (4). With CPUOffloadPolicy the sharded state is in host memory:
+    only the gathered layer in flight stays, not counted per parameter."""
+    options, dp = cfg.backend_options, cfg.layout.dp
+    unsharded = 4 if options.grad_reduce == "step" and dp > 1 else 0
+    return unsharded + (0 if offloaded else 16 / dp)
+
+
+OFFLOAD = OptimizerOffload(
+    how=(
+        "FSDP2's CPUOffloadPolicy: the sharded fp32 weights, gradients and Adam moments in host "
+        "memory, the Adam step on the CPU, each layer copied to the GPU when gathered (as "
+        "fsdp2.cpu_offload: true)"
+    ),
+    gpu_bytes=_gpu_bytes,
+)
 
 
 PLUGIN = BackendPlugin(
@@ -126,6 +156,7 @@ PLUGIN = BackendPlugin(
     supports_loss_in_head=True,  # `hf.fused_head.FusedLMHead.loss_request`
     supports_routing_replay=True,
     supports_lora=True,  # peft on the policy (`unirl.backends.hf.lora`)
+    optimizer_offload=OFFLOAD,  # CPUOffloadPolicy on the policy (`Fsdp2Backend._trained`)
     # full_shard with one process (sharding over one rank still runs FSDP2's gather and reduce
     # hooks) and two; Ulysses sp=2 (two ranks, one sequence split over both; dp = 1).
     layouts=(

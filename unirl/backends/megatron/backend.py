@@ -56,7 +56,7 @@ from unirl.backends.megatron.topology import initialize_parallel_state, topology
 from unirl.backends.peft_folder import write_peft_folder
 from unirl.backends.process_group import destroy_process_group, init_process_group
 from unirl.core.backend import OptimizerStepStats
-from unirl.core.config.derived import fused_head
+from unirl.core.config.derived import fused_head, optimizer_offload
 from unirl.core.config.model_shape import moe_shape
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.errors import ConfigError
@@ -95,6 +95,7 @@ class MegatronBackend(EngineBackend):
             section=cfg.optimizer,
             total_steps=total_optimizer_steps,
             distributed=use_distributed_optimizer(cfg),
+            offload_state=optimizer_offload(cfg),
         )
         value_plan = critic_plan(cfg, total_optimizer_steps) if critic_enabled(cfg) else None
         self.cfg = cfg

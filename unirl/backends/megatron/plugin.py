@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
+from unirl.backends.megatron.offload import OFFLOAD
 from unirl.core.errors import ConfigError
 from unirl.core.protocols.backend_plugin import BackendPlugin, ContractLayout, LazyBuilder
 
@@ -281,6 +282,7 @@ PLUGIN = BackendPlugin(
     supports_routing_replay=True,
     supports_sequence_parallel=True,
     supports_loss_in_head=True,  # `heads.LogprobHead.loss`
+    optimizer_offload=OFFLOAD,  # megatron-core's HybridDeviceOptimizer (`offload`)
     # On the CPU megatron-core's own schedules, DDP and optimizer run over gloo (`cpu_compat`).
     # Packed sequences (the default) everywhere; the padded form on one process and under the
     # interleaved schedule; context parallel (packed only); pp2 x vpp2 puts one of the fixture's

@@ -109,6 +109,9 @@ class OptimizerPlan:
     section: OptimizerConfig
     total_steps: int  # optimizer steps of the run (the LR schedule's length)
     distributed: bool  # megatron's distributed optimizer (zero_stage 1)
+    # master weights and Adam moments in host memory (`optimizer.build_optimizer`): the policy's
+    # under optimizer.offload (`unirl.core.config.derived.optimizer_offload`), never the critic's
+    offload_state: bool = False
 
     def __attrs_post_init__(self) -> None:
         check_schedule(self.section, self.total_steps, key=self.key)
@@ -153,7 +156,11 @@ class MegatronModel:
             return
         self.ddp = wrap_ddp(chunks, cfg, distributed=plan.distributed)
         self.optimizer = build_optimizer(
-            self.ddp, cfg, optimizer=plan.section, distributed=plan.distributed
+            self.ddp,
+            cfg,
+            optimizer=plan.section,
+            distributed=plan.distributed,
+            offload=plan.offload_state,
         )
         self.zero_grads()
 

@@ -5,9 +5,11 @@ routing replay they carry to the backends)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from unirl.core.config.head_memory import choose_fused_head
+from unirl.core.config.optimizer_offload import choose_optimizer_offload
 from unirl.core.maths.advantages import AdvantageSettings
 from unirl.core.maths.head_loss import HeadPath, choose_head_path
 from unirl.core.maths.logprob_spec import LogprobSpec, RoutingReplay
@@ -16,6 +18,8 @@ from unirl.core.protocols.backend_plugin import BACKENDS
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
+
+logger = logging.getLogger(__name__)
 
 
 def loss_settings(cfg: UnirlConfig) -> LossSettings:
@@ -77,6 +81,15 @@ def fused_head(cfg: UnirlConfig) -> bool:
     """Whether the backends build the fused head (`choose_fused_head`); every backend reads this,
     never ``model.fused_head`` itself (which may be ``auto``)."""
     return choose_fused_head(cfg).fused
+
+
+def optimizer_offload(cfg: UnirlConfig) -> bool:
+    """Whether the policy's optimizer state lives in host memory (`choose_optimizer_offload`);
+    every backend reads this, never ``optimizer.offload`` itself (which may be ``auto``), once
+    when it builds the policy's optimizer; logged then, since ``auto`` reads the GPU it runs on."""
+    choice = choose_optimizer_offload(cfg)
+    logger.info("optimizer state: %s", choice.reason)
+    return choice.offload
 
 
 def forward_logprob_spec(

@@ -240,6 +240,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     _check_wandb(cfg)
     _check_critic(cfg)
     _check_lora(cfg)
+    _check_offload(cfg)
     check_routing_replay(cfg)
 
 
@@ -251,6 +252,34 @@ def _check_lora(cfg: UnirlConfig) -> None:
             f"model.lora is set but backend: {cfg.backend} trains no adapter; remove model.lora "
             f"or use one of {lora_backends}"
         )
+
+
+def _check_offload(cfg: UnirlConfig) -> None:
+    """``optimizer.offload: cpu`` needs a backend (and layout) that offloads (its plug-in's
+    ``optimizer_offload``); the critic's optimizer is never offloaded
+    (`unirl.core.config.optimizer_offload` decides ``auto``)."""
+    if cfg.critic.optimizer.offload == "cpu":
+        raise ConfigError(
+            "critic.optimizer.offload: cpu: the critic's optimizer state stays on the GPU (only "
+            "the policy's is offloaded); set critic.optimizer.offload: auto or none"
+        )
+    if cfg.optimizer.offload != "cpu":
+        return
+    support = BACKENDS.get(cfg.backend).optimizer_offload
+    if support is None:
+        offloading = [n for n in BACKENDS.names() if BACKENDS.get(n).optimizer_offload]
+        raise ConfigError(
+            f"optimizer.offload: cpu with backend: {cfg.backend}, which cannot offload its "
+            f"optimizer state; set optimizer.offload: none or use one of {offloading}"
+        )
+    if cfg.model.lora is not None:
+        raise ConfigError(
+            "optimizer.offload: cpu with model.lora: the optimizer holds only the adapter (a few "
+            "MiB); set optimizer.offload: none"
+        )
+    why = support.refuses(cfg)
+    if why is not None:
+        raise ConfigError(f"optimizer.offload: cpu with backend: {cfg.backend}: {why}")
 
 
 def _check_wandb(cfg: UnirlConfig) -> None:

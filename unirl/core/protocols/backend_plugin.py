@@ -19,6 +19,8 @@ it, so adding a backend edits no file under ``unirl/core``:
   ``supports_sequence_parallel`` and ``supports_loss_in_head`` likewise for those features;
 - ``supports_lora``: whether it trains a ``model.lora`` adapter (its backends implement
   `unirl.core.backend.TrainsAdapter`); the LoRA contract then runs on its layouts marked ``lora``.
+- ``optimizer_offload``: how it keeps the optimizer state in host memory (``optimizer.offload``)
+  and the bytes per parameter it keeps on a GPU with and without, for `unirl check`'s plan.
 
 Built-in plug-ins are registered by `unirl.backends` (imported by ``import unirl``); a plug-in
 outside the package registers itself with ``BACKENDS.register(plugin.name, plugin)``.
@@ -136,6 +138,26 @@ class ContractLayout:
         return self.world_size // (p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1))
 
 
+def _always_offloads(cfg: Any) -> str | None:
+    """A backend whose every layout can offload its optimizer state."""
+    return None
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerOffload:
+    """How a backend keeps its optimizer state in host memory (``optimizer.offload: cpu``) and
+    what stays on each GPU, for the memory plan of `unirl.core.config.optimizer_offload`.
+
+    ``gpu_bytes(cfg, offloaded)``: bytes on one GPU per parameter of the whole model (weights,
+    gradients, fp32 master weights and Adam moments, divided by the config's sharding) without
+    and with the offload; ``refuses(cfg)``: why this config cannot offload (e.g. it needs the
+    distributed optimizer), or None."""
+
+    how: str
+    gpu_bytes: Callable[[Any, bool], float]
+    refuses: Callable[[Any], str | None] = _always_offloads
+
+
 def _no_rules(cfg: RunConfigView) -> None:
     """A backend without rules of its own."""
 
@@ -169,6 +191,9 @@ class BackendPlugin:
     # Whether it trains a ``model.lora`` adapter (`unirl.core.backend.TrainsAdapter`); a config
     # with model.lora on a backend without is refused at load.
     supports_lora: bool = False
+    # How it offloads the policy's optimizer state (``optimizer.offload``); None: it cannot
+    # (``cpu`` is refused at load, ``auto`` keeps the state on the GPU).
+    optimizer_offload: OptimizerOffload | None = None
 
 
 BACKENDS: Registry[BackendPlugin] = Registry("backend", key="backend")

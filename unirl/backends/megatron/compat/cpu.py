@@ -98,6 +98,9 @@ class _HostEvent:
     def synchronize(self) -> None:
         pass
 
+    def wait(self, stream: Any = None) -> None:
+        _record(1)
+
 
 class _HostStream:
     """The one CUDA stream's stand-in: CPU work runs in issue order, so waiting on a stream and
@@ -206,6 +209,7 @@ class ModulePatch:
 
     module: str
     lines: tuple[str, ...]  # "line: code  -- why", megatron-core 0.16.1
+    reads: str = "cuda"  # what each listed line reads (the tests check it)
 
 
 @attrs.frozen(kw_only=True)
@@ -224,7 +228,7 @@ class ReplacePatch:
     """``module.name`` (where callers look it up) replaced by ``replacement``."""
 
     module: str
-    name: str
+    name: str  # a function, or ``Class.method``
     replacement: Callable[..., Any]
     lines: tuple[str, ...]
     reads: str = "cuda"  # what each listed line reads (the tests check it)
@@ -295,6 +299,70 @@ def _host_set_cuda_rng_state(
     which on the CPU never runs)."""
     _REACHED.add("tensor_parallel/random.py:93")
     torch.set_rng_state(new_state)
+
+
+def _host_sub_optimizer_param_groups(self: Any, offload_fraction: float) -> tuple[Any, ...]:
+    """``HybridDeviceOptimizer._get_sub_optimizer_param_groups`` on the CPU (``optimizer.offload``):
+    every parameter counts as the device's (lines 256, 273 and 285 test ``param.is_cuda``), so
+    the offloaded ones get their own host copy (``clone()``, line 274's ``pin_memory()`` left
+    out: there is no device to pin for) that the host AdamW steps and the step's hook copies
+    back, as on a GPU. Otherwise line for line the original."""
+    _REACHED.update(f"optimizer/cpu_offloading/hybrid_optimizer.py:{n}" for n in (256, 273, 285))
+    params = [p for group in self.param_groups for p in group["params"]]
+    threshold = sum(p.numel() for p in params) * offload_fraction
+    offloaded = 0
+    cpu_groups, gpu_groups = [], []
+    to_copy, from_copy, to_fp32 = {}, {}, {}
+    for group in self.param_groups:
+        gpu_group, cpu_group = {**group, "params": []}, {**group, "params": []}
+        for orig in group["params"]:
+            param, copied = orig, False
+            if offloaded < threshold:
+                param = param.detach().clone()
+                offloaded += param.numel()
+                copied = True
+            if self.param_update_in_fp32 and param.dtype != torch.float32:
+                param = param.detach().clone().float()
+                to_fp32[orig] = param
+            if copied:
+                to_copy[orig] = param
+                from_copy[param] = orig
+            (cpu_group if copied else gpu_group)["params"].append(param)
+        if gpu_group["params"]:
+            gpu_groups.append(gpu_group)
+        if cpu_group["params"]:
+            cpu_groups.append(cpu_group)
+    return cpu_groups, gpu_groups, to_copy, from_copy, to_fp32
+
+
+def _host_model_and_main_param_groups(
+    cls: Any, gbuf_ranges: Any, param_gbuf_map: Any, opt_group_ranges: Any, config: Any
+) -> tuple[Any, ...]:
+    """``DistributedOptimizer._build_model_and_main_param_groups`` for fp32 parameters (every CPU
+    run's) under ``optimizer.offload``: the shard of an fp32 parameter is a view the autograd
+    graph tracks (line 421, ``model_param.view(-1)[...]``; a bf16 one is detached, line 367), and
+    torch's Optimizer refuses such a tensor when megatron rebuilds its HybridDeviceOptimizer over
+    the shards. Each is replaced by its detached view (the same storage, its tensor-parallel
+    attributes kept) in the shard groups and the optimizer's groups alike."""
+    from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
+
+    original = _ORIGINALS["DistributedOptimizer._build_model_and_main_param_groups"]
+    groups = original.__func__(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+    if not config.optimizer_cpu_offload:
+        return groups
+    _REACHED.add("optimizer/distrib_optimizer.py:421")
+    shard_fp32_groups = groups[3]
+    for group_range, shards in zip(opt_group_ranges, shard_fp32_groups):
+        detached = {}
+        for i, shard in enumerate(shards):
+            leaf = shard.detach()
+            copy_tensor_model_parallel_attributes(leaf, shard)
+            if hasattr(shard, "shared"):
+                leaf.shared = shard.shared
+            detached[id(shard)] = shards[i] = leaf
+        params = group_range["orig_group"]["params"]
+        params[:] = [detached.get(id(q), q) for q in params]
+    return groups
 
 
 # the functions a `ReplacePatch` replaced, by name (its replacement calls them for what it keeps)
@@ -500,6 +568,48 @@ PATCHES: tuple[ModulePatch | FunctionPatch | ReplacePatch | TypeNamePatch, ...] 
             "tensor_parallel/mappings.py:181",
         ),
     ),
+    # optimizer.offload: megatron-core's HybridDeviceOptimizer (unirl.backends.megatron.optimizer)
+    ModulePatch(
+        module="megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+        lines=(
+            # _init_sub_optimizers: self._d2h_stream = self._h2d_stream =
+            # torch.cuda.current_stream(), the streams the copies run on (no overlap on the CPU)
+            "optimizer/cpu_offloading/hybrid_optimizer.py:217",
+            "optimizer/cpu_offloading/hybrid_optimizer.py:218",
+            # step: self._d2h_stream.wait_stream(torch.cuda.current_stream()); with
+            # torch.cuda.stream(self._d2h_stream): the gradients' device-to-host copies
+            "optimizer/cpu_offloading/hybrid_optimizer.py:162",
+            "optimizer/cpu_offloading/hybrid_optimizer.py:163",
+            # _set_sub_optimizer_grads: self._d2h_stream.record_event(), the copies' event
+            "optimizer/cpu_offloading/hybrid_optimizer.py:115",
+            # the host step's hook: the same for the weights' host-to-device copies, then
+            # self._h2d_stream.record_event().wait(torch.cuda.current_stream())
+            "optimizer/cpu_offloading/hybrid_optimizer.py:120",
+            "optimizer/cpu_offloading/hybrid_optimizer.py:121",
+            "optimizer/cpu_offloading/hybrid_optimizer.py:125",
+        ),
+        reads="stream",  # each line uses a CUDA stream (the one stream's stand-in on the CPU)
+    ),
+    ReplacePatch(
+        module="megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+        name="HybridDeviceOptimizer._get_sub_optimizer_param_groups",
+        replacement=_host_sub_optimizer_param_groups,
+        # param.is_cuda: which parameters are the device's, and so get a host copy
+        lines=(
+            "optimizer/cpu_offloading/hybrid_optimizer.py:256",
+            "optimizer/cpu_offloading/hybrid_optimizer.py:273",
+            "optimizer/cpu_offloading/hybrid_optimizer.py:285",
+        ),
+        reads="is_cuda",
+    ),
+    ReplacePatch(
+        module="megatron.core.optimizer.distrib_optimizer",
+        name="DistributedOptimizer._build_model_and_main_param_groups",
+        replacement=classmethod(_host_model_and_main_param_groups),
+        # shard_model_param = model_param.view(-1)[...]: an fp32 parameter's shard, not detached
+        lines=("optimizer/distrib_optimizer.py:421",),
+        reads="model_param.view(-1)",
+    ),
     ModulePatch(
         module="megatron.core.dist_checkpointing.strategies.filesystem_async",
         lines=(
@@ -572,8 +682,10 @@ def install() -> None:
             assert module.torch is torch, (patch.module, module.torch)
             module.torch = host_torch
         elif isinstance(patch, ReplacePatch):
-            _ORIGINALS[patch.name] = getattr(module, patch.name)
-            setattr(module, patch.name, patch.replacement)
+            owner_name, _, attr = patch.name.rpartition(".")  # a function, or Class.method
+            owner = getattr(module, owner_name) if owner_name else module
+            _ORIGINALS[patch.name] = owner.__dict__[attr] if owner_name else getattr(owner, attr)
+            setattr(owner, attr, patch.replacement)
         elif isinstance(patch, FunctionPatch):
             owner_name, _, attr = patch.name.rpartition(".")
             owner = getattr(module, owner_name) if owner_name else module
