@@ -263,6 +263,13 @@ def _check_offload(cfg: UnirlConfig) -> None:
             "critic.optimizer.offload: cpu: the critic's optimizer state stays on the GPU (only "
             "the policy's is offloaded); set critic.optimizer.offload: auto or none"
         )
+    default = type(cfg.critic.optimizer)()
+    for key in ("offload_gpu_gib", "offload_state_fraction"):  # they plan the policy's only
+        if getattr(cfg.critic.optimizer, key) != getattr(default, key):
+            raise ConfigError(
+                f"critic.optimizer.{key} is set, but the critic's optimizer is never offloaded "
+                f"(only the policy's: optimizer.{key}); remove critic.optimizer.{key}"
+            )
     if cfg.optimizer.offload != "cpu":
         return
     support = BACKENDS.get(cfg.backend).optimizer_offload
