@@ -73,9 +73,15 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
     """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
     from unirl.core.protocols.source_plugin import SOURCES
+    from unirl.rollouts.check import rank0_waits_note
 
     source = cfg.rollout.source
-    return {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}
+    return {
+        "source": source,
+        **SOURCES.get(source).describe(cfg),
+        "verify_sync": _verify_note(cfg),
+        "rank0_waits": rank0_waits_note(cfg),
+    }
 
 
 def _verify_note(cfg: UnirlConfig) -> str:

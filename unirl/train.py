@@ -301,7 +301,13 @@ class _Job:
         )
         if self.hook is not None:
             hook_name = str(cfg.algorithm.rollout_postprocess_hook)
-            batch = apply_postprocess_hook(self.hook, batch, k, hook_name)
+            batch = apply_postprocess_hook(
+                self.hook,
+                batch,
+                k,
+                hook_name,
+                timeout_s=cfg.algorithm.rollout_postprocess_timeout_s,
+            )
         result = rl_step.run(batch, rl_step=k, policy_version=self.version)
         self.metrics = (
             result.metrics

@@ -197,3 +197,23 @@ def test_a_run_that_stops_at_a_failure_does_not_wait_out_the_later_samples():
         assert _score(reward, [{}, {}]) == [4.0, 4.0]  # the workers were replaced
     finally:
         reward.close()
+
+
+@pytest.mark.parametrize(
+    ("workers", "timeout_s", "samples", "expected"),
+    [
+        # ceil(10 / 4) = 3 samples per worker: 120 (first start) + 3 x (30 + 120) + 30 slack
+        (4, 30.0, 10, 600.0),
+        # one sample per worker: 120 + 1 x (5 + 120) + 30
+        (8, 5.0, 8, 275.0),
+        (2, None, 8, None),  # no time limit on rank 0: nothing to derive a bound from
+        (0, None, 8, None),  # in the training process
+    ],
+)
+def test_the_waiting_ranks_bound_on_the_rewards_is_what_bounds_them_on_rank0(
+    workers, timeout_s, samples, expected
+):
+    bound = RewardRun(workers=workers, timeout_s=timeout_s, on_error="raise").wait_bound(samples)
+    assert (bound if bound is None else bound[0]) == expected
+    if bound is not None:
+        assert f"rollout.reward_timeout_s={timeout_s:g}" in bound[1]

@@ -412,6 +412,12 @@ class PromptFileTask:
             origins=[p.origin for p in problems],
         )
 
+    def reward_wait_bound(self, samples: int) -> tuple[float, str] | None:
+        """`RewardRun.wait_bound` of the reward (None without workers with a time limit)."""
+        if self.reward_fn is None or self.reward_fn.run is None:
+            return None
+        return self.reward_fn.run.wait_bound(samples)
+
     def close(self) -> None:
         """Stop the reward's worker processes (``rollout.reward_workers``), if any."""
         if self.reward_fn is not None:
