@@ -191,6 +191,13 @@ class VllmRolloutSource(GeneratingSource):
             self._exchange = RolloutExchange(self.options.generation_timeout_s)
         return rank, size, engine_of(rank, self.engines, size)
 
+    def uses_weights_here(self) -> bool:
+        """Whether this rank leads an engine (the other ranks only drain the stream); no
+        collective call, unlike `_world`, so the main thread may ask while the worker of
+        rollouts generated ahead owns the exchange."""
+        rank, size = world()
+        return engine_of(rank, self.engines, size) is not None
+
     def _name(self, engine: int) -> str:
         return "the vLLM engine" if self.engines == 1 else f"vLLM engine {engine}"
 
