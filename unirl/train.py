@@ -259,6 +259,8 @@ class _Job:
 
     def loop(self) -> None:
         """The RL steps, from the first this run has not done to ``total``."""
+        from unirl.rollouts.source import ChecksTrainerFit
+
         cfg, topo = self.cfg, self.topo
         rl_step = RLStep(cfg, self.backend)
         if topo.is_reporting_rank and self.backend.critic is not None:
@@ -271,6 +273,10 @@ class _Job:
         ) as bar:
             for k in range(self.start_step, self.total):
                 self._step(k, rl_step, guard, bars)
+                if k == self.start_step and isinstance(self.source, ChecksTrainerFit):
+                    # the trainer's real peak exists now (gradients, optimizer state): does
+                    # the engine beside it still fit before the next step wakes it
+                    self.source.check_trainer_fit()
                 self._after_step(k + 1, bar)
                 bar.advance(self.metrics)
 

@@ -114,6 +114,15 @@ class UsesWeightsHere(Protocol):
         ...
 
 
+@runtime_checkable
+class ChecksTrainerFit(Protocol):
+    """A source whose engine shares the trainer's GPUs and checks, after the trainer's first RL
+    step, that the trainer's measured peak and the engine's memory fit them
+    (`unirl.rollouts.vllm.fit`). Collective: every rank calls it at the same point."""
+
+    def check_trainer_fit(self) -> None: ...
+
+
 def uses_weights_here(source: RolloutSource) -> bool:
     """`UsesWeightsHere.uses_weights_here`, True for a source without it."""
     return source.uses_weights_here() if isinstance(source, UsesWeightsHere) else True

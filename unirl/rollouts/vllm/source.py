@@ -90,6 +90,7 @@ from unirl.rollouts.vllm.adapter import (
 )
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
 from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, engine_fingerprint, verified_sync
+from unirl.rollouts.vllm.fit import MemoryProbe, act_on, cuda_peak, verdict_here
 from unirl.rollouts.vllm.health import EngineFailure
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
@@ -157,6 +158,8 @@ class VllmRolloutSource(GeneratingSource):
         self._transport: FileTransport | IpcTransport | NcclTransport | None = None
         self._sleep: SleepCycle | None = None
         self._exchange: RolloutExchange | None = None  # made at the first collective call
+        # the trainer's peak on this rank's GPU after its first step (fit.py); a test injects it
+        self.memory_probe: MemoryProbe = cuda_peak
         self._restarts = 0  # of this leader's engine (health.py)
         self._restarts_all = 0  # of every engine, as of the last rollout gathered
         self.lora = cfg.model.lora  # adapter-only sync (`sync_adapter`) when set
@@ -190,6 +193,19 @@ class VllmRolloutSource(GeneratingSource):
             check_engine_count(self.engines, size)
             self._exchange = RolloutExchange(self.options.generation_timeout_s)
         return rank, size, engine_of(rank, self.engines, size)
+
+    def check_trainer_fit(self) -> None:
+        """After the trainer's first RL step: its measured peak plus the engine's allowance on
+        every GPU a colocated engine shares (`unirl.rollouts.vllm.fit`; ``memory_probe`` measures
+        it, a test injects it); stops before the next step where the engine's wake would run out
+        of memory, warns where only the allowance does not fit. Collective over the ranks."""
+        if not torch.cuda.is_available() or self.options.devices is not None:
+            return
+        rank, size, _ = self._world()
+        assert self._exchange is not None
+        mine = verdict_here(self.options, self.memory_probe, rank=rank, world_size=size)
+        verdicts = self._exchange.all_gather(mine, what="the trainer's memory after RL step 1")
+        act_on(verdicts, rank=rank)
 
     def uses_weights_here(self) -> bool:
         """Whether this rank leads an engine (the other ranks only drain the stream); no
