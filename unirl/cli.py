@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from unirl import __version__
-from unirl.core.errors import CollectiveTimeoutError, UnirlError
+from unirl.core.errors import StuckCollectiveError, UnirlError
 from unirl.cpu_threads import apply_cpu_thread_defaults
 from unirl.log_setup import apply_log_level, install_handler
 
@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         sys.stderr.write(f"unirl: error: {_one_line(exc)}\n")
-        if isinstance(exc, CollectiveTimeoutError):
+        if isinstance(exc, StuckCollectiveError):
             from unirl.backends.watchdog import exit_now
 
             exit_now(2)  # a process group with a pending collective cannot be torn down

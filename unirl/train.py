@@ -24,7 +24,7 @@ from unirl.core.config.derived import needs_reference
 from unirl.core.config.paths import check_local_paths
 from unirl.core.config.run_config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.critic import critic_summary
-from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
+from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError, WaitTimeoutError
 from unirl.core.old_logprobs import configured_staleness, decide_old_logprobs
 from unirl.core.progress.bars import (
     GenerationProgress,
@@ -116,6 +116,9 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         job.loop()
         return job.finish()
     except Exception as exc:
+        if isinstance(exc, WaitTimeoutError):  # named already; its wait is still pending
+            timed_out = True
+            raise
         lost = isinstance(exc, CollectiveTimeoutError)  # a wait of unirl's own gave up on a rank
         if not (lost or watchdog.is_collective_timeout(exc) or watchdog.is_peer_gone(exc)):
             raise

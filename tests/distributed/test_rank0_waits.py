@@ -94,7 +94,7 @@ def test_an_eval_longer_than_the_training_timeout_finishes(tmp_path):
 def test_an_eval_longer_than_eval_timeout_is_one_named_error(tmp_path):
     _, r1 = run_distributed(_eval_rank, 2, str(tmp_path), 2.0, 1.0)
     assert r1["error"].startswith(
-        "RunError: rank 1 waited more than eval.timeout_s=1 s for the evaluation after RL step 1"
+        "WaitTimeoutError: rank 1 waited more than eval.timeout_s=1 s for the evaluation after RL step 1"
     ), r1
 
 
@@ -139,7 +139,7 @@ def test_a_hook_longer_than_the_training_timeout_finishes(tmp_path):
 def test_a_hook_past_its_own_timeout_is_one_named_error_on_the_waiting_rank(tmp_path):
     _, r1 = run_distributed(_hook_rank, 2, str(tmp_path), 1.0)
     assert r1["error"].startswith(
-        "RunError: rank 1 waited more than algorithm.rollout_postprocess_timeout_s=1 s for "
+        "WaitTimeoutError: rank 1 waited more than algorithm.rollout_postprocess_timeout_s=1 s for "
         "algorithm.rollout_postprocess_hook='slow_hook' on the rollout of RL step 1"
     ), r1
     assert r1["waited"] < TRAINING_TIMEOUT_S + 1.5  # it did not wait for the hook's end
@@ -217,7 +217,7 @@ def test_rank0_stuck_past_the_rewards_bound_is_one_named_error_on_the_waiting_ra
     # rank 1's bound: 0.5 (start) + 2 samples per worker x (0.5 timeout + 0.5 start) + 0.5 = 3 s
     _, r1 = run_distributed(_reward_rank, 2, str(tmp_path), 0.0, 0.5)
     assert r1["error"].startswith(
-        "RunError: rank 1 waited more than 3 s (rollout.reward_timeout_s=0.5 for each of 2 "
+        "WaitTimeoutError: rank 1 waited more than 3 s (rollout.reward_timeout_s=0.5 for each of 2 "
         "samples per worker on rollout.reward_workers=2, 0.5 s per worker start, 0.5 s slack) "
         "for the rewards of 4 samples (rank 0 scores them)"
     ), r1
@@ -242,7 +242,17 @@ class PidTool:
         return "=" + str(os.getpid() % 10), float(os.getpid()), self.turns == 2
 
 
-def _episode_rank(rank: int, world: int, log: str) -> dict:
+class BrokenTool(PidTool):
+    """`PidTool` whose step raises (``$BROKEN_TOOL`` = raise) or hangs 2.5 s (= hang)."""
+
+    def step(self, turn):
+        if os.environ["BROKEN_TOOL"] == "raise":
+            raise ValueError("the tool broke")
+        time.sleep(2.5)  # past the 1-s env_step_timeout_s
+        return super().step(turn)
+
+
+def _episode_rank(rank: int, world: int, log: str, broken: str = "") -> dict:
     import torch
 
     from tests.tiny_models import tiny_llama
@@ -252,6 +262,7 @@ def _episode_rank(rank: int, world: int, log: str) -> dict:
 
     torch.set_num_threads(1)
     os.environ["PID_TOOL_LOG"] = log
+    os.environ["BROKEN_TOOL"] = broken
     task = make_task("tool_lookup")
     source = SamplerRolloutSource(
         task,
@@ -263,11 +274,15 @@ def _episode_rank(rank: int, world: int, log: str) -> dict:
         max_new_tokens=3,
         seed=3,
         verify_sync=True,
-        environment=PidTool,
-        episode_limits=EpisodeLimits(max_turns=3, max_tokens=16),
+        environment=BrokenTool if broken else PidTool,
+        episode_limits=EpisodeLimits(max_turns=3, max_tokens=16, step_timeout_s=1.0),
         max_seq_len=24,
     )
-    batch = source.next_rollout(0)
+    t0 = time.monotonic()
+    try:
+        batch = source.next_rollout(0)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "waited": time.monotonic() - t0}
     return {
         "pid": os.getpid(),
         "rewards": [s.reward for s in batch.samples],
@@ -286,3 +301,19 @@ def test_sampler_episodes_run_once_on_rank0_and_every_rank_holds_its_batch(tmp_p
     assert r0["rewards"] == r1["rewards"]
     assert set(r0["rewards"]) <= {0.0, float(r0["pid"]), 2.0 * r0["pid"]} and any(r0["rewards"])
     assert r0["tokens"] == r1["tokens"] and r0["mask"] == r1["mask"]
+
+
+@pytest.mark.parametrize(
+    ("broken", "words"),
+    [("raise", "ValueError: the tool broke"), ("hang", "env_step_timeout_s=1")],
+)
+def test_an_environment_that_fails_on_rank0_stops_both_ranks_with_its_error(
+    tmp_path, broken, words
+):
+    """The episodes run on rank 0 only: its tool raising, or hanging past
+    ``rollout.env_step_timeout_s``, is rank 0's error, and rank 1 raises the same one at once
+    (it does not wait out a bound of its own for a rank that already failed)."""
+    r0, r1 = run_distributed(_episode_rank, 2, str(tmp_path / "calls.txt"), broken)
+    assert r0["error"] == r1["error"], (r0, r1)
+    assert r1["error"].startswith("RolloutDataError: ") and words in r1["error"], r1
+    assert r1["waited"] < 5.0  # the hang: 1 s, then the error travels

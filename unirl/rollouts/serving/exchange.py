@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unirl.core.errors import CollectiveTimeoutError, RunError
+from unirl.core.errors import CollectiveTimeoutError, WaitTimeoutError
 from unirl.rollouts.collectives import rollout_group
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class RolloutExchange:
                     f"parallel.timeout_s={_peer_timeout_s():g} s (hung, stopped or dead)"
                 )
             if time.monotonic() > deadline:
-                raise RunError(
+                raise WaitTimeoutError(
                     f"rank {self.rank} waited more than {self.limit} for {what}; {self.advice}"
                 )
             time.sleep(_POLL_S)
