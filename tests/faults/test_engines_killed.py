@@ -48,11 +48,14 @@ def _start(tmp_path: Path, steps: int, *sets: str) -> tuple[subprocess.Popen, st
 
 
 def _engine_core_of_rank(proc: subprocess.Popen, rank: int) -> psutil.Process:
-    for p in psutil.Process(proc.pid).children(recursive=True):
+    """The engine core below the trainer process of global rank ``rank`` (the engine's own
+    environment drops the launcher's RANK, the trainer's keeps it)."""
+    for trainer in psutil.Process(proc.pid).children():
         try:
-            if "EngineCore" in p.name() and p.environ().get("RANK") == str(rank):
-                return p
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            if trainer.environ().get("RANK") != str(rank):
+                continue
+            return next(p for p in trainer.children(recursive=True) if "EngineCore" in p.name())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, StopIteration):
             continue
     raise AssertionError(f"no engine core of rank {rank}")
 
