@@ -3,8 +3,9 @@ killed in the middle of ``unirl train examples/tiny_grpo_vllm.yaml``: engine 1's
 which rank 1 drives, once step 1's metrics are written. With restarts left, rank 1 restarts its
 engine and the run finishes with the numbers of the uninterrupted one-engine run (per-sample
 seeds: two engines reproduce it, `tests/distributed/test_vllm_engines.py`); with
-``rollout.vllm.max_restarts=0`` every rank stops with the same one line naming engine 1, within
-a bound, and no process of the run is left. Slow tier: two engines start (minutes on the CPU)."""
+``rollout.vllm.max_restarts=0`` every rank stops with the same one line naming engine 1 (the
+launcher may end rank 0 before it prints its copy), within a bound, and no process of the run is
+left. Slow tier: two engines start (minutes on the CPU)."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def test_one_of_two_engines_killed_with_no_restarts_is_one_line_per_rank(tmp_pat
     elapsed = time.monotonic() - killed
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("unirl: error:")]
-    assert len(errors) == 2 and errors[0] == errors[1], stderr[-4000:]
-    assert "vLLM engine 1 died during " in errors[0], errors[0]
+    # each rank raises the same error; the launcher may end rank 0 before it prints it
+    assert len(errors) in (1, 2) and len(set(errors)) == 1, stderr[-4000:]
+    assert errors[0].startswith("unirl: error: vLLM engine 1 died during "), errors[0]
     assert "rollout.vllm.max_restarts=0" in errors[0] and "--resume" in errors[0]
     assert elapsed < 2 * BOUND_S, elapsed  # two ranks' shutdowns on the 2-core machine
     assert not _left_over(marker)

@@ -217,8 +217,11 @@ class VllmRolloutSource(GeneratingSource):
     def _name(self, engine: int) -> str:
         return "the vLLM engine" if self.engines == 1 else f"vLLM engine {engine}"
 
-    def _tag(self, engine: int) -> str:
-        return f"vLLM engine {engine}: " if self.engines > 1 else ""
+    def _tagged(self, engine: int, message: str) -> str:
+        """``message`` led by the engine's name with several engines, unless it starts with it
+        (a restart's error names its engine already)."""
+        name = f"vLLM engine {engine}"
+        return message if self.engines == 1 or message.startswith(name) else f"{name}: {message}"
 
     @property
     def weights_device(self) -> torch.device:
@@ -271,9 +274,9 @@ class VllmRolloutSource(GeneratingSource):
             try:
                 work(engine)
             except SyncVerificationError as exc:  # travels as it is: its type says what failed
-                error = SyncVerificationError(self._tag(engine) + str(exc), exc.layer)
+                error = SyncVerificationError(self._tagged(engine, str(exc)), exc.layer)
             except UnirlError as exc:
-                error = self._tag(engine) + str(exc)
+                error = self._tagged(engine, str(exc))
             except Exception as exc:
                 error = (
                     f"the {what} to {self._name(engine)} failed ({type(exc).__name__}: "
@@ -454,7 +457,7 @@ class VllmRolloutSource(GeneratingSource):
                 else:
                     mine = self._generate_share(problems, engine)
             except UnirlError as exc:
-                mine = self._tag(engine) + str(exc)
+                mine = self._tagged(engine, str(exc))
             except Exception as exc:  # the engine died or refused the requests
                 logger.debug("vLLM generation failed", exc_info=True)
                 mine = (
