@@ -217,3 +217,23 @@ def test_the_waiting_ranks_bound_on_the_rewards_is_what_bounds_them_on_rank0(
     assert (bound if bound is None else bound[0]) == expected
     if bound is not None:
         assert f"rollout.reward_timeout_s={timeout_s:g}" in bound[1]
+
+
+def test_check_prints_each_wait_for_rank0s_work():
+    """`unirl check`'s rank0_waits line: tiny_math's 16 x 8 = 128 samples on 2 workers are 64
+    per worker: 120 + 64 x (5 + 120) + 30 = 8150 s; the hook's own key; vLLM scores with the
+    rollout (its generation timeout's wait)."""
+    from pathlib import Path
+
+    from unirl.core.config.run_config import load_config
+    from unirl.rollouts.check import rank0_waits_note
+
+    examples = Path(__file__).parents[2] / "examples"
+    sets = ["rollout.reward_workers=2", "rollout.reward_timeout_s=5",
+            f"algorithm.rollout_postprocess_hook={MODULE}:counted_hook",
+            "algorithm.rollout_postprocess_timeout_s=90"]  # fmt: skip
+    note = rank0_waits_note(load_config(examples / "tiny_math.yaml", sets))
+    assert "the rewards at most 8150 s (rollout.reward_timeout_s=5 for each of 64 samples" in note
+    assert "the hook at most algorithm.rollout_postprocess_timeout_s=90 s" in note
+    vllm = rank0_waits_note(load_config(examples / "tiny_grpo_vllm.yaml", []))
+    assert "the rewards within the rollout's own wait" in vllm

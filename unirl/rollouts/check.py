@@ -86,6 +86,8 @@ def rank0_waits_note(cfg: UnirlConfig) -> str:
         else "the rewards as long as rank 0 scores (in the training process, which nothing "
         "there stops; rollout.reward_workers with rollout.reward_timeout_s bounds them)"
     )
+    if r.source != "sampler":  # vLLM, the agents: scored with the rollout, within its wait
+        rewards = "the rewards within the rollout's own wait (scored with it on rank 0)"
     parts = [rewards] if SOURCES.get(r.source).generates else []
     if a.rollout_postprocess_hook is not None:
         limit = a.rollout_postprocess_timeout_s
