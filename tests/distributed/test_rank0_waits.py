@@ -305,7 +305,11 @@ def test_sampler_episodes_run_once_on_rank0_and_every_rank_holds_its_batch(tmp_p
 
 @pytest.mark.parametrize(
     ("broken", "words"),
-    [("raise", "ValueError: the tool broke"), ("hang", "env_step_timeout_s=1")],
+    [
+        ("raise", "ValueError: the tool broke"),
+        # the same path after rank 0's own timeout; the job-level case is in tests/faults
+        pytest.param("hang", "env_step_timeout_s=1", marks=pytest.mark.slow),
+    ],
 )
 def test_an_environment_that_fails_on_rank0_stops_both_ranks_with_its_error(
     tmp_path, broken, words
