@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from unirl import __version__
-from unirl.core.errors import CollectiveTimeoutError, UnirlError
+from unirl.core.errors import StuckCollectiveError, UnirlError
 from unirl.cpu_threads import apply_cpu_thread_defaults
 from unirl.log_setup import apply_log_level, install_handler
 
@@ -74,9 +74,15 @@ def _plan_summary(cfg: UnirlConfig) -> dict[str, Any]:
 def _rollout_summary(cfg: UnirlConfig) -> dict[str, Any]:
     """The source and what its plug-in says about it (`SourcePlugin.describe`)."""
     from unirl.core.protocols.source_plugin import SOURCES
+    from unirl.rollouts.check import rank0_waits_note
 
     source = cfg.rollout.source
-    return {"source": source, **SOURCES.get(source).describe(cfg), "verify_sync": _verify_note(cfg)}
+    return {
+        "source": source,
+        **SOURCES.get(source).describe(cfg),
+        "verify_sync": _verify_note(cfg),
+        "rank0_waits": rank0_waits_note(cfg),
+    }
 
 
 def _verify_note(cfg: UnirlConfig) -> str:
@@ -431,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         sys.stderr.write(f"unirl: error: {_one_line(exc)}\n")
-        if isinstance(exc, CollectiveTimeoutError):
+        if isinstance(exc, StuckCollectiveError):
             from unirl.backends.watchdog import exit_now
 
             exit_now(2)  # a process group with a pending collective cannot be torn down

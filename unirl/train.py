@@ -24,7 +24,7 @@ from unirl.core.config.derived import needs_reference
 from unirl.core.config.paths import check_local_paths
 from unirl.core.config.run_config import UnirlConfig, config_from_dict, policy_rl_steps
 from unirl.core.critic import critic_summary
-from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError
+from unirl.core.errors import CollectiveTimeoutError, ConfigError, RunError, WaitTimeoutError
 from unirl.core.old_logprobs import configured_staleness, decide_old_logprobs
 from unirl.core.progress.bars import (
     GenerationProgress,
@@ -116,6 +116,9 @@ def train(cfg: UnirlConfig, *, resume: bool = False, overwrite: bool = False) ->
         job.loop()
         return job.finish()
     except Exception as exc:
+        if isinstance(exc, WaitTimeoutError):  # named already; its wait is still pending
+            timed_out = True
+            raise
         lost = isinstance(exc, CollectiveTimeoutError)  # a wait of unirl's own gave up on a rank
         if not (lost or watchdog.is_collective_timeout(exc) or watchdog.is_peer_gone(exc)):
             raise
@@ -259,6 +262,8 @@ class _Job:
 
     def loop(self) -> None:
         """The RL steps, from the first this run has not done to ``total``."""
+        from unirl.rollouts.source import ChecksTrainerFit
+
         cfg, topo = self.cfg, self.topo
         rl_step = RLStep(cfg, self.backend)
         if topo.is_reporting_rank and self.backend.critic is not None:
@@ -271,6 +276,10 @@ class _Job:
         ) as bar:
             for k in range(self.start_step, self.total):
                 self._step(k, rl_step, guard, bars)
+                if k == self.start_step and isinstance(self.source, ChecksTrainerFit):
+                    # the trainer's real peak exists now (gradients, optimizer state): does
+                    # the engine beside it still fit before the next step wakes it
+                    self.source.check_trainer_fit()
                 self._after_step(k + 1, bar)
                 bar.advance(self.metrics)
 
@@ -301,7 +310,13 @@ class _Job:
         )
         if self.hook is not None:
             hook_name = str(cfg.algorithm.rollout_postprocess_hook)
-            batch = apply_postprocess_hook(self.hook, batch, k, hook_name)
+            batch = apply_postprocess_hook(
+                self.hook,
+                batch,
+                k,
+                hook_name,
+                timeout_s=cfg.algorithm.rollout_postprocess_timeout_s,
+            )
         result = rl_step.run(batch, rl_step=k, policy_version=self.version)
         self.metrics = (
             result.metrics

@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, prompts: str, log: str, hook_log: str) -> dict:
         batch = source.next_rollout(k)
         out["rewards"].append([s.reward for s in batch.samples])
         out["expected"].append([float(len(s.metadata["response"])) for s in batch.samples])
-        hooked = apply_postprocess_hook(counted_hook, batch, k, "counted_hook")
+        hooked = apply_postprocess_hook(counted_hook, batch, k, "counted_hook", timeout_s=60.0)
         out["hooked"].append([s.reward for s in hooked.samples])
     source.close()
     return out

@@ -45,6 +45,25 @@ def kill_rank_in_worker(spec: str) -> None:
     async_source.RolloutsAhead._generate = generate
 
 
+def hang_eval(step: str) -> None:
+    """Global rank 0's evaluation after RL step ``step`` hangs (sleeps ten minutes): the other
+    ranks wait for it at most ``eval.timeout_s``."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    import time
+
+    from unirl.rollouts.eval.evaluator import Evaluator
+
+    original = Evaluator._evaluate
+
+    def evaluate(self, done):
+        if done == int(step):
+            time.sleep(600)
+        return original(self, done)
+
+    Evaluator._evaluate = evaluate
+
+
 def adapter_delivery() -> tuple[tuple[type, str], ...]:
     """The methods that hand an adapter to its receiver (what `drop_adapter_sync` patches; a
     test in one process puts every one of them back afterwards)."""
@@ -73,6 +92,7 @@ def drop_adapter_sync(n: str) -> None:
 FAULTS: dict[str, Callable[[str], None]] = {
     "disk_full_at_checkpoint": disk_full_at_checkpoint,
     "drop_adapter_sync": drop_adapter_sync,
+    "hang_eval": hang_eval,
     "kill_rank_in_worker": kill_rank_in_worker,
 }
 

@@ -295,3 +295,55 @@ def test_the_source_is_closed_even_when_stopping_the_worker_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="would not stop"):
         ahead.close()
     assert source.calls[-1] == ("close", -1)
+
+
+def test_only_the_ranks_that_lead_an_engine_keep_a_snapshot(monkeypatch):
+    """Several vLLM engines: every rank receives the stream, only the engines' leaders send it
+    on, so only they keep the weights for the rollouts ahead. 2 engines on 4 ranks lead from
+    ranks 0 and 2 (`placement.leaders`): those two hold a snapshot (the source gets both
+    tensors), ranks 1 and 3 run the stream to its end and hold nothing (the tensors are freed
+    when the sync returns)."""
+    import types
+
+    from unirl.rollouts.vllm import source as vllm_source
+
+    class Counting(_RecordingSource):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.rank, self.received = rank, []
+
+        def uses_weights_here(self) -> bool:  # vLLM's own answer, for this rank of 4
+            monkeypatch.setattr(vllm_source, "world", lambda: (self.rank, 4))
+            return vllm_source.VllmRolloutSource.uses_weights_here(types.SimpleNamespace(engines=2))
+
+        def sync_weights(self, buckets, *, policy_version: int) -> None:
+            names = [name for bucket in buckets for name, _ in bucket]
+            self.received.append(len(names))
+            self.weight, self.version = 0.0, policy_version
+
+    snapshots, freed, streamed = [], [], []
+    for rank in range(4):
+        source = Counting(rank)
+        ahead = RolloutsAhead(source, max_staleness=1)
+        sent, refs = [], []
+
+        def stream(sent=sent, refs=refs):  # the stream's own buckets: no one else holds them
+            for name, size in (("w", 3), ("b", 2)):
+                tensor = torch.ones(size)
+                refs.append(weakref.ref(tensor))
+                sent.append(name)
+                yield [(name, tensor)]
+
+        try:
+            ahead.sync_weights(stream(), policy_version=0)
+            gc.collect()
+            freed.append(all(ref() is None for ref in refs))
+            ahead.next_rollout(0)  # rollouts 0 and 1 from W_0
+            ahead.take(1)
+        finally:
+            ahead.close()
+        snapshots.append(sum(1 for n in source.received if n))
+        streamed.append(sent)
+    assert snapshots == [2, 0, 2, 0]  # two rollouts synced from a snapshot, on leaders only
+    assert freed == [False, True, False, True]
+    assert streamed == [["w", "b"]] * 4  # every rank ran the stream to its end

@@ -238,3 +238,14 @@ def test_a_hub_id_given_as_a_path_says_how_to_download_it(capsys, tmp_path, comm
     line = _error(capsys, [command, TINY, "--set", "model.path=/no/such/model", "--set", NO_HF,
                            *run])  # fmt: skip
     assert "Hub id" not in line
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_one_line(capsys, tmp_path):
+    """The tiny examples' character tokenizer has no unknown token: a held-out prompt with a
+    character outside it crashed `check` (and `train`) with the tokenizer's traceback."""
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "What is 1 plus 1? Answer:", "metadata": {"answer": 2}}\n')
+    line = _error(
+        capsys, ["check", str(EXAMPLES / "tiny_math.yaml"), "--set", f"eval={{prompts: {held}}}"]
+    )
+    assert f"{held} line 1: the tokenizer cannot encode the prompt 'What is 1 plus" in line, line

@@ -197,3 +197,43 @@ def test_a_run_that_stops_at_a_failure_does_not_wait_out_the_later_samples():
         assert _score(reward, [{}, {}]) == [4.0, 4.0]  # the workers were replaced
     finally:
         reward.close()
+
+
+@pytest.mark.parametrize(
+    ("workers", "timeout_s", "samples", "expected"),
+    [
+        # ceil(10 / 4) = 3 samples per worker: 120 (first start) + 3 x (30 + 120) + 30 slack
+        (4, 30.0, 10, 600.0),
+        # one sample per worker: 120 + 1 x (5 + 120) + 30
+        (8, 5.0, 8, 275.0),
+        (2, None, 8, None),  # no time limit on rank 0: nothing to derive a bound from
+        (0, None, 8, None),  # in the training process
+    ],
+)
+def test_the_waiting_ranks_bound_on_the_rewards_is_what_bounds_them_on_rank0(
+    workers, timeout_s, samples, expected
+):
+    bound = RewardRun(workers=workers, timeout_s=timeout_s, on_error="raise").wait_bound(samples)
+    assert (bound if bound is None else bound[0]) == expected
+    if bound is not None:
+        assert f"rollout.reward_timeout_s={timeout_s:g}" in bound[1]
+
+
+def test_check_prints_each_wait_for_rank0s_work():
+    """`unirl check`'s rank0_waits line: tiny_math's 16 x 8 = 128 samples on 2 workers are 64
+    per worker: 120 + 64 x (5 + 120) + 30 = 8150 s; the hook's own key; vLLM scores with the
+    rollout (its generation timeout's wait)."""
+    from pathlib import Path
+
+    from unirl.core.config.run_config import load_config
+    from unirl.rollouts.check import rank0_waits_note
+
+    examples = Path(__file__).parents[2] / "examples"
+    sets = ["rollout.reward_workers=2", "rollout.reward_timeout_s=5",
+            f"algorithm.rollout_postprocess_hook={MODULE}:counted_hook",
+            "algorithm.rollout_postprocess_timeout_s=90"]  # fmt: skip
+    note = rank0_waits_note(load_config(examples / "tiny_math.yaml", sets))
+    assert "the rewards at most 8150 s (rollout.reward_timeout_s=5 for each of 64 samples" in note
+    assert "the hook at most algorithm.rollout_postprocess_timeout_s=90 s" in note
+    vllm = rank0_waits_note(load_config(examples / "tiny_grpo_vllm.yaml", []))
+    assert "the rewards within the rollout's own wait" in vllm

@@ -537,3 +537,66 @@ def test_sleep_cycle_call_sequence(mode, level):
 def test_sleep_off_makes_no_calls():
     llm = FakeLlm()
     assert _two_steps(SleepCycle(llm, "off"), llm) == [("sync",), ("generate",)] * 2
+
+
+def test_fit_after_the_first_step_stops_with_sleep_and_warns_without():
+    """After step 1 on an 80 GiB card, gpu_memory_utilization 0.5 (40 GiB for the engine): a
+    trainer peak of 30 GiB fits (70 <= 0.98 x 80 = 78.4); 45 GiB does not (85): with sleep the
+    engine's wake would not fit (stop), without sleep both held their memory through step 1
+    (warn). The value that fits: (80 - 45) / 80 - 0.02 = 0.4175."""
+    from unirl.rollouts.vllm.fit import verdict
+
+    assert verdict(30 * GIB, 80 * GIB, utilization=0.5, sleep="offload", device="cuda:0") is None
+    stop = verdict(45 * GIB, 80 * GIB, utilization=0.5, sleep="offload", device="cuda:0")
+    warn = verdict(45 * GIB, 80 * GIB, utilization=0.5, sleep="off", device="cuda:0")
+    assert stop is not None and stop.stop and warn is not None and not warn.stop
+    for v in (stop, warn):
+        assert "peak on cuda:0 is 45.0 GiB of the card's 80.0 GiB" in v.message
+        assert "gpu_memory_utilization=0.5 gives the engine 40.0 GiB" in v.message
+        assert "Set rollout.vllm.gpu_memory_utilization <= 0.42" in v.message
+    assert "wake (rollout.vllm.sleep='offload')" in stop.message
+
+
+def test_fit_after_the_first_step_probes_every_gpu_of_the_engine_and_stops_every_rank(
+    monkeypatch, caplog
+):
+    """One TP-2 engine on 4 ranks takes the GPUs of ranks 0 and 1: only those are probed (the
+    injected probe: rank 1's trainer peaked at 60 of 80 GiB), and the stop reaches every rank
+    through the source's own gather; without sleep rank 0 logs the warning and none stops."""
+    import types
+
+    from unirl.rollouts.vllm import source as vllm_source
+    from unirl.rollouts.vllm.fit import act_on, verdict_here
+
+    peaks = {0: 20 * GIB, 1: 60 * GIB}
+    probed: list[int] = []
+    for sleep in ("discard", "off"):
+        options = VllmOptions(tensor_parallel_size=2, gpu_memory_utilization=0.4, sleep=sleep)
+        mine = []
+        for rank in range(4):
+
+            def probe(rank=rank):
+                probed.append(rank)
+                return peaks[rank], 80 * GIB
+
+            mine.append(verdict_here(options, probe, rank=rank, world_size=4))
+        assert mine[0] is None and mine[1] is not None and mine[2:] == [None, None]
+        # the source's method, with the gathered verdicts of the 4 ranks
+        monkeypatch.setattr(vllm_source.torch.cuda, "is_available", lambda: True)
+        for rank in range(4):
+            stub = types.SimpleNamespace(
+                options=options,
+                memory_probe=lambda: (0, 80 * GIB),
+                _world=lambda rank=rank: (rank, 4, None),
+                _exchange=types.SimpleNamespace(all_gather=lambda own, what, mine=mine: mine),
+            )
+            if sleep == "discard":
+                with pytest.raises(ConfigError, match=r"GPU of rank 1 is 60.0 GiB.*<= 0.23"):
+                    vllm_source.VllmRolloutSource.check_trainer_fit(stub)
+            else:
+                with caplog.at_level("WARNING", logger="unirl.rollouts.vllm.fit"):
+                    caplog.clear()
+                    vllm_source.VllmRolloutSource.check_trainer_fit(stub)
+                assert len(caplog.records) == (1 if rank == 0 else 0)
+        act_on([None] * 4, rank=0)  # all fit: nothing
+    assert probed == [0, 1, 0, 1]

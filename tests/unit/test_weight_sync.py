@@ -134,6 +134,16 @@ def test_file_sourced_run_streams_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(HFBackend, "stream_weights", forbidden("stream_weights"))
     monkeypatch.setattr(HFBackend, "hf_state_dict", forbidden("hf_state_dict"))
+    # a source that checks the trainer's fit (vLLM colocated) is asked once, after step 1
+    from unirl.rollouts.source import FileRolloutSource
+
+    fit_checked_after: list[int] = []
+
+    def check_trainer_fit(self) -> None:
+        metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        fit_checked_after.append(len(metrics))
+
+    monkeypatch.setattr(FileRolloutSource, "check_trainer_fit", check_trainer_fit, raising=False)
     cfg = load_config(
         EXAMPLES / "tiny_grpo.yaml",
         [f"logging.run_dir={tmp_path / 'run'}", "logging.tensorboard=false",
@@ -143,3 +153,4 @@ def test_file_sourced_run_streams_nothing(tmp_path, monkeypatch):
     summary = train(with_rollout_file(cfg, str(EXAMPLES / "tiny_rollouts.jsonl")))
     assert summary.steps_done == 2  # the file's two rollouts
     assert calls == []
+    assert fit_checked_after == [1]

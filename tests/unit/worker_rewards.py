@@ -66,3 +66,9 @@ def leaves_a_process_and_hangs(prompts, responses, metadata, *, pid_file, **_):
         handle.write(str(sleeper.pid))
     time.sleep(300)
     return [0.0] * len(responses)
+
+
+def sleeps(prompts, responses, metadata, *, seconds, **_):
+    """len(response) per sample, after ``seconds`` per call (one sample per call in a worker)."""
+    time.sleep(seconds)
+    return [float(len(r)) for r in responses]

@@ -28,9 +28,20 @@ class RunError(UnirlError, RuntimeError):
     the newest complete checkpoint is left intact."""
 
 
-class CollectiveTimeoutError(RunError):
+class StuckCollectiveError(RunError):
+    """A rank gave up on a collective that is still pending: the process group cannot be torn
+    down cleanly after it (gloo's threads wait in it), so the command exits at once."""
+
+
+class CollectiveTimeoutError(StuckCollectiveError):
     """A collective waited ``parallel.timeout_s`` for a rank that stopped answering. The process
     group cannot be torn down cleanly after it, so the command exits at once."""
+
+
+class WaitTimeoutError(StuckCollectiveError):
+    """A rank waited past the own deadline of work another rank does (an evaluation, rewards,
+    the post-processing hook, a generation: `unirl.rollouts.serving.exchange.RolloutExchange`).
+    Its message names what it waited for and the setting; its wait is still pending."""
 
 
 class KeyedConfigError(ConfigError):

@@ -14,7 +14,9 @@ worker thread calls the wrapped source (sync, then generate) in rollout order on
 weights taken at submission, so a seeded run gives the same rollouts and metrics for a given k
 whatever the timing. No copy of the weights is taken beyond the sync's buckets (the stream's
 own memory): one model copy at a time in the steady state, a second only while a rollout waits in
-the queue for the worker, and none on a rank that receives no weights.
+the queue for the worker, and none on a rank that receives no weights or only runs the stream's
+collectives for them (several vLLM engines: the ranks that lead no engine,
+`unirl.rollouts.source.UsesWeightsHere`).
 
 Several trainer processes (torchrun): every rank runs a worker and submits the same schedule. A
 source generates as in the synchronous loop (the built-in sampler on every rank, from its own full
@@ -44,9 +46,9 @@ import torch.distributed as dist
 from unirl.core.data.rollout import RolloutBatch
 from unirl.core.errors import ConfigError
 from unirl.core.progress.bars import GenerationProgress
-from unirl.core.weights.stream import HOST, MIB, Bucket, bucketed
+from unirl.core.weights.stream import HOST, MIB, Bucket, bucketed, drain
 from unirl.rollouts.collectives import bind_rollout_group, new_rollout_group
-from unirl.rollouts.source import MeasuresRollouts, RolloutSource
+from unirl.rollouts.source import MeasuresRollouts, RolloutSource, uses_weights_here
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -154,7 +156,11 @@ class RolloutsAhead:
         """Keep the trainer's weights (gathered on the receiving rank(s); empty elsewhere) for
         the rollouts the next `next_rollout` queues. The wrapped source gets them in the worker,
         before each rollout generated from them."""
-        self._weights = {name: t for bucket in buckets for name, t in bucket}
+        if uses_weights_here(self.source):
+            self._weights = {name: t for bucket in buckets for name, t in bucket}
+        else:  # a rank that feeds no engine keeps no snapshot: it only runs the stream
+            drain(buckets)
+            self._weights = {}
         self._version = policy_version
 
     def next_rollout(

@@ -73,3 +73,34 @@ def check_rollout_config(cfg: UnirlConfig) -> None:
     if r.environment is not None:  # imported (or looked up) and one instance built
         environment_factory(r.environment, r.environment_options)
     load_postprocess_hook(cfg)
+
+
+def rank0_waits_note(cfg: UnirlConfig) -> str:
+    """What `unirl check` says about the other ranks' waits for the work rank 0 does once
+    (`unirl.rollouts.once`): each bounded by the work's own timeout, never parallel.timeout_s."""
+    r, a = cfg.rollout, cfg.algorithm
+    bound = RewardRun.of(cfg).wait_bound(cfg.layout.rollout_samples) if r.prompts else None
+    rewards = (
+        f"the rewards at most {bound[1]}"
+        if bound is not None
+        else "the rewards as long as rank 0 scores (in the training process, which nothing "
+        "there stops; rollout.reward_workers with rollout.reward_timeout_s bounds them)"
+    )
+    if r.source != "sampler":  # vLLM, the agents: scored with the rollout, within its wait
+        rewards = "the rewards within the rollout's own wait (scored with it on rank 0)"
+    parts = [rewards] if SOURCES.get(r.source).generates else []
+    if a.rollout_postprocess_hook is not None:
+        limit = a.rollout_postprocess_timeout_s
+        parts.append(
+            "the hook as long as it runs (algorithm.rollout_postprocess_timeout_s: null)"
+            if limit is None
+            else f"the hook at most algorithm.rollout_postprocess_timeout_s={limit:g} s"
+        )
+    if cfg.eval is not None:
+        parts.append(f"the evaluation at most eval.timeout_s={cfg.eval.timeout_s:g} s")
+    if not parts:
+        return "nothing: rank 0 runs no work once for the others"
+    return (
+        "with several ranks, rank 0 runs each once and the others wait on a group of their "
+        "own: " + "; ".join(parts)
+    )

@@ -7,10 +7,13 @@ broadcasts what it returned. A failure on rank 0 is broadcast too, so every rank
 of waiting for a result that never comes. One process (or no process group): a plain call.
 
 The other ranks wait on the bounded exchange the vLLM rollouts use (`RolloutExchange`: a gloo
-group of its own, polled), never in a training collective: a long evaluation is bounded by
-``eval.timeout_s``, not by ``parallel.timeout_s``. Work without a deadline of its own here
-(``timeout_s`` None: rewards, whose samples rank 0 bounds by ``rollout.reward_timeout_s``;
-episodes, whose environment calls it bounds by ``rollout.env_step_timeout_s``; the hook) is
+group of its own, polled), never in a training collective, each wait bounded by the work's own
+timeout, never by ``parallel.timeout_s``: an evaluation by ``eval.timeout_s``, the hook by
+``algorithm.rollout_postprocess_timeout_s``, rewards in worker processes by what bounds them on
+rank 0 (``rollout.reward_timeout_s`` per sample, `RewardRun.wait_bound`). Past it the waiting
+rank stops with an error naming what it waited for and the setting. Work with no bound on rank 0
+either (``timeout_s`` None: a reward in the training process; episodes, whose generation has no
+timeout on the sampler though each environment call has ``rollout.env_step_timeout_s``) is
 waited for as long as rank 0 works on it.
 
 The broadcast is a collective: every rank must call `on_rank0` at the same point of the job. In
@@ -73,15 +76,17 @@ def on_rank0(
     timeout_s: float | None = None,
     key: str = "",
     advice: str = "",
+    limit: str | None = None,
 ) -> T:
     """``fn()`` run on global rank 0, its result on every rank; ``what`` names the work in the
-    errors of the other ranks. They wait at most ``timeout_s`` (the setting ``key``; None: as long
-    as rank 0 works), then raise a `RunError` naming ``key`` and ending with ``advice``."""
+    errors of the other ranks. They wait at most ``timeout_s`` (the setting ``key``, or as
+    ``limit`` names a bound derived from several; None: as long as rank 0 works), then raise a
+    `RunError` naming it and ending with ``advice``."""
     rank, world = _world()
     if world == 1:
         return fn()
     group = None if rollout_group() is not None else waits_group()
-    exchange = RolloutExchange(timeout_s, key=key, advice=advice, group=group)
+    exchange = RolloutExchange(timeout_s, key=key, advice=advice, group=group, limit=limit)
     box: object = None
     failure: BaseException | None = None
     if rank == 0:

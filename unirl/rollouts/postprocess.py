@@ -7,7 +7,8 @@ in the training process. Its signature is::
     def hook(batch: RolloutBatch, *, rl_step: int) -> RolloutBatch
 
 It runs once, on global rank 0, and the batch it returns is broadcast to the other ranks
-(`unirl.rollouts.once`). What it returns is
+(`unirl.rollouts.once`), which wait for it at most ``algorithm.rollout_postprocess_timeout_s``
+(then stop the run naming the hook; rank 0 does not interrupt it). What it returns is
 validated like any rollout (a hook that breaks the contract stops the step with
 `RolloutDataError` before anything is trained). `unirl check` imports it and checks the
 signature, so a typo fails before a job is queued.
@@ -54,9 +55,10 @@ def load_postprocess_hook(cfg: UnirlConfig) -> Hook | None:
 
 
 def apply_postprocess_hook(
-    hook: Hook, batch: RolloutBatch, rl_step: int, spec: str
+    hook: Hook, batch: RolloutBatch, rl_step: int, spec: str, *, timeout_s: float | None
 ) -> RolloutBatch:
-    """The hook's batch, run on global rank 0 and broadcast (every rank holds ``batch``)."""
+    """The hook's batch, run on global rank 0 and broadcast (every rank holds ``batch``); the
+    other ranks wait at most ``timeout_s`` (``algorithm.rollout_postprocess_timeout_s``)."""
 
     def run() -> RolloutBatch:
         out = hook(batch, rl_step=rl_step)
@@ -67,4 +69,11 @@ def apply_postprocess_hook(
             )
         return out
 
-    return on_rank0(run, KEY)
+    return on_rank0(
+        run,
+        f"{KEY}={spec!r} on the rollout of RL step {rl_step + 1} (rank 0 runs it)",
+        timeout_s=timeout_s,
+        key="algorithm.rollout_postprocess_timeout_s",
+        advice="raise it if the hook needs longer, or make the hook faster (rank 0's stack, "
+        "e.g. py-spy dump, shows where it waits)",
+    )

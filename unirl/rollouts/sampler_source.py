@@ -34,7 +34,7 @@ from unirl.core.weights.adapter import adapter_fingerprint
 from unirl.core.weights.fingerprint import Fingerprint, compare, fingerprinted, module_fingerprint
 from unirl.core.weights.stream import HOST, Bucket, drain
 from unirl.rollouts.data.stops import stop_ids, stop_text
-from unirl.rollouts.data.tasks import Problem, Task, TaskTokenizer
+from unirl.rollouts.data.tasks import Problem, Task, TaskTokenizer, reward_wait_bound
 from unirl.rollouts.environments.base import Environment
 from unirl.rollouts.environments.episode_batch import episode_rollout, observation_encoder
 from unirl.rollouts.environments.episodes import EpisodeLimits, EpisodeRunner
@@ -231,8 +231,17 @@ class SamplerRolloutSource(GeneratingSource):
     def _score_once(
         self, problems: Sequence[Problem], responses: Sequence[list[int]]
     ) -> list[float]:
-        # Every rank sampled the same responses: score them once, on global rank 0.
-        return on_rank0(lambda: self.score(problems, responses), "the reward")
+        # Every rank sampled the same responses: score them once, on global rank 0; the others
+        # wait as long as what bounds the scoring there allows (reward workers' time limits)
+        bound = reward_wait_bound(self.task, len(responses))
+        return on_rank0(
+            lambda: self.score(problems, responses),
+            f"the rewards of {len(responses)} samples (rank 0 scores them)",
+            timeout_s=None if bound is None else bound[0],
+            limit=None if bound is None else bound[1],
+            advice="raise rollout.reward_timeout_s if the reward needs longer; otherwise rank 0 "
+            "stopped outside the reward's own time limits (its log says where)",
+        )
 
     def _episode_rollout(
         self,

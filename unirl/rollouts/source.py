@@ -102,6 +102,32 @@ class MeasuresRollouts(Protocol):
     def rollout_metrics(self) -> dict[str, float]: ...
 
 
+@runtime_checkable
+class UsesWeightsHere(Protocol):
+    """A source whose ranks do not all use the weights they receive (several vLLM engines:
+    every rank receives the stream, only the engines' leaders send it on). A source without it
+    uses them on every rank that receives them."""
+
+    def uses_weights_here(self) -> bool:
+        """Whether this rank sends the weights it receives on (to its engine); the others only
+        run the stream's collectives. Makes no collective call."""
+        ...
+
+
+@runtime_checkable
+class ChecksTrainerFit(Protocol):
+    """A source whose engine shares the trainer's GPUs and checks, after the trainer's first RL
+    step, that the trainer's measured peak and the engine's memory fit them
+    (`unirl.rollouts.vllm.fit`). Collective: every rank calls it at the same point."""
+
+    def check_trainer_fit(self) -> None: ...
+
+
+def uses_weights_here(source: RolloutSource) -> bool:
+    """`UsesWeightsHere.uses_weights_here`, True for a source without it."""
+    return source.uses_weights_here() if isinstance(source, UsesWeightsHere) else True
+
+
 def policy_version_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
     """How old the rollout is: ``rollout/policy_version``, the oldest version among its samples,
     and ``rollout/staleness``, how many optimizer steps the trained weights (``trainer_version``)

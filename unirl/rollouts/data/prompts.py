@@ -365,7 +365,7 @@ class PromptFileTask:
                 text = self.tokenizer.decode(tokens)
             else:
                 assert r.text is not None
-                tokens, text = self.tokenizer.encode_prompt(r.text), r.text
+                tokens, text = self._encode(r.text, where), r.text
             if len(tokens) > limit:
                 too_long.append((where, len(tokens)))
                 continue
@@ -373,6 +373,19 @@ class PromptFileTask:
                 Problem(prompt_tokens=tokens, prompt_text=text, metadata=r.metadata, origin=where)
             )
         return problems, too_long
+
+    def _encode(self, text: str, where: str) -> list[int]:
+        """The prompt's ids; a tokenizer that cannot encode it (a character outside a word-level
+        vocabulary without an unknown token, as the tiny examples' character tokenizer) is a
+        `RolloutDataError` naming the prompt, not the tokenizer's traceback."""
+        try:
+            return list(self.tokenizer.encode_prompt(text))
+        except Exception as exc:
+            raise RolloutDataError(
+                f"{where}: the tokenizer cannot encode the prompt {text[:60]!r} "
+                f"({type(exc).__name__}: {exc}); write prompts in the characters or words its "
+                "vocabulary holds, or use the model's own tokenizer (model.path)"
+            ) from None
 
     @property
     def num_prompts(self) -> int:
@@ -411,6 +424,12 @@ class PromptFileTask:
             response_tokens=responses,
             origins=[p.origin for p in problems],
         )
+
+    def reward_wait_bound(self, samples: int) -> tuple[float, str] | None:
+        """`RewardRun.wait_bound` of the reward (None without workers with a time limit)."""
+        if self.reward_fn is None or self.reward_fn.run is None:
+            return None
+        return self.reward_fn.run.wait_bound(samples)
 
     def close(self) -> None:
         """Stop the reward's worker processes (``rollout.reward_workers``), if any."""

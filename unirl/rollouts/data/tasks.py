@@ -92,6 +92,21 @@ class BatchRewardTask(Protocol):
 
 
 @runtime_checkable
+class BoundedRewardTask(Protocol):
+    """A task whose rewards rank 0 computes within a bound of their own (reward worker
+    processes, each sample within ``rollout.reward_timeout_s``)."""
+
+    def reward_wait_bound(self, samples: int) -> tuple[float, str] | None: ...
+
+
+def reward_wait_bound(task: Task, samples: int) -> tuple[float, str] | None:
+    """How long the other ranks wait for rank 0 to score ``samples`` samples of ``task``
+    (seconds, and how an error names that bound); None: as long as rank 0 scores (a reward in
+    the training process, which nothing there can stop either)."""
+    return task.reward_wait_bound(samples) if isinstance(task, BoundedRewardTask) else None
+
+
+@runtime_checkable
 class StatefulTask(Protocol):
     """A task whose problem stream has a position of its own (beyond the rng it is given),
     saved with the rollout source's state so a resumed run draws the problems it would have."""

@@ -126,7 +126,7 @@ class Evaluator:
             f"the evaluation after RL step {step}",
             timeout_s=self.timeout_s,
             key="eval.timeout_s",
-            advice="evaluate less (fewer eval.prompts, eval.samples_per_prompt or "
+            advice="raise it, or evaluate less (fewer eval.prompts, eval.samples_per_prompt or "
             "eval.max_new_tokens)",
         )
 

@@ -46,6 +46,7 @@ from unirl.core.errors import ConfigError, RolloutDataError
 from unirl.core.imports import import_callable
 from unirl.core.registry import Registry, same_callable
 from unirl.rollouts.rewards.workers import (
+    STARTUP_TIMEOUT_S,
     RewardCrashError,
     RewardError,
     RewardTimeoutError,
@@ -56,6 +57,9 @@ from unirl.rollouts.rewards.workers import (
 logger = logging.getLogger(__name__)
 
 KEY = "rollout.reward"
+# What the other ranks allow beyond the bound of rank 0's scoring: they reach the wait at
+# slightly different times, and the rewards travel pickled.
+WAIT_SLACK_S = 30.0
 RewardFn = Callable[..., Sequence[float]]
 SIGNATURE = (
     "def reward(prompts, responses, metadata, *, prompt_tokens, response_tokens, **options) "
@@ -104,6 +108,23 @@ class RewardRun:
             timeout_s=cfg.rollout.reward_timeout_s,
             on_error=cfg.rollout.reward_on_error,
         )
+
+    def wait_bound(self, samples: int) -> tuple[float, str] | None:
+        """How long the other ranks wait for rank 0 to score ``samples`` samples (seconds, and
+        how an error names it), derived from what bounds the scoring on rank 0: each worker
+        scores at most ``ceil(samples / workers)`` of them, each within ``timeout_s``, and is
+        (re)started before each within the workers' start bound. None: no bound (in the
+        training process, or no ``timeout_s``), the others wait as long as rank 0 scores."""
+        if self.workers == 0 or self.timeout_s is None:
+            return None
+        rounds = -(-samples // self.workers)
+        seconds = STARTUP_TIMEOUT_S + rounds * (self.timeout_s + STARTUP_TIMEOUT_S) + WAIT_SLACK_S
+        limit = (
+            f"{seconds:g} s (rollout.reward_timeout_s={self.timeout_s:g} for each of "
+            f"{rounds} samples per worker on rollout.reward_workers={self.workers}, "
+            f"{STARTUP_TIMEOUT_S:g} s per worker start, {WAIT_SLACK_S:g} s slack)"
+        )
+        return seconds, limit
 
 
 class NamedReward:

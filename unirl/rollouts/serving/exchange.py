@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unirl.core.errors import CollectiveTimeoutError, RunError
+from unirl.core.errors import CollectiveTimeoutError, WaitTimeoutError
 from unirl.rollouts.collectives import rollout_group
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ _POLL_S = 0.05
 # where it runs (a reward's or an environment call's timeout), so gloo must not end it first
 UNBOUNDED_S = 7 * 24 * 3600.0
 _GENERATION_ADVICE = (
-    "generate less per rollout (rollout.max_new_tokens, batch.prompts_per_rollout) or with more "
+    "raise it, or generate less per rollout (rollout.max_new_tokens, batch.prompts_per_rollout) or with more "
     "engines (rollout.vllm.engines)"
 )
 
@@ -59,11 +59,14 @@ class RolloutExchange:
         key: str = "rollout.vllm.generation_timeout_s",
         advice: str = _GENERATION_ADVICE,
         group: dist.ProcessGroup | None = None,
+        limit: str | None = None,
     ) -> None:
         """``timeout_s`` (None: no deadline of its own) is the setting ``key``; ``advice`` ends
         the error of a wait past it. ``group``: a gloo group made by the caller (`waits_group`)
-        instead of a new one."""
+        instead of a new one. ``limit``: how that error names a deadline derived from several
+        settings (default ``key=timeout_s s``)."""
         self.timeout_s, self.key, self.advice = timeout_s, key, advice
+        self.limit = limit or ("" if timeout_s is None else f"{key}={timeout_s:g} s")
         self.rank, self.world = world()
         # In the rollout worker (train.max_staleness > 0) its own group, made by every rank at
         # the same point (unirl/rollouts/collectives.py): a new_group here would be a collective
@@ -89,9 +92,8 @@ class RolloutExchange:
                     f"parallel.timeout_s={_peer_timeout_s():g} s (hung, stopped or dead)"
                 )
             if time.monotonic() > deadline:
-                raise RunError(
-                    f"rank {self.rank} waited more than {self.key}={self.timeout_s:g} s for "
-                    f"{what}; raise it, or {self.advice}"
+                raise WaitTimeoutError(
+                    f"rank {self.rank} waited more than {self.limit} for {what}; {self.advice}"
                 )
             time.sleep(_POLL_S)
         work.wait()

@@ -52,6 +52,14 @@ def engine_of(rank: int, engines: int, world_size: int) -> int | None:
     return rank // step if rank % step == 0 and rank // step < engines else None
 
 
+def shares_engine_gpu(rank: int, engines: int, world_size: int, tensor_parallel_size: int) -> bool:
+    """Whether a colocated engine uses ``rank``'s GPU: its leader's and the next
+    ``tensor_parallel_size - 1`` ranks' (``leaders(engines=2, world_size=4)`` with TP 1: ranks 0
+    and 2)."""
+    step = world_size // engines
+    return rank // step < engines and rank % step < tensor_parallel_size
+
+
 def check_engine_count(engines: int, world_size: int) -> None:
     if world_size % engines:
         raise ConfigError(

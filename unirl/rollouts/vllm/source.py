@@ -90,6 +90,7 @@ from unirl.rollouts.vllm.adapter import (
 )
 from unirl.rollouts.vllm.engine import VllmEngine, require_vllm
 from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, engine_fingerprint, verified_sync
+from unirl.rollouts.vllm.fit import MemoryProbe, act_on, cuda_peak, verdict_here
 from unirl.rollouts.vllm.health import EngineFailure
 from unirl.rollouts.vllm.launch import plan_launch
 from unirl.rollouts.vllm.plugin import engine_dtype, max_model_len
@@ -157,6 +158,8 @@ class VllmRolloutSource(GeneratingSource):
         self._transport: FileTransport | IpcTransport | NcclTransport | None = None
         self._sleep: SleepCycle | None = None
         self._exchange: RolloutExchange | None = None  # made at the first collective call
+        # the trainer's peak on this rank's GPU after its first step (fit.py); a test injects it
+        self.memory_probe: MemoryProbe = cuda_peak
         self._restarts = 0  # of this leader's engine (health.py)
         self._restarts_all = 0  # of every engine, as of the last rollout gathered
         self.lora = cfg.model.lora  # adapter-only sync (`sync_adapter`) when set
@@ -191,11 +194,34 @@ class VllmRolloutSource(GeneratingSource):
             self._exchange = RolloutExchange(self.options.generation_timeout_s)
         return rank, size, engine_of(rank, self.engines, size)
 
+    def check_trainer_fit(self) -> None:
+        """After the trainer's first RL step: its measured peak plus the engine's allowance on
+        every GPU a colocated engine shares (`unirl.rollouts.vllm.fit`; ``memory_probe`` measures
+        it, a test injects it); stops before the next step where the engine's wake would run out
+        of memory, warns where only the allowance does not fit. Collective over the ranks."""
+        if not torch.cuda.is_available() or self.options.devices is not None:
+            return
+        rank, size, _ = self._world()
+        assert self._exchange is not None
+        mine = verdict_here(self.options, self.memory_probe, rank=rank, world_size=size)
+        verdicts = self._exchange.all_gather(mine, what="the trainer's memory after RL step 1")
+        act_on(verdicts, rank=rank)
+
+    def uses_weights_here(self) -> bool:
+        """Whether this rank leads an engine (the other ranks only drain the stream); no
+        collective call, unlike `_world`, so the main thread may ask while the worker of
+        rollouts generated ahead owns the exchange."""
+        rank, size = world()
+        return engine_of(rank, self.engines, size) is not None
+
     def _name(self, engine: int) -> str:
         return "the vLLM engine" if self.engines == 1 else f"vLLM engine {engine}"
 
-    def _tag(self, engine: int) -> str:
-        return f"vLLM engine {engine}: " if self.engines > 1 else ""
+    def _tagged(self, engine: int, message: str) -> str:
+        """``message`` led by the engine's name with several engines, unless it starts with it
+        (a restart's error names its engine already)."""
+        name = f"vLLM engine {engine}"
+        return message if self.engines == 1 or message.startswith(name) else f"{name}: {message}"
 
     @property
     def weights_device(self) -> torch.device:
@@ -248,9 +274,9 @@ class VllmRolloutSource(GeneratingSource):
             try:
                 work(engine)
             except SyncVerificationError as exc:  # travels as it is: its type says what failed
-                error = SyncVerificationError(self._tag(engine) + str(exc), exc.layer)
+                error = SyncVerificationError(self._tagged(engine, str(exc)), exc.layer)
             except UnirlError as exc:
-                error = self._tag(engine) + str(exc)
+                error = self._tagged(engine, str(exc))
             except Exception as exc:
                 error = (
                     f"the {what} to {self._name(engine)} failed ({type(exc).__name__}: "
@@ -431,7 +457,7 @@ class VllmRolloutSource(GeneratingSource):
                 else:
                     mine = self._generate_share(problems, engine)
             except UnirlError as exc:
-                mine = self._tag(engine) + str(exc)
+                mine = self._tagged(engine, str(exc))
             except Exception as exc:  # the engine died or refused the requests
                 logger.debug("vLLM generation failed", exc_info=True)
                 mine = (

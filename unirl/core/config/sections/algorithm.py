@@ -105,6 +105,12 @@ class AlgorithmConfig:
     # "package.module:function" called as hook(batch, *, rl_step) -> RolloutBatch on every
     # rollout before it is trained on (user code, like any plug-in; unirl/rollouts/postprocess.py).
     rollout_postprocess_hook: str | None = None
+    # How long the other ranks wait for the hook, which runs once on global rank 0, before they
+    # stop the run with an error naming it (None: as long as it runs). Its own bound, never
+    # parallel.timeout_s (a hook that calls a remote judge may take longer than a collective).
+    rollout_postprocess_timeout_s: float | None = attrs.field(
+        default=1800.0, validator=attrs.validators.optional(positive)
+    )
     # A sample cut at rollout.max_new_tokens (or an episode cut at its turn or token limit) gets
     # an all-zero loss mask: no policy-gradient tokens, and the step's token and sequence counts
     # leave it out (unirl/core/data/truncation.py); its reward still enters its group's baseline.
