@@ -23,6 +23,8 @@ from unirl.core.weights.stream import as_buckets  # noqa: E402
 from unirl.rollouts import build_rollout_source  # noqa: E402
 from unirl.rollouts.async_source import AdapterRolloutsAhead, generating_ahead  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_grpo.yaml"
 RANK, ALPHA, TEMPERATURE = 4, 8.0, 0.7
 TARGETS = ("q_proj", "v_proj", "down_proj")
