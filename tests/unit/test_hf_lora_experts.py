@@ -136,10 +136,8 @@ def _expert_merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return out
 
 
-# ZeRO-3 (the adapter beside partitioned expert tensors) in the slow tier: CI's time is short
 @pytest.mark.parametrize(
-    ("backend_name", "stage"),
-    [("deepspeed", 0), pytest.param("deepspeed", 3, marks=pytest.mark.slow), ("fsdp2", 0)],
+    ("backend_name", "stage"), [("deepspeed", 0), ("deepspeed", 3), ("fsdp2", 0)],
     ids=["zero0", "zero3", "fsdp2"],
 )  # fmt: skip
 def test_expert_adapters_match_peft(moe_folder, tmp_path, backend_name, stage):  # noqa: F811
