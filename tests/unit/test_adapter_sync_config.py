@@ -47,7 +47,7 @@ class _AdapterBackend:
         raise AssertionError
 
 
-class _FullWeightsSource:  # e.g. the async wrapper: sync_weights only
+class _FullWeightsSource:  # sync_weights only
     def sync_weights(self, buckets, *, policy_version: int) -> None:
         raise AssertionError
 
@@ -64,10 +64,13 @@ def test_vllm_sleep_discard_is_refused_under_lora():
         load_config(EXAMPLES / "tiny_grpo_vllm.yaml", [LORA, "rollout.vllm.sleep=discard"])
 
 
-def test_rollouts_generated_ahead_are_refused_under_lora():
-    # the async worker takes full-weight snapshots (seen failing: unirl check passed before)
+def test_check_says_what_generating_ahead_does_under_lora():
+    # was refused (the async worker took full-weight snapshots); now each queued rollout
+    # carries its version's adapter (tests/unit/test_async_lora.py proves the log-probs)
     from unirl.rollouts.check import check_rollout_config
 
     cfg = load_config(EXAMPLES / "tiny_grpo.yaml", [LORA, "train.max_staleness=1"])
-    with pytest.raises(ConfigError, match=r"model.lora with train.max_staleness=1"):
-        check_rollout_config(cfg)
+    check_rollout_config(cfg)
+    (line,) = [x for x in check_report(cfg)["lora"] if x.startswith("weight sync:")]
+    assert "with train.max_staleness=1 each rollout generated ahead carries a copy of its " in line
+    assert "the adapter after RL step max(0, r - 1), stamped with its policy version" in line

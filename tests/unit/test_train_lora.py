@@ -20,7 +20,11 @@ from unirl.core.run.metrics_log import read_metrics  # noqa: E402
 
 LORA = EXAMPLES / "tiny_grpo_lora.yaml"
 SMALL = ["--set", "batch.prompts_per_rollout=4", "--set", "batch.samples_per_optimizer_step=32",
-         "--set", "logging.tensorboard=false"]  # fmt: skip
+         "--set", "batch.micro_batch_size=32", "--set", "logging.tensorboard=false"]  # fmt: skip
+# CI's 40 steps in groups of 8 (the example's 16 halve the noise of the whole run; the first 40
+# steps rise either way): the same cost as before the example's groups grew
+GROUP8 = ["--set", "batch.samples_per_prompt=8", "--set", "batch.samples_per_optimizer_step=128",
+          "--set", "batch.micro_batch_size=32"]  # fmt: skip
 
 
 def _base_model(example: dict) -> torch.nn.Module:
@@ -64,7 +68,7 @@ def test_tiny_grpo_lora_learns_and_exports_an_adapter(tmp_path):
 
     run = tmp_path / "run"
     proc = _run_train_in_subprocess(
-        [str(LORA), "--set", f"logging.run_dir={run}", "--set", "train.rl_steps=40",
+        [str(LORA), *GROUP8, "--set", f"logging.run_dir={run}", "--set", "train.rl_steps=40",
          "--set", "checkpoint.every=40", "--set", "logging.tensorboard=false"],
         tmp_path,
     )  # fmt: skip
@@ -104,8 +108,8 @@ def test_tiny_grpo_lora_learns_and_exports_an_adapter(tmp_path):
 
 # The slow tier: the whole example (500 RL steps, minutes on two cores); CI runs its first 40
 # steps above (the reward rises) and the LoRA contract proves each step's numbers. Measured
-# (2026-12-06, CPU): the mean reward of the last 10 steps is 0.82 at step 500 (0.86 at best,
-# around step 380); it does not reach 0.9 (see docs/guides/lora.md), so the bar here is 0.75.
+# (2026-12-06, CPU; docs/guides/lora.md): the mean reward of the last 10 steps is 0.96 at step
+# 500 (the run is deterministic).
 @pytest.mark.slow
 def test_tiny_grpo_lora_learns_the_task(tmp_path):
     import subprocess
@@ -122,4 +126,4 @@ def test_tiny_grpo_lora_learns_the_task(tmp_path):
     rows = read_metrics(run / "metrics.jsonl")
     assert len(rows) == 500
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
-    assert last >= 0.75, last
+    assert last >= 0.9, last

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from unirl.backends.peft_experts import FUSED_EXPERTS, expert_adapter_numel
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
 from unirl.core.config.sections.lora import LoraConfig
 
@@ -26,8 +27,11 @@ def _meta_model(cfg: UnirlConfig) -> Any:
         return AutoModelForCausalLM.from_config(config)
 
 
-def adapter_size(model: Any, lora: LoraConfig) -> tuple[int, int, int]:
-    """(adapted linears, adapter parameters, base parameters) of ``model`` under ``lora``."""
+def adapter_size(model: Any, lora: LoraConfig, backend: str) -> tuple[int, int, int]:
+    """(adapted linears, adapter parameters, base parameters) of ``model`` under ``lora`` on
+    ``backend``; with ``target_experts`` each routed expert's projections count too, as the
+    backend holds them (Megatron: an A and B per expert and target; DeepSpeed / FSDP2: peft's
+    adapter per fused tensor, `unirl.backends.peft_experts`)."""
     import torch
 
     linears = params = 0
@@ -35,12 +39,24 @@ def adapter_size(model: Any, lora: LoraConfig) -> tuple[int, int, int]:
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora.target_modules:
             linears += 1
             params += lora.rank * (module.in_features + module.out_features)
+        if not (lora.target_experts and name.endswith(".experts")):
+            continue
+        for leaf, p in module.named_parameters(recurse=False):
+            targets = [t for t in FUSED_EXPERTS.get(leaf, ()) if t in lora.target_modules]
+            if p.dim() != 3 or not targets:
+                continue
+            experts, out, fan_in = p.shape
+            linears += experts * len(targets)
+            if backend == "megatron":  # per expert and target: gate and up split out
+                params += experts * lora.rank * (len(targets) * fan_in + out)
+            else:
+                params += expert_adapter_numel(leaf, tuple(p.shape), lora.rank)
     return linears, params, sum(p.numel() for p in model.parameters())
 
 
 def _size_line(cfg: UnirlConfig, lora: LoraConfig) -> str:
     try:
-        linears, params, base = adapter_size(_meta_model(cfg), lora)
+        linears, params, base = adapter_size(_meta_model(cfg), lora, cfg.backend)
     except Exception as exc:
         return f"trainable parameters: not counted ({type(exc).__name__}: {exc})"
     share = 100.0 * params / base if base else 0.0

@@ -26,6 +26,8 @@ from unirl.core.errors import ConfigError
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# The Hugging Face targets a fused expert tensor can hold (`unirl.backends.peft_experts`).
+EXPERT_TARGETS = {"gate_proj", "up_proj", "down_proj"}
 
 
 def _peft() -> Any:
@@ -98,7 +100,13 @@ def read_peft_folder(path: str | Path, lora: LoraConfig) -> dict[str, torch.Tens
                 f"{value!r}; set model.lora to the adapter's values"
             )
     targets = saved.get("target_modules") or []
-    if isinstance(targets, str) or sorted(targets) != sorted(lora.target_modules):
+    # peft's own save drops the targets only its expert tensors hold (target_parameters)
+    expert_only = (
+        set(lora.target_modules) - set(targets) if saved.get("target_parameters") else set()
+    )
+    if isinstance(targets, str) or sorted(set(targets) | (expert_only & EXPERT_TARGETS)) != sorted(
+        lora.target_modules
+    ):
         raise ConfigError(
             f"model.lora.path: the adapter targets {targets!r}, model.lora.target_modules is "
             f"{list(lora.target_modules)}; set model.lora.target_modules to the adapter's"

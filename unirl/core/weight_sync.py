@@ -73,6 +73,19 @@ def adapter_sync_note(cfg: UnirlConfig) -> str | None:
             if cfg.rollout.verify_sync
             else ""
         )
+        + _ahead_note(cfg.train.max_staleness)
+    )
+
+
+def _ahead_note(k: int) -> str:
+    """What generating ahead (``train.max_staleness``) does to the adapter-only sync."""
+    if not k:
+        return ""
+    return (
+        f"; with train.max_staleness={k} each rollout generated ahead carries a copy of its "
+        "policy version's adapter (the base is sent once), which the source loads right before "
+        f"generating it: rollout r comes from the base + the adapter after RL step "
+        f"max(0, r - {k}), stamped with its policy version"
     )
 
 
@@ -94,7 +107,7 @@ def _adapter_receiver(cfg: UnirlConfig, backend: TrainingBackend, source: Any) -
             f"model.lora: rollout.source={cfg.rollout.source!r} (here a "
             f"{type(source).__name__}) cannot take an adapter-only weight sync; use "
             "a generating source that keeps its base weights (the built-in sampler or a serving "
-            "engine) with train.max_staleness: 0, or rollout.source: file"
+            "engine), or rollout.source: file"
         )
     return True
 

@@ -16,7 +16,6 @@ from typing import Any
 from unirl.core.config.run_config import UnirlConfig
 from unirl.core.errors import ConfigError
 from unirl.core.protocols.source_plugin import SOURCES
-from unirl.core.weight_sync import syncs_adapter
 from unirl.rollouts.build import build_task, check_task_lengths
 from unirl.rollouts.data.prompts import PromptFileTask
 from unirl.rollouts.data.tasks import make_task
@@ -63,13 +62,6 @@ def check_rollout_config(cfg: UnirlConfig) -> None:
             )
     elif SOURCES.get(r.source).generates:  # a source of finished rollouts draws no task
         check_task_lengths(cfg, make_task(r.task, r.task_options))
-    if syncs_adapter(cfg) and cfg.train.max_staleness > 0:
-        # the worker generating ahead takes full-weight snapshots (async_source.py)
-        raise ConfigError(
-            f"model.lora with train.max_staleness={cfg.train.max_staleness}: rollouts generated "
-            "ahead take full-weight snapshots, not the adapter-only sync; set "
-            "train.max_staleness: 0"
-        )
     if r.environment is not None:  # imported (or looked up) and one instance built
         environment_factory(r.environment, r.environment_options)
     load_postprocess_hook(cfg)

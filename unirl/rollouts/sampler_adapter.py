@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from unirl.backends.peft_experts import expert_target_parameters
 from unirl.backends.peft_folder import PEFT_PREFIX, peft_lora_config
 from unirl.core.config.sections.lora import LoraConfig
 from unirl.core.errors import ConfigError
@@ -44,7 +45,9 @@ class SamplerAdapter:
     def __init__(self, model: torch.nn.Module, lora: LoraConfig) -> None:
         import peft
 
-        self.model = peft.inject_adapter_in_model(peft_lora_config(lora), model)
+        experts = expert_target_parameters(model, lora)  # fused MoE experts (target_experts)
+        config = peft_lora_config(lora, target_parameters=experts)
+        self.model = peft.inject_adapter_in_model(config, model)
         self.model.requires_grad_(False)
         self.tensors = {
             name: p for name, p in self.model.named_parameters() if ".lora_" in name

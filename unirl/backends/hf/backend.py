@@ -40,7 +40,9 @@ from unirl.backends.hf.lora import (
     adapter_state,
     base_fingerprint,
     base_state,
+    expert_wrappers,
     merged_state,
+    target_parameters,
     wrap_policy,
 )
 from unirl.backends.hf.model import PackedModule, TrainedModel, Training
@@ -262,7 +264,9 @@ class HFBackend(EngineBackend):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Under ``model.lora`` the merged weights ``W + scale * B @ A`` in clean names."""
         state = self.policy.hf_state_dict()
-        return state if self.lora is None else merged_state(state, self.lora.scale)
+        if self.lora is None:
+            return state
+        return merged_state(state, self.lora.scale, expert_wrappers(self.policy.hf_module))
 
     def stream_weights(
         self, bucket_bytes: int, *, dst: int | None, device: torch.device = HOST
@@ -298,7 +302,13 @@ class HFBackend(EngineBackend):
         state = self.adapter_state_dict()
         assert self.lora is not None
         if self._dist.rank == 0:
-            write_peft_folder(state, self.lora, Path(path), base_model=self.cfg.model.path)
+            write_peft_folder(
+                state,
+                self.lora,
+                Path(path),
+                base_model=self.cfg.model.path,
+                target_parameters=target_parameters(self.policy.hf_module),
+            )
         dist.barrier()
 
     def _need_adapter(self, call: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from unirl.backends.peft_experts import expert_target_parameters, expert_targets
 from unirl.backends.peft_folder import (
     PEFT_PREFIX,
     initial_lora_a,
@@ -39,40 +40,32 @@ _BASE = ".base_layer."
 _LORA_A, _LORA_B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
 
 
-def _check_targets(model: torch.nn.Module, lora: LoraConfig) -> None:
-    """Each target names at least one ``torch.nn.Linear`` of ``model``; no expert adapters."""
+def _check_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str] | None:
+    """Each target names at least one ``torch.nn.Linear`` of ``model``, or (``target_experts``)
+    a projection its fused experts hold; returns peft's ``target_parameters`` for the experts
+    (`unirl.backends.peft_experts`)."""
     kinds: dict[str, set[str]] = {}
     for name, module in model.named_modules():
         kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(type(module).__name__)
     linears = sorted(
         {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     )
-    missing = [t for t in lora.target_modules if t not in kinds]
+    parameters = expert_target_parameters(model, lora)
+    in_experts = expert_targets(lora)
+    missing = [t for t in lora.target_modules if t not in kinds and t not in in_experts]
     if missing:
         raise ConfigError(
             f"model.lora.target_modules: {missing} name no module of {type(model).__name__}; "
             f"its linears are {linears}; set model.lora.target_modules to some of them"
         )
-    not_linear = [t for t in lora.target_modules if t not in linears]
+    not_linear = [t for t in lora.target_modules if t not in linears and t not in in_experts]
     if not_linear:
         raise ConfigError(
             f"model.lora.target_modules: {not_linear} are "
             f"{sorted(set().union(*(kinds[t] for t in not_linear)))}, not torch.nn.Linear; "
             f"the DeepSpeed / FSDP2 backends adapt linears only: choose from {linears}"
         )
-    if lora.target_experts:
-        has_experts = any(name.endswith(".experts") for name, _ in model.named_modules())
-        why = (
-            f"{type(model).__name__}'s experts are fused 3-D parameters, not linears peft "
-            "adapts one by one"
-            if has_experts
-            else f"{type(model).__name__} has no routed experts"
-        )
-        raise ConfigError(
-            f"model.lora.target_experts: true, but the DeepSpeed / FSDP2 backends adapt no routed "
-            f"experts ({why}); set model.lora.target_experts: false (attention and dense MLPs "
-            "are adapted), or use backend: megatron for expert adapters"
-        )
+    return parameters
 
 
 def wrap_policy(model: torch.nn.Module, model_cfg: ModelConfig) -> Any:
@@ -83,9 +76,9 @@ def wrap_policy(model: torch.nn.Module, model_cfg: ModelConfig) -> Any:
 
     lora = model_cfg.lora
     assert lora is not None
-    _check_targets(model, lora)
+    experts = _check_targets(model, lora)
     state = read_peft_folder(lora.path, lora) if lora.path is not None else None
-    config = peft_lora_config(lora, base_model=model_cfg.path)
+    config = peft_lora_config(lora, base_model=model_cfg.path, target_parameters=experts)
     config.inference_mode = False  # the adapter trains
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(lora.init_seed)
@@ -144,20 +137,58 @@ def adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def merged_state(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+def expert_wrappers(wrapped: torch.nn.Module) -> dict[str, str]:
+    """For each fused expert tensor peft adapts (``target_parameters``), its name in the wrapped
+    module's state dict -> the name of the wrapper module holding its adapter (peft nests one
+    wrapper per tensor, so the names cannot tell which adapts which)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    names = {id(m): n for n, m in wrapped.named_modules()}
+    return {
+        f"{names[id(module.get_base_layer())]}.{module.parameter_name}": name
+        for name, module in wrapped.named_modules()
+        if isinstance(module, ParamWrapper)
+    }
+
+
+def target_parameters(wrapped: Any) -> list[str] | None:
+    """The fused expert tensors peft adapts in ``wrapped`` (its ``target_parameters``; None:
+    linears only), which the exported ``adapter_config.json`` must list for peft to reload."""
+    listed = wrapped.peft_config[ADAPTER].target_parameters
+    return list(listed) if listed else None
+
+
+def _expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
+    """``B_e @ A_e`` per expert of peft's adapter on a fused ``[E, out, in]`` tensor: A
+    ``[r * E, in]`` holds expert e's rows at ``e * r ..``, B ``[out, r * E]`` its columns at
+    ``e, e + E, ..`` (peft's ``ParamWrapper.get_delta_weight``)."""
+    a_eri = a.reshape(experts, -1, a.shape[-1])
+    b_eor = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+    return b_eor @ a_eri
+
+
+def merged_state(
+    state: Mapping[str, torch.Tensor], scale: float, experts: Mapping[str, str]
+) -> dict[str, torch.Tensor]:
     """A wrapped module's full state dict as the plain Hugging Face model it computes: each
     adapted weight ``W + scale * B @ A`` (in fp32, then W's dtype), clean names, no adapter
-    tensors. ``state`` is not modified."""
+    tensors. ``experts``: `expert_wrappers` of the module (fused expert tensors, each
+    ``W_e + scale * B_e @ A_e``). ``state`` is not modified."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if is_adapter_name(name):
             continue
-        clean = name.removeprefix(PEFT_PREFIX)
-        if _BASE not in clean:
-            out[clean] = tensor
+        if _BASE not in name:
+            out[name.removeprefix(PEFT_PREFIX)] = tensor
+            continue
+        clean = _clean(name)
+        if name in experts:
+            wrapper = experts[name]
+            a, b = state[wrapper + _LORA_A].float(), state[wrapper + _LORA_B].float()
+            delta = _expert_delta(a, b, tensor.shape[0])
+            out[clean] = (tensor.float() + scale * delta).to(tensor.dtype)
             continue
         module, leaf = name.split(_BASE)
-        clean = clean.replace(_BASE, ".")
         if leaf != "weight":
             out[clean] = tensor
             continue
@@ -170,11 +201,15 @@ def base_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A wrapped module's full state dict as its base model, the adapter left out: clean
     Hugging Face names, the frozen weights as they are (what a rollout engine that keeps the
     base weights loads once, `unirl.core.backend.TrainsAdapter.stream_base_weights`)."""
-    return {
-        name.removeprefix(PEFT_PREFIX).replace(_BASE, "."): tensor
-        for name, tensor in state.items()
-        if not is_adapter_name(name)
-    }
+    return {_clean(name): tensor for name, tensor in state.items() if not is_adapter_name(name)}
+
+
+def _clean(name: str) -> str:
+    """A wrapped module's state-dict name as the base model's (every ``.base_layer`` out)."""
+    clean = name.removeprefix(PEFT_PREFIX)
+    while _BASE in clean:
+        clean = clean.replace(_BASE, ".")
+    return clean
 
 
 def base_fingerprint(model: torch.nn.Module) -> str:

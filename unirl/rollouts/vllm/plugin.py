@@ -198,6 +198,16 @@ def check(cfg: UnirlConfig) -> None:
             "weights while the trainer trains, and under model.lora the base weights are sent "
             "only once (each sync carries the adapter); set rollout.vllm.sleep: offload or off"
         )
+    lora = cfg.model.lora
+    if lora is not None and lora.target_experts and cfg.backend != "megatron":
+        # peft's adapter on fused expert tensors (unirl/backends/peft_experts.py): the vLLM
+        # adapter sync is proven for dense and per-expert adapters (Megatron's export) only
+        raise ConfigError(
+            f"model.lora.target_experts with backend={cfg.backend!r} and rollout.source: vllm: "
+            "the adapter on the fused experts is peft's target_parameters layout, which the vLLM "
+            "adapter sync is not proven to serve; use rollout.source: sampler, backend: megatron (per-"
+            "expert adapters), or model.lora.target_experts: false"
+        )
     placement.split_prompts(cfg.batch.prompts_per_rollout, v.engines)
     placement.check_transport(v)
 
