@@ -206,6 +206,30 @@ def test_half_a_fused_projection_is_a_config_error(moe_folder):  # noqa: F811
         build_backend(cfg, total_optimizer_steps=1)
 
 
+def test_experts_stored_transposed_are_a_config_error():
+    """An experts module holding ``[E, in, out]`` (``is_transposed``, as some transformers MoE
+    models): the export's per-expert merge assumes ``[E, out, in]``, so it is refused."""
+    from unirl.backends.peft_experts import expert_target_parameters
+    from unirl.core.config.sections.lora import LoraConfig
+
+    class Experts(torch.nn.Module):
+        is_transposed = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 6))
+            self.down_proj = torch.nn.Parameter(torch.zeros(2, 3, 8))
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = Experts()
+    lora = LoraConfig(rank=2, target_modules=("gate_proj", "up_proj"), target_experts=True)
+    with pytest.raises(ConfigError, match="stored transposed"):
+        expert_target_parameters(model, lora)
+    Experts.is_transposed = False
+    assert expert_target_parameters(model, lora) == ["experts.gate_up_proj"]
+
+
 @pytest.mark.parametrize(
     ("backend", "count"),
     # examples/tiny_qwen3_moe.yaml, rank 4: hidden 64, expert width 32, 8 experts, 2 layers;

@@ -304,6 +304,7 @@ sys.path.insert(0, {tests!r})
 from unit.test_weight_fingerprint import _bucket, _check_bucket
 ft._programs = lambda index: 3  # a few programs and small blocks: each walks several blocks
 ft._BLOCK = 256
+ft._MAX_TENSORS = 4  # several launches per bucket, as past CUDA's 65,535 tensors per launch
 for cast in (None, torch.float16):  # the interpreter's bf16 cast truncates (a GPU's rounds)
     items = _bucket("cpu", keys=5)
     sums = ft.DeviceSums(torch.device("cpu"), capacity=2)  # grows twice

@@ -66,6 +66,7 @@ def expert_target_parameters(model: torch.nn.Module, lora: LoraConfig) -> list[s
             "held as fused 3-D tensors (mlp.experts.gate_up_proj / down_proj); set "
             "model.lora.target_experts: false"
         )
+    _refuse_transposed(model)
     out = []
     for leaf, held in FUSED_EXPERTS.items():
         named = [t for t in held if t in lora.target_modules]
@@ -85,6 +86,19 @@ def expert_target_parameters(model: torch.nn.Module, lora: LoraConfig) -> list[s
             "model.lora.target_experts: false"
         )
     return out
+
+
+def _refuse_transposed(model: torch.nn.Module) -> None:
+    """Experts stored ``[E, in, out]`` (an experts module with ``is_transposed``): peft adapts
+    them, but the merged export and the adapter counts here assume ``[E, out, in]`` (for a square
+    projection a transposed delta would pass unnoticed)."""
+    for name, module in model.named_modules():
+        if name.endswith(".experts") and getattr(module, "is_transposed", False):
+            raise ConfigError(
+                f"model.lora.target_experts: true, but {type(model).__name__}'s experts ({name}) "
+                "are stored transposed ([experts, in, out]), which unirl's expert adapters do not "
+                "handle yet; set model.lora.target_experts: false"
+            )
 
 
 def expert_adapter_numel(leaf: str, shape: tuple[int, int, int], rank: int) -> int:

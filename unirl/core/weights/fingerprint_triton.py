@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 _BLOCK = 4096
+_MAX_TENSORS = 65535  # CUDA's limit on a grid's y dimension: tensors per launch
 _CASTS = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 Stats = tuple[float, float, float, float]  # as `fingerprint.Stats`
@@ -130,7 +131,8 @@ class DeviceSums:
             if tensor.numel():
                 groups.setdefault(tensor.dtype, []).append((slot, tensor.detach()))
         for have, group in groups.items():
-            self._launch(group, have, _cast(have, dtype))
+            for first in range(0, len(group), _MAX_TENSORS):  # the grid's second axis
+                self._launch(group[first : first + _MAX_TENSORS], have, _cast(have, dtype))
 
     def _launch(self, group: list[tuple[int, torch.Tensor]], have: torch.dtype, cast) -> None:
         assert cast is not False, (have, cast)
