@@ -197,8 +197,8 @@ def test_auto_offloads_when_the_state_exceeds_the_share(
 @pytest.mark.parametrize(
     ("sections", "offload", "says"),
     [
-        ({"optimizer": {"offload": "none", "offload_gpu_gib": 10.0}}, False, "offload: none"),
-        ({"optimizer": {"offload": "cpu", "offload_gpu_gib": 1000.0}}, True, "HybridDevice"),
+        ({"optimizer": {"offload": "none"}}, False, "offload: none"),
+        ({"optimizer": {"offload": "cpu"}}, True, "HybridDevice"),
         # no GPU visible (the CPU tests) and no planned one: nothing to offload from
         ({}, False, "no GPU visible"),
         ({"model": {"lora": {"rank": 4}}, "optimizer": {"offload_gpu_gib": 1.0}}, False, "LoRA"),
@@ -225,6 +225,15 @@ def test_forced_and_not_offloadable(sections, offload, says, monkeypatch):
         ("megatron", {"critic": {"optimizer": {"offload_state_fraction": 0.5}},
                       "algorithm": {"advantage_estimator": "gae"}},
          "critic.optimizer.offload_state_fraction"),
+        # none and auto would be the same for the critic: a key that changes nothing
+        ("megatron", {"critic": {"optimizer": {"offload": "none"}},
+                      "algorithm": {"advantage_estimator": "gae"}},
+         r"critic.optimizer.offload='none'.*remove critic.optimizer.offload"),
+        # auto's planning keys under cpu / none
+        ("megatron", {"optimizer": {"offload": "none", "offload_gpu_gib": 10.0}},
+         r"optimizer.offload_gpu_gib=10.0 .* optimizer.offload is 'none'.*offload: auto"),
+        ("megatron", {"optimizer": {"offload": "cpu", "offload_state_fraction": 0.5}},
+         r"optimizer.offload_state_fraction=0.5 .* optimizer.offload is 'cpu'"),
         ("megatron", {"model": {"lora": {"rank": 4}}, "optimizer": {"offload": "cpu"}}, "lora"),
         ("fsdp2", {"fsdp2": {"cpu_offload": True}, "optimizer": {"offload": "none"}}, "cpu_offload"),
     ],

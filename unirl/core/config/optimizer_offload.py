@@ -22,10 +22,11 @@ when the state would not fit:
 the GPU memory being ``optimizer.offload_gpu_gib`` or the first visible GPU's. ``cpu`` / ``none``
 force it. The choice is made once from the config (and the visible GPU), so ``unirl check`` on
 the training host prints the one the run takes; under LoRA the optimizer holds only the adapter
-and is not offloaded by auto (but see fsdp2.cpu_offload below). A mixture-of-experts family the count does not know leaves the
+and is not offloaded by auto. A mixture-of-experts family the count does not know leaves the
 size unknown: auto keeps the state on the GPU and says so. A backend option that offloads by
-itself (``fsdp2.cpu_offload: true``: its plug-in's `OptimizerOffload.forced`) decides auto: the
-state is in host memory whatever the plan says, and the report must say where it is.
+itself (``fsdp2.cpu_offload: true``: its plug-in's `OptimizerOffload.forced`) decides auto
+before any of these: the state is in host memory whatever the plan says, and the report must
+say where it is.
 """
 
 from __future__ import annotations
