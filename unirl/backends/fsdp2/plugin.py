@@ -135,6 +135,13 @@ def _gpu_bytes(cfg: UnirlConfig, offloaded: bool) -> float:
     return unsharded + (0 if offloaded else 16 / dp)
 
 
+def _offloaded_by_option(cfg: UnirlConfig) -> str | None:
+    """``fsdp2.cpu_offload: true`` puts every model under CPUOffloadPolicy, the policy's
+    optimizer state with it, so ``optimizer.offload: auto`` resolves to offloaded (refusing the
+    pair instead would refuse auto, the default, beside the older option)."""
+    return "fsdp2.cpu_offload: true" if cfg.backend_options.cpu_offload else None
+
+
 OFFLOAD = OptimizerOffload(
     how=(
         "FSDP2's CPUOffloadPolicy: the sharded fp32 weights, gradients and Adam moments in host "
@@ -142,6 +149,7 @@ OFFLOAD = OptimizerOffload(
         "fsdp2.cpu_offload: true)"
     ),
     gpu_bytes=_gpu_bytes,
+    forced=_offloaded_by_option,
 )
 
 

@@ -10,8 +10,9 @@ Layout of ``<path>/`` (a filesystem every rank sees)::
                            every tensor by its global position, so TP / PP shards never clash)
     critic/                the critic's chunks and optimizer, the same way (when the run has one)
     unirl.pt               {"client_state", "steps_done", "layout", "extra"} from rank 0
-    optimizer_host_rank00000.pt   under optimizer.offload: rank 0's offloaded optimizer state
-                           (`offload_state`; not in dist/), ...
+    optimizer_host_rank00000_0.pt  under optimizer.offload: rank 0's offloaded optimizer state,
+                           one file per offloaded optimizer (dense, expert: `offload_state`;
+                           not in dist/), ...
     rng_rank00000.pt       python / numpy / torch CPU / CUDA generator states of rank 0, ...
     complete               written last, by rank 0, after every rank has finished
 
@@ -35,8 +36,7 @@ import torch.distributed as dist
 
 from unirl.backends.megatron.lora.layout import is_adapter_parameter
 from unirl.backends.megatron.offload_state import (
-    host_file,
-    hybrid_of,
+    hybrids_of,
     load_host_state,
     reset_host_state,
     save_host_state,
@@ -87,9 +87,9 @@ def has_optimizer_state(optimizer: Any) -> bool:
 def reset_optimizer_state(optimizer: Any) -> None:
     """Back to a never-stepped optimizer at the current weights: no moments, fp32 main weights
     copied from the model (a checkpoint saved before the first step)."""
-    host = hybrid_of(optimizer)
-    if host is not None:  # optimizer.offload: the master copies are the host optimizer's
-        reset_host_state(host)
+    hosts = hybrids_of(optimizer)
+    if hosts:  # optimizer.offload: the master copies are the host optimizers'
+        reset_host_state(hosts)
         return
     for inner in inner_optimizers(optimizer):
         inner.state.clear()
@@ -203,15 +203,15 @@ def save_checkpoint(
     dist.barrier()
     in_process_write_results()
     with_optimizer = has_optimizer_state(optimizer)
-    host = hybrid_of(optimizer)  # optimizer.offload: its state saved by rank (offload_state)
+    hosts = hybrids_of(optimizer)  # optimizer.offload: their state saved by rank (offload_state)
     dist_checkpointing.save(
         sharded_state(
-            ddp_chunks, optimizer, is_loading=False, with_optimizer=with_optimizer and not host
+            ddp_chunks, optimizer, is_loading=False, with_optimizer=with_optimizer and not hosts
         ),
         str(partial / DIST),
     )
-    if host is not None and with_optimizer:
-        save_host_state(host, host_file(partial, topology.rank))
+    if hosts and with_optimizer:
+        save_host_state(hosts, partial, topology.rank)
     extra_meta = {}
     for name, model in extra.items():
         model_opt = has_optimizer_state(model.optimizer)
@@ -227,8 +227,8 @@ def save_checkpoint(
         meta = {
             "client_state": dict(client_state),
             "steps_done": steps_done,
-            "optimizer_state": with_optimizer and host is None,
-            "optimizer_host_state": with_optimizer and host is not None,
+            "optimizer_state": with_optimizer and not hosts,
+            "optimizer_host_state": with_optimizer and bool(hosts),
             "layout": layout_of(topology),
             "extra": extra_meta,
         }
@@ -288,20 +288,20 @@ def load_checkpoint(
             f"{ours}; resume with the same parallel settings and number of ranks"
         )
     meta = load_state(path / META)
-    if meta["optimizer_state"] and hybrid_of(optimizer) is not None:
+    hosts = hybrids_of(optimizer)
+    if meta["optimizer_state"] and hosts:
         raise ConfigError(
             f"checkpoint {str(path)!r} holds the optimizer's state as kept on the GPU, this run "
             "offloads it; resume with optimizer.offload: none"
         )
     _load_model(path / DIST, ddp_chunks, optimizer, meta)
     if meta.get("optimizer_host_state"):
-        host = hybrid_of(optimizer)
-        if host is None:
+        if not hosts:
             raise ConfigError(
                 f"checkpoint {str(path)!r} holds an offloaded optimizer's state, this run keeps "
                 "it on the GPU; resume with optimizer.offload: cpu"
             )
-        load_host_state(host, host_file(path, topology.rank))
+        load_host_state(hosts, path, topology.rank)
     saved_extra = meta.get("extra", {})
     extra_steps = {}
     for name, model in (extra or {}).items():

@@ -5,8 +5,10 @@ not (``optimizer.offload``, `unirl.core.config.optimizer_offload`; the offload i
 Per parameter of a rank's model chunks: the weights (bf16: 2 bytes, fp32: 4), the fp32
 gradient buffer (4, ``grad_reduce_in_fp32``), and the optimizer's fp32 master weights (4 under
 bf16; under fp32 the weights are their own master) and two Adam moments (8), divided over the
-data-parallel ranks by the distributed optimizer (``parallel.zero_stage: 1``). Offloaded, the
-master weights and moments leave the GPU; the offload needs the distributed optimizer.
+data-parallel ranks by the distributed optimizer (``parallel.zero_stage: 1``); a routed expert's
+over the expert data-parallel ranks (``world / (ep x etp x pp)``: megatron builds a distributed
+optimizer of their own). Offloaded, the master weights and moments leave the GPU; the offload
+needs the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -14,19 +16,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from unirl.core.protocols.backend_plugin import OptimizerOffload
+from unirl.core.topology import expert_data_parallel_size
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
 
 
-def gpu_bytes(cfg: UnirlConfig, offloaded: bool) -> float:
-    """Bytes per parameter on one GPU (module docstring)."""
+def _bytes(cfg: UnirlConfig, offloaded: bool, dp: int) -> float:
     bf16 = cfg.model.dtype == "bf16"
     weights_and_grads = (2 if bf16 else 4) + 4
     if offloaded:
         return weights_and_grads
     state = (4 if bf16 else 0) + 8
-    return weights_and_grads + state / (cfg.layout.dp if cfg.parallel.zero_stage == 1 else 1)
+    return weights_and_grads + state / (dp if cfg.parallel.zero_stage == 1 else 1)
+
+
+def gpu_bytes(cfg: UnirlConfig, offloaded: bool) -> float:
+    """Bytes per dense parameter on one GPU (module docstring)."""
+    return _bytes(cfg, offloaded, cfg.layout.dp)
+
+
+def expert_gpu_bytes(cfg: UnirlConfig, offloaded: bool) -> float:
+    """Bytes per routed-expert parameter on one GPU (module docstring)."""
+    p = cfg.parallel
+    expert_dp = expert_data_parallel_size(
+        cfg.layout.world_size, ep=p.ep, etp=p.etp or p.tp, pp=p.pp
+    )
+    return _bytes(cfg, offloaded, expert_dp)
 
 
 def refuses(cfg: UnirlConfig) -> str | None:
@@ -46,5 +62,6 @@ OFFLOAD = OptimizerOffload(
         "back each step"
     ),
     gpu_bytes=gpu_bytes,
+    expert_gpu_bytes=expert_gpu_bytes,
     refuses=refuses,
 )

@@ -216,14 +216,16 @@ def fuse_adam(optimizer: Any) -> str:
 
     devices = set(_get_fused_kernels_supported_devices())
     fused = kept = 0
+    hybrids = [o for o in inner_optimizers(optimizer) if isinstance(o, HybridDeviceOptimizer)]
+    if hybrids:  # megatron builds its host AdamWs with fused=True (torch's CPU kernel)
+        copies = sum(
+            len(g["params"]) for h in hybrids for o in h.cpu_optimizers for g in o.param_groups
+        )
+        return (
+            f"megatron-core's HybridDeviceOptimizer x {len(hybrids)} (optimizer.offload): torch "
+            f"AdamW (fused) over host copies of {copies} tensor(s)"
+        )
     for inner in inner_optimizers(optimizer):
-        if isinstance(inner, HybridDeviceOptimizer):
-            # megatron builds its host AdamWs with fused=True (torch's CPU kernel)
-            copies = sum(len(g["params"]) for o in inner.cpu_optimizers for g in o.param_groups)
-            return (
-                f"megatron-core's HybridDeviceOptimizer (optimizer.offload): torch AdamW (fused) "
-                f"over host copies of {copies} tensor(s)"
-            )
         if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
             return f"{type(inner).__name__} (Transformer Engine's or Apex's fused Adam)"
         for group in inner.param_groups:

@@ -10,16 +10,23 @@ step and the Adam step on the CPU. So ``optimizer.offload: auto`` (the default) 
 when the state would not fit:
 
     params    = the model's matmul weights and embeddings, counted from its Hugging Face config
-                (norms and biases, under 0.1%, left out), divided by parallel.tp x parallel.pp
-    resident  = params x the backend's bytes per parameter on one GPU (its plug-in's
-                `OptimizerOffload.gpu_bytes`: weights, gradients, master weights, moments,
-                divided by its sharding over data-parallel ranks)
+                (norms and biases, under 0.1%, left out; `unirl.core.config.param_count`): the
+                dense part divided by parallel.tp x parallel.pp, a mixture-of-experts model's
+                routed experts by parallel.ep x parallel.etp x parallel.pp
+    resident  = each part x the backend's bytes per parameter on one GPU (its plug-in's
+                `OptimizerOffload.gpu_bytes`, `expert_gpu_bytes` for the experts: weights,
+                gradients, master weights, moments, divided by its sharding over data-parallel
+                ranks, expert data-parallel ranks for the experts)
     offload   = resident > optimizer.offload_state_fraction x GPU memory
 
 the GPU memory being ``optimizer.offload_gpu_gib`` or the first visible GPU's. ``cpu`` / ``none``
 force it. The choice is made once from the config (and the visible GPU), so ``unirl check`` on
 the training host prints the one the run takes; under LoRA the optimizer holds only the adapter
-and is never offloaded by auto.
+and is not offloaded by auto. A mixture-of-experts family the count does not know leaves the
+size unknown: auto keeps the state on the GPU and says so. A backend option that offloads by
+itself (``fsdp2.cpu_offload: true``: its plug-in's `OptimizerOffload.forced`) decides auto
+before any of these: the state is in host memory whatever the plan says, and the report must
+say where it is.
 """
 
 from __future__ import annotations
@@ -30,7 +37,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from unirl.core.config.model_shape import hf_config_fields
-from unirl.core.protocols.backend_plugin import BACKENDS
+from unirl.core.config.param_count import (
+    ParamCount,
+    counted_moe_types,
+    moe_keys,
+    param_count,
+)
+from unirl.core.protocols.backend_plugin import BACKENDS, OptimizerOffload
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -45,26 +58,6 @@ class OffloadChoice:
 
     offload: bool
     reason: str
-
-
-def model_params(hf: Mapping[str, Any]) -> int | None:
-    """Matmul weights and embeddings of a dense or mixture-of-experts decoder (Llama, Qwen2,
-    Qwen3, Qwen3-MoE configs); None when the config lacks a size this needs."""
-    try:
-        h, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
-        heads = hf["num_attention_heads"]
-        kv_heads = hf.get("num_key_value_heads") or heads
-        head_dim = hf.get("head_dim") or h // heads
-        if hf.get("num_experts"):
-            experts = hf["num_experts"]
-            mlp = experts * 3 * h * hf["moe_intermediate_size"] + h * experts  # + the router
-        else:
-            mlp = 3 * h * hf["intermediate_size"]
-    except (KeyError, TypeError):
-        return None
-    attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim  # q, o; k, v
-    embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
-    return int(layers * (attention + mlp) + embeddings)
 
 
 def gpu_memory_gib(cfg: UnirlConfig) -> tuple[float | None, str]:
@@ -89,6 +82,9 @@ def choose_optimizer_offload(cfg: UnirlConfig) -> OffloadChoice:
         assert support is not None  # the config refused it at load (run_config._check_offload)
         return OffloadChoice(True, f"optimizer.offload: cpu: {support.how}")
     auto = "optimizer.offload: auto"
+    forced = support.forced(cfg) if support is not None else None
+    if forced is not None:  # a backend option offloads by itself (fsdp2.cpu_offload)
+        return OffloadChoice(True, f"{auto}, {forced}: offloaded: {support.how}")
     if cfg.model.lora is not None:
         return OffloadChoice(False, f"{auto}, model.lora: the optimizer holds only the adapter")
     if support is None:
@@ -96,25 +92,56 @@ def choose_optimizer_offload(cfg: UnirlConfig) -> OffloadChoice:
     why = support.refuses(cfg)
     if why is not None:
         return OffloadChoice(False, f"{auto}, not offloadable here ({why}): on the GPU")
-    params = model_params(hf_config_fields(cfg.model) or {})
-    if params is None:
-        return OffloadChoice(False, f"{auto}, the model's size is unknown: on the GPU")
+    hf = hf_config_fields(cfg.model) or {}
+    count = param_count(hf)
+    if count is None:
+        return OffloadChoice(
+            False, f"{auto}, the model's size is unknown{_uncounted(hf)}: on the GPU"
+        )
     gib, source = gpu_memory_gib(cfg)
     if gib is None:
         return OffloadChoice(
             False,
             f"{auto}, {source} (set optimizer.offload_gpu_gib to plan for one): on the GPU",
         )
-    local = params / (cfg.parallel.tp * cfg.parallel.pp)
-    resident = local * support.gpu_bytes(cfg, False) / GIB
-    offloaded = local * support.gpu_bytes(cfg, True) / GIB
+    return _plan(cfg, support, count, gib, source)
+
+
+def _uncounted(hf: Mapping[str, Any]) -> str:
+    """Why a config's size is unknown, when it is a mixture-of-experts family not counted."""
+    keys = moe_keys(hf)
+    if not keys:
+        return ""
+    return (
+        f" (a mixture-of-experts config, model_type {hf.get('model_type')!r} with {keys}: "
+        f"experts are counted for {counted_moe_types()} only; set optimizer.offload: cpu or "
+        "none)"
+    )
+
+
+def _plan(
+    cfg: UnirlConfig, support: OptimizerOffload, count: ParamCount, gib: float, source: str
+) -> OffloadChoice:
+    """The memory plan of ``auto`` (module docstring)."""
+    p = cfg.parallel
+    dense = count.dense / (p.tp * p.pp)
+    expert = count.expert / (p.ep * (p.etp or p.tp) * p.pp)
+    expert_bytes = support.expert_gpu_bytes or support.gpu_bytes
+
+    def per_gpu(offloaded: bool) -> float:
+        return (
+            dense * support.gpu_bytes(cfg, offloaded) + expert * expert_bytes(cfg, offloaded)
+        ) / GIB
+
+    resident, offloaded = per_gpu(False), per_gpu(True)
     budget = cfg.optimizer.offload_state_fraction * gib
     offload = resident > budget
+    experts = f" ({expert / 1e9:.2f}B of them experts)" if count.expert else ""
     shape = (
-        f"{params / 1e9:.2f}B parameters, {local / 1e9:.2f}B per GPU: weights + gradients + "
-        f"optimizer state {resident:.1f} GiB per GPU ({offloaded:.1f} GiB offloaded), "
-        f"{'above' if offload else 'within'} optimizer.offload_state_fraction="
+        f"{count.total / 1e9:.2f}B parameters, {(dense + expert) / 1e9:.2f}B per GPU{experts}: "
+        f"weights + gradients + optimizer state {resident:.1f} GiB per GPU ({offloaded:.1f} "
+        f"GiB offloaded), {'above' if offload else 'within'} optimizer.offload_state_fraction="
         f"{cfg.optimizer.offload_state_fraction:g} of {gib:.1f} GiB ({source})"
     )
     verdict = f"offloaded: {support.how}" if offload else "on the GPU"
-    return OffloadChoice(offload, f"{auto}, {shape}: {verdict}")
+    return OffloadChoice(offload, f"optimizer.offload: auto, {shape}: {verdict}")

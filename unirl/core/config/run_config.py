@@ -257,19 +257,25 @@ def _check_lora(cfg: UnirlConfig) -> None:
 def _check_offload(cfg: UnirlConfig) -> None:
     """``optimizer.offload: cpu`` needs a backend (and layout) that offloads (its plug-in's
     ``optimizer_offload``); the critic's optimizer is never offloaded
-    (`unirl.core.config.optimizer_offload` decides ``auto``)."""
-    if cfg.critic.optimizer.offload == "cpu":
-        raise ConfigError(
-            "critic.optimizer.offload: cpu: the critic's optimizer state stays on the GPU (only "
-            "the policy's is offloaded); set critic.optimizer.offload: auto or none"
-        )
+    (`unirl.core.config.optimizer_offload` decides ``auto``), so none of its offload keys
+    changes anything and each is refused; ``auto``'s planning keys change nothing under
+    ``cpu`` / ``none`` and are refused there."""
     default = type(cfg.critic.optimizer)()
-    for key in ("offload_gpu_gib", "offload_state_fraction"):  # they plan the policy's only
+    for key in ("offload", "offload_gpu_gib", "offload_state_fraction"):
         if getattr(cfg.critic.optimizer, key) != getattr(default, key):
             raise ConfigError(
-                f"critic.optimizer.{key} is set, but the critic's optimizer is never offloaded "
-                f"(only the policy's: optimizer.{key}); remove critic.optimizer.{key}"
+                f"critic.optimizer.{key}={getattr(cfg.critic.optimizer, key)!r} is set, but the "
+                f"critic's optimizer state always stays on the GPU (only the policy's is "
+                f"offloaded: optimizer.{key}); remove critic.optimizer.{key}"
             )
+    if cfg.optimizer.offload != "auto":
+        for key in ("offload_gpu_gib", "offload_state_fraction"):
+            if getattr(cfg.optimizer, key) != getattr(default, key):
+                raise ConfigError(
+                    f"optimizer.{key}={getattr(cfg.optimizer, key)!r} plans optimizer.offload: "
+                    f"auto, but optimizer.offload is {cfg.optimizer.offload!r}, which ignores "
+                    f"it; remove optimizer.{key} or set optimizer.offload: auto"
+                )
     if cfg.optimizer.offload != "cpu":
         return
     support = BACKENDS.get(cfg.backend).optimizer_offload

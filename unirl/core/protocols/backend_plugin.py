@@ -139,7 +139,8 @@ class ContractLayout:
 
 
 def _always_offloads(cfg: Any) -> str | None:
-    """A backend whose every layout can offload its optimizer state."""
+    """A backend whose every layout can offload its optimizer state (``refuses``), and none of
+    whose options offloads by itself (``forced``)."""
     return None
 
 
@@ -150,12 +151,17 @@ class OptimizerOffload:
 
     ``gpu_bytes(cfg, offloaded)``: bytes on one GPU per parameter of the whole model (weights,
     gradients, fp32 master weights and Adam moments, divided by the config's sharding) without
-    and with the offload; ``refuses(cfg)``: why this config cannot offload (e.g. it needs the
-    distributed optimizer), or None."""
+    and with the offload; ``expert_gpu_bytes``: the same per routed-expert parameter, where
+    expert parallelism shards them otherwise (None: as ``gpu_bytes``); ``refuses(cfg)``: why
+    this config cannot offload (e.g. it needs the distributed optimizer), or None;
+    ``forced(cfg)``: the backend option that keeps the state in host memory by itself (e.g.
+    ``fsdp2.cpu_offload: true``), which decides ``optimizer.offload: auto``, or None."""
 
     how: str
     gpu_bytes: Callable[[Any, bool], float]
+    expert_gpu_bytes: Callable[[Any, bool], float] | None = None
     refuses: Callable[[Any], str | None] = _always_offloads
+    forced: Callable[[Any], str | None] = _always_offloads
 
 
 def _no_rules(cfg: RunConfigView) -> None:

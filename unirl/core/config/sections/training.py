@@ -42,10 +42,11 @@ class OptimizerConfig:
     # FSDP2's CPUOffloadPolicy, DeepSpeed's offload_optimizer); none keeps them on the GPU; auto
     # offloads exactly when the weights, gradients and optimizer state per GPU, counted from
     # the model's shape, exceed offload_state_fraction of offload_gpu_gib. The policy's
-    # optimizer only: the critic's accepts auto (never offloaded) or none.
+    # optimizer only: the critic's is never offloaded, and critic.optimizer.offload* are refused.
     offload: Literal["auto", "none", "cpu"] = "auto"
     # offload: auto's GPU memory in GiB; null: the first visible GPU's (torch.cuda), and with
     # no GPU visible auto does not offload (set this to plan a GPU run from a CPU-only host).
+    # Refused with offload: cpu or none (it would change nothing), as offload_state_fraction.
     offload_gpu_gib: float | None = attrs.field(default=None, validator=positive)
     # offload: auto offloads when the resident state exceeds this share of the GPU, leaving
     # the rest to activations, logits and the allocator. 0.8 sits between two measured rows on
