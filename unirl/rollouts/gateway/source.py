@@ -490,7 +490,8 @@ def _serving_host() -> tuple[str, str]:
     """Where a leader serves its engine to rank 0 (the address it binds, the name rank 0 connects
     to): loopback when every rank is on one node (the launcher's LOCAL_WORLD_SIZE equals the
     world); else every interface, reached by this host's name (the connection is authenticated
-    by the engine's random key: a stranger's handshake fails)."""
+    by the engine's random key: a stranger's handshake fails, and a silent one is cut after
+    `remote.HANDSHAKE_S` on its own thread)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is None or int(local) == world()[1]:
         return "127.0.0.1", "127.0.0.1"
