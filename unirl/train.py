@@ -262,8 +262,6 @@ class _Job:
 
     def loop(self) -> None:
         """The RL steps, from the first this run has not done to ``total``."""
-        from unirl.rollouts.source import ChecksTrainerFit
-
         cfg, topo = self.cfg, self.topo
         rl_step = RLStep(cfg, self.backend)
         if topo.is_reporting_rank and self.backend.critic is not None:
@@ -276,10 +274,6 @@ class _Job:
         ) as bar:
             for k in range(self.start_step, self.total):
                 self._step(k, rl_step, guard, bars)
-                if k == self.start_step and isinstance(self.source, ChecksTrainerFit):
-                    # the trainer's real peak exists now (gradients, optimizer state): does
-                    # the engine beside it still fit before the next step wakes it
-                    self.source.check_trainer_fit()
                 self._after_step(k + 1, bar)
                 bar.advance(self.metrics)
 
@@ -296,10 +290,16 @@ class _Job:
             return self.source.next_rollout(k, progress=gen_bar)
 
     def _step(self, k: int, rl_step: RLStep, guard: DivergenceGuard, bars: bool) -> None:
-        """RL step k: the rollout, the core step, its metrics, then the weights checked and
-        synced to the source (the non-finite check comes before any sync, save or export)."""
+        """RL step k: the rollout, the core step, its metrics, after the run's first step the
+        source's fit check (`ChecksTrainerFit`, before the sync can wake a sleeping engine),
+        then the weights checked and synced to the source (the non-finite check comes before
+        any sync, save or export)."""
         from unirl.rollouts.postprocess import apply_postprocess_hook
-        from unirl.rollouts.source import MeasuresRollouts, policy_version_metrics
+        from unirl.rollouts.source import (
+            ChecksTrainerFit,
+            MeasuresRollouts,
+            policy_version_metrics,
+        )
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -335,6 +335,10 @@ class _Job:
             self.metrics_log.write(k + 1, self.metrics)
         if self.completions is not None:
             self.completions.write(k + 1, batch, self.metrics_log)
+        if k == self.start_step and isinstance(self.source, ChecksTrainerFit):
+            # the trainer's real peak exists now (gradients, optimizer state): does the engine
+            # beside it still fit, before the sync below wakes it (rollout.vllm.sleep)
+            self.source.check_trainer_fit()
         assert self.sync is not None, "start() comes before loop()"
         self.sync_s = self.sync.after_step(k + 1, self.metrics, guard, self.version)
 

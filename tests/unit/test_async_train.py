@@ -22,7 +22,12 @@ from unirl.core.data.rollout import RolloutBatch
 from unirl.core.data.sample import RolloutSample
 from unirl.core.errors import ConfigError
 from unirl.core.mismatch import mismatch_by_staleness
-from unirl.rollouts.async_source import RolloutsAhead, restore, staleness_metrics
+from unirl.rollouts.async_source import (
+    AdapterRolloutsAhead,
+    RolloutsAhead,
+    restore,
+    staleness_metrics,
+)
 from unirl.rollouts.collectives import rollout_group
 from unirl.rollouts.source import MeasuresRollouts
 
@@ -297,12 +302,14 @@ def test_the_source_is_closed_even_when_stopping_the_worker_raises(monkeypatch):
     assert source.calls[-1] == ("close", -1)
 
 
-def test_only_the_ranks_that_lead_an_engine_keep_a_snapshot(monkeypatch):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "adapter"])
+def test_only_the_ranks_that_lead_an_engine_keep_a_snapshot(monkeypatch, lora):
     """Several vLLM engines: every rank receives the stream, only the engines' leaders send it
     on, so only they keep the weights for the rollouts ahead. 2 engines on 4 ranks lead from
     ranks 0 and 2 (`placement.leaders`): those two hold a snapshot (the source gets both
     tensors), ranks 1 and 3 run the stream to its end and hold nothing (the tensors are freed
-    when the sync returns)."""
+    when the sync returns). Under model.lora (`AdapterRolloutsAhead`) the same for the base
+    weights, which only the first rollout queued carries."""
     import types
 
     from unirl.rollouts.vllm import source as vllm_source
@@ -321,10 +328,13 @@ def test_only_the_ranks_that_lead_an_engine_keep_a_snapshot(monkeypatch):
             self.received.append(len(names))
             self.weight, self.version = 0.0, policy_version
 
+        def sync_adapter(self, adapter, *, policy_version: int) -> None:
+            self.version = policy_version
+
     snapshots, freed, streamed = [], [], []
     for rank in range(4):
         source = Counting(rank)
-        ahead = RolloutsAhead(source, max_staleness=1)
+        ahead = (AdapterRolloutsAhead if lora else RolloutsAhead)(source, max_staleness=1)
         sent, refs = [], []
 
         def stream(sent=sent, refs=refs):  # the stream's own buckets: no one else holds them
@@ -338,12 +348,15 @@ def test_only_the_ranks_that_lead_an_engine_keep_a_snapshot(monkeypatch):
             ahead.sync_weights(stream(), policy_version=0)
             gc.collect()
             freed.append(all(ref() is None for ref in refs))
+            if lora:
+                ahead.sync_adapter({"lora_A": torch.zeros(1)}, policy_version=0)
             ahead.next_rollout(0)  # rollouts 0 and 1 from W_0
             ahead.take(1)
         finally:
             ahead.close()
         snapshots.append(sum(1 for n in source.received if n))
         streamed.append(sent)
-    assert snapshots == [2, 0, 2, 0]  # two rollouts synced from a snapshot, on leaders only
+    # two rollouts synced from a snapshot (under LoRA the base with the first only), on leaders
+    assert snapshots == ([1, 0, 1, 0] if lora else [2, 0, 2, 0])
     assert freed == [False, True, False, True]
     assert streamed == [["w", "b"]] * 4  # every rank ran the stream to its end

@@ -444,8 +444,12 @@ def test_under_sleep_mode_the_engine_is_awake_for_the_episodes_only(tmp_path):
 
 def test_the_engines_start_rules_name_the_agents_section(tmp_path):
     """The vLLM source's rules met when its engines start (the engine count against the world
-    size, the GPU's free memory) name the keys the user wrote: rollout.agent.vllm.*."""
+    size, the GPU's free memory) or after the trainer's first RL step (the fit check) name the
+    keys the user wrote: rollout.agent.vllm.*. The training loop asks the agent source for the
+    fit check and whether this rank uses the weights: its engine's source answers (the sampler:
+    no check, the weights used; a vLLM stand-in on a rank leading no engine: not used)."""
     from unirl.core.errors import ConfigError
+    from unirl.rollouts.source import ChecksTrainerFit, uses_weights_here
 
     source = played(tmp_path, agent="tool_agent", template=KEEPS_HISTORY, prompts=["x"])
 
@@ -453,13 +457,24 @@ def test_the_engines_start_rules_name_the_agents_section(tmp_path):
         def sync_weights(self, buckets, *, policy_version):
             raise ConfigError("rollout.vllm.engines=2 does not divide the 3 trainer processes")
 
+        def check_trainer_fit(self):
+            raise ConfigError("... Set rollout.vllm.gpu_memory_utilization <= 0.30 ...")
+
+        def uses_weights_here(self):
+            return False
+
         def close(self):
             pass
 
+    assert isinstance(source, ChecksTrainerFit) and uses_weights_here(source)
+    source.check_trainer_fit()  # the sampler: nothing to check
     inner, source.inner = source.inner, Refusing()
     try:
         with pytest.raises(ConfigError, match=r"^rollout\.agent\.vllm\.engines=2 does not"):
             source.sync_weights(iter(()), policy_version=1)
+        with pytest.raises(ConfigError, match=r"Set rollout\.agent\.vllm\.gpu_memory_utiliz"):
+            source.check_trainer_fit()
+        assert not uses_weights_here(source)
     finally:
         inner.close()
         source.close()

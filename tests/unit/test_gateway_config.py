@@ -60,6 +60,24 @@ def test_sleep_mode_is_described_and_keeps_the_vllm_sources_rules():
         config_from_dict(data)
 
 
+def test_check_says_when_the_fit_is_checked_again_after_the_first_step():
+    """The fit check after RL step 1 runs for the agent's vLLM engines as for the vLLM source's
+    (before the sync that wakes a sleeping engine), and not with rollouts generated ahead, whose
+    worker owns the ranks' exchange: `unirl check` says which."""
+    from unirl.core.protocols.source_plugin import SOURCES
+
+    agent = SOURCES.get("agent")
+    sleeping = agent.describe(config_from_dict(_example(engine="vllm", vllm={"sleep": "offload"})))
+    said = sleeping["fit_after_first_step"]
+    assert said.startswith("on a GPU, after the trainer's first RL step and before its weight")
+    assert "rollout.agent.vllm.gpu_memory_utilization" in said and "the run stops" in said
+    data = _example(engine="vllm")
+    data["train"]["max_staleness"] = 1
+    ahead = agent.describe(config_from_dict(data))["fit_after_first_step"]
+    assert ahead.startswith("off: with rollouts generated ahead (train.max_staleness=1)")
+    assert "fit_after_first_step" not in agent.describe(config_from_dict(_example()))  # sampler
+
+
 def test_agent_with_an_environment_is_refused():
     data = _example()
     data["rollout"]["environment"] = "hidden_number"

@@ -138,12 +138,21 @@ def test_file_sourced_run_streams_nothing(tmp_path, monkeypatch):
     from unirl.rollouts.source import FileRolloutSource
 
     fit_checked_after: list[int] = []
+    order: list[str] = []  # the fit check before the sync after step 1 (which wakes an engine)
 
     def check_trainer_fit(self) -> None:
         metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
         fit_checked_after.append(len(metrics))
+        order.append("fit")
+
+    after_step = WeightSync.after_step
+
+    def recorded_after_step(self, rl_step, *args, **kwargs):
+        order.append(f"sync after step {rl_step}")
+        return after_step(self, rl_step, *args, **kwargs)
 
     monkeypatch.setattr(FileRolloutSource, "check_trainer_fit", check_trainer_fit, raising=False)
+    monkeypatch.setattr(WeightSync, "after_step", recorded_after_step)
     cfg = load_config(
         EXAMPLES / "tiny_grpo.yaml",
         [f"logging.run_dir={tmp_path / 'run'}", "logging.tensorboard=false",
@@ -154,3 +163,4 @@ def test_file_sourced_run_streams_nothing(tmp_path, monkeypatch):
     assert summary.steps_done == 2  # the file's two rollouts
     assert calls == []
     assert fit_checked_after == [1]
+    assert order == ["fit", "sync after step 1", "sync after step 2"]

@@ -344,8 +344,13 @@ class AdapterRolloutsAhead(RolloutsAhead):
         self._base: dict[str, torch.Tensor] | None = None  # not yet handed to a queued rollout
 
     def sync_weights(self, buckets: Iterable[Bucket], *, policy_version: int) -> None:
-        """The base weights (the adapter left out), kept for the next rollout queued."""
-        self._base = {name: t for bucket in buckets for name, t in bucket}
+        """The base weights (the adapter left out), kept for the next rollout queued; as in
+        `RolloutsAhead.sync_weights`, a rank that feeds no engine keeps none."""
+        if uses_weights_here(self.source):
+            self._base = {name: t for bucket in buckets for name, t in bucket}
+        else:  # the source still gets its (empty) sync, in the worker, as on the leaders
+            drain(buckets)
+            self._base = {}
 
     def sync_adapter(self, adapter: Mapping[str, torch.Tensor], *, policy_version: int) -> None:
         """Keep a copy of the adapter of ``policy_version`` for the rollouts queued next."""

@@ -181,12 +181,17 @@ class GenerationQueue:
                             [c.prompt for c in group], [c.seed for c in group], budget
                         )
                         version = self.version()
+                    if len(samples) != len(group):  # answered in full or not at all
+                        raise RunError(
+                            f"the engine answered {len(samples)} sample(s) to a batch of "
+                            f"{len(group)} calls"
+                        )
                     self.batches += 1
                 except BaseException as exc:  # answered to every caller; the thread goes on
                     for c in group:
                         c.future.set_exception(exc)
                     continue
-                for c, s in zip(group, samples):
+                for c, s in zip(group, samples, strict=True):
                     c.future.set_result(Served(s, version))
 
     def close(self) -> None:

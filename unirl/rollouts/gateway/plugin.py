@@ -13,7 +13,7 @@ import attrs
 from unirl.core.config.validators import positive
 from unirl.core.errors import ConfigError
 from unirl.core.protocols.source_plugin import LazySourceBuilder, SourcePlugin
-from unirl.rollouts.vllm.plugin import VllmOptions
+from unirl.rollouts.vllm.plugin import VllmOptions, fit_after_first_step
 from unirl.rollouts.vllm.plugin import check as vllm_check
 
 if TYPE_CHECKING:
@@ -161,6 +161,10 @@ def _describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             "oldest call)"
         ),
     }
+    if a.engine == "vllm":
+        out["fit_after_first_step"] = fit_after_first_step(
+            cfg, a.vllm, section="rollout.agent.vllm"
+        )
     if a.engine == "vllm" and a.vllm.sleep != "off":
         out["sleep"] = (
             f"rollout.agent.vllm.sleep={a.vllm.sleep}: the engines wake before each rollout's "

@@ -71,6 +71,7 @@ from unirl.rollouts.serving.engine import sample_seed
 from unirl.rollouts.serving.exchange import RolloutExchange, world
 from unirl.rollouts.serving.placement import engine_of
 from unirl.rollouts.shaping.settings import RolloutShaping
+from unirl.rollouts.source import ChecksTrainerFit, uses_weights_here
 from unirl.rollouts.vllm.sleep import SleepCycle
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,22 @@ class AgentRolloutSource(GeneratingSource):
                 ) from None
             self.last_verify_s = self.inner.last_verify_s
             self._policy_version = policy_version
+
+    def uses_weights_here(self) -> bool:
+        """The engines' answer (several vLLM engines: only their leaders send the weights on),
+        so that rollouts generated ahead keep no snapshot on the other ranks."""
+        return uses_weights_here(self.inner)
+
+    def check_trainer_fit(self) -> None:
+        """The engines' fit check after the trainer's first RL step (vLLM colocated on the
+        trainer's GPUs, `unirl.rollouts.vllm.fit`), its stop naming this section's keys;
+        nothing for the sampler. Collective, as the vLLM source's is."""
+        if not isinstance(self.inner, ChecksTrainerFit):
+            return
+        try:
+            self.inner.check_trainer_fit()
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("rollout.vllm.", "rollout.agent.vllm.")) from None
 
     def generate_eval(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> Any:
         """The ``eval:`` section's generations, on the engine directly (no agent)."""
@@ -490,7 +507,8 @@ def _serving_host() -> tuple[str, str]:
     """Where a leader serves its engine to rank 0 (the address it binds, the name rank 0 connects
     to): loopback when every rank is on one node (the launcher's LOCAL_WORLD_SIZE equals the
     world); else every interface, reached by this host's name (the connection is authenticated
-    by the engine's random key: a stranger's handshake fails)."""
+    by the engine's random key: a stranger's handshake fails, and a silent one is cut after
+    `remote.HANDSHAKE_S` on its own thread)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is None or int(local) == world()[1]:
         return "127.0.0.1", "127.0.0.1"

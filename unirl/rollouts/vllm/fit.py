@@ -9,15 +9,18 @@ there (`cuda_peak`: what torch's caching allocator reserved at most, which it ke
 in another process cannot use) and adds the engine's allowance, ``gpu_memory_utilization`` x the
 card. Past the card:
 
-- with ``rollout.vllm.sleep`` on, the run **stops** before step 2: the engine released its memory
-  while the trainer trained and takes it back for the next sync and generation, with the trainer's
+- with ``rollout.vllm.sleep`` on, the run **stops** before the weight sync after step 1 (the
+  training loop checks between the RL step and that sync): the engine released its memory while
+  the trainer trained and takes it back for the sync and the next generation, with the trainer's
   peak still held, so that wake would run out of memory (inside vLLM's process, without naming a
   setting);
 - with sleep off the run **warns**: engine and trainer held their memory together through step 1,
   so the engine uses less than its allowance (``kv_cache_gb``); a longer rollout may still not fit.
 
 Both name the ``gpu_memory_utilization`` that fits. The probe is a value (`MemoryProbe`), so the
-decision is tested on the CPU with measured numbers injected.
+decision is tested on the CPU with measured numbers injected. The agent gateway's source forwards
+the check to its vLLM source; rollouts generated ahead (``train.max_staleness > 0``) do not run it:
+their worker owns the ranks' exchange it gathers on (`unirl check` says so).
 """
 
 from __future__ import annotations

@@ -217,6 +217,30 @@ def weight_receivers(cfg: UnirlConfig) -> str:
     return "rank0" if cfg.rollout.source_options.engines == 1 else "every_rank"
 
 
+def fit_after_first_step(cfg: UnirlConfig, v: VllmOptions, *, section: str) -> str:
+    """What `unirl check` says of the fit check after the trainer's first RL step
+    (`unirl.rollouts.vllm.fit`) for the engines of ``v`` (the section named ``section``)."""
+    if v.devices is not None:
+        return f"none: the engines have GPUs of their own ({section}.devices)"
+    if cfg.train.max_staleness > 0:
+        # the worker generating ahead owns the ranks' exchange the check would gather on
+        return (
+            f"off: with rollouts generated ahead (train.max_staleness={cfg.train.max_staleness}) "
+            "only the check before the engines start applies; trainer and engine must fit by "
+            f"{section}.gpu_memory_utilization"
+        )
+    past = (
+        f"the run stops before the sync that wakes the engine ({section}.sleep={v.sleep})"
+        if v.sleep != "off"
+        else "a warning"
+    )
+    return (
+        f"on a GPU, after the trainer's first RL step and before its weight sync: the trainer's "
+        f"peak + {section}.gpu_memory_utilization x the card on each GPU an engine shares; past "
+        f"the card {past}"
+    )
+
+
 def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
     v, r = cfg.rollout.source_options, cfg.rollout
     world = cfg.layout.world_size
@@ -244,6 +268,7 @@ def describe(cfg: UnirlConfig) -> Mapping[str, Any]:
             f"{v.gpu_memory_utilization:g} of each engine GPU must be free when the engine "
             "starts (GPU only)"
         ),
+        "fit_after_first_step": fit_after_first_step(cfg, v, section="rollout.vllm"),
         "sleep": {
             "off": "off: the engine keeps its weights and KV cache while the trainer trains",
             "offload": "level 1 while the trainer trains: weights to host memory, KV cache freed",

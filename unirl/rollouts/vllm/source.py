@@ -197,8 +197,9 @@ class VllmRolloutSource(GeneratingSource):
     def check_trainer_fit(self) -> None:
         """After the trainer's first RL step: its measured peak plus the engine's allowance on
         every GPU a colocated engine shares (`unirl.rollouts.vllm.fit`; ``memory_probe`` measures
-        it, a test injects it); stops before the next step where the engine's wake would run out
-        of memory, warns where only the allowance does not fit. Collective over the ranks."""
+        it, a test injects it); stops before the weight sync whose wake would run out of memory
+        (the loop asks before it), warns where only the allowance does not fit. Collective over
+        the ranks."""
         if not torch.cuda.is_available() or self.options.devices is not None:
             return
         rank, size, _ = self._world()
