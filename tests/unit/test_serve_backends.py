@@ -1,7 +1,8 @@
 """One LoRA step with the SDK's Adam settings (gradient clipping active, weight decay) through
-`unirl serve` on each backend that takes per-step settings, against peft + torch's AdamW with
-the same clip: the backends differ in where the clip and the settings live (FSDP2's own
-optimizer, DeepSpeed's engine and ZeRO wrappers)."""
+`unirl serve` on each backend, against peft + torch's AdamW with the same clip: the backends
+differ in where the clip and the settings live (FSDP2's own optimizer, DeepSpeed's engine and
+ZeRO wrappers, megatron's optimizer config and parameter groups). Megatron adapts no LM head, so
+its client asks for none (``train_unembed=False``; the others adapt it)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,18 @@ CLIP, LR, WD = 0.05, 1e-2, 0.1
         {"backend": "fsdp2"},
         {"backend": "deepspeed", "parallel": {"zero_stage": 0}},
         {"backend": "deepspeed", "parallel": {"zero_stage": 2}},
+        {"backend": "megatron", "model": {"dtype": "fp32"}},
     ],
-    ids=["fsdp2", "deepspeed-zero0", "deepspeed-zero2"],
+    ids=["fsdp2", "deepspeed-zero0", "deepspeed-zero2", "megatron"],
 )
 def test_a_clipped_adam_step_matches_peft(tiny_folder, tmp_path, train):
     train = {**train, "progress": {"enabled": False}}
+    unembed = train["backend"] != "megatron"
     with running_server(tiny_folder, tmp_path, train=train) as (url, _):
         service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-        tc = service.create_lora_training_client(base_model=BASE, rank=2, seed=9).result()
+        tc = service.create_lora_training_client(
+            base_model=BASE, rank=2, seed=9, train_unembed=unembed
+        ).result()
         tc.save_state("init").result()
         data = [
             types.Datum(
