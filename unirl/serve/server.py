@@ -35,6 +35,9 @@ def serve(cfg: ServeConfig) -> None:
         logger.info(
             "unirl serve: http://%s:%d (%s)", cfg.host, cfg.port, ", ".join(cfg.base_models)
         )
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: a normal stop
+            logger.info("unirl serve: stopped (SIGINT)")
     finally:
         runtime.stop()
