@@ -20,6 +20,7 @@ from unirl.serve.errors import BadRequest
 from unirl.serve.futures import FutureStore
 from unirl.serve.jobs import Job
 from unirl.serve.ranks import JobRelay
+from unirl.serve.sampling import SampleSeeds
 from unirl.serve.sessions import Sessions
 from unirl.serve.worker import Worker
 
@@ -39,6 +40,7 @@ class Runtime:
         self.worker = Worker(cfg, self.futures, self.sessions)
         self.serving = True  # rank 0 (or one process): runs the HTTP server and the queue
         self.sampling: dict[str, SamplingSession] = {}
+        self.seeds = SampleSeeds(cfg.sample_seed)
         self._names = itertools.count(1)
         self._lock = threading.Lock()
         self._group: ProcessGroupSetup | None = None
