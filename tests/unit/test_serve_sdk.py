@@ -142,12 +142,14 @@ def test_rl_losses_follow_the_sdk_formulas(server, service, tiny_folder):
                 total += float(-(ratio * adv).sum())
             elif name == "ppo":  # -min(ratio * A, clip(ratio) * A).sum()
                 total += float(-torch.minimum(ratio * adv, clipped * adv).sum())
+            elif name == "dro":  # -(logp * A - beta / 2 * (logp - q)^2).sum(), beta 0.3
+                total += float(-(logp * adv - 0.5 * 0.3 * (logp - q) ** 2).sum())
             else:  # cispo: -(sg(clip(ratio)) * logp * A).sum()
                 total += float(-(clipped * logp * adv).sum())
         return total
 
-    for name in ("importance_sampling", "ppo", "cispo"):
-        cfg = None if name == "importance_sampling" else config
+    configs = {"importance_sampling": None, "ppo": config, "cispo": config, "dro": {"beta": 0.3}}
+    for name, cfg in configs.items():
         out = tc.forward(data, name, cfg).result()
         assert out.metrics["loss:sum"] == pytest.approx(expected(name), rel=1e-5), name
     # the gradient: one PPO step against the same step on the peft model
@@ -220,7 +222,13 @@ def test_bad_requests_get_4xx_naming_the_field_and_change_nothing(server, servic
             None,
             "data[0].loss_fn_inputs",
         ),
-        (probe, "dro", None, "loss_fn"),
+        (probe, "gspo", None, "loss_fn"),
+        (
+            [_datum([1, 2], [2, 3], logprobs=[0.0, 0.0], advantages=[1.0, 1.0])],
+            "dro",
+            None,
+            "loss_fn_config.beta",
+        ),
         (
             [_datum([1, 2], [2, 3], logprobs=[0.0, 0.0], advantages=[1.0, 1.0])],
             "ppo",

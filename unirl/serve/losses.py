@@ -5,9 +5,11 @@
     importance_sampling  -sum_t r_t A_t,  r_t = exp(logp_t - q_t)                (ppo_clip, no clip)
     ppo                  -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)              (ppo_clip)
     cispo                -sum_t sg(clip(r_t, lo, hi)) logp_t A_t                 (cispo)
+    dro                  -sum_t (logp_t A_t - beta/2 (logp_t - q_t)^2)          (dro)
 
 ``q_t``: the sampler's log-probs (``loss_fn_inputs["logprobs"]``); ``lo`` / ``hi``:
-``loss_fn_config`` ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2 by default). The
+``loss_fn_config`` ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2 by default);
+``beta``: ``loss_fn_config["beta"]`` (required: the SDK documents no default). The
 RL losses sum over every position (the advantages are 0 on the prompt); cross-entropy weights
 each position by ``weights`` (any float: the SDK's client-side custom loss sends the negative
 gradient of its loss there). The sum is the API's aggregation (no normaliser): a request's
@@ -44,14 +46,26 @@ class SdkLoss:
     inputs: tuple[str, ...]  # besides target_tokens
     clipped: bool  # reads clip_low_threshold / clip_high_threshold
     weighted: bool  # the mask is the datum's ``weights`` (else every position counts)
+    penalised: bool = False  # reads beta (DRO's quadratic penalty)
 
     def settings(self, config: Mapping[str, float | str]) -> LossSettings:
         known = {"clip_low_threshold", "clip_high_threshold"} if self.clipped else set()
+        known |= {"beta"} if self.penalised else set()
         unknown = sorted(set(config) - known)
         if unknown:
             raise BadRequest(
                 "loss_fn_config", f"has unknown key(s) {unknown}; this loss takes {sorted(known)}"
             )
+        if self.penalised:
+            if "beta" not in config:
+                raise BadRequest(
+                    "loss_fn_config.beta",
+                    "is missing; dro needs its penalty weight (e.g. loss_fn_config={'beta': 0.05})",
+                )
+            beta = _threshold(config, "beta", 0.0)
+            if beta < 0:
+                raise BadRequest("loss_fn_config.beta", f"is {beta}; it must be >= 0")
+            return LossSettings(policy_loss=self.unirl_loss, dro_beta=beta)
         if not self.clipped:
             return LossSettings(policy_loss=self.unirl_loss, clip_low=1.0, clip_high=_NO_CLIP)
         low = _threshold(config, "clip_low_threshold", 0.8)
@@ -86,6 +100,10 @@ SDK_LOSSES.register(
 )
 SDK_LOSSES.register(
     "cispo", SdkLoss(unirl_loss="cispo", inputs=_RL_INPUTS, clipped=True, weighted=False)
+)
+SDK_LOSSES.register(
+    "dro",
+    SdkLoss(unirl_loss="dro", inputs=_RL_INPUTS, clipped=False, weighted=False, penalised=True),
 )
 
 
