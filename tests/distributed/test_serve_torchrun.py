@@ -87,9 +87,9 @@ def test_megatron_under_torchrun_matches_peft(tmp_path, parallel):
     proc = _launch(config, port, log)
     try:
         url = f"http://127.0.0.1:{port}"
-        got = sdk_step(url, tmp_path / "state", unembed=False)
+        got = sdk_step(url, tmp_path / "state", unembed=True)
         service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-        tc = service.create_lora_training_client(base_model=BASE, rank=2, train_unembed=False)
+        tc = service.create_lora_training_client(base_model=BASE, rank=2)
         sampler = tc.result().save_weights_and_get_sampling_client()
         prompt = types.ModelInput.from_ints([1, 5, 9])
         params = types.SamplingParams(max_tokens=3, seed=0, stop=[])

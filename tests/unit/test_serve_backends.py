@@ -1,8 +1,9 @@
 """One LoRA step with the SDK's Adam settings (gradient clipping active, weight decay) through
 `unirl serve` on each backend, against peft + torch's AdamW with the same clip: the backends
 differ in where the clip and the settings live (FSDP2's own optimizer, DeepSpeed's engine and
-ZeRO wrappers, megatron's optimizer config and parameter groups). Megatron adapts no LM head, so
-its client asks for none (``train_unembed=False``; the others adapt it)."""
+ZeRO wrappers, megatron's optimizer config and parameter groups). The adapter includes the LM
+head (the SDK's default ``train_unembed=True``): on Megatron a vocabulary-parallel adapter whose
+padding rows the export cuts."""
 
 from __future__ import annotations
 
@@ -38,9 +39,8 @@ CLIP, LR, WD = 0.05, 1e-2, 0.1
 )
 def test_a_clipped_adam_step_matches_peft(tiny_folder, tmp_path, train):
     train = {**train, "progress": {"enabled": False}}
-    unembed = train["backend"] != "megatron"
     with running_server(tiny_folder, tmp_path, train=train) as (url, _):
-        got = sdk_step(url, tmp_path, unembed=unembed)
+        got = sdk_step(url, tmp_path, unembed=True)
     assert_matches_peft(tiny_folder, got)
 
 

@@ -3,9 +3,9 @@ pinned 0.6.1), unmodified, a few steps against `unirl serve`: only their tokeniz
 come from local files (`tests.cookbook_fixtures`; the RL loop's loss is a config field,
 ``importance_sampling``). The supervised loop's first mean NLL is the base model's (the
 adapter's B starts at zero), written out with plain transformers on the rows the loop takes;
-DeepSpeed and FSDP2 log the same NLL at every step, and the same rewards and gradient norms in
-the RL loop (``serve.sample_seed``: the loop sends no seeds). Megatron adapts no LM head, and
-both loops ask for one (the SDK's default ``train_unembed=True``): it refuses them with a 400."""
+FSDP2 and Megatron log DeepSpeed's NLL at every step, and its rewards and gradient norms in the
+RL loop (``serve.sample_seed``: the loop sends no seeds; both loops train the LM head too, the
+SDK's default ``train_unembed=True``)."""
 
 from __future__ import annotations
 
@@ -97,11 +97,15 @@ def test_sl_loop_on_deepspeed(cookbook_model, tmp_path, monkeypatch):
     assert got[1] < got[0]  # the step at lr 1e-2 lowered it
 
 
-@pytest.mark.slow  # the same loop again on FSDP2 (about as long as the DeepSpeed run)
-def test_sl_loop_same_on_fsdp2_and_deepspeed(cookbook_model, tmp_path, monkeypatch):
+OTHERS = [{"backend": "fsdp2"}, {"backend": "megatron", "model": {"dtype": "fp32"}}]
+
+
+@pytest.mark.slow  # the same loop again on another backend (a few seconds each)
+@pytest.mark.parametrize("other", OTHERS, ids=["fsdp2", "megatron"])
+def test_sl_loop_same_as_deepspeed(cookbook_model, tmp_path, monkeypatch, other):
     ds = _sl_loop(cookbook_model, tmp_path / "ds", {"backend": "deepspeed"}, monkeypatch)
-    fsdp2 = _sl_loop(cookbook_model, tmp_path / "fsdp2", {"backend": "fsdp2"}, monkeypatch)
-    assert fsdp2 == pytest.approx(ds, rel=1e-5)
+    got = _sl_loop(cookbook_model, tmp_path / "other", other, monkeypatch)
+    assert got == pytest.approx(ds, rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -137,19 +141,13 @@ def _rl_loop(folder: Path, tmp_path: Path, train: dict, monkeypatch) -> list[dic
 
 
 @pytest.mark.slow  # the RL loop on two backends (sampling, saving sampler weights, two steps)
-def test_rl_loop_same_on_fsdp2_and_deepspeed(answering_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("other", OTHERS, ids=["fsdp2", "megatron"])
+def test_rl_loop_same_as_deepspeed(answering_model, tmp_path, monkeypatch, other):
     ds = _rl_loop(answering_model, tmp_path / "ds", {"backend": "deepspeed"}, monkeypatch)
-    fsdp2 = _rl_loop(answering_model, tmp_path / "fsdp2", {"backend": "fsdp2"}, monkeypatch)
+    got = _rl_loop(answering_model, tmp_path / "other", other, monkeypatch)
     assert len(ds) == 2
     assert all(0 < m["reward/total"] < 1 for m in ds)  # mixed rewards: the loop trained
     assert all("grad_norm:mean" in m for m in ds)
-    for a, b in zip(ds, fsdp2, strict=True):
+    for a, b in zip(ds, got, strict=True):
         assert b["reward/total"] == a["reward/total"]
         assert b["grad_norm:mean"] == pytest.approx(a["grad_norm:mean"], rel=1e-4)
-
-
-def test_megatron_refuses_the_loops_lm_head_adapter(cookbook_model, tmp_path, monkeypatch):
-    """The loops' client asks for an LM-head adapter, which Megatron cannot train: refused by
-    name before any backend is built, not trained without it."""
-    with pytest.raises(Exception, match=r"lora_config.*train_unembed=False"):
-        _sl_loop(cookbook_model, tmp_path, {"backend": "megatron"}, monkeypatch)

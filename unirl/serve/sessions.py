@@ -86,7 +86,8 @@ def build_training_backend(
     cfg: ServeConfig, weights: Path, lora: Mapping[str, Any]
 ) -> TrainingBackend:
     """A backend with `train_config`'s engine, layout, optimizer and adapter. An adapter the
-    backend cannot train (Megatron adapts no LM head: ``train_unembed``) is the client's 400."""
+    backend cannot train (Megatron: an LM head tied to the embeddings, ``train_unembed``) is
+    the client's 400."""
     try:
         run_cfg = train_config(cfg, weights, lora)
         backend = build_backend(run_cfg, total_optimizer_steps=1)
@@ -96,7 +97,7 @@ def build_training_backend(
         raise BadRequest(
             "lora_config",
             f"asks for an adapter serve.train.backend={cfg.train.get('backend')!r} cannot train "
-            f"({exc}); with backend: megatron send train_unembed=False",
+            f"({exc}); ask for fewer layers (train_unembed / train_attn / train_mlp)",
         ) from exc
     if not isinstance(backend, TakesStepSettings):
         backend.close()

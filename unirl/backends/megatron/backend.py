@@ -103,6 +103,12 @@ class MegatronBackend(EngineBackend):
         self.cfg = cfg
         if cfg.model.lora is not None:
             check_targets(cfg.model.lora)
+            if "lm_head" in cfg.model.lora.target_modules and fused_head(cfg):
+                raise ConfigError(
+                    "model.lora.target_modules: lm_head with model.fused_head: the fused head "
+                    "reads the output layer's weight directly, past the adapter; set "
+                    "model.fused_head: false or remove lm_head from the targets"
+                )
         # LoRA without model.ref_path: the reference is the policy with its adapter off
         self._adapter_off_reference = cfg.model.lora is not None and cfg.model.ref_path is None
         self.dtype = _DTYPES[cfg.model.dtype]
@@ -160,7 +166,9 @@ class MegatronBackend(EngineBackend):
         )
         adapters = None
         if lora and self.cfg.model.lora is not None:
-            adapters = install_lora(chunks, self.cfg.model.lora, recompute=recompute)
+            adapters = install_lora(
+                chunks, self.cfg.model.lora, vocab_size=self.vocab_size, recompute=recompute
+            )
             if self.cfg.model.lora.path is not None:
                 load_peft_folder(adapters, self.cfg.model.lora.path)
         return MegatronModel(
