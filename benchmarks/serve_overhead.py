@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/serve_overhead.py                 # writes a dated JSON
     PYTHONPATH=$PWD python benchmarks/serve_overhead.py --steps 5 --repeats 1 --out /tmp/s.json
+    PYTHONPATH=$PWD python benchmarks/serve_overhead.py --backend megatron   # fsdp2 by default
 
 Two measurements on one process (the server in-process on a loopback port, one torch thread):
 
@@ -104,7 +105,8 @@ def _direct_steps(backend: Any, batch: list, steps: int, tokens_per_mb: int) -> 
         mbs = pack(datums, tokens_per_mb)
         loss_fn = SummedLoss(settings=sdk_loss("cross_entropy").settings({}))
         with MicrobatchProgress("direct", len(mbs), backend.topology, enabled=False) as bar:
-            backend.forward_backward(mbs, loss_fn=loss_fn, spec=LogprobSpec(), progress=bar)
+            spec = LogprobSpec(vocab_size=backend.vocab_size)  # as the server (megatron pads)
+            backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=bar)
         backend.set_step_settings(settings)
         backend.optimizer_step()
         times.append(time.perf_counter() - start)
@@ -132,6 +134,7 @@ def main() -> None:
     p.add_argument("--datums", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--small", type=int, default=64)
+    p.add_argument("--backend", default="fsdp2", choices=("fsdp2", "deepspeed", "megatron"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -162,7 +165,7 @@ def main() -> None:
         folder,
         tmp / "state",
         tokens_per_microbatch=tokens_per_mb,
-        train={"backend": "fsdp2", "model": {"max_seq_len": 1024}},
+        train={"backend": args.backend, "model": {"max_seq_len": 1024}},
     ) as (url, rt):
         service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
         tc = service.create_lora_training_client(base_model=BASE, rank=RANK, seed=0).result()
@@ -182,6 +185,7 @@ def main() -> None:
     server_med, direct_med = statistics.median(server_s), statistics.median(direct_s)
     result = {
         **run_environment(("transformers", "peft", "tinker", "fastapi", "uvicorn")),
+        "backend": args.backend,
         "model": MODEL,
         "lora_rank": RANK,
         "step": {"datums": args.datums, "tokens_per_datum": args.tokens},
@@ -200,7 +204,8 @@ def main() -> None:
         "small_forward_requests_per_s": rps,
         "threads": torch.get_num_threads(),
     }
-    out = Path(args.out) if args.out else new_result_path("serve_overhead", "cpu")
+    variant = "" if args.backend == "fsdp2" else args.backend
+    out = Path(args.out) if args.out else new_result_path("serve_overhead", "cpu", variant)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     keys = (

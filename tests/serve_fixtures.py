@@ -41,6 +41,7 @@ def running_server(folder: Path, state_dir: Path, **over: Any) -> Iterator[tuple
 
     cfg = serve_config_from_dict(serve_dict(folder, state_dir, free_port(), **over))
     server, runtime = build_server(cfg)
+    assert server is not None  # one process: it serves
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

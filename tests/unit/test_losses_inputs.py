@@ -20,7 +20,7 @@ from unirl.core.maths.losses import (
 )
 from unirl.core.maths.losses import registry as registry_module
 
-POLICIES = ["ppo_clip", "gspo", "cispo", "reinforce", "sft"]
+POLICIES = ["ppo_clip", "gspo", "cispo", "dro", "reinforce", "sft"]
 COUNTS = GlobalCounts(tokens=4, sequences=2, norm_length=8)
 
 
@@ -151,13 +151,15 @@ def test_builtin_names_and_declarations():
     assert not policy_loss_needs_old_logprobs("ppo_clip")
     assert not policy_loss_needs_old_logprobs("gspo")
     assert not policy_loss_needs_old_logprobs("cispo")
+    assert not policy_loss_needs_old_logprobs("dro")
     assert not policy_loss_needs_old_logprobs("reinforce")
     assert not policy_loss_needs_old_logprobs("sft")
 
 
 def test_unknown_name_lists_valid_ones():
     with pytest.raises(
-        ConfigError, match=r"policy_loss='ppo' is not a registered policy loss.*'cispo', 'gspo'"
+        ConfigError,
+        match=r"policy_loss='ppo' is not a registered policy loss.*'cispo', 'dro', 'gspo'",
     ):
         get_policy_loss("ppo")
     with pytest.raises(ConfigError, match="is not a registered policy loss"):

@@ -66,6 +66,7 @@ def test_a_target_the_backend_cannot_adapt_is_a_config_error():
     from unirl.core.config.sections.lora import LoraConfig
     from unirl.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"\['lm_head'\] cannot be adapted by the Megatron"):
-        check_targets(LoraConfig(target_modules=("q_proj", "lm_head")))
+    with pytest.raises(ConfigError, match=r"\['embed_tokens'\] cannot be adapted by the Megatron"):
+        check_targets(LoraConfig(target_modules=("q_proj", "embed_tokens")))
     check_targets(LoraConfig())  # every linear of a decoder layer
+    check_targets(LoraConfig(target_modules=("q_proj", "lm_head")))  # and the LM head

@@ -142,14 +142,34 @@ def test_rl_losses_follow_the_sdk_formulas(server, service, tiny_folder):
                 total += float(-(ratio * adv).sum())
             elif name == "ppo":  # -min(ratio * A, clip(ratio) * A).sum()
                 total += float(-torch.minimum(ratio * adv, clipped * adv).sum())
+            elif name == "dro":  # -(logp * A - beta / 2 * (logp - q)^2).sum(), beta 0.3
+                total += float(-(logp * adv - 0.5 * 0.3 * (logp - q) ** 2).sum())
             else:  # cispo: -(sg(clip(ratio)) * logp * A).sum()
                 total += float(-(clipped * logp * adv).sum())
         return total
 
-    for name in ("importance_sampling", "ppo", "cispo"):
-        cfg = None if name == "importance_sampling" else config
+    configs = {"importance_sampling": None, "ppo": config, "cispo": config, "dro": {"beta": 0.3}}
+    for name, cfg in configs.items():
         out = tc.forward(data, name, cfg).result()
         assert out.metrics["loss:sum"] == pytest.approx(expected(name), rel=1e-5), name
+    # gspo: s = exp(mean over sequence_ratio_mask of (logp - q)) per datum, each token's loss
+    # -min(s A_t, clip(s, lo, hi) A_t), summed; the bounds clip both datums' s (0.988, 1.051)
+    ratio_masks = [[0.0, 1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
+    gspo_data = [
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={**d.loss_fn_inputs, "sequence_ratio_mask": m},
+        )
+        for d, m in zip(data, ratio_masks)
+    ]
+    tight = {"clip_low_threshold": 0.995, "clip_high_threshold": 1.005}
+    want = 0.0
+    for (logp, q, adv), m in zip(parts, ratio_masks):
+        in_ratio = torch.tensor(m) != 0
+        s = torch.exp((logp - q)[in_ratio].mean())
+        want += float(-torch.minimum(s * adv, s.clamp(0.995, 1.005) * adv).sum())
+    out = tc.forward(gspo_data, "gspo", tight).result()
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
     # the gradient: one PPO step against the same step on the peft model
     tc.forward_backward(data, "ppo", config).result()
     tc.optim_step(types.AdamParams(**ADAM)).result()
@@ -220,7 +240,27 @@ def test_bad_requests_get_4xx_naming_the_field_and_change_nothing(server, servic
             None,
             "data[0].loss_fn_inputs",
         ),
-        (probe, "dro", None, "loss_fn"),
+        (probe, "stable_reinforce", None, "loss_fn"),
+        (
+            [
+                _datum(
+                    [1, 2],
+                    [2, 3],
+                    logprobs=[0.0, 0.0],
+                    advantages=[1.0, 1.0],
+                    sequence_ratio_mask=[0.0, 1.0],
+                )
+            ],
+            "gspo",
+            {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+            "data[0].loss_fn_inputs.advantages",
+        ),
+        (
+            [_datum([1, 2], [2, 3], logprobs=[0.0, 0.0], advantages=[1.0, 1.0])],
+            "dro",
+            None,
+            "loss_fn_config.beta",
+        ),
         (
             [_datum([1, 2], [2, 3], logprobs=[0.0, 0.0], advantages=[1.0, 1.0])],
             "ppo",

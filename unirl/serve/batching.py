@@ -51,7 +51,8 @@ def _microbatch(datums: Sequence[TokenDatum], first_index: int) -> TrainMicrobat
         targets=torch.cat([d.targets for d in datums]),
         loss_mask=mask,
         seq_ids=seq_ids,
-        seq_token_counts=torch.tensor(lengths, dtype=torch.long),
+        # each datum's valid tokens (gspo's sequence ratio is a mean over them)
+        seq_token_counts=torch.stack([(d.mask != 0).sum() for d in datums]).long(),
         advantages=_cat([d.advantages for d in datums]),
         old_logprobs=_cat([d.sampler_logprobs for d in datums]),
         global_cu_seqlens=cu,

@@ -6,6 +6,7 @@ accepts, which base models it trains and the unirl training config each training
     api_key_env: UNIRL_SERVE_API_KEY   # or api_key: tml-...; one of them is required
     base_models: {tiny-llama: /models/tiny-llama}
     state_dir: /runs/serve     # saved states and sampler weights; survives a restart
+    sample_seed: null          # or an integer: seedless sample requests become reproducible
     train: {backend: fsdp2, ...}   # a unirl config without model.path (set per base model)
 """
 
@@ -51,6 +52,9 @@ class ServeConfig:
     tokens_per_microbatch: int = attrs.field(default=4096, validator=_positive)
     # Samples: the most new tokens one request may ask for.
     max_sample_tokens: int = attrs.field(default=1024, validator=_positive)
+    # A sample request without a seed: None draws a random one; an integer derives it from
+    # this, the prompt and the prompt's earlier requests (reproducible loops; `SampleSeeds`).
+    sample_seed: int | None = None
 
     def resolved_api_key(self) -> str:
         """The key the SDK must send (``X-API-Key``); `ConfigError` when none is configured."""

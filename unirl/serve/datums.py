@@ -68,10 +68,33 @@ def token_datum(
     if loss.weighted:
         mask = _float(_per_position(datum, "weights", n, where))
         return TokenDatum(tokens=tokens, targets=targets, mask=mask)
+    advantages = _float(_per_position(datum, "advantages", n, where))
+    mask = torch.ones(n, dtype=torch.float32)
+    if loss.ratio_masked:
+        mask = _ratio_mask(datum, advantages, n, where)
     return TokenDatum(
         tokens=tokens,
         targets=targets,
-        mask=torch.ones(n, dtype=torch.float32),
-        advantages=_float(_per_position(datum, "advantages", n, where)),
+        mask=mask,
+        advantages=advantages,
         sampler_logprobs=_float(_per_position(datum, "logprobs", n, where)),
     )
+
+
+def _ratio_mask(datum: WireDatum, advantages: torch.Tensor, n: int, where: str) -> torch.Tensor:
+    """gspo's ``sequence_ratio_mask`` as 0 / 1: the tokens of the sequence ratio, which are the
+    tokens the loss sums here; an advantage outside them would be a term this sum leaves out."""
+    mask = (_float(_per_position(datum, "sequence_ratio_mask", n, where)) != 0).float()
+    if not mask.any():
+        raise BadRequest(
+            f"{where}.loss_fn_inputs.sequence_ratio_mask", "marks no token; mark the sampled ones"
+        )
+    outside = (advantages != 0) & (mask == 0)
+    if outside.any():
+        pos = int(outside.nonzero()[0])
+        raise BadRequest(
+            f"{where}.loss_fn_inputs.advantages",
+            f"is {float(advantages[pos])} at position {pos}, outside sequence_ratio_mask; gspo "
+            "here needs advantages 0 outside the ratio's tokens (the prompt)",
+        )
+    return mask

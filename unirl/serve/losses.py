@@ -5,9 +5,17 @@
     importance_sampling  -sum_t r_t A_t,  r_t = exp(logp_t - q_t)                (ppo_clip, no clip)
     ppo                  -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)              (ppo_clip)
     cispo                -sum_t sg(clip(r_t, lo, hi)) logp_t A_t                 (cispo)
+    dro                  -sum_t (logp_t A_t - beta/2 (logp_t - q_t)^2)          (dro)
+    gspo                 -sum_t min(s_t A_t, clip(s_t, lo, hi) A_t)             (gspo)
+                         s_t = sg(s) exp(logp_t - sg(logp_t)),
+                         s = exp(mean over sequence_ratio_mask of (logp - q))
 
 ``q_t``: the sampler's log-probs (``loss_fn_inputs["logprobs"]``); ``lo`` / ``hi``:
-``loss_fn_config`` ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2 by default). The
+``loss_fn_config`` ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2 by default);
+``beta``: ``loss_fn_config["beta"]`` (required: the SDK documents no default); gspo's clip
+thresholds are required too (the SDK documents no default for them). gspo's datums mark the
+tokens of the sequence ratio (``sequence_ratio_mask``); its advantages must be 0 elsewhere, where
+the API's sum over every position then adds nothing. The
 RL losses sum over every position (the advantages are 0 on the prompt); cross-entropy weights
 each position by ``weights`` (any float: the SDK's client-side custom loss sends the negative
 gradient of its loss there). The sum is the API's aggregation (no normaliser): a request's
@@ -44,16 +52,39 @@ class SdkLoss:
     inputs: tuple[str, ...]  # besides target_tokens
     clipped: bool  # reads clip_low_threshold / clip_high_threshold
     weighted: bool  # the mask is the datum's ``weights`` (else every position counts)
+    penalised: bool = False  # reads beta (DRO's quadratic penalty)
+    # the mask is the datum's ``sequence_ratio_mask`` (gspo: the tokens of the sequence ratio),
+    # and the clip thresholds have no default
+    ratio_masked: bool = False
 
     def settings(self, config: Mapping[str, float | str]) -> LossSettings:
         known = {"clip_low_threshold", "clip_high_threshold"} if self.clipped else set()
+        known |= {"beta"} if self.penalised else set()
         unknown = sorted(set(config) - known)
         if unknown:
             raise BadRequest(
                 "loss_fn_config", f"has unknown key(s) {unknown}; this loss takes {sorted(known)}"
             )
+        if self.penalised:
+            if "beta" not in config:
+                raise BadRequest(
+                    "loss_fn_config.beta",
+                    "is missing; dro needs its penalty weight (e.g. loss_fn_config={'beta': 0.05})",
+                )
+            beta = _threshold(config, "beta", 0.0)
+            if beta < 0:
+                raise BadRequest("loss_fn_config.beta", f"is {beta}; it must be >= 0")
+            return LossSettings(policy_loss=self.unirl_loss, dro_beta=beta)
         if not self.clipped:
             return LossSettings(policy_loss=self.unirl_loss, clip_low=1.0, clip_high=_NO_CLIP)
+        if self.ratio_masked:
+            missing = [k for k in ("clip_low_threshold", "clip_high_threshold") if k not in config]
+            if missing:
+                raise BadRequest(
+                    f"loss_fn_config.{missing[0]}",
+                    "is missing; this server takes gspo's clip thresholds from the request "
+                    "(e.g. {'clip_low_threshold': 0.9997, 'clip_high_threshold': 1.0004})",
+                )
         low = _threshold(config, "clip_low_threshold", 0.8)
         high = _threshold(config, "clip_high_threshold", 1.2)
         if not 0.0 <= low <= 1.0 <= high:
@@ -86,6 +117,20 @@ SDK_LOSSES.register(
 )
 SDK_LOSSES.register(
     "cispo", SdkLoss(unirl_loss="cispo", inputs=_RL_INPUTS, clipped=True, weighted=False)
+)
+SDK_LOSSES.register(
+    "gspo",
+    SdkLoss(
+        unirl_loss="gspo",
+        inputs=(*_RL_INPUTS, "sequence_ratio_mask"),
+        clipped=True,
+        weighted=False,
+        ratio_masked=True,
+    ),
+)
+SDK_LOSSES.register(
+    "dro",
+    SdkLoss(unirl_loss="dro", inputs=_RL_INPUTS, clipped=False, weighted=False, penalised=True),
 )
 
 

@@ -64,7 +64,9 @@ def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
             and not session.weights.parent.joinpath(state.META).is_file()
         ):
             raise BadRequest("sampling_session_id", "names sampler weights not saved (yet)")
-        job = sample_job(body, session.weights, max_sample_tokens=cfg.max_sample_tokens)
+        job = sample_job(
+            body, session.weights, max_sample_tokens=cfg.max_sample_tokens, seeds=rt.seeds
+        )
         answer: dict[str, Any] = rt.queue(SampleWork, job=job)
         # the SDK stamps each sampled sequence with one of these ids
         ids = [f"{answer['request_id']}/{i}" for i in range(job.num_samples)]

@@ -19,6 +19,8 @@ from unirl.serve.config import ServeConfig
 from unirl.serve.errors import BadRequest
 from unirl.serve.futures import FutureStore
 from unirl.serve.jobs import Job
+from unirl.serve.ranks import JobRelay
+from unirl.serve.sampling import SampleSeeds
 from unirl.serve.sessions import Sessions
 from unirl.serve.worker import Worker
 
@@ -36,19 +38,34 @@ class Runtime:
         self.futures = FutureStore()
         self.sessions = Sessions()
         self.worker = Worker(cfg, self.futures, self.sessions)
+        self.serving = True  # rank 0 (or one process): runs the HTTP server and the queue
         self.sampling: dict[str, SamplingSession] = {}
+        self.seeds = SampleSeeds(cfg.sample_seed)
         self._names = itertools.count(1)
         self._lock = threading.Lock()
         self._group: ProcessGroupSetup | None = None
 
     def start(self) -> None:
-        # One process group (world size 1) for every client's backend: a backend that finds it
-        # does not own it, so closing one client never tears it down under another.
+        """Rank 0 starts the worker thread; under torchrun the other ranks then `follow`."""
+        # One process group for every client's backend (world size 1, or torchrun's ranks): a
+        # backend that finds it does not own it, so closing one client never tears it down
+        # under another.
         self._group = init_process_group(ParallelConfig())
-        self.worker.start()
+        if self._group.world_size > 1:
+            self.worker.relay = JobRelay()
+            self.serving = self.worker.relay.serving
+        if self.serving:
+            self.worker.start()
+
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's backend calls until the server stops."""
+        self.worker.follow()
 
     def stop(self) -> None:
-        self.worker.stop()
+        """Rank 0: after the HTTP server; tells the other ranks to stop too. Every rank then
+        closes the clients' backends in the same order (collective on Megatron)."""
+        if self.serving:
+            self.worker.stop()
         self.sessions.close()
         if self._group is not None:
             destroy_process_group(self._group)

@@ -6,6 +6,8 @@ core's `logprobs_from_logits`."""
 
 from __future__ import annotations
 
+import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,7 +59,30 @@ def _stop_tokens(stop: Any) -> tuple[int, ...] | None:
     )
 
 
-def sample_job(body: Mapping[str, Any], weights: Path, *, max_sample_tokens: int) -> SampleJob:
+class SampleSeeds:
+    """The seed of a sample request that sends none: random, or with ``serve.sample_seed`` one
+    derived from it, the prompt and how many requests for that prompt came before (so a run
+    samples the same tokens however its concurrent requests arrive: a loop script that sends no
+    seeds is reproducible, and two servers on different backends sample alike)."""
+
+    def __init__(self, base: int | None) -> None:
+        self.base = base
+        self._seen: dict[tuple[int, ...], int] = {}
+        self._lock = threading.Lock()
+
+    def draw(self, prompt: tuple[int, ...]) -> int:
+        if self.base is None:
+            return int(np.random.randint(0, 2**31))
+        with self._lock:
+            n = self._seen.get(prompt, 0)
+            self._seen[prompt] = n + 1
+        key = f"{self.base}:{n}:{','.join(map(str, prompt))}"
+        return zlib.crc32(key.encode()) & 0x7FFFFFFF
+
+
+def sample_job(
+    body: Mapping[str, Any], weights: Path, *, max_sample_tokens: int, seeds: SampleSeeds
+) -> SampleJob:
     params = dict(body.get("sampling_params") or {})
     max_tokens = params.get("max_tokens") or 16
     if not 1 <= int(max_tokens) <= max_sample_tokens:
@@ -77,14 +102,15 @@ def sample_job(body: Mapping[str, Any], weights: Path, *, max_sample_tokens: int
     if not 1 <= num_samples <= 64:
         raise BadRequest("num_samples", f"is {num_samples}; use 1..64")
     seed = params.get("seed")
+    prompt = _prompt_tokens(body.get("prompt"))
     return SampleJob(
         weights=weights,
-        prompt=_prompt_tokens(body.get("prompt")),
+        prompt=prompt,
         num_samples=num_samples,
         max_tokens=int(max_tokens),
         temperature=temperature,
         top_p=top_p,
-        seed=int(seed) if seed is not None else int(np.random.randint(0, 2**31)),
+        seed=int(seed) if seed is not None else seeds.draw(prompt),
         stop_tokens=_stop_tokens(params.get("stop")),
         prompt_logprobs=bool(body.get("prompt_logprobs")),
     )

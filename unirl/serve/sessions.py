@@ -85,14 +85,25 @@ def train_config(cfg: ServeConfig, weights: Path, lora: Mapping[str, Any]) -> Un
 def build_training_backend(
     cfg: ServeConfig, weights: Path, lora: Mapping[str, Any]
 ) -> TrainingBackend:
-    """A backend with `train_config`'s engine, layout, optimizer and adapter."""
-    run_cfg = train_config(cfg, weights, lora)
-    backend = build_backend(run_cfg, total_optimizer_steps=1)
+    """A backend with `train_config`'s engine, layout, optimizer and adapter. An adapter the
+    backend cannot train (Megatron: an LM head tied to the embeddings, ``train_unembed``) is
+    the client's 400."""
+    try:
+        run_cfg = train_config(cfg, weights, lora)
+        backend = build_backend(run_cfg, total_optimizer_steps=1)
+    except ConfigError as exc:
+        if "model.lora" not in str(exc):
+            raise
+        raise BadRequest(
+            "lora_config",
+            f"asks for an adapter serve.train.backend={cfg.train.get('backend')!r} cannot train "
+            f"({exc}); ask for fewer layers (train_unembed / train_attn / train_mlp)",
+        ) from exc
     if not isinstance(backend, TakesStepSettings):
         backend.close()
         raise ConfigError(
             f"serve.train.backend={run_cfg.backend!r} cannot take the SDK's per-step Adam "
-            "settings (TakesStepSettings); use backend: fsdp2 or deepspeed"
+            "settings (TakesStepSettings); use backend: fsdp2, deepspeed or megatron"
         )
     return backend
 

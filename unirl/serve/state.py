@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +70,30 @@ def read_meta(folder: Path, field: str = "path") -> dict[str, Any]:
 
 
 class PartialWrite:
-    """``with PartialWrite(final) as tmp:`` fill ``tmp``; on success it becomes ``final``."""
+    """``with PartialWrite(final) as tmp:`` fill ``tmp``; on success it becomes ``final``.
 
-    def __init__(self, final: Path) -> None:
-        self.final = final
+    Under torchrun every rank enters it (each writes its shards into ``tmp``); ``rank`` 0 makes
+    and renames the folder, ``barrier`` (every rank) comes after making it and before renaming."""
+
+    def __init__(
+        self, final: Path, rank: int = 0, barrier: Callable[[], None] | None = None
+    ) -> None:
+        self.final, self.rank, self._barrier = final, rank, barrier
         self.tmp = final.with_name(final.name + ".partial")
 
     def __enter__(self) -> Path:
-        shutil.rmtree(self.tmp, ignore_errors=True)  # left by a server killed mid-save
-        self.tmp.mkdir(parents=True)
+        if self.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # left by a server killed mid-save
+            self.tmp.mkdir(parents=True)
+        if self._barrier is not None:
+            self._barrier()
         return self.tmp
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None and self._barrier is not None:
+            self._barrier()  # every rank's part is written
+        if self.rank != 0:
+            return
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return

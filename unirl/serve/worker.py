@@ -5,6 +5,10 @@ Each round takes everything queued; per training client, consecutive ``forward_b
 into the backend's microbatches (`unirl.serve.batching`), not one forward per request. Clients
 are independent (separate backends), so their requests may run in any order relative to each
 other; one client's requests keep their order.
+
+Under torchrun (`unirl.serve.ranks`) rank 0's worker thread runs the queue and hands every unit
+that touches a backend to the other ranks, which run it in their main thread (`follow`); the
+outcomes the ranks agree on complete the futures on rank 0.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from unirl.serve.errors import BadRequest
 from unirl.serve.futures import FutureStore, Outcome
 from unirl.serve.jobs import CreateJob, FwdBwdJob, Job, LoadJob, OptimJob, SampleWork, SaveJob
 from unirl.serve.losses import SummedLoss
+from unirl.serve.ranks import JobRelay
 from unirl.serve.sampling import SamplerPool
 from unirl.serve.sessions import Sessions, TrainingSession, build_training_backend
 from unirl.serve.wire import encode_forward_backward_output
@@ -58,8 +63,15 @@ def batch_rounds(jobs: Sequence[Job]) -> list[list[Job]]:
 
 
 class Worker:
-    def __init__(self, cfg: ServeConfig, futures: FutureStore, sessions: Sessions) -> None:
-        self.cfg, self.futures, self.sessions = cfg, futures, sessions
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        futures: FutureStore,
+        sessions: Sessions,
+        relay: JobRelay | None = None,
+    ) -> None:
+        """``relay``: the other ranks under torchrun (None: one process)."""
+        self.cfg, self.futures, self.sessions, self.relay = cfg, futures, sessions, relay
         self.samplers = SamplerPool()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="unirl-serve-worker", daemon=True)
@@ -95,26 +107,61 @@ class Worker:
         while not stop:
             jobs, stop = self._drain()
             for unit in batch_rounds(jobs):
-                self._run_unit(unit)
+                self._serve_unit(unit)
+        if self.relay is not None:
+            self.relay.send(None)
 
-    def _run_unit(self, unit: list[Job]) -> None:
-        try:
-            with torch.no_grad() if isinstance(unit[0], SampleWork) else contextlib.nullcontext():
-                outcomes = self._run(unit)
-        except BadRequest as exc:
-            outcomes = [Outcome(error=str(exc), category="user")] * len(unit)
-        except Exception as exc:
-            logger.exception("request %s failed", unit[0].request_id)
-            reason = f"{type(exc).__name__}: {exc}"
-            if isinstance(unit[0], (FwdBwdJob, OptimJob)):
-                self.sessions.mark_failed(
-                    unit[0].model_id, f"request {unit[0].request_id}: {reason}"
-                )
-            outcomes = [Outcome(error=reason, category="server")] * len(unit)
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's units until the server stops."""
+        assert self.relay is not None and not self.relay.serving
+        while (unit := self.relay.receive()) is not None:
+            self._agree(unit, self._outcomes(unit))
+
+    def _serve_unit(self, unit: list[Job]) -> None:
+        """Rank 0: run the unit (with the other ranks when it touches a backend), complete its
+        futures."""
+        everywhere = self.relay is not None and not isinstance(unit[0], SampleWork)
+        if everywhere:
+            assert self.relay is not None
+            try:
+                self.relay.send(unit)
+            except Exception as exc:
+                outcome = Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
+                for job in unit:
+                    self.futures.complete(job.request_id, outcome)
+                return
+        mine = self._outcomes(unit)
+        outcomes = mine if isinstance(unit[0], SampleWork) else self._agree(unit, mine)
+        assert outcomes is not None
         for job, outcome in zip(unit, outcomes, strict=True):
             self.futures.complete(job.request_id, outcome)
 
-    def _run(self, unit: list[Job]) -> list[Outcome]:
+    def _agree(self, unit: list[Job], mine: list[Outcome] | None) -> list[Outcome]:
+        """The outcomes every rank takes (one process: its own); a server error inside a
+        client's forward_backward or optim_step stops that client on every rank."""
+        outcomes = self.relay.agree(mine) if self.relay is not None else mine
+        assert outcomes is not None
+        job = unit[0]
+        failed = outcomes[0].error is not None and outcomes[0].category == "server"
+        if failed and isinstance(job, (FwdBwdJob, OptimJob)):
+            self.sessions.mark_failed(
+                job.model_id, f"request {job.request_id}: {outcomes[0].error}"
+            )
+        return outcomes
+
+    def _outcomes(self, unit: list[Job]) -> list[Outcome] | None:
+        """This rank's outcomes of the unit; None where it has no results (a pipeline stage
+        before the last after a forward)."""
+        try:
+            with torch.no_grad() if isinstance(unit[0], SampleWork) else contextlib.nullcontext():
+                return self._run(unit)
+        except BadRequest as exc:
+            return [Outcome(error=str(exc), category="user")] * len(unit)
+        except Exception as exc:
+            logger.exception("request %s failed", unit[0].request_id)
+            return [Outcome(error=f"{type(exc).__name__}: {exc}", category="server")] * len(unit)
+
+    def _run(self, unit: list[Job]) -> list[Outcome] | None:
         job = unit[0]
         if isinstance(job, FwdBwdJob):
             return self._forward_backward(unit)  # type: ignore[arg-type]
@@ -131,22 +178,25 @@ class Worker:
         assert isinstance(job, LoadJob)
         return [self._load(job)]
 
-    def _forward_backward(self, jobs: Sequence[FwdBwdJob]) -> list[Outcome]:
+    def _forward_backward(self, jobs: Sequence[FwdBwdJob]) -> list[Outcome] | None:
         session = self.sessions.get(jobs[0].model_id)
         backend = session.backend
         datums = [d for job in jobs for d in job.datums]
         mbs = pack(datums, self.cfg.tokens_per_microbatch)
         loss_fn = SummedLoss(settings=jobs[0].settings)
-        spec = LogprobSpec()
+        # the model's vocabulary: megatron pads its embedding rows, which are no tokens
+        spec = LogprobSpec(vocab_size=backend.vocab_size)
         progress = MicrobatchProgress("serve", len(mbs), backend.topology, enabled=False)
         self.backend_calls += 1
         with progress:
             if jobs[0].forward_only:
                 logps = backend.forward_logprobs(mbs, role="policy", spec=spec, progress=progress)
-                for mb, lp in zip(mbs, logps, strict=True):
+                for mb, lp in zip(mbs, logps, strict=False):  # [] off the last pipeline stage
                     loss_fn.records.append((lp, loss_fn.per_token(mb, lp)))
             else:
                 backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=progress)
+        if len(loss_fn.records) != len(mbs):  # a pipeline stage before the last: rank 0 of
+            return None  # the torchrun ranks takes the last stage's outcomes (`JobRelay.agree`)
         logprobs = split_per_datum(mbs, [r[0] for r in loss_fn.records])
         losses = split_per_datum(mbs, [r[1] for r in loss_fn.records])
         outcomes, start = [], 0
@@ -174,13 +224,16 @@ class Worker:
             "optimizer_steps": session.optimizer_steps,
             "lora": dict(session.lora),
         }
-        with state.PartialWrite(job.path.folder(self.cfg.state_dir)) as tmp:
+        rank = 0 if self.relay is None else self.relay.rank
+        barrier = self.relay.barrier if self.relay is not None else None
+        with state.PartialWrite(job.path.folder(self.cfg.state_dir), rank, barrier) as tmp:
             if job.path.kind == "weights":
                 session.backend.save_checkpoint(tmp / state.CHECKPOINT, meta)
                 session.backend.export_adapter(tmp / state.ADAPTER)  # type: ignore[attr-defined]
             else:  # the sampler loads the merged weights W + scale * B @ A
                 session.backend.export_hf(tmp / state.HF)
-            (tmp / state.META).write_text(json.dumps(meta))
+            if rank == 0:
+                (tmp / state.META).write_text(json.dumps(meta))
         kind = "save_weights" if job.path.kind == "weights" else "save_weights_for_sampler"
         body = {"path": job.path.uri, "type": kind}
         if job.sampling_session_id is not None:

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from unirl.backends.base import EngineBackend, ForwardOnlyPass, TrainingPass
 from unirl.backends.megatron import checkpoint
@@ -52,10 +51,14 @@ from unirl.backends.megatron.optimizer import use_distributed_optimizer
 from unirl.backends.megatron.passes import MicrobatchLoop
 from unirl.backends.megatron.role_model import MegatronModel, OptimizerPlan, build_chunks
 from unirl.backends.megatron.sources import ModelSource, policy_source, reference_source
-from unirl.backends.megatron.topology import initialize_parallel_state, topology_from_parallel_state
+from unirl.backends.megatron.topology import (
+    hold_parallel_state,
+    release_parallel_state,
+    topology_from_parallel_state,
+)
 from unirl.backends.peft_folder import write_peft_folder
 from unirl.backends.process_group import destroy_process_group, init_process_group
-from unirl.core.backend import OptimizerStepStats
+from unirl.core.backend import AdamStepSettings, OptimizerStepStats
 from unirl.core.config.derived import fused_head, optimizer_offload
 from unirl.core.config.model_shape import moe_shape
 from unirl.core.config.run_config import UnirlConfig, critic_enabled
@@ -101,6 +104,12 @@ class MegatronBackend(EngineBackend):
         self.cfg = cfg
         if cfg.model.lora is not None:
             check_targets(cfg.model.lora)
+            if "lm_head" in cfg.model.lora.target_modules and fused_head(cfg):
+                raise ConfigError(
+                    "model.lora.target_modules: lm_head with model.fused_head: the fused head "
+                    "reads the output layer's weight directly, past the adapter; set "
+                    "model.fused_head: false or remove lm_head from the targets"
+                )
         # LoRA without model.ref_path: the reference is the policy with its adapter off
         self._adapter_off_reference = cfg.model.lora is not None and cfg.model.ref_path is None
         self.dtype = _DTYPES[cfg.model.dtype]
@@ -110,7 +119,7 @@ class MegatronBackend(EngineBackend):
             cpu_compat.install()  # megatron-core's CUDA-only lines, on the CPU only
             if cfg.parallel.sequence_parallel:
                 sequence_parallel.install_cpu_rng_tracker()
-        initialize_parallel_state(cfg.parallel)
+        hold_parallel_state(cfg.parallel)
         self.topology = topology_from_parallel_state()
         _seed_model_parallel_rng(cfg.train.seed, self.device)
         self.loop = MicrobatchLoop(
@@ -158,7 +167,9 @@ class MegatronBackend(EngineBackend):
         )
         adapters = None
         if lora and self.cfg.model.lora is not None:
-            adapters = install_lora(chunks, self.cfg.model.lora, recompute=recompute)
+            adapters = install_lora(
+                chunks, self.cfg.model.lora, vocab_size=self.vocab_size, recompute=recompute
+            )
             if self.cfg.model.lora.path is not None:
                 load_peft_folder(adapters, self.cfg.model.lora.path)
         return MegatronModel(
@@ -299,6 +310,11 @@ class MegatronBackend(EngineBackend):
     def optimizer_step(self) -> OptimizerStepStats:
         return self.policy.optimizer_step()
 
+    def set_step_settings(self, settings: AdamStepSettings) -> None:
+        """`unirl.core.backend.TakesStepSettings` (the policy's optimizer): the LR schedule no
+        longer decides; the settings are written before each step (`apply_step_settings`)."""
+        self.policy.step_settings = settings
+
     # -- state -------------------------------------------------------------------------------
 
     def _extra_models(self) -> dict[str, checkpoint.ExtraModel]:
@@ -385,7 +401,7 @@ class MegatronBackend(EngineBackend):
             self.critic.close()
         if dist.is_initialized():
             dist.barrier()
-        ps.destroy_model_parallel()
+        release_parallel_state()
         destroy_process_group(self._process_group)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -168,6 +168,34 @@ def in_process_write_results() -> None:
 
     if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+    writer = getattr(filesystem_async, "FileSystemWriterAsync", None)
+    if writer is not None and hasattr(writer, "write_preloaded_data_multiproc"):
+        writer.write_preloaded_data_multiproc = staticmethod(_write_in_process)
+
+
+def _write_in_process(
+    transform_list: Any, use_msc: bool, rank: int, write_buckets: Any, results: Any
+) -> None:
+    """megatron-core 0.16.1's ``write_preloaded_data_multiproc`` without its forked writer
+    processes: each write bucket written here, in turn. Forking a process that runs other
+    threads (`unirl serve`'s HTTP server and worker) crashed the forked writer (a segfault in
+    the child, the save then waiting for it forever); the files written are the same."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    local: queue.Queue = queue.Queue()
+    count: queue.Queue = queue.Queue()
+    out: dict[int, Any] = {}
+    for i, bucket in enumerate(write_buckets):
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
+        index, written = local.get()
+        if isinstance(written, Exception):
+            results.put(written)
+            return
+        out[index] = written
+    results.put(out)
 
 
 @attrs.frozen

@@ -37,6 +37,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 
+from unirl.core.backend import AdamStepSettings
 from unirl.core.config.run_config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import learning_rate
 
@@ -270,3 +271,21 @@ def apply_schedule(
         group["lr"] = lr * group.get("lr_mult", 1.0)
         group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
     return lr
+
+
+def apply_step_settings(optimizer: Any, settings: AdamStepSettings) -> float:
+    """The caller's AdamW settings for the next step (`unirl.core.backend.TakesStepSettings`,
+    the Tinker API's ``optim_step``) written into every parameter group (weight decay times the
+    group's ``wd_mult``: 0 for 1-D parameters, as `apply_schedule`) and the clip into each
+    (chained) megatron optimizer's config, which its ``step`` reads; returns the LR."""
+    for group in param_groups(optimizer):
+        group["lr"] = settings.lr * group.get("lr_mult", 1.0)
+        group["betas"] = (settings.beta1, settings.beta2)
+        group["eps"] = settings.eps
+        group["weight_decay"] = settings.weight_decay * group.get("wd_mult", 1.0)
+    # grad_clip 0: no clipping, but megatron computes the norm only when clip_grad > 0
+    clip = float(settings.grad_clip) if settings.grad_clip else float("inf")
+    chained = getattr(optimizer, "chained_optimizers", None)
+    for inner in chained if chained is not None else [optimizer]:
+        inner.config.clip_grad = clip
+    return settings.lr

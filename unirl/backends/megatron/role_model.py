@@ -24,7 +24,12 @@ from unirl.backends.megatron.heads import Head, install_value_head
 from unirl.backends.megatron.lora.install import LoraAdapters
 from unirl.backends.megatron.lora.state import MergedParameters, adapter_state_dict
 from unirl.backends.megatron.model import build_model_chunks
-from unirl.backends.megatron.optimizer import apply_schedule, build_optimizer, wrap_ddp
+from unirl.backends.megatron.optimizer import (
+    apply_schedule,
+    apply_step_settings,
+    build_optimizer,
+    wrap_ddp,
+)
 from unirl.backends.megatron.schedule import schedule_config
 from unirl.backends.megatron.sources import ModelSource
 from unirl.backends.megatron.weights import stream as weight_stream
@@ -36,7 +41,7 @@ from unirl.backends.megatron.weights.hf_layout import (
     save_hf,
 )
 from unirl.backends.megatron.weights_folder import MegatronWeights
-from unirl.core.backend import OptimizerStepStats
+from unirl.core.backend import AdamStepSettings, OptimizerStepStats
 from unirl.core.config.derived import fused_head
 from unirl.core.config.run_config import OptimizerConfig, UnirlConfig
 from unirl.core.run.lr_schedule import check_schedule
@@ -146,6 +151,8 @@ class MegatronModel:
         self.ddp: list[Any] = []
         self.optimizer: Any = None
         self.steps_done = 0
+        # set by the caller step by step (`TakesStepSettings`): then the schedule is not used
+        self.step_settings: AdamStepSettings | None = None
         self.grads_pending = False  # a training pass ran since the last optimizer step
         if plan is None:
             for chunk in chunks:
@@ -176,8 +183,11 @@ class MegatronModel:
         self.grads_pending = False
 
     def apply_schedule(self) -> float:
-        """The LR (and weight decay) of the next step written into the optimizer; returns it."""
+        """The LR (and weight decay) of the next step written into the optimizer; returns it.
+        Under `step_settings` the caller's (LR, betas, eps, weight decay, clip) instead."""
         assert self.plan is not None
+        if self.step_settings is not None:
+            return apply_step_settings(self.optimizer, self.step_settings)
         return apply_schedule(
             self.optimizer,
             self.cfg,

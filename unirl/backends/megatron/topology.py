@@ -27,6 +27,26 @@ def initialize_parallel_state(parallel: ParallelConfig) -> None:
         )
 
 
+# Backends built on the parallel state and not closed yet: `unirl serve` holds one backend per
+# training client in one process, and closing one must not tear the groups down under another.
+_holders = 0
+
+
+def hold_parallel_state(parallel: ParallelConfig) -> None:
+    """`initialize_parallel_state` for a backend, counted until it calls `release_parallel_state`."""
+    global _holders
+    initialize_parallel_state(parallel)
+    _holders += 1
+
+
+def release_parallel_state() -> None:
+    """The last holder destroys megatron's parallel state (the groups, its globals)."""
+    global _holders
+    _holders = max(_holders - 1, 0)
+    if _holders == 0:
+        ps.destroy_model_parallel()
+
+
 def topology_from_parallel_state() -> Topology:
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     return Topology(

@@ -68,6 +68,9 @@ class BranchSpec:
     tp_size: int
     tp_rank: int
     expert: bool = False
+    # The LM head's: the real vocabulary, B's rows in PEFT's adapter (megatron pads its rows to
+    # a multiple of 128 x tp; the padding rows stay zero and are cut when exported).
+    vocab_rows: int | None = None
 
 
 class LoraBranch(torch.nn.Module):

@@ -33,6 +33,7 @@ from unirl.backends.megatron.lora.grouped import LoraGroupedExperts
 from unirl.backends.megatron.lora.layout import (
     ADAPTABLE,
     ATTENTION_TARGETS,
+    HEAD,
     HF_MODULE,
     MLP_TARGETS,
     SUFFIX,
@@ -55,8 +56,8 @@ def check_targets(lora: LoraConfig) -> None:
     if bad:
         raise ConfigError(
             f"model.lora.target_modules: {bad} cannot be adapted by the Megatron backend; it "
-            f"adapts the decoder layers' linears {list(ADAPTABLE)} (the LM head and "
-            "embeddings are not adapted): remove them or use backend: deepspeed / fsdp2"
+            f"adapts the decoder layers' linears and the LM head {list(ADAPTABLE)} (not the "
+            "embeddings): remove them or use backend: deepspeed / fsdp2"
         )
 
 
@@ -143,12 +144,13 @@ def _install(
     lora: LoraConfig,
     *,
     expert: bool,
+    vocab_rows: int | None = None,
 ) -> LoraBranch | None:
     adapted = tuple(t for t in targets if t in lora.target_modules)
     if not adapted:
         return None
     linear = getattr(owner, linear_name)
-    where = f"{hf_prefix}{HF_MODULE[adapted[0]].split('.')[-1]}"
+    where = f"{hf_prefix}{HF_MODULE.get(adapted[0], adapted[0]).split('.')[-1]}"
     if type(linear) not in (ColumnParallelLinear, RowParallelLinear):
         raise ConfigError(
             f"model.lora.target_modules: {list(adapted)} at {where} is a "
@@ -171,10 +173,11 @@ def _install(
         in_features=in_features,
         layout=_layout(owner, linear_name, linear, targets),
         adapted=adapted,
-        hf_modules=tuple(hf_prefix + HF_MODULE[t].split(".")[-1] for t in adapted),
+        hf_modules=tuple(hf_prefix + HF_MODULE.get(t, t).split(".")[-1] for t in adapted),
         tp_size=tp if comm != "none" else 1,
         tp_rank=linear.tp_group.rank() if comm != "none" else 0,
         expert=expert,
+        vocab_rows=vocab_rows,
     )
     branch = LoraBranch(
         spec,
@@ -239,8 +242,26 @@ def _embedding_output_requires_grad(module: Any, args: tuple, output: torch.Tens
     return output.requires_grad_() if not output.requires_grad else output
 
 
+def _install_head(chunk: torch.nn.Module, lora: LoraConfig, vocab_size: int) -> LoraBranch | None:
+    """The LM head's adapter on the last stage's ``output_layer`` (untied: a tied head is the
+    embedding's weight, which has no linear of its own to hook)."""
+    if HEAD not in lora.target_modules or not chunk.post_process:
+        return None
+    if chunk.share_embeddings_and_output_weights:
+        raise ConfigError(
+            "model.lora.target_modules: lm_head on a model with tied embeddings "
+            "(tie_word_embeddings): the Megatron backend adapts an untied LM head only; "
+            "remove lm_head from the targets"
+        )
+    return _install(chunk, "output_layer", (HEAD,), "", lora, expert=False, vocab_rows=vocab_size)
+
+
 def install_lora(
-    chunks: Sequence[torch.nn.Module], lora: LoraConfig, *, recompute: bool = False
+    chunks: Sequence[torch.nn.Module],
+    lora: LoraConfig,
+    *,
+    vocab_size: int,
+    recompute: bool = False,
 ) -> LoraAdapters:
     """Adapters on every targeted linear of ``chunks``; every other parameter frozen.
 
@@ -248,7 +269,8 @@ def install_lora(
     autograd function whose outputs need grad only if an input does, and the frozen
     embedding's output does not, so the first stage's recomputed layers would give their
     adapters no gradient; the embedding's output is marked as needing one (the same fix as
-    transformers' ``enable_input_require_grads``)."""
+    transformers' ``enable_input_require_grads``). ``vocab_size``: the model's real vocabulary
+    (the LM head's adapter exports that many of megatron's padded rows)."""
     check_targets(lora)
     for chunk in chunks:
         chunk.requires_grad_(False)
@@ -265,6 +287,9 @@ def install_lora(
                 if branch is not None:
                     base = f"{names[id(owner)]}.{name}"
                     adapted.append(Adapted(c, base + SUFFIX, base + ".weight", branch, expert))
+        head = _install_head(chunk, lora, vocab_size)
+        if head is not None:
+            adapted.append(Adapted(c, "output_layer" + SUFFIX, "output_layer.weight", head, None))
     if not adapted:
         raise ConfigError(
             f"model.lora.target_modules={list(lora.target_modules)} adapt no linear of this "

@@ -28,7 +28,10 @@ HF_MODULE = {
     "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
 }
-ADAPTABLE = tuple(HF_MODULE)
+# The LM head (megatron's ``output_layer``, vocabulary-parallel, on the last pipeline stage): its
+# HF module is ``lm_head`` itself, and its B has megatron's padded vocabulary rows.
+HEAD = "lm_head"
+ADAPTABLE = (*HF_MODULE, HEAD)
 # An adapted linear's branch is its sibling module ``<linear>_lora`` (`install`)
 SUFFIX = "_lora"
 

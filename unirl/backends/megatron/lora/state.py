@@ -44,6 +44,8 @@ def _whole(a: Adapted, target: str) -> tuple[torch.Tensor, torch.Tensor]:
             B = _gather(B, branch.tp_group, 0)
         else:
             A = _gather(A, branch.tp_group, 1)
+    if spec.vocab_rows is not None:  # the LM head: megatron's padding rows are no tokens
+        B = B[: spec.vocab_rows]
     return A, B
 
 
@@ -96,6 +98,9 @@ def load_adapter(
                     "match model.lora.target_modules / target_experts or the model"
                 )
             A, B = (tensors[n] for n in names)
+            if spec.vocab_rows is not None and B.shape[0] == spec.vocab_rows:
+                padded = spec.layout.widths[0] * spec.tp_size  # megatron's padded vocabulary
+                B = torch.cat([B, B.new_zeros(padded - B.shape[0], *B.shape[1:])])
             if spec.tp_size > 1 and spec.kind == "column":
                 B = B.chunk(spec.tp_size, dim=0)[spec.tp_rank]
             elif spec.tp_size > 1:

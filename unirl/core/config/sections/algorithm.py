@@ -70,6 +70,8 @@ class AlgorithmConfig:
     clip_low: float = LOSS.clip_low
     clip_high: float = LOSS.clip_high
     dual_clip: float | None = LOSS.dual_clip
+    # policy_loss: dro (Richemond et al.): the weight of its penalty beta/2 (logp - old_logp)^2
+    dro_beta: float = LOSS.dro_beta
     entropy_coef: float = LOSS.entropy_coef
     kl_loss: KLConfig = attrs.field(factory=KLConfig)
     kl_in_reward: KLInRewardConfig = attrs.field(factory=KLInRewardConfig)

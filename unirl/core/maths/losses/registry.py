@@ -49,6 +49,7 @@ _BUILTIN_MODULES = (
     "unirl.core.maths.losses.ppo_clip",
     "unirl.core.maths.losses.gspo",
     "unirl.core.maths.losses.cispo",
+    "unirl.core.maths.losses.dro",
     "unirl.core.maths.losses.reinforce",
     "unirl.core.maths.losses.sft",
 )

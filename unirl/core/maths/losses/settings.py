@@ -70,7 +70,7 @@ def _policy_loss_exists(instance: Any, attribute: attrs.Attribute, value: str) -
 class LossSettings:
     """Settings of `compute_loss`; defaults are PPO / GRPO with symmetric clip 0.2."""
 
-    # A registered name (ppo_clip, gspo, cispo, reinforce, sft) or "package.module:function".
+    # A registered name (ppo_clip, gspo, cispo, dro, reinforce, sft) or "package.module:function".
     policy_loss: str = attrs.field(default="ppo_clip", validator=_policy_loss_exists)
     loss_aggregation: Aggregation = attrs.field(
         default="token-mean", validator=_one_of(AGGREGATION_MODES)
@@ -80,6 +80,8 @@ class LossSettings:
     clip_high: float = attrs.field(default=0.2, validator=_non_negative)
     # Dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative advantages.
     dual_clip: float | None = attrs.field(default=None, validator=_finite)
+    # DRO's quadratic penalty weight beta (policy_loss: dro): beta/2 (logp - old_logp)^2.
+    dro_beta: float = attrs.field(default=0.0, validator=_non_negative)
     entropy_coef: float = attrs.field(default=0.0, validator=_finite)
     kl_loss_coef: float = attrs.field(default=0.0, validator=_non_negative)
     kl_loss_estimator: str = attrs.field(
