@@ -120,6 +120,7 @@ def _on_call(llm, method: str, fault) -> list[float]:
     return when
 
 
+@pytest.mark.slow  # ~37 s; CI runs the job-level kill (test_engine_killed_job.py)
 def test_engine_killed_while_generating_is_restarted_with_the_same_rollout(source):
     w0, w1 = _weights(source, 0), _weights(source, 1)
     state, expected = _reference(source, w0, w1)
@@ -190,6 +191,7 @@ def test_engine_that_stops_answering_is_noticed_within_the_stall_timeout(source)
     assert source._engine is None and not _vllm_left()  # a stopped process is killed too
 
 
+@pytest.mark.slow  # ~17 s; CI runs the job-level case (test_engine_killed_job.py)
 def test_max_restarts_zero_fails_at_once(source):
     source.sync_weights(as_buckets(_weights(source, 0)), policy_version=0)
     source.options = attrs.evolve(source.options, max_restarts=0)

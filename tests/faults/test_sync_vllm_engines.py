@@ -38,6 +38,7 @@ if __name__ == "__main__":  # vLLM's spawned processes import this script again
 """
 
 
+@pytest.mark.slow  # two vLLM engines on two ranks (~65 s); the one-engine corruptions run in CI
 def test_a_corrupted_sync_on_engine_1_stops_every_rank(tmp_path):
     job = tmp_path / "job.py"
     job.write_text(_JOB)
