@@ -25,6 +25,7 @@ from tests.hf_reference import (  # noqa: E402
     make_loss_fn,
     num_response_tokens,
     pack,
+    reference_loss,
 )
 from tests.unit.test_hf_lora import forward  # noqa: E402
 from tests.unit.test_hf_moe_backends import moe_folder, sequences  # noqa: E402, F401
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 RANK, ALPHA = 2, 4.0
 TARGETS = ("q_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_TENSORS = ["experts.gate_up_proj", "experts.down_proj"]
-ENTROPY_COEF = 0.01  # tests.hf_reference's loss
 
 
 def _peft_config() -> object:
@@ -79,15 +79,7 @@ def seq_logprobs(model, seqs) -> list[torch.Tensor]:
 def reference_step(base: Path, adapter: Path, seqs, *, lr: float, clip: float, wd: float):
     """The step in plain peft fp32 on the whole batch: token-mean NLL minus the entropy bonus."""
     model = peft_model(base, adapter, trainable=True)
-    n = num_response_tokens(seqs)
-    total = torch.zeros(())
-    for ids, prompt in seqs:
-        x = torch.tensor(ids)[None]
-        logp_all = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
-        logp = logp_all[:-1].gather(-1, x[0, 1:, None])[:, 0]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)[:-1]
-        valid = torch.tensor([1.0 if t + 1 >= prompt else 0.0 for t in range(len(ids) - 1)])
-        total = total + (-(logp * valid).sum() - ENTROPY_COEF * (entropy * valid).sum()) / n
+    total = reference_loss(model, seqs)
     total.backward()
     params = [p for p in model.parameters() if p.requires_grad]
     norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params))
