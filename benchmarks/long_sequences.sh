@@ -82,6 +82,8 @@ declare -A ROWS=(
   # run with LIMIT=300 or more: the search's budget is LIMIT - 10 s, each length's LIMIT - 20 s
   [m4b-longest]="$L $(lengths 98304 131072 196608 262144) --out $OUT/m4b-longest.json -- \
 $M --model qwen3-4b --recompute-activations --optimizer-offload cpu --steps 1 --warmup 0"
+  [f4b-longest]="$L $(lengths 98304 131072 196608) --out $OUT/f4b-longest.json -- \
+$F --model qwen3-4b --recompute-activations --optimizer-offload cpu --steps 1 --warmup 0"
 )
 # a row's JSON counts when it holds a measured step (backend_throughput writes one for a failed
 # engine too)

@@ -573,6 +573,15 @@ def wgrad_fusion_state() -> bool | None:
     return wgrad_fusion._state["installed"]
 
 
+def cudnn_attention_state() -> str:
+    """Which kernel long sequences' attention runs on (``UNIRL_CUDNN_ATTENTION=0``: flash)."""
+    from unirl.backends import cudnn_attention
+
+    if os.environ.get("UNIRL_CUDNN_ATTENTION", "1") == "0":
+        return "off (UNIRL_CUDNN_ATTENTION=0): flash varlen"
+    return f"cuDNN for sequences >= {cudnn_attention.MIN_LONGEST} tokens, if its probe passes"
+
+
 def triton_fusions_state() -> str:
     """``"on"`` or ``"off: <why>"`` for the Triton RoPE / SwiGLU kernels (after the build)."""
     from unirl.backends.megatron.kernels import gpu_fusions
@@ -761,6 +770,8 @@ def main() -> None:
             "max_len": max(lengths),
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "attention": args.attention,
+            # sequences of >= MIN_LONGEST tokens on cuDNN (unirl.backends.cudnn_attention)
+            "cudnn_attention": cudnn_attention_state(),
             "activation_recompute": args.recompute_activations,
             "fused_head": fused_head(cfgs["reuse"]),
             "recompute": recompute_summary(args),

@@ -264,3 +264,77 @@ def test_flash_kernel_is_bottom_right_causal_on_gpu():
         *(t.cpu().double() for t in (q, k, v)), cu_q.cpu(), cu_k.cpu(), 0, 0, 0.25
     )
     torch.testing.assert_close(out.cpu().double(), want, rtol=2e-2, atol=2e-2)
+
+
+def _cudnn_stand_in(q, k, v, scale):
+    """cudnn_causal's contract on one sequence, in fp64 on the CPU (the reference's maths)."""
+    return reference(q, k, v, [q.shape[0]], scale=scale)
+
+
+@pytest.mark.parametrize("lengths", [[37], [1, 3, 0, 8]])
+def test_long_packs_go_to_cudnn_one_call_per_sequence(monkeypatch, lengths):
+    """A pack whose longest sequence is long runs `cudnn_causal` once per sequence (a whole-pack
+    sequence without reading the bounds back); the result is the fp64 reference's."""
+    from unirl.backends import cudnn_attention as ca
+
+    calls = []
+
+    def cudnn_causal(q, k, v, scale):
+        calls.append(q.shape[0])
+        return _cudnn_stand_in(q, k, v, scale)
+
+    monkeypatch.setattr(va, "varlen_available", lambda q: True)
+    monkeypatch.setattr(va, "use_cudnn", lambda q, longest: longest >= 8)
+    monkeypatch.setattr(ca, "cudnn_causal", cudnn_causal)
+    q, k, v = make_qkv(lengths)
+    out = va.packed_causal_attention(q, k, v, cu_of(lengths), longest_seq=max(lengths))
+    torch.testing.assert_close(out, reference(q, k, v, lengths), rtol=1e-10, atol=1e-10)
+    assert calls == [n for n in lengths if n]
+
+
+def test_cudnn_is_not_chosen_off_the_gpu_or_for_short_packs(monkeypatch):
+    from unirl.backends import cudnn_attention as ca
+
+    q = torch.zeros(4, HQ, D)
+    assert not ca.use_cudnn(q, 1 << 20)  # the CPU
+    monkeypatch.setattr(ca, "_WORKS", {(0, torch.bfloat16): True})
+    fake = torch.zeros(4, HQ, D, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert ca.use_cudnn(fake, ca.MIN_LONGEST)
+    assert not ca.use_cudnn(fake, ca.MIN_LONGEST - 1)
+    monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "0")
+    assert not ca.use_cudnn(fake, ca.MIN_LONGEST)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN attention)")
+@pytest.mark.parametrize("lengths", [[37], [1, 3, 8, 37]])
+def test_cudnn_path_on_gpu(monkeypatch, lengths):
+    """Packs sent to cuDNN (the threshold lowered to reach it) against the fp64 reference,
+    forward and backward; the Hugging Face backends' attention function likewise."""
+    from unirl.backends import cudnn_attention as ca
+    from unirl.backends.hf import packed as hf_packed
+
+    monkeypatch.setattr(ca, "MIN_LONGEST", 1)
+    q, k, v = make_qkv(lengths, dtype=torch.bfloat16, device="cuda")
+    assert ca.use_cudnn(q, max(lengths)), "the probe refused cuDNN on this GPU"
+    grad_out = torch.randn(sum(lengths), HQ, D, dtype=torch.float64)
+    qr, kr, vr = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref, ref_grads = forward_backward(
+        lambda a, b, c: reference(a, b, c, lengths), qr, kr, vr, grad_out.bfloat16().double()
+    )
+    cu = cu_of(lengths).cuda()
+    paths = {
+        "megatron": lambda a, b, c: va.packed_causal_attention(a, b, c, cu),
+        "hf": lambda a, b, c: hf_packed.packed_attention(
+            torch.nn.Module(), *(t.transpose(0, 1)[None] for t in (a, b, c)), None,
+            cu_seq_lens_q=cu, max_length_q=max(lengths),
+        )[0][0],
+    }  # fmt: skip
+    for name, fn in paths.items():
+        for t in (q, k, v):
+            t.grad = None
+        out, grads = forward_backward(fn, q, k, v, grad_out.to("cuda", torch.bfloat16))
+        torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2, msg=name)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.cpu().double(), want, rtol=3e-2, atol=3e-2, msg=name)

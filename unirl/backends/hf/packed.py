@@ -70,6 +70,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from unirl.backends.cudnn_attention import cudnn_packed, use_cudnn
 from unirl.core.data.microbatch import TrainMicrobatch
 from unirl.core.errors import ConfigError
 
@@ -139,6 +140,10 @@ def packed_attention(
     if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         n_rep = query.shape[1] // key.shape[1]
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+        if use_cudnn(q, max_len):  # long sequences: cuDNN's kernel (unirl.backends.cudnn_attention)
+            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+            bounds = [0, max_len] if max_len == q.shape[0] else cu.tolist()
+            return cudnn_packed(q, k, v, bounds, scale)[None], None
         k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
         out = varlen(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0))
         return out[None], None

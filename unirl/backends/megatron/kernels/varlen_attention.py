@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from unirl.backends.cudnn_attention import cudnn_packed, use_cudnn
 from unirl.core.data.context_parallel import CPLayout, cp_local_indices
 from unirl.core.errors import LossInputError
 
@@ -219,6 +220,9 @@ def packed_causal_attention(
     if varlen_available(q):
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         longest = max_seqlen(cu) if longest_seq is None else longest_seq
+        if use_cudnn(q, longest):  # long sequences: cuDNN's kernel (unirl.backends.cudnn_attention)
+            whole = longest == q.shape[0]  # one sequence fills the pack: no host sync
+            return cudnn_packed(q, k, v, [0, longest] if whole else cu.tolist(), scale)
         return _varlen_kernel(q, k, v, cu, cu, longest, longest, scale)
     bounds = cu_seqlens.tolist()
     pieces = [

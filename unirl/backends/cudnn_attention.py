@@ -1,0 +1,120 @@
+"""Causal attention over long sequences on cuDNN's fused kernel, shared by every backend's packed
+attention (Megatron's `kernels.varlen_attention`, the Hugging Face backends' `hf.packed`).
+
+Why: on an H100 (torch 2.11, cuDNN 9.19) at Qwen3-4B's heads (32 query, 8 key/value, head dim
+128, bf16, causal), forward + backward of one sequence runs at 580 TFLOP/s on cuDNN through
+``scaled_dot_product_attention`` with ``enable_gqa``, against 320 TFLOP/s on flash attention 2
+(``varlen_attn``, torch's flash kernel): 13.3 ms against 24.0 ms at 16,384 tokens, 226 ms
+against 378 ms at 65,536. At 64k tokens attention is about 70% of a 4B model's FLOPs, so the
+kernel decides the step (`benchmarks/attention_kernels.py`, its results in
+``benchmarks/results/attention_kernels/``). Flash's varlen kernel stays the path for packs of
+many short sequences (one call for the whole pack, no host sync); cuDNN takes a pack when its
+longest sequence is long (`use_cudnn`), one call per sequence.
+
+cuDNN is used only after `_probe` has seen it give flash's numbers on this device and dtype
+(odd lengths and grouped heads included, forward and backward, against an fp32 reference);
+otherwise, or with ``UNIRL_CUDNN_ATTENTION=0`` in the environment (an A/B switch for
+benchmarks), the caller's flash path runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# A pack goes to cuDNN when its longest sequence has at least this many tokens: there one
+# call per sequence (and the host sync for the bounds) is noise beside the attention itself.
+MIN_LONGEST = 8192
+_ENV = "UNIRL_CUDNN_ATTENTION"
+_WORKS: dict[tuple[int, torch.dtype], bool] = {}
+
+
+def use_cudnn(q: torch.Tensor, longest: int) -> bool:
+    """Whether a pack whose longest sequence has ``longest`` tokens runs on cuDNN here."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) or longest < MIN_LONGEST:
+        return False
+    if os.environ.get(_ENV, "1") == "0":
+        return False
+    key = (q.device.index or 0, q.dtype)
+    if key not in _WORKS:
+        why = _probe(q.device, q.dtype)
+        if why is not None:
+            logger.info("attention stays on flash attention (cuDNN: %s)", why)
+        else:
+            logger.info("attention of sequences >= %d tokens on cuDNN", MIN_LONGEST)
+        _WORKS[key] = why is None
+    return _WORKS[key]
+
+
+def cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, causal; query
+    head ``h`` reads key/value head ``h // (Hq / Hkv)`` (Megatron's and transformers' grouping)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kw: dict[str, Any] = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.contiguous().transpose(0, 1)[None],
+            v.contiguous().transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            **kw,
+        )
+    return out[0].transpose(0, 1)
+
+
+def cudnn_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float
+) -> torch.Tensor:
+    """Causal attention within each sequence of a pack (``bounds``: the host copy of
+    ``cu_seqlens``), one cuDNN call per sequence."""
+    if len(bounds) == 2:
+        return cudnn_causal(q, k, v, scale)
+    pieces = [
+        cudnn_causal(q[a:b], k[a:b], v[a:b], scale) for a, b in itertools.pairwise(bounds) if b > a
+    ]
+    return torch.cat(pieces)
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when cuDNN's output and gradients match an fp32 causal reference on odd lengths with
+    grouped heads, else why not."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            gen = torch.Generator().manual_seed(0)
+            for length in (19, 333):
+                q, k, v, g = (
+                    torch.randn(length, h, 64, generator=gen).to(device) for h in (4, 2, 2, 4)
+                )
+                got = _out_and_grads(q, k, v, g, dtype, cudnn=True)
+                ref = _out_and_grads(q, k, v, g, torch.float32, cudnn=False)
+                for a, b in zip(got, ref, strict=True):
+                    if a.shape != b.shape or not torch.allclose(a.float(), b, atol=3e-2, rtol=3e-2):
+                        return f"differs from the fp32 reference at length {length}"
+    except Exception as exc:  # a torch / cuDNN build without the kernel or without grouped heads
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _out_and_grads(q, k, v, g, dtype: torch.dtype, *, cudnn: bool) -> list[torch.Tensor]:
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    if cudnn:
+        out = cudnn_causal(*leaves, scale=0.125)
+    else:
+        rep = q.shape[1] // k.shape[1]
+        qq, kk, vv = (
+            t.transpose(0, 1) if i == 0 else t.repeat_interleave(rep, dim=1).transpose(0, 1)
+            for i, t in enumerate(leaves)
+        )
+        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=0.125)
+        out = out.transpose(0, 1)
+    grads = torch.autograd.grad(out, leaves, g.to(dtype))
+    return [out.detach(), *(x.detach() for x in grads)]
