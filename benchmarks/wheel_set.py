@@ -20,7 +20,10 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from packaging.version import Version
+try:
+    from packaging.version import Version
+except ImportError:  # a bare interpreter: pip, which installs these wheels, vendors it
+    from pip._vendor.packaging.version import Version
 
 
 def project(wheel: str) -> tuple[str, Version]:
