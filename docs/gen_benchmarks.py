@@ -271,12 +271,18 @@ def _verify_sync(d: dict) -> str:
 
 
 def _serve_overhead(d: dict) -> str:
-    return (
+    text = (
         f"LoRA step through the tinker SDK + server {d['server_step_median_s']:.2f} s, "
         f"backend directly {d['direct_step_median_s']:.2f} s (median); overhead per pair "
         f"{_pct(d['overhead_median_of_pairs'])}; {d['small_forward_requests_per_s']:.1f} small "
         "forward requests/s"
     )
+    if d.get("device") == "cuda":  # the one-GPU rows (--shape qwen3-4b): throughput and memory
+        text += (
+            f"; {d['shape']} on {d['backend']}: {d['server_tokens_per_s']:,.0f} / "
+            f"{d['direct_tokens_per_s']:,.0f} tok/s, peak {d['peak_memory_gib']:.1f} GiB"
+        )
+    return text
 
 
 def _same_config_backends(d: dict) -> str:
