@@ -674,7 +674,11 @@ def main() -> None:
     parser.add_argument("--attention", default="packed", choices=["packed", "padded", "unfused"])
     parser.add_argument("--recompute-activations", action="store_true")
     add_recompute_arguments(parser)
-    parser.add_argument("--modes", default="reuse,recompute,plain")
+    parser.add_argument(
+        "--modes",
+        default="reuse,recompute,plain",
+        help="reuse, recompute, plain; reuse-flash: reuse with attention on flash, not cuDNN",
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
@@ -812,6 +816,12 @@ def main() -> None:
         reset_peak_memory()
         if mode == "plain":
             res = plain_megatron_steps(backend, cfgs["reuse"], batch, args)
+        elif mode == "reuse-flash":  # the same steps with long sequences' attention on flash
+            os.environ["UNIRL_CUDNN_ATTENTION"] = "0"
+            try:
+                res = run_rl_steps(cfgs["reuse"], backend, batch, args)
+            finally:
+                os.environ.pop("UNIRL_CUDNN_ATTENTION")
         else:
             res = run_rl_steps(cfgs[mode], backend, batch, args)
         res["peak_memory_gib"] = peak_memory_gib()

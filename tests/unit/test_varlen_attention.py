@@ -274,22 +274,31 @@ def _cudnn_stand_in(q, k, v, scale):
 @pytest.mark.parametrize("lengths", [[37], [1, 3, 0, 8]])
 def test_long_packs_go_to_cudnn_one_call_per_sequence(monkeypatch, lengths):
     """A pack whose longest sequence is long runs `cudnn_causal` once per sequence (a whole-pack
-    sequence without reading the bounds back); the result is the fp64 reference's."""
+    sequence without reading the bounds back), a sequence cuDNN refuses on flash alone; the
+    result is the fp64 reference's."""
     from unirl.backends import cudnn_attention as ca
 
-    calls = []
+    calls, flash = [], []
 
     def cudnn_causal(q, k, v, scale):
         calls.append(q.shape[0])
+        if q.shape[0] == 1:  # as torch 2.11's cuDNN on an H100 refuses a 1-token sequence
+            raise RuntimeError("No available kernel. Aborting execution.")
         return _cudnn_stand_in(q, k, v, scale)
+
+    def flash_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        flash.append(q.shape[0])
+        return bottom_right_causal_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
     monkeypatch.setattr(va, "varlen_available", lambda q: True)
     monkeypatch.setattr(va, "use_cudnn", lambda q, longest: longest >= 8)
+    monkeypatch.setattr(va, "_varlen_kernel", flash_kernel)
     monkeypatch.setattr(ca, "cudnn_causal", cudnn_causal)
     q, k, v = make_qkv(lengths)
     out = va.packed_causal_attention(q, k, v, cu_of(lengths), longest_seq=max(lengths))
     torch.testing.assert_close(out, reference(q, k, v, lengths), rtol=1e-10, atol=1e-10)
     assert calls == [n for n in lengths if n]
+    assert flash == [n for n in lengths if n == 1]  # the refused sequence, alone, on flash
 
 
 def test_cudnn_is_not_chosen_off_the_gpu_or_for_short_packs(monkeypatch):

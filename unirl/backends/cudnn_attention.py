@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 MIN_LONGEST = 8192
 _ENV = "UNIRL_CUDNN_ATTENTION"
 _WORKS: dict[tuple[int, torch.dtype], bool] = {}
+_REFUSED: set[int] = set()  # lengths cuDNN had no kernel for (logged once each)
 
 
 def use_cudnn(q: torch.Tensor, longest: int) -> bool:
@@ -72,16 +74,37 @@ def cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def cudnn_packed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: list[int],
+    scale: float,
+    fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Causal attention within each sequence of a pack (``bounds``: the host copy of
-    ``cu_seqlens``), one cuDNN call per sequence."""
+    ``cu_seqlens``), one cuDNN call per sequence; a sequence cuDNN has no kernel for (on an
+    H100, torch 2.11: a pack of short sequences such as one of length 1) runs ``fallback``
+    (the caller's flash path on that one sequence)."""
     if len(bounds) == 2:
-        return cudnn_causal(q, k, v, scale)
+        return _one(q, k, v, scale, fallback)
     pieces = [
-        cudnn_causal(q[a:b], k[a:b], v[a:b], scale) for a, b in itertools.pairwise(bounds) if b > a
+        _one(q[a:b], k[a:b], v[a:b], scale, fallback)
+        for a, b in itertools.pairwise(bounds)
+        if b > a
     ]
     return torch.cat(pieces)
+
+
+def _one(q, k, v, scale: float, fallback) -> torch.Tensor:
+    try:
+        return cudnn_causal(q, k, v, scale)
+    except RuntimeError as exc:  # SDPA's "No available kernel": refused before any launch
+        if "No available kernel" not in str(exc):
+            raise
+        if q.shape[0] not in _REFUSED:
+            _REFUSED.add(q.shape[0])
+            logger.info("cuDNN attention refused a %d-token sequence: flash runs it", q.shape[0])
+        return fallback(q, k, v)
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> str | None:

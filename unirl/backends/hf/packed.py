@@ -143,7 +143,14 @@ def packed_attention(
         if use_cudnn(q, max_len):  # long sequences: cuDNN's kernel (unirl.backends.cudnn_attention)
             scale = scaling if scaling is not None else q.shape[-1] ** -0.5
             bounds = [0, max_len] if max_len == q.shape[0] else cu.tolist()
-            return cudnn_packed(q, k, v, bounds, scale)[None], None
+
+            def flash_one(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+                n = qs.shape[0]
+                c = torch.tensor([0, n], dtype=torch.int32, device=qs.device)
+                ks, vs = _repeat_kv(ks, n_rep, 1), _repeat_kv(vs, n_rep, 1)
+                return varlen(qs, ks, vs, c, c, n, n, scale=scale, window_size=(-1, 0))
+
+            return cudnn_packed(q, k, v, bounds, scale, flash_one)[None], None
         k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
         out = varlen(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0))
         return out[None], None

@@ -27,6 +27,7 @@ rank per layer, fine for RL sequence lengths; ring attention would overlap the e
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
@@ -149,6 +150,13 @@ def _varlen_kernel(
     return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
+def _flash_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One whole sequence on the flash kernel (cuDNN's fallback)."""
+    n = q.shape[0]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    return _varlen_kernel(q, k, v, cu, cu, n, n, scale)
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise LossInputError(
@@ -222,7 +230,8 @@ def packed_causal_attention(
         longest = max_seqlen(cu) if longest_seq is None else longest_seq
         if use_cudnn(q, longest):  # long sequences: cuDNN's kernel (unirl.backends.cudnn_attention)
             whole = longest == q.shape[0]  # one sequence fills the pack: no host sync
-            return cudnn_packed(q, k, v, [0, longest] if whole else cu.tolist(), scale)
+            bounds = [0, longest] if whole else cu.tolist()
+            return cudnn_packed(q, k, v, bounds, scale, functools.partial(_flash_one, scale=scale))
         return _varlen_kernel(q, k, v, cu, cu, longest, longest, scale)
     bounds = cu_seqlens.tolist()
     pieces = [
