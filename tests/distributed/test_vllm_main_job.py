@@ -88,6 +88,10 @@ def test_engine_that_cannot_start_stops_the_run_cleanly(tmp_path):
     assert not _left_over(marker)
 
 
+# Slow tier (70 s in CI: three engine starts): CI keeps the source-level cases of the same fix
+# (tests/unit/test_prompts.py: the vLLM and the sampler source resume where they stopped) and
+# the job-level resume of the other sources and of every fault case.
+@pytest.mark.slow
 def test_resume_on_a_prompt_file_reproduces_the_uninterrupted_run(tmp_path):
     """Issue 28: with a prompt file, --resume restarted the vLLM source's prompts from the
     file's first line. One process: two RL steps in one go, with a checkpoint after each; then
