@@ -291,14 +291,14 @@ def test_stable_reinforce_on_recorded_samples_follows_its_formula(server, servic
             "data[0].model_input_spans[0].sequence_id",
         ),
         (
-            dataclasses.replace(  # the targets are prompt[1:], not prompt[0:]
+            dataclasses.replace(  # the input holds sampled tokens 0..3, not 1..4
                 good,
-                loss_fn_input_spans=[
-                    types.PromptProvenanceSpan(sequence_id=sid, length=n_prompt - 1),
-                    types.SampledProvenanceSpan(sequence_id=sid, length=n_sampled),
+                model_input_spans=[
+                    prompt_run,
+                    types.SampledProvenanceSpan(sequence_id=sid, offset=1, length=n_sampled - 1),
                 ],
             ),
-            "data[0].loss_fn_input_spans[0]",
+            "data[0].model_input_spans[1]",
         ),
         (
             dataclasses.replace(  # past the sampled tokens

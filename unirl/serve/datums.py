@@ -126,9 +126,10 @@ def _provenance_datum(
             "is missing; stable_reinforce reads provenance: sample with "
             "record_stability_info=True and attach Datum.with_provenance(...)",
         )
-    resolve_spans(datum.input_spans, tokens.numpy(), f"{where}.model_input_spans", records)
+    input_field, target_field = f"{where}.model_input_spans", f"{where}.loss_fn_input_spans"
+    resolve_spans(datum.input_spans, tokens.numpy(), input_field, records, check_prompt_tokens=True)
     sampled, recorded = resolve_spans(
-        datum.target_spans, targets.numpy(), f"{where}.loss_fn_input_spans", records
+        datum.target_spans, targets.numpy(), target_field, records, check_prompt_tokens=False
     )
     if not sampled.any():
         raise BadRequest(

@@ -3,8 +3,9 @@ sampled with ``record_stability_info=True`` (its request's prompt, its sampled t
 sampler's log-prob of each), named by the ``sequence_id`` the SDK stamps on it, and the datum's
 provenance (``Datum.with_provenance``) resolved against those records into per-position values.
 
-Resolving checks every claim: the runs tile their field, each names a recorded sequence, and the
-datum's tokens are the recorded ones at the claimed positions; a wrong claim is a `BadRequest`
+Resolving checks every claim: the runs tile their field, each names a recorded sequence and
+positions it has, and the datum's tokens are the recorded ones at the claimed positions (over the
+targets, at the sampled ones: the cookbook pads prompt targets with 0); a wrong claim is a `BadRequest`
 naming the datum and the run, raised before the request is queued. What comes out is values
 (which targets were sampled, and the sampler's log-prob of each): the loss needs no record.
 
@@ -79,10 +80,18 @@ class StabilityRecords:
 
 
 def resolve_spans(
-    spans: Sequence[WireSpan], tokens: np.ndarray, field: str, records: StabilityRecords
+    spans: Sequence[WireSpan],
+    tokens: np.ndarray,
+    field: str,
+    records: StabilityRecords,
+    *,
+    check_prompt_tokens: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The runs checked against the records and ``tokens`` (the field they tile): per position,
-    whether it is a sampled token, and the sampler's log-prob there (0 where not sampled)."""
+    whether it is a sampled token, and the sampler's log-prob there (0 where not sampled).
+    A sampled run's tokens must be the recorded ones; a prompt run's only with
+    ``check_prompt_tokens`` (the model input: over the targets, a prompt run only says the
+    position was not sampled, and rl_loop pads those targets with 0)."""
     n = int(tokens.size)
     covered = sum(s.length for s in spans)
     if covered != n:
@@ -101,7 +110,8 @@ def resolve_spans(
                 f"which has {source.size}",
             )
         claimed, held = tokens[pos : pos + span.length], source[span.offset : end]
-        bad = np.flatnonzero(claimed != held)
+        checked = span.sampled or check_prompt_tokens
+        bad = np.flatnonzero(claimed != held) if checked else np.zeros(0, dtype=np.int64)
         if bad.size:
             k = int(bad[0])
             raise BadRequest(
