@@ -14,7 +14,13 @@ from unirl.core.maths.losses.registry import get_policy_loss, policy_loss_is_sep
 from unirl.core.maths.losses.settings import LossSettings
 
 
-def _run(logp: torch.Tensor, q: torch.Tensor, adv: torch.Tensor, coef: float) -> torch.Tensor:
+def _run(
+    logp: torch.Tensor,
+    q: torch.Tensor,
+    adv: torch.Tensor,
+    coef: float,
+    behaviour: torch.Tensor | None = None,
+) -> torch.Tensor:
     n = logp.numel()
     inp = LossInputs(
         logprobs=logp,
@@ -24,6 +30,7 @@ def _run(logp: torch.Tensor, q: torch.Tensor, adv: torch.Tensor, coef: float) ->
         num_seqs=1,
         seq_token_counts=torch.tensor([n]),
         old_logprobs=q,
+        rollout_logprobs=behaviour,
     )
     settings = LossSettings(policy_loss="stable_reinforce", stable_reinforce_kl_coef=coef)
     loss_t, _ = get_policy_loss("stable_reinforce")(
@@ -65,3 +72,12 @@ def test_matches_a_per_token_loop_and_is_reinforce_on_policy():
     on = _run(logp.detach(), logp.detach(), adv, coef=5.0)
     torch.testing.assert_close(on, -adv * logp.detach())
     assert policy_loss_is_separable("stable_reinforce")
+
+
+def test_the_sampler_is_the_behaviour_policy_when_the_batch_has_it():
+    """Under `unirl train` the rollout engine sampled the tokens: its log-probs are q, not the
+    proximal ones (one token, logp -1, engine -1 - ln 2: rho = 2, k3 = 1 - ln 2)."""
+    logp = torch.tensor([-1.0])
+    engine = torch.tensor([-1.0 - math.log(2.0)])
+    got = _run(logp, logp.clone(), torch.tensor([0.0]), coef=1.0, behaviour=engine)
+    torch.testing.assert_close(got, torch.tensor([1.0 - math.log(2.0)]))

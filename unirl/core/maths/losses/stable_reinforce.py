@@ -5,8 +5,9 @@ a penalty on how far the learner has moved from the sampler, for data that is of
     loss_t = -( A_t logp_t - kl_coef * k3_t ),   k3_t = (rho_t - 1) - log rho_t,
     rho_t  = exp(logp_t - q_t)
 
-``q_t`` is the sampler's log-prob of the token (the proximal ``old_logprobs``; the server takes
-it from what it recorded at sampling time), ``k3_t`` Schulman's non-negative, low-variance
+``q_t`` is the sampler's log-prob of the token: the behaviour log-probs (``rollout_logprobs``,
+the engine that generated the rollout) when the batch has them, else the proximal
+``old_logprobs`` (`unirl serve` puts there what it recorded at sampling time); ``k3_t`` Schulman's non-negative, low-variance
 estimator of KL(sampler || learner) on tokens drawn from the sampler. The advantage term carries
 no importance ratio, so no ratio can blow a token's gradient up off-policy; the penalty pulls each
 token back toward the sampler in proportion to how far it moved::
@@ -35,7 +36,8 @@ def stable_reinforce_loss(
     inp: LossInputs, counts: GlobalCounts, settings: LossSettings
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Per-token StableReinforce loss (see the module docstring)."""
-    log_ratio = inp.logprobs - inp.resolved_old_logprobs()
+    sampler = inp.behaviour_logprobs
+    log_ratio = inp.logprobs - (inp.resolved_old_logprobs() if sampler is None else sampler)
     k3 = torch.expm1(log_ratio) - log_ratio
     loss_t = -(inp.advantages * inp.logprobs - settings.stable_reinforce_kl_coef * k3)
     return loss_t, {}
