@@ -244,7 +244,7 @@ def test_stable_reinforce_on_recorded_samples_follows_its_formula(server, servic
     """Sampled with record_stability_info, trained after one step moved the learner off the
     sampler: loss:sum is sum over the sampled targets of -(A logp - c ((rho - 1) - log rho)),
     rho = exp(logp - q), written out per token on the peft model; a malformed provenance is
-    refused (400 naming the datum and the run) and changes nothing."""
+    refused (400 naming the datum and the run or the input) and changes nothing."""
     _, _, state_dir = server
     tc = service.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
@@ -311,6 +311,16 @@ def test_stable_reinforce_on_recorded_samples_follows_its_formula(server, servic
             "data[0].loss_fn_input_spans[1]",
         ),
     ]
+    inputs = {k: v.tolist() for k, v in good.loss_fn_inputs.items()}
+    for name, value, at in (("advantages", 1.0, 0), ("logprobs", -9.0, n_prompt)):
+        changed = list(inputs[name])
+        changed[at] = value  # an advantage on a prompt target; a sampled log-prob not recorded
+        cases.append(
+            (
+                dataclasses.replace(good, loss_fn_inputs={**inputs, name: changed}),
+                f"data[0].loss_fn_inputs.{name}",
+            )
+        )
     before = _probe(tc)
     for datum, field in cases:
         field = field or "data[0].loss_fn_input_spans"
