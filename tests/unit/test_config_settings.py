@@ -60,6 +60,7 @@ def test_the_keys_and_the_settings_fields_they_set():
         "decoupled_cap": "decoupled_cap",
         "decoupled_cap_mode": "decoupled_cap_mode",
         "dro_beta": "dro_beta",
+        "stable_reinforce_kl_coef": "stable_reinforce_kl_coef",
     }
     assert fed_fields(AlgorithmConfig, AdvantageSettings) == {
         "estimator": "advantage_estimator",
@@ -86,7 +87,8 @@ def test_a_key_has_the_type_of_the_settings_field_it_sets():
     """The YAML converter checks the config field's type; it must be the settings field's, or a
     value could pass one and fail the other."""
     fields = list(_fed_config_fields(AlgorithmConfig))
-    assert len(fields) == 27  # 2 MoE router coefficients, 3 decoupled-PPO keys, DRO's beta
+    # 2 MoE router coefficients, 3 decoupled-PPO keys, DRO's beta, StableReinforce's KL weight
+    assert len(fields) == 28
     for cls, field, hint in fields:
         settings_cls, name = field.metadata[FEEDS]
         want = typing.get_type_hints(settings_cls)[name]

@@ -20,7 +20,7 @@ from unirl.core.maths.losses import (
 )
 from unirl.core.maths.losses import registry as registry_module
 
-POLICIES = ["ppo_clip", "gspo", "cispo", "dro", "reinforce", "sft"]
+POLICIES = ["ppo_clip", "gspo", "cispo", "dro", "reinforce", "stable_reinforce", "sft"]
 COUNTS = GlobalCounts(tokens=4, sequences=2, norm_length=8)
 
 
@@ -153,6 +153,7 @@ def test_builtin_names_and_declarations():
     assert not policy_loss_needs_old_logprobs("cispo")
     assert not policy_loss_needs_old_logprobs("dro")
     assert not policy_loss_needs_old_logprobs("reinforce")
+    assert not policy_loss_needs_old_logprobs("stable_reinforce")
     assert not policy_loss_needs_old_logprobs("sft")
 
 

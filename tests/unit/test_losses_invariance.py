@@ -17,7 +17,7 @@ from unirl.core.maths.losses import (
 )
 
 F64 = torch.float64
-POLICIES = ["ppo_clip", "gspo", "cispo", "reinforce", "sft"]
+POLICIES = ["ppo_clip", "gspo", "cispo", "reinforce", "sft", "stable_reinforce"]
 
 
 def make_step(seed: int, num_seqs: int = 12):
@@ -72,6 +72,7 @@ def _settings(policy: str, mode: str, correction: str) -> LossSettings:
         entropy_coef=0.01,
         rollout_correction=correction,
         value_coef=0.5,
+        stable_reinforce_kl_coef=0.2,
     )
 
 
@@ -114,7 +115,7 @@ def test_random_microbatch_split(policy, mode):
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
-@pytest.mark.parametrize("policy", ["ppo_clip", "cispo", "reinforce", "sft"])
+@pytest.mark.parametrize("policy", ["ppo_clip", "cispo", "reinforce", "sft", "stable_reinforce"])
 def test_sequences_sharded_over_ranks(policy, mode):
     """What context parallel relies on, for the token-local losses: split every sequence's
     tokens over two "ranks" (odd / even positions); with the global per-sequence counts the two

@@ -1,7 +1,7 @@
 """tinker-cookbook's supervised and RL loops (``recipes/sl_loop.py``, ``recipes/rl_loop.py``,
 pinned 0.6.1), unmodified, a few steps against `unirl serve`: only their tokenizer and datasets
-come from local files (`tests.cookbook_fixtures`; the RL loop's loss is a config field,
-``importance_sampling``). The supervised loop's first mean NLL is the base model's (the
+come from local files (`tests.cookbook_fixtures`; the RL loop trains with its default loss,
+``stable_reinforce``, on sequences sampled with ``record_stability_info``). The supervised loop's first mean NLL is the base model's (the
 adapter's B starts at zero), written out with plain transformers on the rows the loop takes;
 FSDP2 and Megatron log DeepSpeed's NLL at every step, and its rewards and gradient norms in the
 RL loop (``serve.sample_seed``: the loop sends no seeds; both loops train the LM head too, the
@@ -131,8 +131,7 @@ def _rl_loop(folder: Path, tmp_path: Path, train: dict, monkeypatch) -> list[dic
             lora_rank=2,
             save_every=0,
             max_tokens=12,
-            loss_fn="importance_sampling",
-            max_steps=2,
+            max_steps=2,  # the loop's default loss: stable_reinforce, with provenance
         )
         with offline_cookbook(folder):
             rl_loop.main(config)

@@ -7,6 +7,8 @@ requests (4xx naming the field, nothing changed) and two clients trained interle
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -216,6 +218,118 @@ def test_sample_and_compute_logprobs_on_saved_sampler_weights(server, service, t
         torch.testing.assert_close(torch.tensor(seq.logprobs), teacher, atol=1e-4, rtol=1e-4)
 
 
+def _with_provenance(prompt: list[int], seq, advantage: float) -> types.Datum:
+    """rl_loop's datum of one sampled sequence (the prompt, then all but the last sampled
+    token; targets shifted by one; the advantage on the sampled targets), with its provenance."""
+    n_prompt, n_sampled, sid = len(prompt), len(seq.tokens), seq.sequence_id
+    datum = _datum(
+        prompt + list(seq.tokens[:-1]),
+        prompt[1:] + list(seq.tokens),
+        logprobs=[0.0] * (n_prompt - 1) + list(seq.logprobs),
+        advantages=[0.0] * (n_prompt - 1) + [advantage] * n_sampled,
+    )
+    return datum.with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sid, length=n_prompt),
+            types.SampledProvenanceSpan(sequence_id=sid, length=n_sampled - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_prompt - 1),
+            types.SampledProvenanceSpan(sequence_id=sid, length=n_sampled),
+        ],
+    )
+
+
+def test_stable_reinforce_on_recorded_samples_follows_its_formula(server, service, tiny_folder):
+    """Sampled with record_stability_info, trained after one step moved the learner off the
+    sampler: loss:sum is sum over the sampled targets of -(A logp - c ((rho - 1) - log rho)),
+    rho = exp(logp - q), written out per token on the peft model; a malformed provenance is
+    refused (400 naming the datum and the run or the input) and changes nothing."""
+    _, _, state_dir = server
+    tc = service.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = [1, 5, 9, 13]
+    params = types.SamplingParams(max_tokens=5, seed=3, stop=[])
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences
+    advantages = [1.0, -0.5]
+    data = [_with_provenance(prompt, q, a) for q, a in zip(seqs, advantages)]
+    tc.forward_backward([_datum(*SEQS[0], weights=[1.0] * 5)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(**ADAM)).result()
+    tc.save_state("moved").result()
+    ref = _reference(tiny_folder, _adapter_folder(state_dir, tc.model_id, "moved"))
+    got = []
+    for config, c in ((None, 0.0), ({"kl_coeff": 0.5}, 0.5)):
+        want = 0.0
+        for d, seq, adv in zip(data, seqs, advantages):
+            lp = _logprobs(ref, d.model_input.to_ints(), d.loss_fn_inputs["target_tokens"].tolist())
+            lp = lp.detach()
+            for t, q in enumerate(seq.logprobs, start=len(prompt) - 1):  # the sampled targets
+                lp_t = float(lp[t])
+                rho = math.exp(lp_t - q)
+                want += -(adv * lp_t - c * ((rho - 1.0) - (lp_t - q)))
+        got.append(tc.forward(data, "stable_reinforce", config).result().metrics["loss:sum"])
+        assert got[-1] == pytest.approx(want, rel=1e-5, abs=1e-5), config
+    assert abs(got[1] - got[0]) > 1e-3  # the step moved the learner: the penalty is live
+
+    good, sid = data[0], seqs[0].sequence_id
+    n_prompt, n_sampled = len(prompt), len(seqs[0].tokens)
+    prompt_run = types.PromptProvenanceSpan(sequence_id=sid, length=n_prompt)
+    cases = [
+        (dataclasses.replace(good, model_input_spans=None, loss_fn_input_spans=None), ""),
+        (
+            dataclasses.replace(good, model_input_spans=[prompt_run]),  # does not tile
+            "data[0].model_input_spans",
+        ),
+        (
+            dataclasses.replace(
+                good,
+                model_input_spans=[
+                    types.PromptProvenanceSpan(sequence_id="nowhere/0", length=n_prompt),
+                    types.SampledProvenanceSpan(sequence_id=sid, length=n_sampled - 1),
+                ],
+            ),
+            "data[0].model_input_spans[0].sequence_id",
+        ),
+        (
+            dataclasses.replace(  # the input holds sampled tokens 0..3, not 1..4
+                good,
+                model_input_spans=[
+                    prompt_run,
+                    types.SampledProvenanceSpan(sequence_id=sid, offset=1, length=n_sampled - 1),
+                ],
+            ),
+            "data[0].model_input_spans[1]",
+        ),
+        (
+            dataclasses.replace(  # past the sampled tokens
+                good,
+                loss_fn_input_spans=[
+                    types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_prompt - 1),
+                    types.SampledProvenanceSpan(sequence_id=sid, offset=1, length=n_sampled),
+                ],
+            ),
+            "data[0].loss_fn_input_spans[1]",
+        ),
+    ]
+    inputs = {k: v.tolist() for k, v in good.loss_fn_inputs.items()}
+    for name, value, at in (("advantages", 1.0, 0), ("logprobs", -9.0, n_prompt)):
+        changed = list(inputs[name])
+        changed[at] = value  # an advantage on a prompt target; a sampled log-prob not recorded
+        cases.append(
+            (
+                dataclasses.replace(good, loss_fn_inputs={**inputs, name: changed}),
+                f"data[0].loss_fn_inputs.{name}",
+            )
+        )
+    before = _probe(tc)
+    for datum, field in cases:
+        field = field or "data[0].loss_fn_input_spans"
+        with pytest.raises(tinker.BadRequestError) as err:
+            tc.forward_backward([datum], "stable_reinforce").result()
+        assert err.value.status_code == 400 and field in str(err.value), str(err.value)
+    assert _probe(tc) == before
+
+
 def test_bad_requests_get_4xx_naming_the_field_and_change_nothing(server, service):
     url = server[0]
     tc = service.create_lora_training_client(base_model=BASE, rank=2).result()
@@ -240,7 +354,13 @@ def test_bad_requests_get_4xx_naming_the_field_and_change_nothing(server, servic
             None,
             "data[0].loss_fn_inputs",
         ),
-        (probe, "stable_reinforce", None, "loss_fn"),
+        (  # stable_reinforce without provenance
+            [_datum([1, 2], [2, 3], advantages=[0.0, 1.0])],
+            "stable_reinforce",
+            None,
+            "data[0].loss_fn_input_spans",
+        ),
+        (probe, "custom", None, "loss_fn"),
         (
             [
                 _datum(

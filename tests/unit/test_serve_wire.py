@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("tinker")
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import (
     deserialize_forward_backward_output,
@@ -19,6 +20,7 @@ from tinker.proto.response_conv import (
 from unirl.serve.errors import BadRequest
 from unirl.serve.wire import (
     WireSequence,
+    WireSpan,
     decode_forward_backward,
     encode_forward_backward_output,
     encode_sample_response,
@@ -30,6 +32,15 @@ def test_a_request_the_sdk_writes_decodes_to_its_values():
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([7, 8]).append_int(9),
         loss_fn_inputs={"target_tokens": [8, 9, 10], "weights": weights_2d},
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id="r/0", length=2),
+            types.SampledProvenanceSpan(sequence_id="r/0", length=1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id="r/0", offset=1, length=1),
+            types.SampledProvenanceSpan(sequence_id="r/0", length=2),
+        ],
     )
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(
@@ -52,6 +63,38 @@ def test_a_request_the_sdk_writes_decodes_to_its_values():
     assert d.tokens.tolist() == [7, 8, 9]
     assert d.inputs["target_tokens"].tolist() == [8, 9, 10]
     np.testing.assert_array_equal(d.inputs["weights"], weights_2d.numpy())
+    assert d.input_spans == (
+        WireSpan(sampled=False, sequence_id="r/0", offset=0, length=2),
+        WireSpan(sampled=True, sequence_id="r/0", offset=0, length=1),
+    )
+    assert d.target_spans == (
+        WireSpan(sampled=False, sequence_id="r/0", offset=1, length=1),
+        WireSpan(sampled=True, sequence_id="r/0", offset=0, length=2),
+    )
+
+
+def test_malformed_provenance_is_a_bad_request_naming_the_run():
+    """What the SDK's own checks would stop, written to the wire directly: a run of neither kind,
+    a negative offset, one list without the other."""
+    msg = pb.ForwardBackwardRequest(model_id="s:train:0", loss_fn="stable_reinforce")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.array([1, 2], np.int32).tobytes()
+    datum.model_input_spans.add().sampled_tokens.CopyFrom(
+        pb.SampledProvenanceSpan(sequence_id="r/0", length=2)
+    )
+    with pytest.raises(BadRequest) as err:  # model_input_spans without loss_fn_input_spans
+        decode_forward_backward(msg.SerializeToString())
+    assert err.value.field == "data[0].loss_fn_input_spans"
+    datum.loss_fn_input_spans.add()  # neither prompt_tokens nor sampled_tokens
+    with pytest.raises(BadRequest) as err:
+        decode_forward_backward(msg.SerializeToString())
+    assert err.value.field == "data[0].loss_fn_input_spans[0]"
+    datum.loss_fn_input_spans[0].prompt_tokens.CopyFrom(
+        pb.PromptProvenanceSpan(sequence_id="r/0", offset=-1, length=2)
+    )
+    with pytest.raises(BadRequest, match="offset=-1") as err:
+        decode_forward_backward(msg.SerializeToString())
+    assert err.value.field == "data[0].loss_fn_input_spans[0]"
 
 
 def test_garbage_is_a_bad_request_naming_the_body():

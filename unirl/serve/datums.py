@@ -10,6 +10,7 @@ import torch
 from unirl.serve.batching import TokenDatum
 from unirl.serve.errors import BadRequest
 from unirl.serve.losses import SdkLoss
+from unirl.serve.stability import StabilityRecords, resolve_spans
 from unirl.serve.wire import WireDatum
 
 
@@ -44,7 +45,13 @@ def _float(arr: np.ndarray) -> torch.Tensor:
 
 
 def token_datum(
-    datum: WireDatum, index: int, loss: SdkLoss, *, vocab_size: int, max_tokens: int
+    datum: WireDatum,
+    index: int,
+    loss: SdkLoss,
+    *,
+    vocab_size: int,
+    max_tokens: int,
+    records: StabilityRecords,
 ) -> TokenDatum:
     where = f"data[{index}]"
     n = int(datum.tokens.size)
@@ -55,12 +62,12 @@ def token_datum(
             f"{where}.model_input",
             f"has {n} tokens, over this server's tokens_per_microbatch={max_tokens}",
         )
-    unknown = sorted(set(datum.inputs) - {"target_tokens", *loss.inputs})
+    reads = ["target_tokens", *loss.inputs]
+    unknown = sorted(set(datum.inputs) - set(reads))
     if unknown:
         raise BadRequest(
             f"{where}.loss_fn_inputs",
-            f"has {unknown}, which this loss does not read; it reads "
-            f"{['target_tokens', *loss.inputs]}",
+            f"has {unknown}, which this loss does not read; it reads {reads}",
         )
     tokens = _token_ids(datum.tokens, vocab_size, f"{where}.model_input")
     targets_np = _per_position(datum, "target_tokens", n, where)
@@ -69,6 +76,8 @@ def token_datum(
         mask = _float(_per_position(datum, "weights", n, where))
         return TokenDatum(tokens=tokens, targets=targets, mask=mask)
     advantages = _float(_per_position(datum, "advantages", n, where))
+    if loss.provenance:
+        return _provenance_datum(datum, where, tokens, targets, advantages, records)
     mask = torch.ones(n, dtype=torch.float32)
     if loss.ratio_masked:
         mask = _ratio_mask(datum, advantages, n, where)
@@ -98,3 +107,54 @@ def _ratio_mask(datum: WireDatum, advantages: torch.Tensor, n: int, where: str) 
             "here needs advantages 0 outside the ratio's tokens (the prompt)",
         )
     return mask
+
+
+def _provenance_datum(
+    datum: WireDatum,
+    where: str,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    records: StabilityRecords,
+) -> TokenDatum:
+    """stable_reinforce: the provenance resolved into values. The mask is 1 on the sampled
+    targets (REINFORCE is about tokens the sampler drew), the sampler's log-probs are the
+    recorded ones; the datum's own ``logprobs`` (the cookbook sends them) must agree."""
+    if datum.input_spans is None or datum.target_spans is None:
+        raise BadRequest(
+            f"{where}.loss_fn_input_spans",
+            "is missing; stable_reinforce reads provenance: sample with "
+            "record_stability_info=True and attach Datum.with_provenance(...)",
+        )
+    input_field, target_field = f"{where}.model_input_spans", f"{where}.loss_fn_input_spans"
+    resolve_spans(datum.input_spans, tokens.numpy(), input_field, records, check_prompt_tokens=True)
+    sampled, recorded = resolve_spans(
+        datum.target_spans, targets.numpy(), target_field, records, check_prompt_tokens=False
+    )
+    if not sampled.any():
+        raise BadRequest(
+            f"{where}.loss_fn_input_spans", "marks no target as sampled; train on sampled tokens"
+        )
+    mask = torch.from_numpy(sampled).float()
+    outside = (advantages != 0) & (mask == 0)
+    if outside.any():
+        pos = int(outside.nonzero()[0])
+        raise BadRequest(
+            f"{where}.loss_fn_inputs.advantages",
+            f"is {float(advantages[pos])} at position {pos}, whose target was not sampled; "
+            "stable_reinforce needs advantages 0 on prompt targets",
+        )
+    q = torch.from_numpy(recorded)
+    if "logprobs" in datum.inputs:
+        sent = _float(_per_position(datum, "logprobs", int(mask.numel()), where))
+        off = ((sent - q).abs() > 1e-4) & (mask != 0)
+        if off.any():
+            pos = int(off.nonzero()[0])
+            raise BadRequest(
+                f"{where}.loss_fn_inputs.logprobs",
+                f"is {float(sent[pos])} at position {pos}; the sampler recorded "
+                f"{float(q[pos])} for that sampled token",
+            )
+    return TokenDatum(
+        tokens=tokens, targets=targets, mask=mask, advantages=advantages, sampler_logprobs=q
+    )

@@ -73,6 +73,8 @@ class LoadJob:
 class SampleWork:
     request_id: str
     job: SampleJob
+    # record_stability_info: keep each sequence for stable_reinforce (`unirl.serve.stability`)
+    record_stability: bool
 
 
 Job = CreateJob | FwdBwdJob | OptimJob | SaveJob | LoadJob | SampleWork

@@ -6,6 +6,7 @@
     ppo                  -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)              (ppo_clip)
     cispo                -sum_t sg(clip(r_t, lo, hi)) logp_t A_t                 (cispo)
     dro                  -sum_t (logp_t A_t - beta/2 (logp_t - q_t)^2)          (dro)
+    stable_reinforce     -sum_t s_t (logp_t A_t - c ((r_t - 1) - log r_t))     (stable_reinforce)
     gspo                 -sum_t min(s_t A_t, clip(s_t, lo, hi) A_t)             (gspo)
                          s_t = sg(s) exp(logp_t - sg(logp_t)),
                          s = exp(mean over sequence_ratio_mask of (logp - q))
@@ -18,8 +19,12 @@ tokens of the sequence ratio (``sequence_ratio_mask``); its advantages must be 0
 the API's sum over every position then adds nothing. The
 RL losses sum over every position (the advantages are 0 on the prompt); cross-entropy weights
 each position by ``weights`` (any float: the SDK's client-side custom loss sends the negative
-gradient of its loss there). The sum is the API's aggregation (no normaliser): a request's
-loss is the sum of its datums' losses, so requests batched together add up exactly.
+gradient of its loss there). stable_reinforce reads the datum's provenance
+(``Datum.with_provenance``) against what sampling recorded (`unirl.serve.stability`): ``s_t`` is
+1 where the target is a sampled token, ``q_t`` the recorded sampler log-prob there, ``c``
+``loss_fn_config["kl_coeff"]`` (0 by default). The sum is the API's aggregation (no
+normaliser): a request's loss is the sum of its datums' losses, so requests batched together add
+up exactly.
 """
 
 from __future__ import annotations
@@ -56,15 +61,25 @@ class SdkLoss:
     # the mask is the datum's ``sequence_ratio_mask`` (gspo: the tokens of the sequence ratio),
     # and the clip thresholds have no default
     ratio_masked: bool = False
+    # reads the datum's provenance (stable_reinforce): the mask is its sampled targets, the
+    # sampler's log-probs are the recorded ones (`unirl.serve.stability`); reads kl_coeff
+    provenance: bool = False
 
     def settings(self, config: Mapping[str, float | str]) -> LossSettings:
         known = {"clip_low_threshold", "clip_high_threshold"} if self.clipped else set()
         known |= {"beta"} if self.penalised else set()
+        known |= {"kl_coeff"} if self.provenance else set()
         unknown = sorted(set(config) - known)
         if unknown:
             raise BadRequest(
                 "loss_fn_config", f"has unknown key(s) {unknown}; this loss takes {sorted(known)}"
             )
+        if self.provenance:
+            # Tinker documents the key ({"kl_coeff": 0.01}), not a default: 0, no penalty
+            kl = _threshold(config, "kl_coeff", 0.0)
+            if kl < 0:
+                raise BadRequest("loss_fn_config.kl_coeff", f"is {kl}; it must be >= 0")
+            return LossSettings(policy_loss=self.unirl_loss, stable_reinforce_kl_coef=kl)
         if self.penalised:
             if "beta" not in config:
                 raise BadRequest(
@@ -131,6 +146,16 @@ SDK_LOSSES.register(
 SDK_LOSSES.register(
     "dro",
     SdkLoss(unirl_loss="dro", inputs=_RL_INPUTS, clipped=False, weighted=False, penalised=True),
+)
+SDK_LOSSES.register(
+    "stable_reinforce",
+    SdkLoss(
+        unirl_loss="stable_reinforce",
+        inputs=_RL_INPUTS,  # logprobs optional: the recorded ones are used (and must agree)
+        clipped=False,
+        weighted=False,
+        provenance=True,
+    ),
 )
 
 

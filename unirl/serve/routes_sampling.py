@@ -15,6 +15,7 @@ from unirl.serve.requests import json_body, require
 from unirl.serve.runtime import Runtime, SamplingSession
 from unirl.serve.sampling import sample_job
 from unirl.serve.sessions import base_model_folder
+from unirl.serve.stability import sequence_id
 
 
 def _session_for(cfg: ServeConfig, body: dict[str, Any]) -> SamplingSession:
@@ -67,7 +68,8 @@ def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         job = sample_job(
             body, session.weights, max_sample_tokens=cfg.max_sample_tokens, seeds=rt.seeds
         )
-        answer: dict[str, Any] = rt.queue(SampleWork, job=job)
+        record = bool(body.get("record_stability_info"))
+        answer: dict[str, Any] = rt.queue(SampleWork, job=job, record_stability=record)
         # the SDK stamps each sampled sequence with one of these ids
-        ids = [f"{answer['request_id']}/{i}" for i in range(job.num_samples)]
+        ids = [sequence_id(answer["request_id"], i) for i in range(job.num_samples)]
         return {**answer, "sample_sequence_ids": ids}

@@ -68,7 +68,14 @@ def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
             )
         vocab = session.backend.vocab_size
         datums = tuple(
-            token_datum(d, i, loss, vocab_size=vocab, max_tokens=cfg.tokens_per_microbatch)
+            token_datum(
+                d,
+                i,
+                loss,
+                vocab_size=vocab,
+                max_tokens=cfg.tokens_per_microbatch,
+                records=rt.worker.stability,
+            )
             for i, d in enumerate(req.data)
         )
         return rt.queue(

@@ -18,9 +18,24 @@ _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT3
 
 
 @attrs.frozen(kw_only=True)
+class WireSpan:
+    """One provenance run (``Datum.with_provenance``): ``length`` datum positions that are
+    positions ``[offset, offset + length)`` of sequence ``sequence_id``'s request prompt
+    (``sampled`` False) or of its sampled tokens (``sampled`` True)."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
+@attrs.frozen(kw_only=True)
 class WireDatum:
     tokens: np.ndarray  # [N] int64: the model input
     inputs: Mapping[str, np.ndarray]  # loss_fn_inputs by name, dense
+    # Provenance, both or neither: runs tiling the model input / the targets (None: not sent).
+    input_spans: tuple[WireSpan, ...] | None = None
+    target_spans: tuple[WireSpan, ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -68,7 +83,45 @@ def _datum(msg: Any, i: int) -> WireDatum:
         name: _dense(t, f"data[{i}].loss_fn_inputs.{name}")
         for name, t in msg.loss_fn_inputs.items()
     }
-    return WireDatum(tokens=tokens, inputs=inputs)
+    input_spans = _spans(msg.model_input_spans, f"data[{i}].model_input_spans")
+    target_spans = _spans(msg.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")
+    if (input_spans is None) != (target_spans is None):
+        missing = "model_input_spans" if input_spans is None else "loss_fn_input_spans"
+        raise BadRequest(
+            f"data[{i}].{missing}",
+            "is missing; provenance comes as a pair (Datum.with_provenance sets both)",
+        )
+    return WireDatum(
+        tokens=tokens, inputs=inputs, input_spans=input_spans, target_spans=target_spans
+    )
+
+
+def _spans(msgs: Sequence[Any], field: str) -> tuple[WireSpan, ...] | None:
+    """A repeated ``ProvenanceSpan`` as runs; None when empty (proto3 cannot tell an empty list
+    from none, and a field of positions is never empty)."""
+    if not msgs:
+        return None
+    spans = []
+    for j, msg in enumerate(msgs):
+        arm = msg.WhichOneof("span")
+        if arm is None:
+            raise BadRequest(f"{field}[{j}]", "sets neither prompt_tokens nor sampled_tokens")
+        run = getattr(msg, arm)
+        if not run.sequence_id or run.offset < 0 or run.length < 0:
+            raise BadRequest(
+                f"{field}[{j}]",
+                f"has sequence_id={run.sequence_id!r}, offset={run.offset}, "
+                f"length={run.length}; send a sampled sequence's id, offset >= 0, length >= 0",
+            )
+        spans.append(
+            WireSpan(
+                sampled=arm == "sampled_tokens",
+                sequence_id=run.sequence_id,
+                offset=int(run.offset),
+                length=int(run.length),
+            )
+        )
+    return tuple(spans)
 
 
 def decode_forward_backward(body: bytes) -> FwdBwdRequest:
@@ -133,3 +186,17 @@ def encode_sample_response(
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
     return msg.SerializeToString()
+
+
+def decode_sample_sequences(body: bytes) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A ``SampleResponse`` this server encoded, back to (tokens int64, log-probs float32) per
+    sequence: what a stability record keeps."""
+    msg = pb.SampleResponse()
+    msg.ParseFromString(body)
+    return [
+        (
+            np.frombuffer(seq.tokens, dtype=np.int32).astype(np.int64),
+            np.frombuffer(seq.logprobs, dtype=np.float32).copy(),
+        )
+        for seq in msg.sequences
+    ]

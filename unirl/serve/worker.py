@@ -34,6 +34,7 @@ from unirl.serve.losses import SummedLoss
 from unirl.serve.ranks import JobRelay
 from unirl.serve.sampling import SamplerPool
 from unirl.serve.sessions import Sessions, TrainingSession, build_training_backend
+from unirl.serve.stability import StabilityRecords
 from unirl.serve.wire import encode_forward_backward_output
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class Worker:
         """``relay``: the other ranks under torchrun (None: one process)."""
         self.cfg, self.futures, self.sessions, self.relay = cfg, futures, sessions, relay
         self.samplers = SamplerPool()
+        # what sampling recorded for stable_reinforce (this rank serves: rank 0)
+        self.stability = StabilityRecords()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="unirl-serve-worker", daemon=True)
         # Backend calls made (forward_backward / forward_logprobs): how well requests batch.
@@ -166,7 +169,10 @@ class Worker:
         if isinstance(job, FwdBwdJob):
             return self._forward_backward(unit)  # type: ignore[arg-type]
         if isinstance(job, SampleWork):
-            return [Outcome(proto=self.samplers.run(job.job))]
+            proto = self.samplers.run(job.job)
+            if job.record_stability:
+                self.stability.record(job.request_id, job.job.prompt, proto)
+            return [Outcome(proto=proto)]
         if isinstance(job, CreateJob):
             backend = build_training_backend(self.cfg, job.weights, job.lora)
             self.sessions.add(TrainingSession(job.model_id, job.base_model, backend, job.lora))

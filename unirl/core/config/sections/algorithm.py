@@ -72,6 +72,8 @@ class AlgorithmConfig:
     dual_clip: float | None = LOSS.dual_clip
     # policy_loss: dro (Richemond et al.): the weight of its penalty beta/2 (logp - old_logp)^2
     dro_beta: float = LOSS.dro_beta
+    # policy_loss: stable_reinforce: the weight of its penalty kl_coef * KL(sampler || learner)
+    stable_reinforce_kl_coef: float = LOSS.stable_reinforce_kl_coef
     entropy_coef: float = LOSS.entropy_coef
     kl_loss: KLConfig = attrs.field(factory=KLConfig)
     kl_in_reward: KLInRewardConfig = attrs.field(factory=KLInRewardConfig)

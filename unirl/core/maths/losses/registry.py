@@ -51,6 +51,7 @@ _BUILTIN_MODULES = (
     "unirl.core.maths.losses.cispo",
     "unirl.core.maths.losses.dro",
     "unirl.core.maths.losses.reinforce",
+    "unirl.core.maths.losses.stable_reinforce",
     "unirl.core.maths.losses.sft",
 )
 

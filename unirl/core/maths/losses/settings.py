@@ -70,7 +70,8 @@ def _policy_loss_exists(instance: Any, attribute: attrs.Attribute, value: str) -
 class LossSettings:
     """Settings of `compute_loss`; defaults are PPO / GRPO with symmetric clip 0.2."""
 
-    # A registered name (ppo_clip, gspo, cispo, dro, reinforce, sft) or "package.module:function".
+    # A registered name (ppo_clip, gspo, cispo, dro, reinforce, stable_reinforce, sft) or
+    # "package.module:function".
     policy_loss: str = attrs.field(default="ppo_clip", validator=_policy_loss_exists)
     loss_aggregation: Aggregation = attrs.field(
         default="token-mean", validator=_one_of(AGGREGATION_MODES)
@@ -82,6 +83,10 @@ class LossSettings:
     dual_clip: float | None = attrs.field(default=None, validator=_finite)
     # DRO's quadratic penalty weight beta (policy_loss: dro): beta/2 (logp - old_logp)^2.
     dro_beta: float = attrs.field(default=0.0, validator=_non_negative)
+    # StableReinforce's penalty weight (policy_loss: stable_reinforce): kl_coef * KL(sampler ||
+    # learner), Schulman's k3 per token. Tinker documents the key (kl_coeff), not a default; 0
+    # leaves REINFORCE on the sampled tokens.
+    stable_reinforce_kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
     entropy_coef: float = attrs.field(default=0.0, validator=_finite)
     kl_loss_coef: float = attrs.field(default=0.0, validator=_non_negative)
     kl_loss_estimator: str = attrs.field(
