@@ -49,11 +49,13 @@ def critic_layouts(entry: BackendPlugin) -> tuple[ContractLayout, ...]:
 def lora_layouts(entry: BackendPlugin) -> tuple[ContractLayout, ...]:
     """The layouts the CPU suite runs the LoRA contract on (`tests.contract.lora`), as
     `critic_layouts` picks the critic's: none without ``supports_lora``; else the dense layouts
-    it marks ``lora``, or its first dense layout when it marks none."""
+    it marks ``lora``, or its first dense layout when it marks none; then the MoE layouts it
+    marks ``lora`` (expert adapters in the per-expert, per-projection form; none by default)."""
     if not entry.supports_lora:
         return ()
     dense = [layout for layout in entry.layouts if layout.fixture == "dense"]
-    return tuple(layout for layout in dense if layout.lora) or tuple(dense[:1])
+    moe = [layout for layout in entry.layouts if layout.fixture == "moe" and layout.lora]
+    return (tuple(layout for layout in dense if layout.lora) or tuple(dense[:1])) + tuple(moe)
 
 
 FusedHeadMode = Literal["declared", "on", "off"]
