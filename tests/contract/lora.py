@@ -105,12 +105,13 @@ def adapter_gradients(backend: Any) -> dict[str, torch.Tensor]:
 
 
 def frozen_parameters(backend: Any) -> dict[str, torch.Tensor]:
-    """Megatron: every frozen (base) parameter of this rank's chunks, copied."""
+    """Megatron: every base parameter of this rank's chunks (all but the adapters' branches,
+    ``<linear>_lora.lora_A`` / ``lora_B``, whether or not marked trainable), copied."""
     return {
         f"{i}.{name}": p.detach().clone()
         for i, chunk in enumerate(backend.model)
         for name, p in chunk.named_parameters()
-        if not p.requires_grad
+        if "_lora.lora_" not in name
     }
 
 
