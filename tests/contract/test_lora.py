@@ -26,12 +26,12 @@ pytest.importorskip("peft")
 
 TOL = clauses.TOLERANCES["fp32"]
 # MoE layouts with expert adapters in the slow tier (tests/conftest.py), each passed here once:
-# EP 2 over the data ranks, grouped and sequential, and one MoE layer per pipeline stage (the
-# dense pp2 is in the default tier). The default tier keeps the grouped experts
+# EP 2 over the data ranks, grouped and sequential, and one MoE layer per pipeline stage, also
+# with EP 2 (4 ranks; the dense pp2 is in the default tier). The default tier keeps the grouped experts
 # on one rank and moe-tp2-ep2-sp (EP 2 folded into the TP ranks, sequential experts: the
 # expert-parallel gather, names and norm; it alone caught TP rank 1's experts missing from the
 # gradient norm); tests/distributed/test_megatron_lora_moe.py runs grouped EP 2 by default.
-SLOW_LAYOUTS = {"megatron": ("moe-ep2-grouped", "moe-ep2", "moe-pp2")}
+SLOW_LAYOUTS = {"megatron": ("moe-ep2-grouped", "moe-ep2", "moe-pp2", "moe-pp2-ep2")}
 
 
 def _cases(keep: Callable[[Any, Any], bool] = lambda entry, layout: True) -> list:

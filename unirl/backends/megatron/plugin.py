@@ -352,6 +352,6 @@ PLUGIN = BackendPlugin(
         ),
         ContractLayout.of("moe-pp2", 2, fixture="moe", pp=2, lora=True),
         ContractLayout.of("moe-ep2-etp2", 4, fixture="moe", ep=2, etp=2),
-        ContractLayout.of("moe-pp2-ep2", 4, fixture="moe", pp=2, ep=2),
+        ContractLayout.of("moe-pp2-ep2", 4, fixture="moe", pp=2, ep=2, lora=True),
     ),
 )
