@@ -34,13 +34,14 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from tests.contract import clauses, fixtures, lora_moe_reference, moe_reference
+from tests.contract import clauses, fixtures, lora_moe_reference, lora_reference, moe_reference
 from tests.contract.backends import BackendEntry, Layout
 from tests.contract.clauses import Check, Measured, Tolerance, close, holds
 from tests.contract.harness import forward_only, section
@@ -207,20 +208,61 @@ def run_lora_job(rank: int, world_size: int, job: LoraJob) -> dict[str, Any]:
     return out
 
 
+def lora_job(
+    entry: BackendEntry, layout: Layout, *, model_dir: Path, adapter: Path,
+    records: list[dict[str, Any]], work_dir: Path,
+) -> LoraJob:  # fmt: skip
+    return LoraJob(
+        backend=entry.name, layout=layout, model_dir=str(model_dir), work_dir=str(work_dir),
+        adapter=str(adapter), records=records,
+    )  # fmt: skip
+
+
 def run_lora_group(
     entry: BackendEntry, layout: Layout, *, model_dir: Path, adapter: Path,
     records: list[dict[str, Any]], work_dir: Path,
 ) -> Measured:  # fmt: skip
-    job = LoraJob(
-        backend=entry.name, layout=layout, model_dir=str(model_dir), work_dir=str(work_dir),
-        adapter=str(adapter), records=records,
-    )  # fmt: skip
+    """The layout's LoRA job in a group of its own (when the contract's group did not run it:
+    `tests.contract.launch.run_group_with`)."""
+    job = lora_job(entry, layout, model_dir=model_dir, adapter=adapter, records=records,
+                   work_dir=work_dir)  # fmt: skip
     t0 = time.perf_counter()
     ranks = run_distributed(run_lora_job, layout.world_size, job, timeout=LORA_GROUP_TIMEOUT_S)
     return Measured(ranks, wall_s=time.perf_counter() - t0)
 
 
-# -- the reference, once ------------------------------------------------------------------------
+# -- the fixtures and the reference, once per session ------------------------------------------
+
+# Per fixture: its start adapter's writer.
+START_ADAPTERS = {
+    "dense": lora_reference.write_start_adapter,
+    "moe": lora_moe_reference.write_start_adapter,
+}
+
+
+class LoraFixtures:
+    """Per fixture, once per session and only when a case of it runs: the model and records
+    (``data``: the fixture's session fixture, `fixture_sets.DATA_FIXTURES`), the start adapter
+    and the reference's results."""
+
+    def __init__(self, data: Callable[[str], Any], tmp: Callable[[str], Path]) -> None:
+        self.data, self._tmp = data, tmp
+        self._adapters: dict[str, Path] = {}
+        self._references: dict[str, LoraReferenceResults] = {}
+
+    def adapter(self, fixture: str) -> Path:
+        if fixture not in self._adapters:
+            out = self._tmp(f"lora-{fixture}") / "start"
+            self._adapters[fixture] = START_ADAPTERS[fixture](self.data(fixture)[0], out)
+        return self._adapters[fixture]
+
+    def reference(self, fixture: str) -> LoraReferenceResults:
+        if fixture not in self._references:
+            model_dir, records = self.data(fixture)
+            self._references[fixture] = compute_lora_reference(
+                model_dir, self.adapter(fixture), records, fixture
+            )
+        return self._references[fixture]
 
 
 @attrs.frozen(kw_only=True)

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import pytest
 
-from tests.contract import clauses, fixture_sets, lora, lora_moe_reference, lora_reference
+from tests.contract import clauses, lora
 from tests.contract.backends import REGISTRY, lora_layouts, skip_reason
 
 pytest.importorskip("peft")
@@ -74,56 +74,21 @@ def test_every_lora_capable_backend_gets_cases():
     assert lora_layouts(attrs.evolve(new, supports_lora=False)) == ()
 
 
-# Per fixture: its start adapter's writer (the session fixture of its model and records is
-# `fixture_sets.DATA_FIXTURES`'s).
-START_ADAPTERS = {
-    "dense": lora_reference.write_start_adapter,
-    "moe": lora_moe_reference.write_start_adapter,
-}
-
-
-class LoraFixtures:
-    """Per fixture, once per session and only when a case of it runs: the model and records,
-    the start adapter and the reference's results."""
-
-    def __init__(self, tmp: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
-        self._tmp, self._request = tmp, request
-        self._adapters: dict[str, Path] = {}
-        self._references: dict[str, lora.LoraReferenceResults] = {}
-
-    def data(self, fixture: str) -> tuple[Path, list[dict[str, Any]]]:
-        return self._request.getfixturevalue(fixture_sets.DATA_FIXTURES[fixture])
-
-    def adapter(self, fixture: str) -> Path:
-        if fixture not in self._adapters:
-            out = self._tmp.mktemp(f"lora-{fixture}") / "start"
-            self._adapters[fixture] = START_ADAPTERS[fixture](self.data(fixture)[0], out)
-        return self._adapters[fixture]
-
-    def reference(self, fixture: str) -> lora.LoraReferenceResults:
-        if fixture not in self._references:
-            model_dir, records = self.data(fixture)
-            self._references[fixture] = lora.compute_lora_reference(
-                model_dir, self.adapter(fixture), records, fixture
-            )
-        return self._references[fixture]
-
-
-@pytest.fixture(scope="session")
-def lora_fixtures(tmp_path_factory, request) -> LoraFixtures:
-    return LoraFixtures(tmp_path_factory, request)
-
-
 class LoraRuns:
-    """Each layout's LoRA group once per session."""
+    """Each layout's LoRA group once per session: the one run with the layout's contract group
+    when the contract tests ran it (tests/contract/conftest.py), else a group of its own."""
 
-    def __init__(self, tmp: pytest.TempPathFactory, fixtures: LoraFixtures) -> None:
-        self._tmp, self._fixtures = tmp, fixtures
+    def __init__(
+        self, tmp: pytest.TempPathFactory, fixtures: lora.LoraFixtures, contract_runs: Any
+    ) -> None:
+        self._tmp, self._fixtures, self._contract_runs = tmp, fixtures, contract_runs
         self._done: dict[tuple[str, str], Any] = {}
 
     def get(self, entry: Any, layout: Any) -> clauses.Measured:
         key = (entry.name, layout.name)
         if key not in self._done:
+            self._done[key] = self._contract_runs.companion("lora", entry, layout)
+        if self._done[key] is None:
             model_dir, records = self._fixtures.data(layout.fixture)
             adapter = self._fixtures.adapter(layout.fixture)
             try:
@@ -140,8 +105,8 @@ class LoraRuns:
 
 
 @pytest.fixture(scope="session")
-def lora_runs(tmp_path_factory, lora_fixtures) -> LoraRuns:
-    return LoraRuns(tmp_path_factory, lora_fixtures)
+def lora_runs(tmp_path_factory, lora_fixtures, contract_runs) -> LoraRuns:
+    return LoraRuns(tmp_path_factory, lora_fixtures, contract_runs)
 
 
 @pytest.fixture(scope="module", params=_cases())
@@ -155,12 +120,12 @@ def group(case: tuple, lora_runs: LoraRuns) -> clauses.Measured:
 
 
 @pytest.fixture
-def reference(case: tuple, lora_fixtures: LoraFixtures) -> lora.LoraReferenceResults:
+def reference(case: tuple, lora_fixtures: lora.LoraFixtures) -> lora.LoraReferenceResults:
     return lora_fixtures.reference(case[1].fixture)
 
 
 @pytest.fixture
-def data(case: tuple, lora_fixtures: LoraFixtures) -> tuple[Path, list[dict[str, Any]]]:
+def data(case: tuple, lora_fixtures: lora.LoraFixtures) -> tuple[Path, list[dict[str, Any]]]:
     return lora_fixtures.data(case[1].fixture)
 
 
