@@ -62,6 +62,8 @@ NOT_COMPARED = ("router/aux_loss",)
 def lora_config(
     base: dict[str, Any], adapter: str, fixture: str, *, micro_batch_size: int | None = None
 ) -> dict[str, Any]:
+    """The step's config on ``fixture``: the variant, the fixture's ``model.lora`` (on the MoE
+    one with expert adapters and its router coefficients), the LoRA clip."""
     if fixture == "moe":
         extra = {
             "model": {"lora": lora_moe_reference.lora_section(adapter)},
@@ -164,7 +166,8 @@ def run_lora_job(rank: int, world_size: int, job: LoraJob) -> dict[str, Any]:
         run_dir=str(work / "runs"), model=job.layout.model_dict,
     )  # fmt: skip
     fixture = job.layout.fixture
-    grads = job.backend == "megatron"  # `adapter_gradients`
+    # Megatron's probes: `adapter_gradients` and `frozen_parameters` (where it keeps them)
+    probes = job.backend == "megatron"
     errors: dict[str, str] = {}
     timings: dict[str, float] = {}
     out: dict[str, Any] = {"rank": rank, "errors": errors, "timings": timings}
@@ -186,8 +189,8 @@ def run_lora_job(rank: int, world_size: int, job: LoraJob) -> dict[str, Any]:
         backend.save_checkpoint(init, {"tag": "init"})
     with section("step", errors, timings):
         cfg = lora_config(base, job.adapter, fixture)
-        frozen = frozen_parameters(backend) if grads else None
-        out["step"] = _step(backend, cfg, world_size, job.records, gradients=grads)
+        frozen = frozen_parameters(backend) if probes else None
+        out["step"] = _step(backend, cfg, world_size, job.records, gradients=probes)
         if frozen is not None:  # bit for bit
             now = frozen_parameters(backend)
             out["base_changed"] = sorted(k for k, v in frozen.items() if not torch.equal(v, now[k]))
@@ -201,7 +204,7 @@ def run_lora_job(rank: int, world_size: int, job: LoraJob) -> dict[str, Any]:
     with section("step_micro1", errors, timings):
         backend.load_checkpoint(init)
         micro = lora_config(base, job.adapter, fixture, micro_batch_size=1)
-        out["step_micro1"] = _step(backend, micro, world_size, job.records, gradients=grads)
+        out["step_micro1"] = _step(backend, micro, world_size, job.records, gradients=probes)
     with section("close", errors, timings):
         backend.close()
     timings["total"] = time.perf_counter() - t0
