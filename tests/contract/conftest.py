@@ -138,9 +138,13 @@ class GroupRuns:
                         entry, layout, model_dir=model_dir, records=records, work_dir=work_dir,
                         companions=companions,
                     )  # fmt: skip
+                    jobs = []
                     for companion, result in results.items():
                         self._companions[companion][key] = result
-                    name += f" (+ {', '.join(c.name for c in companions)})"
+                        ok = isinstance(result, clauses.Measured)
+                        total = result.timings().get("total", 0.0) if ok else float("nan")
+                        jobs.append(f"{companion} {total:.1f}s")
+                    name += f" (+ {', '.join(jobs)})"
                 else:
                     measured = launch.run_group(
                         entry, layout, model_dir=model_dir, records=records, work_dir=work_dir

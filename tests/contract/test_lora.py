@@ -3,8 +3,10 @@ adapter, against the independent transformers + peft fp32 reference, with the fp
 
 On the CPU (CI) the layouts each LoRA-capable plug-in marks ``lora`` (`lora_layouts`: never
 none); a backend joins by declaring ``supports_lora`` and marking layouts. A MoE layout marked
-``lora`` runs with expert adapters against `tests.contract.lora_moe_reference`; its layouts in
-the slow tier: `SLOW_LAYOUTS`.
+``lora`` runs with expert adapters against `tests.contract.lora_moe_reference`. A case is in the
+slow tier where its layout's contract group is (`tests.contract.backends.SLOW_LAYOUTS`): when
+both suites run (CI), a layout's LoRA job runs in its contract group's processes
+(tests/contract/conftest.py) and adds no process start-up.
 
     python -m pytest tests/contract/test_lora.py -q
     python -m pytest tests/contract/test_lora.py -q -k moe --runslow   # expert adapters
@@ -20,18 +22,11 @@ import attrs
 import pytest
 
 from tests.contract import clauses, lora
-from tests.contract.backends import REGISTRY, lora_layouts, skip_reason
+from tests.contract.backends import REGISTRY, SLOW_LAYOUTS, lora_layouts, skip_reason
 
 pytest.importorskip("peft")
 
 TOL = clauses.TOLERANCES["fp32"]
-# MoE layouts with expert adapters in the slow tier (tests/conftest.py), each passed here once:
-# EP 2 over the data ranks, grouped and sequential, and one MoE layer per pipeline stage, also
-# with EP 2 (4 ranks; the dense pp2 is in the default tier). The default tier keeps the grouped experts
-# on one rank and moe-tp2-ep2-sp (EP 2 folded into the TP ranks, sequential experts: the
-# expert-parallel gather, names and norm; it alone caught TP rank 1's experts missing from the
-# gradient norm); tests/distributed/test_megatron_lora_moe.py runs grouped EP 2 by default.
-SLOW_LAYOUTS = {"megatron": ("moe-ep2-grouped", "moe-ep2", "moe-pp2", "moe-pp2-ep2")}
 
 
 def _cases(keep: Callable[[Any, Any], bool] = lambda entry, layout: True) -> list:
