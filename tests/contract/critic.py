@@ -199,8 +199,8 @@ CRITIC_GROUP_TIMEOUT_S = 480.0
 # The layouts CI runs are those each plug-in marks ``critic`` (`tests.contract.backends.
 # critic_layouts`), to keep its added time near a minute and a half; every other layout passed
 # once by hand and runs in the GPU runners. Each is also a contract layout: when both suites run,
-# one group of processes runs both jobs (`contract_then_critic`), so the critic adds no process
-# start-up of its own.
+# one group of processes runs both jobs (`tests.contract.launch.contract_then`), so the critic
+# adds no process start-up of its own.
 
 
 def critic_job(
@@ -214,22 +214,6 @@ def critic_job(
             entry, layout, model_dir=model_dir, records=records, work_dir=work_dir, dtype=dtype
         )
     )
-
-
-def contract_then_critic(rank: int, world_size: int, jobs: tuple[Any, CriticJob]) -> dict:
-    """The contract job (`tests.contract.harness.run_job`), then the critic's, in the same
-    processes: the second job builds its own backend (the harness builds and closes several per
-    group already), only the process start and the imports are shared."""
-    import traceback
-
-    from tests.contract import harness
-
-    contract, critic = jobs
-    measured = harness.run_job(rank, world_size, contract)
-    try:  # a critic failure is the critic tests' alone: the contract's numbers still count
-        return {"contract": measured, "critic": run_critic_job(rank, world_size, critic)}
-    except Exception:
-        return {"contract": measured, "critic": None, "critic_error": traceback.format_exc()}
 
 
 def run_critic_group(

@@ -12,7 +12,7 @@ gradient of A (``B^T`` times the output gradient) is not zero as it is from peft
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,9 @@ class LoraReference:
     def __init__(self, model_dir: str | Path, adapter: str | Path, cfg: Mapping[str, Any]) -> None:
         self.s = Settings(cfg)
         self.base = load_model(model_dir)
-        self.model = load_adapted(model_dir, adapter, trainable=True)
+        self.model = self.load(model_dir, adapter)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.gradients: dict[str, torch.Tensor] = {}
         self.opt = torch.optim.AdamW(
             self.params,
             lr=self.s.lr,
@@ -92,6 +93,11 @@ class LoraReference:
         ref = self.base_logprobs(records) if s.kl_coef else None
         self.opt.zero_grad(set_to_none=False)
         loss, metrics = step_loss(self.model, records, s, ref)
+        router = self.router_term(records)
+        if router is not None:
+            term, router_metrics = router
+            loss = loss + term  # trained on; the "loss" metric stays the policy's (unirl's)
+            metrics.update(router_metrics)
         loss.backward()
         frozen_grads = [
             n
@@ -99,6 +105,7 @@ class LoraReference:
             if p.grad is not None and not p.requires_grad
         ]
         assert not frozen_grads, frozen_grads
+        self.gradients = self.state(lambda p: p.grad)  # before clipping
         norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in self.params))
         coef = min(1.0, s.grad_clip / (norm + CLIP_EPS))
         with torch.no_grad():
@@ -117,9 +124,23 @@ class LoraReference:
         )
         return {"metrics": metrics, "clipped": coef < 1.0}
 
-    def adapter(self) -> dict[str, torch.Tensor]:
-        """The adapter in PEFT's names (``peft.get_peft_model_state_dict``)."""
-        import peft
+    def load(self, model_dir: str | Path, adapter: str | Path) -> Any:
+        """The adapted policy, trainable (peft's LoRA on the targets)."""
+        return load_adapted(model_dir, adapter, trainable=True)
 
-        state = peft.get_peft_model_state_dict(self.model)
-        return {k: v.detach().to(F32).clone() for k, v in state.items()}
+    def router_term(self, records: list[Mapping[str, Any]]) -> tuple[torch.Tensor, dict] | None:
+        """A term the step adds to the policy loss, with its metrics (none on the dense model)."""
+        return None
+
+    def state(self, of: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The adapter's parameters (``of``: values or gradients) in PEFT's names (those of
+        ``peft.get_peft_model_state_dict``: the parameter name without the adapter's)."""
+        return {
+            n.replace(".default", ""): of(p).detach().to(F32).clone()
+            for n, p in self.model.named_parameters()
+            if p.requires_grad
+        }
+
+    def adapter(self) -> dict[str, torch.Tensor]:
+        """The adapter in PEFT's names."""
+        return self.state(lambda p: p)

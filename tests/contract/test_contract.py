@@ -30,27 +30,9 @@ from typing import Any
 import pytest
 
 from tests.contract import clauses, fixture_sets, multiturn
-from tests.contract.backends import REGISTRY, skip_reason
+from tests.contract.backends import REGISTRY, SLOW_LAYOUTS, skip_reason
 
 TOL = clauses.TOLERANCES["fp32"]
-
-
-# Layouts in the slow tier (tests/conftest.py): variants whose parts each have a layout in the
-# default tier (tp2-sp, fused, tp2 and pp2, zero1-dp2, padded and pp2-vpp2, zero1/zero3 run
-# there; ZeRO-3 at dp1: zero3-dp2 and zero3-dp1-fused; for MoE, moe-ep2, moe-tp2-ep2-sp and
-# moe-pp2 on 2 ranks), the fused head at TP = 2 also in tests/distributed/test_megatron_model.py
-# (test_fused_head_tp2_matches_hf_fp64, every rank's log-probs, entropy and gradients against
-# HF fp64) and tests/distributed/test_head_loss_tp.py; each passed here once.
-# The two 4-rank MoE layouts (expert TP 2; PP 2 x EP 2) cost 4 processes' start-up (megatron's
-# imports: most of their build section) on 2 cores: 27 s and 32 s at load ~3, 210 s and 320 s
-# under other jobs' load; their 2-rank twins moe-tp2-ep2-sp and moe-pp2 took 10.5 s and 13.2 s.
-SLOW_LAYOUTS = {
-    "megatron": (
-        "padded-tp2-sp", "fused-tp2", "fused-tp2-sp", "fused-pp2-vpp2", "tp2-pp2", "dp2",
-        "padded-pp2-vpp2", "moe-ep2-etp2", "moe-pp2-ep2",
-    ),
-    "deepspeed": ("zero2-dp2", "zero3-dp1"),
-}  # fmt: skip
 
 
 def _case(entry, layout) -> tuple[tuple, str, list]:

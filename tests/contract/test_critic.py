@@ -70,7 +70,7 @@ class CriticRuns:
     def get(self, entry: Any, layout: Any) -> clauses.Measured:
         key = (entry.name, layout.name)
         if key not in self._done:
-            self._done[key] = self._contract_runs.critic(entry, layout)
+            self._done[key] = self._contract_runs.companion("critic", entry, layout)
         if self._done[key] is None:
             model_dir, records = self._data
             try:

@@ -216,12 +216,12 @@ def _worker(rank, world_size, base, adapter, experts):
     return out
 
 
+@pytest.mark.slow  # the LoRA contract's moe-ep2-grouped and moe-ep2 check all this and more in CI
 @pytest.mark.parametrize(
     "experts",
     # grouped: the GPU's default (grouped matmuls, torch's per-expert fallback on the CPU);
-    # sequential (the CPU's default, megatron's per-expert linears) shares the naming, the
-    # expert-parallel gather and the expert buffers, so it is in the slow tier
-    ["grouped", pytest.param("sequential", marks=pytest.mark.slow)],
+    # sequential: the CPU's default (megatron's per-expert linears)
+    ["grouped", "sequential"],
 )
 def test_expert_adapters_under_ep2_match_a_per_expert_reference(tmp_path, experts):
     base_path, adapter, (base, model, layers) = _folders(tmp_path)

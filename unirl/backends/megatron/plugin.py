@@ -325,23 +325,33 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("tp2-pp2", 4, tp=2, pp=2),
         # The tiny Qwen3-MoE (8 experts, top-2): expert parallel over the data ranks (ep2: each
         # rank 4 experts, tokens exchanged all-to-all), each expert split over 2 ranks (etp2),
-        # and with the pipeline (one MoE layer per stage).
+        # and with the pipeline (one MoE layer per stage). Those marked lora also run the LoRA
+        # contract with expert adapters (`model.lora.target_experts`).
         ContractLayout.of("moe-ep1", 1, fixture="moe"),
         # the GPU's experts path on the CPU (torch's fallback of the grouped matmul): the
         # grouped experts, their weight gradients into DDP's main_grad, the sync-free dispatcher
-        ContractLayout.of("moe-ep1-grouped", 1, fixture="moe", options={"experts": "grouped"}),
         ContractLayout.of(
-            "moe-ep2-grouped", 2, fixture="moe", ep=2, options={"experts": "grouped"}
+            "moe-ep1-grouped", 1, fixture="moe", options={"experts": "grouped"}, lora=True
         ),
-        ContractLayout.of("moe-ep2", 2, fixture="moe", ep=2),
+        ContractLayout.of(
+            "moe-ep2-grouped", 2, fixture="moe", ep=2, options={"experts": "grouped"}, lora=True
+        ),
+        ContractLayout.of("moe-ep2", 2, fixture="moe", ep=2, lora=True),
         # attention TP 2 with sequence parallel, the experts over the same two ranks (ep 2,
         # etp 1: megatron's expert layout folds EP into the TP ranks), each rank routing its
         # slice of the sequence; and one MoE layer per pipeline stage
         ContractLayout.of(
-            "moe-tp2-ep2-sp", 2, fixture="moe", tp=2, ep=2, etp=1, sequence_parallel=True
+            "moe-tp2-ep2-sp",
+            2,
+            fixture="moe",
+            tp=2,
+            ep=2,
+            etp=1,
+            sequence_parallel=True,
+            lora=True,
         ),
-        ContractLayout.of("moe-pp2", 2, fixture="moe", pp=2),
+        ContractLayout.of("moe-pp2", 2, fixture="moe", pp=2, lora=True),
         ContractLayout.of("moe-ep2-etp2", 4, fixture="moe", ep=2, etp=2),
-        ContractLayout.of("moe-pp2-ep2", 4, fixture="moe", pp=2, ep=2),
+        ContractLayout.of("moe-pp2-ep2", 4, fixture="moe", pp=2, ep=2, lora=True),
     ),
 )

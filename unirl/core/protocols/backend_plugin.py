@@ -80,7 +80,8 @@ class ContractLayout:
     runs: ``dense`` (a tiny Llama) or ``moe`` (a tiny Qwen3-MoE: expert-parallel layouts need
     experts to split). ``critic``: the CPU suite (CI) also runs PPO's critic contract on it (a
     backend with ``supports_critic``; a few layouts keep CI's added time small, the GPU runners
-    run every layout). ``lora``: likewise the LoRA contract (a backend with ``supports_lora``)."""
+    run every layout). ``lora``: likewise the LoRA contract (a backend with ``supports_lora``; on
+    the ``moe`` fixture with expert adapters, each expert's gate, up and down its own)."""
 
     name: str
     world_size: int

@@ -24,8 +24,9 @@ autograd-aware mappings):
   more).
 
 The parameters carry megatron's ``tensor_model_parallel`` / ``partition_dim`` (split ones: the
-gradient norm counts each shard) and, for experts, ``allreduce = False`` (megatron's expert
-buffers and expert-parallel norm)."""
+gradient norm counts each shard; an expert's: counted on every rank, as megatron's expert weights
+are) and, for experts, ``allreduce = False`` (megatron's expert buffers and expert-parallel
+norm)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,12 @@ class LoraBranch(torch.nn.Module):
                 (a if spec.kind == "column" else b).sequence_parallel = True
             if spec.expert:
                 a.allreduce = b.allreduce = False
+                # never a tensor-parallel duplicate (megatron's expert optimizer asks the dense
+                # TP group): with EP folded into the TP ranks, TP rank 1 holds other experts,
+                # whose norm was left out (1.70 for 1.83 on the LoRA contract's moe-tp2-ep2-sp).
+                # megatron's expert weights carry the same mark.
+                for t in (a, b):
+                    set_tensor_model_parallel_attributes(t, is_parallel=True, dim=0, stride=1)
 
     def forward(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
         """The branch's output; added to ``base`` (the linear's output) inside the up
