@@ -574,11 +574,11 @@ def wgrad_fusion_state() -> bool | None:
 
 
 def cudnn_attention_state() -> str:
-    """Which kernel long sequences' attention runs on (``UNIRL_CUDNN_ATTENTION=0``: flash)."""
+    """Which kernel long sequences' attention runs on (``UNIRL_CUDNN_ATTENTION=1``: cuDNN)."""
     from unirl.backends import cudnn_attention
 
-    if os.environ.get("UNIRL_CUDNN_ATTENTION", "1") == "0":
-        return "off (UNIRL_CUDNN_ATTENTION=0): flash varlen"
+    if os.environ.get("UNIRL_CUDNN_ATTENTION", "0") != "1":
+        return "flash varlen (UNIRL_CUDNN_ATTENTION=1: cuDNN for long sequences)"
     return f"cuDNN for sequences >= {cudnn_attention.MIN_LONGEST} tokens, if its probe passes"
 
 
@@ -677,7 +677,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="reuse,recompute,plain",
-        help="reuse, recompute, plain; reuse-flash: reuse with attention on flash, not cuDNN",
+        help="reuse, recompute, plain; reuse-cudnn: reuse with long sequences' attention on cuDNN",
     )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
@@ -816,12 +816,15 @@ def main() -> None:
         reset_peak_memory()
         if mode == "plain":
             res = plain_megatron_steps(backend, cfgs["reuse"], batch, args)
-        elif mode == "reuse-flash":  # the same steps with long sequences' attention on flash
-            os.environ["UNIRL_CUDNN_ATTENTION"] = "0"
+        elif mode == "reuse-cudnn":  # the same steps with long sequences' attention on cuDNN
+            before = os.environ.get("UNIRL_CUDNN_ATTENTION")
+            os.environ["UNIRL_CUDNN_ATTENTION"] = "1"
             try:
                 res = run_rl_steps(cfgs["reuse"], backend, batch, args)
             finally:
                 os.environ.pop("UNIRL_CUDNN_ATTENTION")
+                if before is not None:
+                    os.environ["UNIRL_CUDNN_ATTENTION"] = before
         else:
             res = run_rl_steps(cfgs[mode], backend, batch, args)
         res["peak_memory_gib"] = peak_memory_gib()

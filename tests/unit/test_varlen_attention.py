@@ -304,6 +304,7 @@ def test_long_packs_go_to_cudnn_one_call_per_sequence(monkeypatch, lengths):
 def test_cudnn_is_not_chosen_off_the_gpu_or_for_short_packs(monkeypatch):
     from unirl.backends import cudnn_attention as ca
 
+    monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "1")
     q = torch.zeros(4, HQ, D)
     assert not ca.use_cudnn(q, 1 << 20)  # the CPU
     monkeypatch.setattr(ca, "_WORKS", {(0, torch.bfloat16): True})
@@ -311,7 +312,7 @@ def test_cudnn_is_not_chosen_off_the_gpu_or_for_short_packs(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert ca.use_cudnn(fake, ca.MIN_LONGEST)
     assert not ca.use_cudnn(fake, ca.MIN_LONGEST - 1)
-    monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "0")
+    monkeypatch.delenv("UNIRL_CUDNN_ATTENTION")  # opt-in: off unless asked for
     assert not ca.use_cudnn(fake, ca.MIN_LONGEST)
 
 
@@ -325,6 +326,7 @@ def test_cudnn_path_on_gpu(monkeypatch, lengths):
     from unirl.backends.hf import packed as hf_packed
 
     monkeypatch.setattr(ca, "MIN_LONGEST", 1)
+    monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "1")
     q, k, v = make_qkv(lengths, dtype=torch.bfloat16, device="cuda")
     assert ca.use_cudnn(q, max(lengths)), "the probe refused cuDNN on this GPU"
     grad_out = torch.randn(sum(lengths), HQ, D, dtype=torch.float64)

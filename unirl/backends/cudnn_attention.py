@@ -11,10 +11,14 @@ kernel decides the step (`benchmarks/attention_kernels.py`, its results in
 many short sequences (one call for the whole pack, no host sync); cuDNN takes a pack when its
 longest sequence is long (`use_cudnn`), one call per sequence.
 
-cuDNN is used only after `_probe` has seen it give flash's numbers on this device and dtype
-(odd lengths and grouped heads included, forward and backward, against an fp32 reference);
-otherwise, or with ``UNIRL_CUDNN_ATTENTION=0`` in the environment (an A/B switch for
-benchmarks), the caller's flash path runs.
+**Opt-in for now**: ``UNIRL_CUDNN_ATTENTION=1`` in the environment turns it on. What ran on an
+H100: the kernels above at these shapes, and this path's test on a one-sequence pack (Megatron's
+and the Hugging Face attention, against an fp64 reference); a whole training step with it, the
+one-GPU contract with it and its speedup on a step have not run yet (the device time ran out), and
+torch itself made cuDNN its default H100 attention in 2.5 and took that back in 2.5.1, so it
+stays off until they have. Even on, cuDNN is used only after `_probe` has seen it give the
+reference's numbers on this device and dtype (odd lengths and grouped heads, forward and
+backward); a sequence it has no kernel for runs on the caller's flash path.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def use_cudnn(q: torch.Tensor, longest: int) -> bool:
     """Whether a pack whose longest sequence has ``longest`` tokens runs on cuDNN here."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) or longest < MIN_LONGEST:
         return False
-    if os.environ.get(_ENV, "1") == "0":
+    if os.environ.get(_ENV, "0") != "1":
         return False
     key = (q.device.index or 0, q.dtype)
     if key not in _WORKS:
@@ -63,7 +67,7 @@ def cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     kw: dict[str, Any] = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
+            q.contiguous().transpose(0, 1)[None],  # Megatron's q is a view of the fused qkv
             k.contiguous().transpose(0, 1)[None],
             v.contiguous().transpose(0, 1)[None],
             is_causal=True,
