@@ -25,12 +25,17 @@ from unirl.serve.wire import WireSequence, encode_sample_response
 
 @attrs.frozen(kw_only=True)
 class SampleJob:
-    weights: Path  # a Hugging Face folder
+    # sampling: sampler: a Hugging Face folder; vllm: the saved sampler weights' folder (its
+    # adapter and meta.json), or the base model's folder
+    weights: Path
+    base_model: str
+    model_path: str | None  # the tinker:// sampler weights sampled from; None: the base model
     prompt: tuple[int, ...]
     num_samples: int
     max_tokens: int
     temperature: float
     top_p: float
+    top_k: int  # -1: no top-k (vllm only)
     seed: int
     stop_tokens: tuple[int, ...] | None  # None: the model's EOS
     prompt_logprobs: bool
@@ -81,8 +86,16 @@ class SampleSeeds:
 
 
 def sample_job(
-    body: Mapping[str, Any], weights: Path, *, max_sample_tokens: int, seeds: SampleSeeds
+    body: Mapping[str, Any],
+    weights: Path,
+    *,
+    base_model: str,
+    model_path: str | None,
+    max_sample_tokens: int,
+    seeds: SampleSeeds,
+    top_k: bool,
 ) -> SampleJob:
+    """The checked request; ``top_k``: whether the engine samples with top-k (vLLM does)."""
     params = dict(body.get("sampling_params") or {})
     max_tokens = params.get("max_tokens") or 16
     if not 1 <= int(max_tokens) <= max_sample_tokens:
@@ -96,8 +109,14 @@ def sample_job(
     top_p = float(params.get("top_p", 1.0))
     if not 0 < top_p <= 1:
         raise BadRequest("sampling_params.top_p", f"is {top_p}; it must be in (0, 1]")
-    if int(params.get("top_k", -1)) != -1:
-        raise BadRequest("sampling_params.top_k", "is set; this server samples without top-k")
+    top_k_value = int(params.get("top_k", -1))
+    if top_k_value != -1 and not top_k:
+        raise BadRequest(
+            "sampling_params.top_k",
+            "is set; the built-in sampler samples without top-k (serve.sampling: vllm has it)",
+        )
+    if top_k_value == 0 or top_k_value < -1:
+        raise BadRequest("sampling_params.top_k", f"is {top_k_value}; use -1 (none) or >= 1")
     num_samples = int(body.get("num_samples", 1))
     if not 1 <= num_samples <= 64:
         raise BadRequest("num_samples", f"is {num_samples}; use 1..64")
@@ -105,11 +124,14 @@ def sample_job(
     prompt = _prompt_tokens(body.get("prompt"))
     return SampleJob(
         weights=weights,
+        base_model=base_model,
+        model_path=model_path,
         prompt=prompt,
         num_samples=num_samples,
         max_tokens=int(max_tokens),
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k_value,
         seed=int(seed) if seed is not None else seeds.draw(prompt),
         stop_tokens=_stop_tokens(params.get("stop")),
         prompt_logprobs=bool(body.get("prompt_logprobs")),
@@ -148,6 +170,9 @@ class SamplerPool:
         while len(self._samplers) > KEPT_SAMPLERS:
             self._samplers.popitem(last=False)
         return sampler
+
+    def close(self) -> None:
+        self._samplers.clear()
 
     def run(self, job: SampleJob) -> bytes:
         base = self.sampler(job.weights)
