@@ -204,6 +204,8 @@ def test_sample_and_compute_logprobs_on_saved_sampler_weights(server, service, t
     assert got[0] is None
     want = _logprobs(ref, prompt[:-1], prompt[1:]).detach()
     torch.testing.assert_close(torch.tensor(got[1:]), want, atol=1e-5, rtol=1e-5)
+    last = sampler.compute_logprobs(types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=1)
+    assert last.result() == [None, None, None, got[3]]
     params = types.SamplingParams(max_tokens=5, seed=7, temperature=1.0)
     res = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
     assert len(res.sequences) == 2

@@ -3,7 +3,8 @@ one engine started for the whole module (~20 s), checked against a plain transfo
 fp32 computation written here. After a training step, ``save_weights_for_sampler`` and its
 sampling client: the sampled tokens' log-probs are those of the base model + the saved adapter
 (the LM head's adapter too, the SDK's default ``train_unembed``), at the request's temperature,
-``compute_logprobs`` its prompt log-probs, ``top_k=1`` its greedy tokens, stop token ids stop;
+``compute_logprobs`` its prompt log-probs (also only the last N), ``top_k=1`` its greedy tokens,
+stop token ids stop, top-k prompt log-probs are refused by name;
 the base model alike with no adapter; a dropped adapter delivery (tests/faults/inject.py
 ``drop_adapter_sync``) and an adapter corrupted on disk fail the request naming the sampler
 weights instead of answering from other weights, and the next request loads and checks again;
@@ -75,6 +76,8 @@ def _check_model(sampler, model: torch.nn.Module) -> None:
     got = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
     assert got[0] is None
     torch.testing.assert_close(torch.tensor(got[1:]), _logprobs(model, PROMPT), atol=TOL, rtol=0)
+    last = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT), prompt_logprobs_last_n=2)
+    assert last.result()[:2] == [None, None] and last.result()[2:] == got[2:]
     greedy = types.SamplingParams(max_tokens=3, seed=1, top_k=1, stop=[])
     (seq,) = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences
     tokens = list(PROMPT)
@@ -108,6 +111,11 @@ def test_vllm_samples_the_saved_adapter_and_the_base_and_catches_a_bad_sync(
         every = types.SamplingParams(max_tokens=5, seed=7, stop=list(range(64)))  # any token stops
         stopped = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, every).result()
         assert [(len(q.tokens), q.stop_reason) for q in stopped.sequences] == [(1, "stop")] * 2
+
+        with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs is set"):
+            sampler.sample(
+                types.ModelInput.from_ints(PROMPT), 1, every, topk_prompt_logprobs=2
+            ).result()
 
         plain = transformers.AutoModelForCausalLM.from_pretrained(vllm_folder, dtype=torch.float32)
         _check_model(service.create_sampling_client(base_model=BASE), plain.eval())

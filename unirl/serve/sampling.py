@@ -39,6 +39,7 @@ class SampleJob:
     seed: int
     stop_tokens: tuple[int, ...] | None  # None: the model's EOS
     prompt_logprobs: bool
+    prompt_logprobs_last_n: int | None = None  # only the last N prompt log-probs (None: all)
 
 
 def _prompt_tokens(prompt: Any) -> tuple[int, ...]:
@@ -122,6 +123,7 @@ def sample_job(
         raise BadRequest("num_samples", f"is {num_samples}; use 1..64")
     seed = params.get("seed")
     prompt = _prompt_tokens(body.get("prompt"))
+    _refuse_unserved(body)
     return SampleJob(
         weights=weights,
         base_model=base_model,
@@ -135,7 +137,45 @@ def sample_job(
         seed=int(seed) if seed is not None else seeds.draw(prompt),
         stop_tokens=_stop_tokens(params.get("stop")),
         prompt_logprobs=bool(body.get("prompt_logprobs")),
+        prompt_logprobs_last_n=_last_n(body, prompt),
     )
+
+
+# What the SDK can ask of a sample beyond the prompt log-probs, and its value when it does not.
+_UNSERVED = (
+    ("topk_prompt_logprobs", 0),
+    ("topk_sample_logprobs", 0),
+    ("prompt_alt_tokens_k", 0),
+    ("target_prompt_logprobs", None),
+)
+
+
+def _refuse_unserved(body: Mapping[str, Any]) -> None:
+    """A request for what this server does not compute gets a 400, never an answer without it."""
+    for field, default in _UNSERVED:
+        if body.get(field, default) not in (default, None):
+            raise BadRequest(field, "is set; this server returns no top-k, alternative or "
+                             "target log-probs (prompt_logprobs and the sampled tokens' only)")  # fmt: skip
+
+
+def _last_n(body: Mapping[str, Any], prompt: tuple[int, ...]) -> int | None:
+    n = body.get("prompt_logprobs_last_n")
+    if n is None:
+        return None
+    if not body.get("prompt_logprobs") or not 1 <= int(n) <= len(prompt) - 1:
+        raise BadRequest(
+            "prompt_logprobs_last_n",
+            f"is {n}; use 1..{len(prompt) - 1} (len(prompt) - 1) with prompt_logprobs",
+        )
+    return int(n)
+
+
+def keep_last(prompt_lp: np.ndarray, n: int | None) -> np.ndarray:
+    """``prompt_lp`` with only its last ``n`` entries scored (the others NaN: the SDK's None)."""
+    if n is not None:
+        prompt_lp = prompt_lp.copy()
+        prompt_lp[: len(prompt_lp) - n] = np.nan
+    return prompt_lp
 
 
 # Samplers kept loaded: an RL loop saves new sampler weights every step and samples the newest,
@@ -195,7 +235,11 @@ class SamplerPool:
             )
             for g in gens
         ]
-        prompt_lp = _prompt_logprobs(base.model, job.prompt) if job.prompt_logprobs else None
+        prompt_lp = None
+        if job.prompt_logprobs:
+            prompt_lp = keep_last(
+                _prompt_logprobs(base.model, job.prompt), job.prompt_logprobs_last_n
+            )
         return encode_sample_response(sequences, prompt_lp)
 
 

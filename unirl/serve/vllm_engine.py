@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from unirl.core.config.from_data import _convert
 from unirl.core.config.sections.lora import LoraConfig
+from unirl.core.errors import RunError
 from unirl.core.weights.adapter import adapter_fingerprint
 from unirl.core.weights.fingerprint import (
     Fingerprint,
@@ -90,7 +91,10 @@ class ServeEngine:
         self.eos_ids = _eos_ids(self.folder)
         self.vocab_size = int(json.loads((self.folder / "config.json").read_text())["vocab_size"])
         self.receiver = f"the vLLM engine of base model {base_model!r}"
-        self.engine = _start(cfg, self.folder, self.dtype, self.max_model_len)
+        try:
+            self.engine = _start(cfg, self.folder, self.dtype, self.max_model_len)
+        except RunError as exc:  # it names rollout.vllm's keys: here they are serve.vllm's
+            raise RunError(f"serve.sampling: vllm, base model {base_model!r}: {exc}") from exc
         try:  # the base weights it serves are the folder's, and stay so (checked per adapter)
             self.base = engine_fingerprint(self.engine.llm)
             compare(

@@ -17,7 +17,7 @@ import logging
 from unirl.core.errors import RunError
 from unirl.serve.config import ServeConfig
 from unirl.serve.errors import BadRequest
-from unirl.serve.sampling import SampleJob
+from unirl.serve.sampling import SampleJob, keep_last
 from unirl.serve.vllm_engine import ServeEngine
 from unirl.serve.vllm_params import prompt_logprobs, sampling_kwargs, wire_sequences
 from unirl.serve.wire import encode_sample_response
@@ -59,9 +59,10 @@ class VllmSampling:
                 self.engines.pop(job.base_model, None)
                 engine.close()
             raise
-        prompt_lp = (
-            prompt_logprobs(job.prompt, out.prompt_logprobs) if job.prompt_logprobs else None
-        )
+        prompt_lp = None
+        if job.prompt_logprobs:
+            lp = prompt_logprobs(job.prompt, out.prompt_logprobs)
+            prompt_lp = keep_last(lp, job.prompt_logprobs_last_n)
         return encode_sample_response(wire_sequences(out.outputs), prompt_lp)
 
     def close(self) -> None:
