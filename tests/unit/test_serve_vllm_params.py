@@ -44,3 +44,27 @@ def test_outputs_as_the_sdk_sequences():
     per_position = [None, {2: lp(-0.75), 5: lp(-1.0)}, {3: lp(-0.25)}]
     got = prompt_logprobs((1, 2, 3), per_position)
     assert np.isnan(got[0]) and got[1:].tolist() == [-0.75, -0.25]
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"topk_prompt_logprobs": 2}, "topk_prompt_logprobs"),
+        ({"topk_sample_logprobs": 1}, "topk_sample_logprobs"),
+        ({"prompt_alt_tokens_k": 3}, "prompt_alt_tokens_k"),
+        ({"target_prompt_logprobs": {"data": [1]}}, "target_prompt_logprobs"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 3}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs_last_n": 1}, "prompt_logprobs_last_n"),  # without prompt_logprobs
+    ],
+)
+def test_what_the_server_does_not_compute_is_refused_by_name(over, field):
+    from unirl.serve.errors import BadRequest
+    from unirl.serve.sampling import SampleSeeds, sample_job
+
+    body = {"prompt": {"chunks": [{"tokens": [1, 2, 3]}]}, "sampling_params": {"seed": 1}}
+    kw = dict(
+        base_model="m", model_path=None, max_sample_tokens=64, seeds=SampleSeeds(0), top_k=True
+    )
+    sample_job({**body, "prompt_logprobs": True, "prompt_logprobs_last_n": 2}, Path("/w"), **kw)
+    with pytest.raises(BadRequest, match=f"^{field} is"):
+        sample_job({**body, **over}, Path("/w"), **kw)
