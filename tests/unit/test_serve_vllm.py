@@ -8,6 +8,7 @@ stop token ids stop, top-k prompt log-probs are refused by name;
 the base model alike with no adapter; a dropped adapter delivery (tests/faults/inject.py
 ``drop_adapter_sync``) and an adapter corrupted on disk fail the request naming the sampler
 weights instead of answering from other weights, and the next request loads and checks again;
+sampler weights saved again under the same name are served anew;
 the engine's processes are gone when the server stops."""
 
 from __future__ import annotations
@@ -144,6 +145,18 @@ def test_vllm_samples_the_saved_adapter_and_the_base_and_catches_a_bad_sync(
             service.create_sampling_client(model_path=bad).sample(
                 types.ModelInput.from_ints(PROMPT), 1, one
             ).result()
+        # the same name saved again after another step: the new adapter, not the one loaded
+        tc.forward_backward(DATA, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        tc.save_state("s2").result()
+        assert tc.save_weights_for_sampler("dropped").result().path == dropped
+        ref2 = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(vllm_folder, dtype=torch.float32),
+            saved.parents[1] / "s2" / "adapter",
+        ).eval()
+        (seq,) = client.sample(types.ModelInput.from_ints(PROMPT), 1, one).result().sequences
+        want = _logprobs(ref2, PROMPT + list(seq.tokens))[len(PROMPT) - 1 :]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=TOL, rtol=0)
         pids = _engine_pids(runtime)
         assert pids and all(psutil.pid_exists(p) for p in pids)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

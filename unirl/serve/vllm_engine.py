@@ -107,7 +107,7 @@ class ServeEngine:
         except Exception:
             self.engine.close()
             raise
-        self.adapters: OrderedDict[Path, Any] = OrderedDict()
+        self.adapters: OrderedDict[tuple[Path, int], Any] = OrderedDict()
         self._next_id = 1  # vLLM's LoRA id 0 is no adapter
 
     @property
@@ -118,12 +118,13 @@ class ServeEngine:
 
     def adapter(self, saved: Path, model_path: str) -> Any:
         """The LoRA request of the sampler weights saved in ``saved`` (``model_path``), loaded
-        and checked the first time (module docstring)."""
-        from vllm.lora.request import LoRARequest
-
-        if saved in self.adapters:
-            self.adapters.move_to_end(saved)
-            return self.adapters[saved]
+        and checked the first time (module docstring). Saved again under the same name (a
+        new folder renamed into place, `state.PartialWrite`), they are new weights: the key
+        is the folder and its meta.json's inode."""
+        key = (saved, (saved / state.META).stat().st_ino)
+        if key in self.adapters:
+            self.adapters.move_to_end(key)
+            return self.adapters[key]
         meta = state.read_meta(saved, "model_path")
         if meta.get("adapter_dtype") != self.dtype:
             raise SyncVerificationError(
@@ -132,18 +133,28 @@ class ServeEngine:
                 "save them again with save_weights_for_sampler",
                 "adapter",
             )
-        while len(self.adapters) >= KEPT_ADAPTERS:
-            _, old = self.adapters.popitem(last=False)
+        stale = [k for k in self.adapters if k[0] == saved]  # replaced by a newer save
+        while stale or len(self.adapters) >= KEPT_ADAPTERS:
+            old = self.adapters.pop(stale.pop()) if stale else self.adapters.popitem(False)[1]
             self.engine.llm.llm_engine.remove_lora(old.lora_int_id)
+        request = self._load(saved / state.ADAPTER, model_path, meta["adapter_fingerprint"])
+        self.adapters[key] = request
+        return request
+
+    def _load(self, folder: Path, model_path: str, saved: dict[str, list[float]]) -> Any:
+        """Load the PEFT folder as a LoRA request of its own and check the engine's slot
+        against ``saved`` (the fingerprint kept at the save) and its base weights."""
+        from vllm.lora.request import LoRARequest
+
         request = LoRARequest(
-            lora_name=model_path, lora_int_id=self._next_id, lora_path=str(saved / state.ADAPTER)
+            lora_name=model_path, lora_int_id=self._next_id, lora_path=str(folder)
         )
         self._next_id += 1
         self._deliver_adapter(request)
         try:
             check_served_adapter(
                 self.engine.llm,
-                Fingerprint.of([meta["adapter_fingerprint"]]),
+                Fingerprint.of([saved]),
                 lora_id=request.lora_int_id,
                 base=self.base,
                 receiver=self.receiver,
@@ -156,7 +167,6 @@ class ServeEngine:
                 f"training client saved there, so nothing is sampled from it ({exc})",
                 exc.layer,
             ) from exc
-        self.adapters[saved] = request
         return request
 
     def _deliver_adapter(self, request: Any) -> None:
