@@ -184,16 +184,18 @@ KEPT_SAMPLERS = 2
 
 
 class SamplerPool:
-    """The most recently used samplers, one per weights folder (saved weights never change);
+    """The most recently used samplers, one per weights folder (a folder saved again is another);
     each request samples from a `Sampler.variant` of its folder's (the model is not copied)."""
 
     def __init__(self) -> None:
-        self._samplers: OrderedDict[Path, Sampler] = OrderedDict()
+        self._samplers: OrderedDict[tuple[Path, int], Sampler] = OrderedDict()
 
     def sampler(self, weights: Path) -> Sampler:
-        if weights in self._samplers:
-            self._samplers.move_to_end(weights)
-            return self._samplers[weights]
+        # weights saved again under one name are a new folder renamed into place: a new inode
+        key = (weights, (weights / "config.json").stat().st_ino)
+        if key in self._samplers:
+            self._samplers.move_to_end(key)
+            return self._samplers[key]
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
@@ -206,7 +208,7 @@ class SamplerPool:
             seed=0,
             eos_id=eos if isinstance(eos, int) else -1,
         )
-        self._samplers[weights] = sampler
+        self._samplers[key] = sampler
         while len(self._samplers) > KEPT_SAMPLERS:
             self._samplers.popitem(last=False)
         return sampler
