@@ -1,4 +1,4 @@
-"""``python -m unirl.rollouts.vllm.reaper PARENT PID...``: kill a vLLM engine's processes when
+"""``python unirl/rollouts/vllm/reaper.py PARENT PID...``: kill a vLLM engine's processes when
 the process that started it dies without closing it (SIGKILL, out of memory).
 
 vLLM's engine core does not watch its client: with the trainer or ``unirl serve`` killed it goes
@@ -23,7 +23,8 @@ POLL_S = 0.5
 
 def watch(pids: Iterable[int]) -> subprocess.Popen:
     """Start the reaper of the engine processes ``pids`` (children of this process)."""
-    args = [sys.executable, "-m", "unirl.rollouts.vllm.reaper", str(os.getpid()), *map(str, pids)]
+    # run as a file: it needs nothing of unirl, so it starts wherever unirl was imported from
+    args = [sys.executable, __file__, str(os.getpid()), *map(str, pids)]
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, close_fds=True)
 
 
