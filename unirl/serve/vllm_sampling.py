@@ -54,11 +54,14 @@ class VllmSampling:
         prompt = {"prompt_token_ids": list(job.prompt)}
         try:
             (out,) = engine.engine.llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
-        except RunError:
-            if engine.failed:  # the next request starts a fresh engine
-                self.engines.pop(job.base_model, None)
-                engine.close()
-            raise
+        except RunError as exc:
+            if not engine.failed:
+                raise
+            self.engines.pop(job.base_model, None)
+            engine.close()
+            raise RunError(
+                f"{engine.receiver} failed ({exc}); the next sample request starts a new one"
+            ) from exc
         prompt_lp = None
         if job.prompt_logprobs:
             lp = prompt_logprobs(job.prompt, out.prompt_logprobs)
