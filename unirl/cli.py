@@ -225,6 +225,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
         raise ConfigError("unirl check needs a CONFIG file (or --explain KEY for one key's entry)")
     data = load_config_data(args.config, args.set)
+    if "base_models" in data:  # a `unirl serve` config (docs/guides/serve.md)
+        from unirl.serve.describe import check_serve
+
+        return check_serve(data, as_json=args.json)
     cfg = config_from_dict(copy.deepcopy(data), world_size=args.world_size)
     apply_log_level(cfg.logging.level)
     check_local_paths(cfg)

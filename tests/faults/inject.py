@@ -69,8 +69,13 @@ def adapter_delivery() -> tuple[tuple[type, str], ...]:
     test in one process puts every one of them back afterwards)."""
     from unirl.rollouts.sampler_source import SamplerRolloutSource
     from unirl.rollouts.vllm.source import VllmRolloutSource
+    from unirl.serve.vllm_engine import ServeEngine
 
-    return ((SamplerRolloutSource, "_load_adapter"), (VllmRolloutSource, "_deliver_adapter"))
+    return (
+        (SamplerRolloutSource, "_load_adapter"),
+        (VllmRolloutSource, "_deliver_adapter"),
+        (ServeEngine, "_deliver_adapter"),  # unirl serve's engine (serve.sampling: vllm)
+    )
 
 
 def drop_adapter_sync(n: str) -> None:

@@ -206,6 +206,8 @@ def test_sample_and_compute_logprobs_on_saved_sampler_weights(server, service, t
     assert got[0] is None
     want = _logprobs(ref, prompt[:-1], prompt[1:]).detach()
     torch.testing.assert_close(torch.tensor(got[1:]), want, atol=1e-5, rtol=1e-5)
+    last = sampler.compute_logprobs(types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=1)
+    assert last.result() == [None, None, None, got[3]]
     params = types.SamplingParams(max_tokens=5, seed=7, temperature=1.0)
     res = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result()
     assert len(res.sequences) == 2
@@ -216,6 +218,18 @@ def test_sample_and_compute_logprobs_on_saved_sampler_weights(server, service, t
         full = prompt + list(seq.tokens)
         teacher = _logprobs(ref, full[:-1], full[1:]).detach()[len(prompt) - 1 :]
         torch.testing.assert_close(torch.tensor(seq.logprobs), teacher, atol=1e-4, rtol=1e-4)
+    # saved again under the same name after another step: the new weights are sampled
+    path = tc.save_weights_for_sampler("same").result().path
+    same = service.create_sampling_client(model_path=path)
+    assert same.compute_logprobs(types.ModelInput.from_ints(prompt)).result() == got
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(**ADAM)).result()
+    tc.save_state("s2").result()
+    assert tc.save_weights_for_sampler("same").result().path == path
+    ref2 = _reference(tiny_folder, _adapter_folder(state_dir, tc.model_id, "s2")).eval()
+    got2 = same.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    want2 = _logprobs(ref2, prompt[:-1], prompt[1:]).detach()
+    torch.testing.assert_close(torch.tensor(got2[1:]), want2, atol=1e-5, rtol=1e-5)
 
 
 def _with_provenance(prompt: list[int], seq, advantage: float) -> types.Datum:

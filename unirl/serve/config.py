@@ -7,20 +7,26 @@ accepts, which base models it trains and the unirl training config each training
     base_models: {tiny-llama: /models/tiny-llama}
     state_dir: /runs/serve     # saved states and sampler weights; survives a restart
     sample_seed: null          # or an integer: seedless sample requests become reproducible
+    sampling: sampler          # or vllm: sample / compute_logprobs on a vLLM engine per base model
+    vllm: {dtype: fp32}        # with sampling: vllm, rollout.vllm's options (SERVE_VLLM_KEYS)
     train: {backend: fsdp2, ...}   # a unirl config without model.path (set per base model)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import yaml
 
+from unirl.core.config.from_data import _convert
+from unirl.core.config.sections.model import ModelConfig
 from unirl.core.errors import ConfigError
+from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions  # neither torch nor vLLM
 
 # The SDK refuses an API key without this prefix before it sends anything.
 API_KEY_PREFIX = "tml-"
@@ -55,6 +61,15 @@ class ServeConfig:
     # A sample request without a seed: None draws a random one; an integer derives it from
     # this, the prompt and the prompt's earlier requests (reproducible loops; `SampleSeeds`).
     sample_seed: int | None = None
+    # The engine behind sample / compute_logprobs: sampler (unirl's built-in sampler on the merged
+    # weights save_weights_for_sampler writes) or vllm (one vLLM engine per base model, each saved
+    # adapter served as a LoRA request and verified; `unirl.serve.vllm_sampling`).
+    sampling: Literal["sampler", "vllm"] = "sampler"
+    # The vLLM engine's options (``rollout.vllm``'s schema; only `SERVE_VLLM_KEYS` apply here).
+    vllm: VllmOptions = attrs.field(factory=VllmOptions)
+    # The largest LoRA rank a training client may ask for (lora_config.rank); a vLLM engine
+    # reserves its adapter slots at this rank (rounded up to one vLLM offers).
+    max_lora_rank: int = attrs.field(default=128, validator=_positive)
 
     def resolved_api_key(self) -> str:
         """The key the SDK must send (``X-API-Key``); `ConfigError` when none is configured."""
@@ -81,6 +96,63 @@ class ServeConfig:
     def base_model_folder(self, name: str) -> Path:
         return Path(self.base_models[name])
 
+    def _train_model(self, key: str) -> Any:
+        """``train.model.<key>``, or its schema default."""
+        model = dict(self.train.get("model") or {})
+        return model.get(key, getattr(attrs.fields(ModelConfig), key).default)
+
+    def engine_dtype(self) -> str:
+        """The vLLM engine's weights dtype: ``serve.vllm.dtype``, "model" = ``train.model.dtype``."""
+        dtype = self.vllm.dtype
+        return str(self._train_model("dtype")) if dtype == "model" else dtype
+
+    def engine_max_model_len(self) -> int:
+        """The vLLM engine's longest prompt + sample: ``serve.vllm.max_model_len``, else
+        ``train.model.max_seq_len``."""
+        return int(self.vllm.max_model_len or self._train_model("max_seq_len"))
+
+
+# The rollout.vllm keys a serve engine uses. The others describe a training run's engines (their
+# count and GPUs, sleep between steps, the weight stream, restarts): the serve engine loads its
+# base model's folder and each adapter from its saved folder, one engine per base model.
+SERVE_VLLM_KEYS = (
+    "dtype",
+    "kv_cache_gb",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "max_model_len",
+    "tensor_parallel_size",
+    "stall_timeout_s",
+)
+
+
+def _vllm_section(data: Mapping[str, Any]) -> VllmOptions:
+    """``serve.vllm`` as `VllmOptions`: only `SERVE_VLLM_KEYS`, and only with ``sampling: vllm``
+    (a key that changes nothing is refused, not ignored); vLLM must be installed."""
+    section = data.get("vllm")
+    sampling = data.get("sampling", attrs.fields(ServeConfig).sampling.default)
+    if sampling not in ("sampler", "vllm"):
+        raise ConfigError(f"serve.sampling={sampling!r}: use sampler (built in) or vllm")
+    if section is not None and sampling != "vllm":
+        raise ConfigError(
+            f"serve.vllm is set but serve.sampling={sampling!r}: the section configures the vLLM "
+            "engine of sampling: vllm; set serve.sampling: vllm or remove serve.vllm"
+        )
+    if not isinstance(section or {}, Mapping):
+        raise ConfigError(f"serve.vllm: expected a mapping of keys, got {section!r}")
+    unused = sorted(set(section or {}) - set(SERVE_VLLM_KEYS))
+    if unused:
+        raise ConfigError(
+            f"serve.vllm: {unused} configure a training run's engines and change nothing under "
+            f"unirl serve (one engine per base model, loaded from its folder); remove them. The "
+            f"keys that apply: {list(SERVE_VLLM_KEYS)}"
+        )
+    if sampling == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            f"serve.sampling: vllm needs vLLM, which is not installed: {INSTALL_HINT}"
+        )
+    return _convert(dict(section or {}), VllmOptions, "serve.vllm")
+
 
 def serve_config_from_dict(data: Mapping[str, Any]) -> ServeConfig:
     """Check the keys and build the config; a mistake is a `ConfigError` naming the key."""
@@ -103,7 +175,7 @@ def serve_config_from_dict(data: Mapping[str, Any]) -> ServeConfig:
             "serve.train.batch: the server packs its own microbatches from the queued requests; "
             "remove it and set serve.tokens_per_microbatch"
         )
-    return ServeConfig(**data)
+    return ServeConfig(**{**data, "vllm": _vllm_section(data)})
 
 
 def load_serve_config(path: str | os.PathLike[str]) -> ServeConfig:

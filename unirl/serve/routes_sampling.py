@@ -23,9 +23,17 @@ def _session_for(cfg: ServeConfig, body: dict[str, Any]) -> SamplingSession:
         path = state.parse_path(body["model_path"], "model_path")
         folder = path.folder(cfg.state_dir)
         meta = state.read_meta(folder, "model_path")
-        return SamplingSession(
-            base_model=meta["base_model"], model_path=path.uri, weights=folder / state.HF
-        )
+        # the built-in sampler loads the merged weights; vLLM the adapter (and its fingerprint)
+        part = state.ADAPTER if cfg.sampling == "vllm" else state.HF
+        if path.kind != "sampler_weights" or not (folder / part).is_dir():
+            raise BadRequest(
+                "model_path",
+                f"is {path.uri!r}, which holds no sampler weights for serve.sampling="
+                f"{cfg.sampling} (its {part}/ folder; saved by save_weights_for_sampler on a "
+                "server with the same serve.sampling); save them again here",
+            )
+        weights = state.sampled_weights(folder, cfg.sampling)
+        return SamplingSession(base_model=meta["base_model"], model_path=path.uri, weights=weights)
     base = require(body, "base_model", str)
     return SamplingSession(base_model=base, model_path=None, weights=base_model_folder(cfg, base))
 
@@ -60,13 +68,17 @@ def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
             session = rt.get_sampling(body["sampling_session_id"])
         else:
             session = _session_for(cfg, body)
-        if (
-            session.model_path is not None
-            and not session.weights.parent.joinpath(state.META).is_file()
-        ):
+        saved = session.weights if cfg.sampling == "vllm" else session.weights.parent  # meta.json
+        if session.model_path is not None and not saved.joinpath(state.META).is_file():
             raise BadRequest("sampling_session_id", "names sampler weights not saved (yet)")
         job = sample_job(
-            body, session.weights, max_sample_tokens=cfg.max_sample_tokens, seeds=rt.seeds
+            body,
+            session.weights,
+            base_model=session.base_model,
+            model_path=session.model_path,
+            max_sample_tokens=cfg.max_sample_tokens,
+            seeds=rt.seeds,
+            top_k=cfg.sampling == "vllm",
         )
         record = bool(body.get("record_stability_info"))
         answer: dict[str, Any] = rt.queue(SampleWork, job=job, record_stability=record)

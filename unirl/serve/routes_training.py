@@ -137,7 +137,7 @@ def _add_state_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         path = state.StatePath(model_id=session.model_id, kind="sampler_weights", name=name)
         sid = None
         if body.get("path") is None:  # save_weights_and_get_sampling_client
-            weights = path.folder(cfg.state_dir) / state.HF
+            weights = state.sampled_weights(path.folder(cfg.state_dir), cfg.sampling)
             sid = rt.add_sampling(
                 SamplingSession(base_model=session.base_model, model_path=path.uri, weights=weights)
             )

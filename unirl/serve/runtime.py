@@ -66,6 +66,7 @@ class Runtime:
         closes the clients' backends in the same order (collective on Megatron)."""
         if self.serving:
             self.worker.stop()
+        self.worker.samplers.close()  # vLLM: its engines and their processes
         self.sessions.close()
         if self._group is not None:
             destroy_process_group(self._group)

@@ -25,15 +25,21 @@ from unirl.serve.wire import WireSequence, encode_sample_response
 
 @attrs.frozen(kw_only=True)
 class SampleJob:
-    weights: Path  # a Hugging Face folder
+    # sampling: sampler: a Hugging Face folder; vllm: the saved sampler weights' folder (its
+    # adapter and meta.json), or the base model's folder
+    weights: Path
+    base_model: str
+    model_path: str | None  # the tinker:// sampler weights sampled from; None: the base model
     prompt: tuple[int, ...]
     num_samples: int
     max_tokens: int
     temperature: float
     top_p: float
+    top_k: int  # -1: no top-k (vllm only)
     seed: int
     stop_tokens: tuple[int, ...] | None  # None: the model's EOS
     prompt_logprobs: bool
+    prompt_logprobs_last_n: int | None = None  # only the last N prompt log-probs (None: all)
 
 
 def _prompt_tokens(prompt: Any) -> tuple[int, ...]:
@@ -81,8 +87,16 @@ class SampleSeeds:
 
 
 def sample_job(
-    body: Mapping[str, Any], weights: Path, *, max_sample_tokens: int, seeds: SampleSeeds
+    body: Mapping[str, Any],
+    weights: Path,
+    *,
+    base_model: str,
+    model_path: str | None,
+    max_sample_tokens: int,
+    seeds: SampleSeeds,
+    top_k: bool,
 ) -> SampleJob:
+    """The checked request; ``top_k``: whether the engine samples with top-k (vLLM does)."""
     params = dict(body.get("sampling_params") or {})
     max_tokens = params.get("max_tokens") or 16
     if not 1 <= int(max_tokens) <= max_sample_tokens:
@@ -96,24 +110,72 @@ def sample_job(
     top_p = float(params.get("top_p", 1.0))
     if not 0 < top_p <= 1:
         raise BadRequest("sampling_params.top_p", f"is {top_p}; it must be in (0, 1]")
-    if int(params.get("top_k", -1)) != -1:
-        raise BadRequest("sampling_params.top_k", "is set; this server samples without top-k")
+    top_k_value = int(params.get("top_k", -1))
+    if top_k_value != -1 and not top_k:
+        raise BadRequest(
+            "sampling_params.top_k",
+            "is set; the built-in sampler samples without top-k (serve.sampling: vllm has it)",
+        )
+    if top_k_value == 0 or top_k_value < -1:
+        raise BadRequest("sampling_params.top_k", f"is {top_k_value}; use -1 (none) or >= 1")
     num_samples = int(body.get("num_samples", 1))
     if not 1 <= num_samples <= 64:
         raise BadRequest("num_samples", f"is {num_samples}; use 1..64")
     seed = params.get("seed")
     prompt = _prompt_tokens(body.get("prompt"))
+    _refuse_unserved(body)
     return SampleJob(
         weights=weights,
+        base_model=base_model,
+        model_path=model_path,
         prompt=prompt,
         num_samples=num_samples,
         max_tokens=int(max_tokens),
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k_value,
         seed=int(seed) if seed is not None else seeds.draw(prompt),
         stop_tokens=_stop_tokens(params.get("stop")),
         prompt_logprobs=bool(body.get("prompt_logprobs")),
+        prompt_logprobs_last_n=_last_n(body, prompt),
     )
+
+
+# What the SDK can ask of a sample beyond the prompt log-probs, and its value when it does not.
+_UNSERVED = (
+    ("topk_prompt_logprobs", 0),
+    ("topk_sample_logprobs", 0),
+    ("prompt_alt_tokens_k", 0),
+    ("target_prompt_logprobs", None),
+)
+
+
+def _refuse_unserved(body: Mapping[str, Any]) -> None:
+    """A request for what this server does not compute gets a 400, never an answer without it."""
+    for field, default in _UNSERVED:
+        if body.get(field, default) not in (default, None):
+            raise BadRequest(field, "is set; this server returns no top-k, alternative or "
+                             "target log-probs (prompt_logprobs and the sampled tokens' only)")  # fmt: skip
+
+
+def _last_n(body: Mapping[str, Any], prompt: tuple[int, ...]) -> int | None:
+    n = body.get("prompt_logprobs_last_n")
+    if n is None:
+        return None
+    if not body.get("prompt_logprobs") or not 1 <= int(n) <= len(prompt) - 1:
+        raise BadRequest(
+            "prompt_logprobs_last_n",
+            f"is {n}; use 1..{len(prompt) - 1} (len(prompt) - 1) with prompt_logprobs",
+        )
+    return int(n)
+
+
+def keep_last(prompt_lp: np.ndarray, n: int | None) -> np.ndarray:
+    """``prompt_lp`` with only its last ``n`` entries scored (the others NaN: the SDK's None)."""
+    if n is not None:
+        prompt_lp = prompt_lp.copy()
+        prompt_lp[: len(prompt_lp) - n] = np.nan
+    return prompt_lp
 
 
 # Samplers kept loaded: an RL loop saves new sampler weights every step and samples the newest,
@@ -122,16 +184,18 @@ KEPT_SAMPLERS = 2
 
 
 class SamplerPool:
-    """The most recently used samplers, one per weights folder (saved weights never change);
+    """The most recently used samplers, one per weights folder (a folder saved again is another);
     each request samples from a `Sampler.variant` of its folder's (the model is not copied)."""
 
     def __init__(self) -> None:
-        self._samplers: OrderedDict[Path, Sampler] = OrderedDict()
+        self._samplers: OrderedDict[tuple[Path, int], Sampler] = OrderedDict()
 
     def sampler(self, weights: Path) -> Sampler:
-        if weights in self._samplers:
-            self._samplers.move_to_end(weights)
-            return self._samplers[weights]
+        # weights saved again under one name are a new folder renamed into place: a new inode
+        key = (weights, (weights / "config.json").stat().st_ino)
+        if key in self._samplers:
+            self._samplers.move_to_end(key)
+            return self._samplers[key]
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
@@ -144,10 +208,13 @@ class SamplerPool:
             seed=0,
             eos_id=eos if isinstance(eos, int) else -1,
         )
-        self._samplers[weights] = sampler
+        self._samplers[key] = sampler
         while len(self._samplers) > KEPT_SAMPLERS:
             self._samplers.popitem(last=False)
         return sampler
+
+    def close(self) -> None:
+        self._samplers.clear()
 
     def run(self, job: SampleJob) -> bytes:
         base = self.sampler(job.weights)
@@ -170,7 +237,11 @@ class SamplerPool:
             )
             for g in gens
         ]
-        prompt_lp = _prompt_logprobs(base.model, job.prompt) if job.prompt_logprobs else None
+        prompt_lp = None
+        if job.prompt_logprobs:
+            prompt_lp = keep_last(
+                _prompt_logprobs(base.model, job.prompt), job.prompt_logprobs_last_n
+            )
         return encode_sample_response(sequences, prompt_lp)
 
 

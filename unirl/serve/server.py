@@ -9,6 +9,7 @@ import uvicorn
 
 from unirl.serve.app import make_app
 from unirl.serve.config import ServeConfig
+from unirl.serve.describe import describe_serve
 from unirl.serve.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ def serve(cfg: ServeConfig) -> None:
         logger.info(
             "unirl serve: http://%s:%d (%s)", cfg.host, cfg.port, ", ".join(cfg.base_models)
         )
+        for key, value in describe_serve(cfg).items():
+            logger.info("unirl serve: %s: %s", key, value)
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: a normal stop

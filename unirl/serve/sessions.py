@@ -58,6 +58,11 @@ def lora_section(cfg: ServeConfig, body: Mapping[str, Any]) -> dict[str, Any]:
     rank = lora.get("rank")
     if not isinstance(rank, int) or rank < 1:
         raise BadRequest("lora_config.rank", f"is {rank!r}; a positive integer")
+    if rank > cfg.max_lora_rank:
+        raise BadRequest(
+            "lora_config.rank",
+            f"is {rank}, over this server's serve.max_lora_rank={cfg.max_lora_rank}",
+        )
     targets = [
         *(_ATTN if lora.get("train_attn", True) else ()),
         *(_MLP if lora.get("train_mlp", True) else ()),

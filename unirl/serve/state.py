@@ -3,6 +3,8 @@
     tinker://<model_id>/weights/<name>          save_state: checkpoint (adapter + optimizer)
                                                 and the adapter as a PEFT folder
     tinker://<model_id>/sampler_weights/<name>  save_weights_for_sampler: merged HF weights
+                                                (serve.sampling: sampler), or the adapter as
+                                                a PEFT folder and its fingerprint (vllm)
 
 Each is written into ``<name>.partial`` and renamed when complete, so a server killed while
 saving leaves the last complete state as it was, and a restarted server (same ``state_dir``)
@@ -28,6 +30,13 @@ META = "meta.json"
 CHECKPOINT = "checkpoint"  # the backend's checkpoint (weights and optimizer state)
 HF = "hf"  # the merged weights as a Hugging Face folder (what the sampler loads)
 ADAPTER = "adapter"  # the adapter as a PEFT folder (a weights-only load starts from it)
+
+
+def sampled_weights(folder: Path, sampling: str) -> Path:
+    """What a sampling session on the sampler weights in ``folder`` samples from: the merged
+    Hugging Face folder (``serve.sampling: sampler``), or the folder itself (vllm: its adapter
+    and the fingerprint in its meta)."""
+    return folder if sampling == "vllm" else folder / HF
 
 
 @attrs.frozen(kw_only=True)

@@ -19,6 +19,8 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,9 +37,19 @@ from unirl.serve.ranks import JobRelay
 from unirl.serve.sampling import SamplerPool
 from unirl.serve.sessions import Sessions, TrainingSession, build_training_backend
 from unirl.serve.stability import StabilityRecords
+from unirl.serve.vllm_engine import saved_fingerprint
+from unirl.serve.vllm_sampling import VllmSampling
 from unirl.serve.wire import encode_forward_backward_output
 
 logger = logging.getLogger(__name__)
+
+
+def build_sampling(cfg: ServeConfig) -> SamplerPool | VllmSampling:
+    """What runs ``sample`` / ``compute_logprobs`` (``serve.sampling``; vLLM itself is imported
+    when its first engine starts)."""
+    if cfg.sampling == "vllm":
+        return VllmSampling(cfg)
+    return SamplerPool()
 
 
 def batch_rounds(jobs: Sequence[Job]) -> list[list[Job]]:
@@ -73,7 +85,7 @@ class Worker:
     ) -> None:
         """``relay``: the other ranks under torchrun (None: one process)."""
         self.cfg, self.futures, self.sessions, self.relay = cfg, futures, sessions, relay
-        self.samplers = SamplerPool()
+        self.samplers = build_sampling(cfg)
         # what sampling recorded for stable_reinforce (this rank serves: rank 0)
         self.stability = StabilityRecords()
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -236,8 +248,8 @@ class Worker:
             if job.path.kind == "weights":
                 session.backend.save_checkpoint(tmp / state.CHECKPOINT, meta)
                 session.backend.export_adapter(tmp / state.ADAPTER)  # type: ignore[attr-defined]
-            else:  # the sampler loads the merged weights W + scale * B @ A
-                session.backend.export_hf(tmp / state.HF)
+            else:
+                self._save_for_sampler(session, tmp, meta)
             if rank == 0:
                 (tmp / state.META).write_text(json.dumps(meta))
         kind = "save_weights" if job.path.kind == "weights" else "save_weights_for_sampler"
@@ -245,6 +257,19 @@ class Worker:
         if job.sampling_session_id is not None:
             body["sampling_session_id"] = job.sampling_session_id
         return Outcome(json=body)
+
+    def _save_for_sampler(self, session: TrainingSession, tmp: Path, meta: dict[str, Any]) -> None:
+        """The built-in sampler loads the merged weights W + scale * B @ A; vLLM the adapter,
+        checked against its fingerprint as this client holds it, kept in ``meta``
+        (`unirl.serve.vllm_engine`)."""
+        if self.cfg.sampling != "vllm":
+            session.backend.export_hf(tmp / state.HF)
+            return
+        session.backend.export_adapter(tmp / state.ADAPTER)  # type: ignore[attr-defined]
+        adapter = session.backend.adapter_state_dict()  # type: ignore[attr-defined]
+        dtype = self.cfg.engine_dtype()
+        meta["adapter_fingerprint"] = saved_fingerprint(adapter, session.lora, dtype)
+        meta["adapter_dtype"] = dtype
 
     def _load(self, job: LoadJob) -> Outcome:
         """Weights only: a new backend whose adapter starts from the saved PEFT folder; with the

@@ -112,6 +112,18 @@ def _counted_factors(module: Any) -> tuple[bool, bool]:
 def _slot_stats(module: Any, slot: int, weights: Any, key: str, out: Fingerprint) -> None:
     """Add what ``module``'s LoRA slot ``slot`` holds of the adapter ``weights`` (vLLM's
     LoRALayerWeights, packed or not) to ``out``."""
+    if isinstance(getattr(module, "lora_a_stacked", None), torch.Tensor) and hasattr(
+        module, "sharded_to_full_mapping"
+    ):  # the LM head (LogitsProcessorWithLoRA): one slice, A [rank, hidden], B [vocab, rank];
+        # no decoder layer, so each factor counts under its PEFT name, as the trainer keys it
+        if _tp_rank() == 0:  # its factors are whole on every rank
+            a, b = weights.lora_a, weights.lora_b
+            peft = f"base_model.model.{weights.module_name}"
+            a_held = module.lora_a_stacked[slot, 0, : a.shape[0], : a.shape[1]]
+            out.add_tensor(layer_key(f"{peft}.lora_A.weight"), a_held)
+            b_held = module.lora_b_stacked[slot, 0, : b.shape[0], : b.shape[1]]
+            out.add_tensor(layer_key(f"{peft}.lora_B.weight"), b_held)
+        return
     if not isinstance(getattr(module, "lora_a_stacked", None), tuple):
         raise RuntimeError(
             f"unirl's adapter check covers linear LoRA layers only; the adapter has weights for "
@@ -163,10 +175,20 @@ def verify_adapter(
     """Compare the adapter the engine serves (its LoRA request ``lora_id``) with ``adapter``
     (the trainer's), and its base weights with ``base`` (their fingerprint at the start); raise
     `SyncVerificationError` on a difference. Returns the check's seconds."""
-    from unirl.rollouts.vllm.fingerprint import engine_fingerprint
-
     t0 = time.perf_counter()
     sent = adapter_fingerprint(adapter, scale=lora.scale, dtype=_TORCH_DTYPES[dtype])
+    check_served_adapter(llm, sent, lora_id=lora_id, base=base, receiver=receiver, version=version)
+    return time.perf_counter() - t0
+
+
+def check_served_adapter(
+    llm: Any, sent: Fingerprint, *, lora_id: int, base: Fingerprint, receiver: str, version: int
+) -> None:
+    """Compare the adapter in the LoRA slot of request ``lora_id`` with ``sent`` (the trainer's
+    fingerprint of it, `adapter_fingerprint`) and the engine's base weights with ``base``;
+    raise `SyncVerificationError` on a difference (also where no slot holds the adapter)."""
+    from unirl.rollouts.vllm.fingerprint import engine_fingerprint
+
     parts = llm.collective_rpc("unirl_adapter_fingerprint", args=(lora_id,))
     if any(part is None for part in parts):
         raise SyncVerificationError(
@@ -179,4 +201,3 @@ def verify_adapter(
     held = Fingerprint.of(parts)  # type: ignore[arg-type]
     compare(sent, held, receiver=receiver, version=version, what="adapter sync")
     compare(base, engine_fingerprint(llm), receiver=receiver, version=version, what="base weights")
-    return time.perf_counter() - t0

@@ -11,7 +11,8 @@ vLLM runs its engine core (and, on the CPU, a worker) in child processes. They a
 thread pool copies all of it half-alive. Spawn re-imports the launching script in each child, so
 a script that builds an engine needs an ``if __name__ == "__main__":`` guard (the ``unirl``
 command and ``python -m unirl.cli`` have one). `close` shuts the engine down and then kills any
-of its processes that are still alive, so no engine outlives an error.
+of its processes that are still alive, so no engine outlives an error; should the process that
+started it be killed instead (SIGKILL), a reaper process kills them (reaper.py).
 
 The log-probs are those of vLLM's ``logprobs_mode="processed_logprobs"``: computed from the
 logits after temperature (and top-k / top-p) were applied, the distribution each token was
@@ -24,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from unirl.core.errors import ConfigError, RunError
 from unirl.rollouts.serving.engine import EngineRequest, EngineSample
+from unirl.rollouts.vllm import reaper
 from unirl.rollouts.vllm.health import EngineWatch
 from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions, engine_settings
 
@@ -134,6 +137,7 @@ class VllmEngine:
         self.stop = list(stop)
         self.max_model_len = max_model_len
         self._pids: set[int] = set()  # the engine's processes, set by `start`
+        self._reaper: subprocess.Popen | None = None  # reaper.py, set by `start`
         # under model.lora: the adapter every generation carries (`use_adapter`); None: the base
         self.lora_request: Any = None
         self.watch: EngineWatch | None = None  # its health (health.py), set by `start`
@@ -199,6 +203,7 @@ class VllmEngine:
             stop=stop,
         )
         engine._pids = set(_child_pids()) - before
+        engine._reaper = reaper.watch(engine._pids)  # kills them should this process be killed
         engine.watch = EngineWatch(engine._pids, stall_timeout_s=options.stall_timeout_s)
         engine.watch.install(llm)
         return engine
@@ -286,6 +291,10 @@ class VllmEngine:
                 del llm
         finally:
             _kill(pids)
+            if self._reaper is not None:
+                self._reaper.kill()
+                self._reaper.wait()
+                self._reaper = None
 
 
 def _child_pids() -> list[int]:

@@ -1,0 +1,70 @@
+"""The SDK's sample request as vLLM's SamplingParams and vLLM's answer as the SDK's sequences
+(`unirl.serve.vllm_params`), without an engine: each mapping written out by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tinker")
+from unirl.serve.sampling import SampleJob
+from unirl.serve.vllm_params import prompt_logprobs, sampling_kwargs, wire_sequences
+
+
+def _job(**over) -> SampleJob:
+    fields = dict(weights=Path("/w"), base_model="m", model_path=None, prompt=(1, 2, 3),
+                  num_samples=3, max_tokens=5, temperature=0.7, top_p=0.9, top_k=-1, seed=11,
+                  stop_tokens=None, prompt_logprobs=False)  # fmt: skip
+    return SampleJob(**{**fields, **over})
+
+
+def test_sampling_params_by_hand():
+    assert sampling_kwargs(_job(), eos_ids=[2]) == {
+        "n": 3, "max_tokens": 5, "temperature": 0.7, "top_p": 0.9,
+        "top_k": 0,  # the SDK's -1 (no top-k) is vLLM's 0
+        "seed": 11, "stop_token_ids": [2],  # stop None: the model's EOS
+        "ignore_eos": True, "logprobs": 0, "prompt_logprobs": None, "detokenize": False,
+    }  # fmt: skip
+    kw = sampling_kwargs(_job(top_k=4, stop_tokens=(), prompt_logprobs=True), eos_ids=[2])
+    assert (kw["top_k"], kw["stop_token_ids"], kw["prompt_logprobs"]) == (4, [], 0)
+    assert sampling_kwargs(_job(stop_tokens=(7, 9)), eos_ids=[2])["stop_token_ids"] == [7, 9]
+
+
+def test_outputs_as_the_sdk_sequences():
+    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    done = SimpleNamespace(token_ids=[4, 2], logprobs=[{4: lp(-0.5), 9: lp(-3.0)}, {2: lp(-1.25)}],
+                           finish_reason="stop")  # fmt: skip
+    cut = SimpleNamespace(token_ids=[6], logprobs=[{6: lp(-2.0)}], finish_reason="length")
+    (a, b) = wire_sequences([done, cut])
+    assert a.tokens.tolist() == [4, 2] and a.logprobs.tolist() == [-0.5, -1.25] and a.stopped
+    assert b.tokens.tolist() == [6] and b.logprobs.tolist() == [-2.0] and not b.stopped
+    per_position = [None, {2: lp(-0.75), 5: lp(-1.0)}, {3: lp(-0.25)}]
+    got = prompt_logprobs((1, 2, 3), per_position)
+    assert np.isnan(got[0]) and got[1:].tolist() == [-0.75, -0.25]
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"topk_prompt_logprobs": 2}, "topk_prompt_logprobs"),
+        ({"topk_sample_logprobs": 1}, "topk_sample_logprobs"),
+        ({"prompt_alt_tokens_k": 3}, "prompt_alt_tokens_k"),
+        ({"target_prompt_logprobs": {"data": [1]}}, "target_prompt_logprobs"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 3}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs_last_n": 1}, "prompt_logprobs_last_n"),  # without prompt_logprobs
+    ],
+)
+def test_what_the_server_does_not_compute_is_refused_by_name(over, field):
+    from unirl.serve.errors import BadRequest
+    from unirl.serve.sampling import SampleSeeds, sample_job
+
+    body = {"prompt": {"chunks": [{"tokens": [1, 2, 3]}]}, "sampling_params": {"seed": 1}}
+    kw = dict(
+        base_model="m", model_path=None, max_sample_tokens=64, seeds=SampleSeeds(0), top_k=True
+    )
+    sample_job({**body, "prompt_logprobs": True, "prompt_logprobs_last_n": 2}, Path("/w"), **kw)
+    with pytest.raises(BadRequest, match=f"^{field} is"):
+        sample_job({**body, **over}, Path("/w"), **kw)
