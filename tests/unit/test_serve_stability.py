@@ -63,3 +63,17 @@ def test_a_record_expires_a_day_after_its_last_use_and_the_oldest_go_past_the_ca
     with pytest.raises(BadRequest):
         records.get("b/0", "f")
     assert records.get("b/1", "f").logprobs.tolist() == [-2.0]
+
+
+@pytest.mark.parametrize(
+    "loss, key", [("stable_reinforce", "kl_coeff"), ("dro", "beta"), ("ppo", "clip_high_threshold")]
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_loss_fn_config_value_is_a_400_naming_the_key(loss, key, value):
+    """protobuf's map<string, float> carries NaN and inf: they are the client's mistake (a 400
+    naming ``loss_fn_config.<key>``), never a server error (a 500, which the SDK retries)."""
+    from unirl.serve.losses import sdk_loss
+
+    with pytest.raises(BadRequest, match="finite") as err:
+        sdk_loss(loss).settings({key: value})
+    assert err.value.field == f"loss_fn_config.{key}"
