@@ -72,7 +72,8 @@ def _settings(policy: str, mode: str, correction: str) -> LossSettings:
         entropy_coef=0.01,
         rollout_correction=correction,
         value_coef=0.5,
-        stable_reinforce_kl_coef=0.2,
+        # read by stable_reinforce only (set beside another loss it is refused)
+        stable_reinforce_kl_coef=0.2 if policy == "stable_reinforce" else 0.0,
     )
 
 

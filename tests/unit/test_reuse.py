@@ -296,6 +296,7 @@ def test_rollout_staleness_is_the_oldest_sample_against_the_trainer():
 
 K1 = {"train__max_staleness": 1}
 FORCED_OFF = {"algorithm__decoupled": False}
+SR = {"algorithm__policy_loss": "stable_reinforce"}
 DECOUPLED_TABLE = [
     # (mode, overrides, staleness, has rollout_logprobs, decoupled on, words of the reason)
     ("auto", {}, 0, True, False, "auto: on-policy data"),  # k = 0: as before, number for number
@@ -308,6 +309,11 @@ DECOUPLED_TABLE = [
     ("rollout", K1, 1, True, False, "auto: old_logprobs: rollout makes proximal = behaviour"),
     ("auto", DECOUPLED, 0, True, True, "algorithm.decoupled: true"),  # forced, even on-policy
     ("auto", {**K1, **FORCED_OFF}, 1, True, False, "algorithm.decoupled: false"),
+    # stable_reinforce measures the learner against the behaviour log-probs itself: an importance
+    # weight on its advantage term is what it is built to leave out
+    ("auto", {**K1, **SR}, 1, True, False, "auto: algorithm.policy_loss=stable_reinforce reads"),
+    ("auto", {**K1, **SR}, 1, False, False, "auto: the rollout has no rollout_logprobs"),
+    ("auto", {**SR, **DECOUPLED}, 1, True, True, "algorithm.decoupled: true"),  # forced wins
 ]
 
 
@@ -344,6 +350,8 @@ def test_decoupled_auto_sets_the_loss_weight_only_when_on():
         (DECOUPLED, 2, True, False, None),
         (TIS, 2, True, False, None),
         ({"algorithm__rollout_correction__mode": "icepop"}, 1, True, False, None),
+        (SR, 2, True, False, None),  # its own q is the behaviour log-prob
+        (SR, 2, False, True, "give the rollout the engine's rollout_logprobs"),
     ],
 )
 def test_uncorrected_staleness_warning(overrides, staleness, behaviour, warns, fix):
@@ -366,5 +374,8 @@ def test_roles_say_where_each_log_prob_comes_from():
     assert (
         "weights the loss through decoupled PPO (algorithm.decoupled: true)" in roles["behaviour"]
     )
+    cfg = make("auto", **K1, **SR)
+    roles = logprob_roles(cfg, decide_old_logprobs(cfg, staleness=1))
+    assert "weights the loss through algorithm.policy_loss=stable_reinforce" in roles["behaviour"]
     roles = logprob_roles(make("rollout"), decide_old_logprobs(make("rollout")))
     assert "behaviour = proximal" in roles["proximal"]

@@ -51,7 +51,8 @@ def test_a_record_expires_a_day_after_its_last_use_and_the_oldest_go_past_the_ca
     records = stability.StabilityRecords()
     records.record("a", [1], _response(([2], [-1.0])))
     now[0] += 86000.0
-    records.get("a/0", "f")  # used: its day starts again
+    records.get("a/0", "f")  # read while checking a request: no restart
+    records.touch(["a/0"])  # the request was accepted: its day starts again
     now[0] += 86000.0
     assert records.get("a/0", "f").tokens.tolist() == [2]
     now[0] += 86401.0
@@ -63,3 +64,66 @@ def test_a_record_expires_a_day_after_its_last_use_and_the_oldest_go_past_the_ca
     with pytest.raises(BadRequest):
         records.get("b/0", "f")
     assert records.get("b/1", "f").logprobs.tolist() == [-2.0]
+
+
+@pytest.mark.parametrize(
+    "loss, key", [("stable_reinforce", "kl_coeff"), ("dro", "beta"), ("ppo", "clip_high_threshold")]
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_loss_fn_config_value_is_a_400_naming_the_key(loss, key, value):
+    """protobuf's map<string, float> carries NaN and inf: they are the client's mistake (a 400
+    naming ``loss_fn_config.<key>``), never a server error (a 500, which the SDK retries)."""
+    from unirl.serve.losses import sdk_loss
+
+    with pytest.raises(BadRequest, match="finite") as err:
+        sdk_loss(loss).settings({key: value})
+    assert err.value.field == f"loss_fn_config.{key}"
+
+
+def test_a_rejected_request_does_not_restart_its_records_day(monkeypatch):
+    """Checked in full before anything changes: a request whose datum 1 is wrong does not restart
+    the day of the records its datum 0 named (a request that trains does)."""
+    from unirl.serve.datums import token_datums
+    from unirl.serve.losses import sdk_loss
+    from unirl.serve.wire import WireDatum
+
+    now = [1000.0]
+    monkeypatch.setattr(stability.time, "monotonic", lambda: now[0])
+    records = stability.StabilityRecords()
+    records.record("r", [4, 5], _response(([7, 8], [-0.5, -1.5])))
+
+    def datum(last_target: int) -> WireDatum:
+        sid = "r/0"  # model input 4 5 7, targets (0) 7 8: rl_loop's datum
+        return WireDatum(
+            tokens=np.array([4, 5, 7]),
+            inputs={
+                "target_tokens": np.array([0, 7, last_target]),
+                "advantages": np.array([0.0, 1.0, 1.0], dtype=np.float32),
+            },
+            input_spans=(
+                WireSpan(sampled=False, sequence_id=sid, offset=0, length=2),
+                WireSpan(sampled=True, sequence_id=sid, offset=0, length=1),
+            ),
+            target_spans=(
+                WireSpan(sampled=False, sequence_id=sid, offset=1, length=1),
+                WireSpan(sampled=True, sequence_id=sid, offset=0, length=2),
+            ),
+        )
+
+    def send(*data: WireDatum):
+        loss = sdk_loss("stable_reinforce")
+        return token_datums(data, loss, vocab_size=16, max_tokens=64, records=records)
+
+    now[0] += 86000.0
+    with pytest.raises(BadRequest, match="claims token 9") as err:
+        send(datum(8), datum(9))  # datum 1's last target is not the sampled 8
+    assert err.value.field == "data[1].loss_fn_input_spans[1]"
+    now[0] += 1000.0  # a day and 600 s after sampling: the rejected request restarted nothing
+    with pytest.raises(BadRequest, match="no sampling record"):
+        send(datum(8))
+    records.record("r", [4, 5], _response(([7, 8], [-0.5, -1.5])))
+    now[0] += 86000.0
+    (got,) = send(datum(8))  # accepted: its day starts again
+    assert got.sampler_logprobs.tolist() == [0.0, -0.5, -1.5]
+    now[0] += 1000.0
+    assert send(datum(8))[0].mask.tolist() == [0.0, 1.0, 1.0]

@@ -81,3 +81,23 @@ def test_the_sampler_is_the_behaviour_policy_when_the_batch_has_it():
     engine = torch.tensor([-1.0 - math.log(2.0)])
     got = _run(logp, logp.clone(), torch.tensor([0.0]), coef=1.0, behaviour=engine)
     torch.testing.assert_close(got, torch.tensor([1.0 - math.log(2.0)]))
+
+
+def test_a_penalty_weight_for_another_loss_is_refused_by_unirl_check(capsys):
+    """``algorithm.stable_reinforce_kl_coef`` (and DRO's ``dro_beta``) is read by one loss only:
+    set beside another ``policy_loss`` it would change nothing, so `unirl check` (the config
+    `unirl train` builds) refuses it, naming the key, its value and the fix."""
+    from pathlib import Path
+
+    from unirl.cli import main
+
+    tiny = Path(__file__).parents[2] / "examples" / "tiny_grpo.yaml"
+    for key, loss in (("stable_reinforce_kl_coef", "stable_reinforce"), ("dro_beta", "dro")):
+        assert main(["check", str(tiny), "--set", f"algorithm.{key}=0.1"]) == 2
+        err = capsys.readouterr().err
+        assert f"algorithm.{key}=0.1" in err
+        assert f"algorithm.policy_loss: {loss}" in err
+        argv = ["check", str(tiny), "--set", f"algorithm.{key}=0.1"]
+        argv += ["--set", f"algorithm.policy_loss={loss}"]
+        assert main(argv) == 0, capsys.readouterr().err
+        capsys.readouterr()

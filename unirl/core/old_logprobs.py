@@ -187,6 +187,12 @@ def _policy_loss(cfg: UnirlConfig, shape: RolloutShape) -> str | None:
     return None
 
 
+def _loss_reads_behaviour(cfg: UnirlConfig) -> bool:
+    from unirl.core.maths.losses import policy_loss_reads_behaviour
+
+    return policy_loss_reads_behaviour(cfg.algorithm.policy_loss)
+
+
 @attrs.frozen
 class DecoupledChoice:
     """Whether decoupled PPO's behaviour weight is on for a rollout, with the reason in words."""
@@ -229,6 +235,12 @@ def decide_decoupled(
     if not has_behaviour:
         return DecoupledChoice(
             False, "auto: the rollout has no rollout_logprobs (the behaviour log-probs)"
+        )
+    if _loss_reads_behaviour(cfg):
+        return DecoupledChoice(
+            False,
+            f"auto: algorithm.policy_loss={a.policy_loss} reads the behaviour log-probs itself "
+            "(its sampler's), with no importance weight on its advantage term",
         )
     why = f"train.max_staleness={k}" if k else f"samples up to {staleness} version(s) stale"
     return DecoupledChoice(
@@ -335,6 +347,8 @@ def uncorrected_staleness(
     decoupled = decide_decoupled(cfg, staleness, has_behaviour=has_behaviour)
     if staleness <= 0 or decoupled.on or a.rollout_correction.mode != "none":
         return None
+    if has_behaviour and _loss_reads_behaviour(cfg):
+        return None  # the loss measures the learner against the behaviour policy itself
     if not has_behaviour:
         fix = (
             "give the rollout the engine's rollout_logprobs (behaviour log-probs) so that "
@@ -370,6 +384,8 @@ def logprob_roles(cfg: UnirlConfig, decision: OldLogprobDecision) -> dict[str, s
             (f"decoupled PPO ({decision.decoupled.reason})", decision.decoupled.on),
             (f"algorithm.rollout_correction.mode={a.rollout_correction.mode}",
              a.rollout_correction.mode != "none"),
+            (f"algorithm.policy_loss={a.policy_loss} (its sampler log-probs)",
+             _loss_reads_behaviour(cfg)),
         )
         if on
     ]  # fmt: skip

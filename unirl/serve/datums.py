@@ -4,6 +4,8 @@ raised before the request is queued."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -158,3 +160,27 @@ def _provenance_datum(
     return TokenDatum(
         tokens=tokens, targets=targets, mask=mask, advantages=advantages, sampler_logprobs=q
     )
+
+
+def token_datums(
+    data: Sequence[WireDatum],
+    loss: SdkLoss,
+    *,
+    vocab_size: int,
+    max_tokens: int,
+    records: StabilityRecords,
+) -> tuple[TokenDatum, ...]:
+    """Every datum of a request checked and turned into tensors (`token_datum`); only then
+    does a request that reads provenance restart its records' day (a rejected one changes
+    nothing)."""
+    datums = tuple(
+        token_datum(d, i, loss, vocab_size=vocab_size, max_tokens=max_tokens, records=records)
+        for i, d in enumerate(data)
+    )
+    if loss.provenance:
+        records.touch(
+            span.sequence_id
+            for d in data
+            for span in (*(d.input_spans or ()), *(d.target_spans or ()))
+        )
+    return datums

@@ -29,6 +29,7 @@ up exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -115,7 +116,10 @@ def _threshold(config: Mapping[str, float | str], key: str, default: float) -> f
     value = config.get(key, default)
     if isinstance(value, str):
         raise BadRequest(f"loss_fn_config.{key}", f"is the string {value!r}; send a number")
-    return float(value)
+    number = float(value)
+    if not math.isfinite(number):  # protobuf's float map carries NaN / inf: the client's mistake
+        raise BadRequest(f"loss_fn_config.{key}", f"is {number}; send a finite number")
+    return number
 
 
 _RL_INPUTS = ("logprobs", "advantages")

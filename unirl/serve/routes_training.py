@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from unirl.serve import state
 from unirl.serve.config import ServeConfig
-from unirl.serve.datums import token_datum
+from unirl.serve.datums import token_datums
 from unirl.serve.errors import BadRequest
 from unirl.serve.jobs import CreateJob, FwdBwdJob, LoadJob, OptimJob, SaveJob
 from unirl.serve.losses import sdk_loss
@@ -67,16 +67,12 @@ def add_training_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
                 "data", f"holds {len(req.data)} datums; send 1..{cfg.max_datums_per_request}"
             )
         vocab = session.backend.vocab_size
-        datums = tuple(
-            token_datum(
-                d,
-                i,
-                loss,
-                vocab_size=vocab,
-                max_tokens=cfg.tokens_per_microbatch,
-                records=rt.worker.stability,
-            )
-            for i, d in enumerate(req.data)
+        datums = token_datums(
+            req.data,
+            loss,
+            vocab_size=vocab,
+            max_tokens=cfg.tokens_per_microbatch,
+            records=rt.worker.stability,
         )
         return rt.queue(
             FwdBwdJob,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -64,6 +64,8 @@ class StabilityRecords:
                 self._records.popitem(last=False)
 
     def get(self, seq_id: str, field: str) -> SampledRecord:
+        """The record, for checking a request: its day is restarted only by `touch`, once the
+        whole request passed (a rejected request changes nothing)."""
         now = time.monotonic()
         with self._lock:
             found = self._records.get(seq_id)
@@ -74,9 +76,17 @@ class StabilityRecords:
                     f"is {seq_id!r}, which this server holds no sampling record of: sample with "
                     "record_stability_info=True (records last a day from their last use)",
                 )
-            self._records[seq_id] = (found[0], now)  # each use restarts the day
-            self._records.move_to_end(seq_id)
             return found[0]
+
+    def touch(self, seq_ids: Iterable[str]) -> None:
+        """A request that uses these records was accepted: each one's day starts again."""
+        now = time.monotonic()
+        with self._lock:
+            for seq_id in seq_ids:
+                found = self._records.get(seq_id)
+                if found is not None:  # dropped past the cap meanwhile: its values are resolved
+                    self._records[seq_id] = (found[0], now)
+                    self._records.move_to_end(seq_id)
 
 
 def resolve_spans(

@@ -32,6 +32,7 @@ from unirl.core.maths.losses.registry import (
     get_policy_loss,
     policy_loss_is_separable,
     policy_loss_needs_old_logprobs,
+    policy_loss_reads_behaviour,
     register_policy_loss,
     registered_policy_losses,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "gspo_loss",
     "policy_loss_is_separable",
     "policy_loss_needs_old_logprobs",
+    "policy_loss_reads_behaviour",
     "ppo_clip_loss",
     "reduce_metrics",
     "register_policy_loss",

@@ -67,15 +67,22 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
 
 
 def register_policy_loss(
-    name: str, *, needs_old_logprobs: bool = True, separable: bool = False
+    name: str,
+    *,
+    needs_old_logprobs: bool = True,
+    separable: bool = False,
+    reads_behaviour: bool = False,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register ``fn`` under ``name`` and record whether it needs pre-step log-probs
-    and whether it is separable over tokens (see the module docstring)."""
+    """Decorator: register ``fn`` under ``name`` and record whether it needs pre-step log-probs,
+    whether it is separable over tokens (see the module docstring) and whether it measures the
+    learner against the behaviour log-probs itself (``rollout_logprobs``, when the batch has
+    them), so that no other off-policy weight belongs on top of it."""
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES.register(name, fn)
         fn.needs_old_logprobs = needs_old_logprobs  # type: ignore[attr-defined]
         fn.separable = separable  # type: ignore[attr-defined]
+        fn.reads_behaviour = reads_behaviour  # type: ignore[attr-defined]
         return fn
 
     return register
@@ -101,3 +108,9 @@ def policy_loss_is_separable(name: str) -> bool:
     """Whether each token's loss depends on no other token's log-prob; undeclared custom losses
     are assumed not to be (a custom function may set ``fn.separable = True``)."""
     return bool(getattr(get_policy_loss(name), "separable", False))
+
+
+def policy_loss_reads_behaviour(name: str) -> bool:
+    """Whether the loss reads the behaviour log-probs itself (stable_reinforce's sampler
+    log-probs): `algorithm.decoupled: auto` then adds no proximal / behaviour weight."""
+    return bool(getattr(get_policy_loss(name), "reads_behaviour", False))

@@ -66,6 +66,10 @@ def _policy_loss_exists(instance: Any, attribute: attrs.Attribute, value: str) -
     get_policy_loss(value)
 
 
+# Settings fields read by one built-in policy loss only: (field, the loss).
+_READ_BY_ONE_LOSS = (("dro_beta", "dro"), ("stable_reinforce_kl_coef", "stable_reinforce"))
+
+
 @attrs.frozen(kw_only=True)
 class LossSettings:
     """Settings of `compute_loss`; defaults are PPO / GRPO with symmetric clip 0.2."""
@@ -107,6 +111,21 @@ class LossSettings:
     )
     value_coef: float = attrs.field(default=0.5, validator=_non_negative)
     value_clip: float | None = attrs.field(default=0.2, validator=_non_negative)
+
+    def _check_loss_specific_keys(self) -> None:
+        """A weight that only one built-in loss reads, set beside another built-in loss, would
+        change nothing: refused (a custom loss may read any field, so it is let through)."""
+        name = self.policy_loss
+        for field, loss in _READ_BY_ONE_LOSS:
+            value = getattr(self, field)
+            if value != 0 and name != loss and ":" not in name:
+                raise _error(
+                    lambda key, f=field, v=value, lo=loss: (
+                        f"{key(f)}={v} is read only by policy_loss {lo}, and "
+                        f"{key('policy_loss')} is {name!r}: it would change nothing; set "
+                        f"{key('policy_loss')}: {lo} or remove {key(f)}"
+                    )
+                )
 
     def __attrs_post_init__(self) -> None:
         if self.clip_low > 1.0:
@@ -150,6 +169,7 @@ class LossSettings:
                     f"{key('decoupled')}: false"
                 )
             )
+        self._check_loss_specific_keys()
         if self.value_clip == 0:
             raise _error(
                 lambda key: (

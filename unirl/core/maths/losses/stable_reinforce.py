@@ -31,7 +31,11 @@ from unirl.core.maths.losses.registry import register_policy_loss
 from unirl.core.maths.losses.settings import LossSettings
 
 
-@register_policy_loss("stable_reinforce", needs_old_logprobs=False, separable=True)
+# reads_behaviour: its q is the engine's log-prob, so `algorithm.decoupled: auto` adds no
+# proximal / behaviour weight (an importance ratio on the advantage term, which it leaves out)
+@register_policy_loss(
+    "stable_reinforce", needs_old_logprobs=False, separable=True, reads_behaviour=True
+)
 def stable_reinforce_loss(
     inp: LossInputs, counts: GlobalCounts, settings: LossSettings
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
