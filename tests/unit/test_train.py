@@ -113,6 +113,7 @@ def test_tiny_run_learns_and_writes_outputs(tmp_path):
     )
 
 
+@pytest.mark.slow  # 23 s: CI time (CI keeps resume == uninterrupted and the bad-resume cases)
 def test_a_resume_that_fails_before_its_first_step_keeps_the_runs_config(tmp_path):
     """config.yaml says how the run's checkpoints were made: a --resume that dies before it
     trains a step (here its post-processing hook raises) leaves it as it was; the first step a
