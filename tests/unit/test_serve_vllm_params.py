@@ -68,3 +68,46 @@ def test_what_the_server_does_not_compute_is_refused_by_name(over, field):
     sample_job({**body, "prompt_logprobs": True, "prompt_logprobs_last_n": 2}, Path("/w"), **kw)
     with pytest.raises(BadRequest, match=f"^{field} is"):
         sample_job({**body, **over}, Path("/w"), **kw)
+
+
+def test_sampler_weights_saved_again_under_one_name_share_no_prefix_cache(tmp_path, monkeypatch):
+    """vLLM keys its prefix-cache blocks by ("lora", lora_name, lora_path)
+    (vllm/v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys`): weights saved again under the
+    same name must get another key, else a prompt seen before is answered from the keys and
+    values the old adapter computed."""
+    import json
+    import os
+    from collections import OrderedDict
+
+    pytest.importorskip("vllm")
+    from unirl.serve import state, vllm_engine
+    from unirl.serve.state import PartialWrite
+    from unirl.serve.vllm_engine import ServeEngine
+
+    engine = object.__new__(ServeEngine)  # the adapter bookkeeping, no engine started
+    engine.dtype, engine.receiver, engine.base = "fp32", "the engine", None
+    engine.adapters, engine._next_id = OrderedDict(), 1
+    removed: list[int] = []
+    engine.engine = SimpleNamespace(
+        llm=SimpleNamespace(llm_engine=SimpleNamespace(remove_lora=removed.append))
+    )
+    monkeypatch.setattr(ServeEngine, "_deliver_adapter", lambda self, request: None)
+    monkeypatch.setattr(vllm_engine, "check_served_adapter", lambda *a, **k: None)
+    saved = tmp_path / "sampler_weights" / "step"
+    os.makedirs(saved.parent)
+
+    def save() -> None:  # as save_weights_for_sampler does: a new folder renamed into place
+        with PartialWrite(saved) as tmp:
+            (tmp / state.ADAPTER).mkdir()
+            meta = {"adapter_dtype": "fp32", "adapter_fingerprint": {}}
+            (tmp / state.META).write_text(json.dumps(meta))
+
+    uri = "tinker://m/sampler_weights/step"
+    save()
+    first = engine.adapter(saved, uri)
+    assert engine.adapter(saved, uri) is first  # the same weights: loaded once
+    save()
+    second = engine.adapter(saved, uri)
+    assert removed == [first.lora_int_id]  # the old adapter left the engine
+    keys = {("lora", r.lora_name, r.lora_path) for r in (first, second)}
+    assert len(keys) == 2

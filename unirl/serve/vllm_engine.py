@@ -146,8 +146,13 @@ class ServeEngine:
         against ``saved`` (the fingerprint kept at the save) and its base weights."""
         from vllm.lora.request import LoRARequest
 
+        # vLLM keys prefix-cache blocks by the LoRA name and path (not its id): weights saved
+        # again under one name have the same path, so each load gets a name of its own, else a
+        # prompt seen before is answered from the keys and values of the replaced adapter
         request = LoRARequest(
-            lora_name=model_path, lora_int_id=self._next_id, lora_path=str(folder)
+            lora_name=f"{model_path}#{self._next_id}",
+            lora_int_id=self._next_id,
+            lora_path=str(folder),
         )
         self._next_id += 1
         self._deliver_adapter(request)
