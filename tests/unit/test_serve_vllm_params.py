@@ -111,3 +111,32 @@ def test_sampler_weights_saved_again_under_one_name_share_no_prefix_cache(tmp_pa
     assert removed == [first.lora_int_id]  # the old adapter left the engine
     keys = {("lora", r.lora_name, r.lora_path) for r in (first, second)}
     assert len(keys) == 2
+
+
+def test_an_engine_that_fails_loading_the_adapter_is_closed_and_named(monkeypatch):
+    """An engine that dies (or hangs) while it loads the sampler weights' adapter fails that
+    request naming the base model's engine and is closed at once (its processes gone), as one
+    that fails while it generates: not left running until some later sample request."""
+    pytest.importorskip("vllm")
+    from unirl.core.errors import RunError
+    from unirl.rollouts.vllm.health import EngineFailure
+    from unirl.serve.vllm_sampling import VllmSampling
+
+    closed: list[str] = []
+
+    class DeadEngine:  # loading the adapter finds the engine core gone
+        receiver, vocab_size, max_model_len, eos_ids = "the vLLM engine of 'm'", 8, 64, [2]
+        failed = False
+
+        def adapter(self, saved, model_path):
+            self.failed = True
+            raise EngineFailure("died", "its process 7 is gone (killed, or out of memory)")
+
+        def close(self) -> None:
+            closed.append("m")
+
+    sampling = VllmSampling(cfg=None)  # type: ignore[arg-type]
+    sampling.engines["m"] = DeadEngine()  # type: ignore[assignment]
+    with pytest.raises(RunError, match=r"^the vLLM engine of 'm' failed \(its process 7 is gone"):
+        sampling.run(_job(model_path="tinker://m/sampler_weights/step"))
+    assert closed == ["m"] and sampling.engines == {}

@@ -49,10 +49,10 @@ class VllmSampling:
 
         engine = self.engine(job.base_model)
         _check_prompt(job, engine)
-        lora = None if job.model_path is None else engine.adapter(job.weights, job.model_path)
         params = SamplingParams(**sampling_kwargs(job, engine.eos_ids))
         prompt = {"prompt_token_ids": list(job.prompt)}
-        try:
+        try:  # the engine may die or hang loading the adapter as well as generating
+            lora = None if job.model_path is None else engine.adapter(job.weights, job.model_path)
             (out,) = engine.engine.llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
         except RunError as exc:
             if not engine.failed:
