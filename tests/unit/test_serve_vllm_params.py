@@ -140,3 +140,15 @@ def test_an_engine_that_fails_loading_the_adapter_is_closed_and_named(monkeypatc
     with pytest.raises(RunError, match=r"^the vLLM engine of 'm' failed \(its process 7 is gone"):
         sampling.run(_job(model_path="tinker://m/sampler_weights/step"))
     assert closed == ["m"] and sampling.engines == {}
+
+
+def test_a_temperature_vllm_would_raise_is_refused_by_name():
+    """vLLM samples at 0.01 any temperature in (0, 0.01) (SamplingParams.__post_init__, its
+    _MAX_TEMP), and its log-probs are then those of 0.01: such a request is refused, naming the
+    field, instead of answered at another temperature than the one asked for."""
+    from unirl.serve.errors import BadRequest
+    from unirl.serve.vllm_params import check_sample
+
+    with pytest.raises(BadRequest, match=r"^sampling_params.temperature is 0.005; .*0.01"):
+        check_sample(_job(temperature=0.005))
+    check_sample(_job(temperature=0.01))  # vLLM samples 0.01 as it is
