@@ -152,3 +152,14 @@ def test_a_temperature_vllm_would_raise_is_refused_by_name():
     with pytest.raises(BadRequest, match=r"^sampling_params.temperature is 0.005; .*0.01"):
         check_sample(_job(temperature=0.005))
     check_sample(_job(temperature=0.01))  # vLLM samples 0.01 as it is
+
+
+def test_a_seed_vllm_reads_as_none_is_refused_by_name():
+    """vLLM reads seed -1 as no seed (SamplingParams.__post_init__): a request seeded -1 would
+    be sampled unseeded, differently on every call; a negative seed is refused, naming it."""
+    from unirl.serve.errors import BadRequest
+    from unirl.serve.vllm_params import check_sample
+
+    with pytest.raises(BadRequest, match=r"^sampling_params.seed is -1; .*0 or more"):
+        check_sample(_job(seed=-1))
+    check_sample(_job(seed=0))

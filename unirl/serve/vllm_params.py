@@ -6,7 +6,7 @@ without an engine; importing this module imports neither torch nor vLLM.
     num_samples                  n (vLLM seeds sample i with seed + i)
     max_tokens, temperature,     max_tokens, temperature (>= 0.01: vLLM raises a lower one to
                                  0.01, so it is refused), top_p, top_k (-1: none)
-    top_p, top_k, seed
+    top_p, top_k, seed           seed (>= 0: vLLM reads -1 as none, so negatives are refused)
     stop None                    stop_token_ids = the model's EOS ids (the engine has no
                                  tokenizer, so vLLM knows no EOS of its own)
     stop [ids]                   stop_token_ids = ids; [] never stops before max_tokens
@@ -38,6 +38,12 @@ def check_sample(job: SampleJob) -> None:
             "sampling_params.temperature",
             f"is {job.temperature:g}; vLLM samples below {MIN_TEMPERATURE} at {MIN_TEMPERATURE} "
             f"(serve.sampling: vllm): use {MIN_TEMPERATURE} or more",
+        )
+    if job.seed < 0:  # vLLM reads -1 as no seed: sampled unseeded, unlike any other seed
+        raise BadRequest(
+            "sampling_params.seed",
+            f"is {job.seed}; vLLM reads -1 as no seed (serve.sampling: vllm): use 0 or more, "
+            "or send none (serve.sample_seed then decides)",
         )
 
 
