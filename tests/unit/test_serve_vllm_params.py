@@ -163,3 +163,21 @@ def test_a_seed_vllm_reads_as_none_is_refused_by_name():
     with pytest.raises(BadRequest, match=r"^sampling_params.seed is -1; .*0 or more"):
         check_sample(_job(seed=-1))
     check_sample(_job(seed=0))
+
+
+def test_the_serve_engine_takes_tensor_parallel_size_gpus_of_the_server(monkeypatch):
+    """serve.vllm.tensor_parallel_size: 2 on a server that sees 2 GPUs: the engine runs on GPUs
+    0 and 1 (it was planned as one trainer GPU's colocated engine, so any size > 1 failed every
+    sample request on a GPU); more than the server sees is refused naming serve.vllm."""
+    pytest.importorskip("vllm")
+    from unirl.core.errors import ConfigError
+    from unirl.rollouts.vllm.plugin import VllmOptions
+    from unirl.serve.vllm_engine import serve_launch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch = serve_launch(VllmOptions(tensor_parallel_size=2), cuda=True, gpus=2)
+    assert launch.devices == (0, 1) and launch.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert serve_launch(VllmOptions(), cuda=True, gpus=2).devices == (0,)
+    assert serve_launch(VllmOptions(tensor_parallel_size=2), cuda=False, gpus=0).devices is None
+    with pytest.raises(ConfigError, match=r"^serve.vllm.tensor_parallel_size=4 .* 2 GPUs"):
+        serve_launch(VllmOptions(tensor_parallel_size=4), cuda=True, gpus=2)

@@ -23,12 +23,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors.torch import load_file
 
 from unirl.core.config.from_data import _convert
 from unirl.core.config.sections.lora import LoraConfig
-from unirl.core.errors import RunError
+from unirl.core.errors import ConfigError, RunError
 from unirl.core.weights.adapter import adapter_fingerprint
 from unirl.core.weights.fingerprint import (
     Fingerprint,
@@ -40,7 +41,8 @@ from unirl.core.weights.stream import as_buckets, drain
 from unirl.rollouts.vllm.adapter import check_served_adapter, lora_engine_kwargs
 from unirl.rollouts.vllm.engine import VllmEngine
 from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, engine_fingerprint
-from unirl.rollouts.vllm.launch import plan_launch
+from unirl.rollouts.vllm.launch import EngineLaunch, plan_launch
+from unirl.rollouts.vllm.plugin import VllmOptions
 from unirl.serve import state
 from unirl.serve.config import ServeConfig
 
@@ -182,16 +184,30 @@ class ServeEngine:
         self.engine.close()
 
 
-def _start(cfg: ServeConfig, folder: Path, dtype: str, max_model_len: int) -> VllmEngine:
-    """The engine on ``folder``, as a training run launches one (launch.py: its GPU, or the
-    CPU), with the workers' fingerprint extension and LoRA slots for every client's rank."""
-    import attrs
-
-    options = attrs.evolve(cfg.vllm, weight_transfer="file")  # loads the folder, no stream
-    cuda = torch.cuda.is_available()
-    launch = plan_launch(
-        options, engine=0, cuda=cuda, local_rank=0, world_size=1, local_world_size=1
+def serve_launch(options: VllmOptions, *, cuda: bool, gpus: int) -> EngineLaunch:
+    """The engine's launch on a server that sees ``gpus`` GPUs: it loads the folder (no weight
+    stream) and, on GPUs, takes the first ``tensor_parallel_size`` of them (the training
+    clients' backends run on the first)."""
+    tp = options.tensor_parallel_size
+    if cuda and tp > gpus:
+        raise ConfigError(
+            f"serve.vllm.tensor_parallel_size={tp} > the {gpus} GPUs this server sees; lower it "
+            "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    options = attrs.evolve(options, weight_transfer="file")
+    # the engine's GPUs are the server's, as a training run's engine takes its ranks' GPUs
+    machine = gpus if cuda else 1
+    return plan_launch(
+        options, engine=0, cuda=cuda, local_rank=0, world_size=machine, local_world_size=machine
     )
+
+
+def _start(cfg: ServeConfig, folder: Path, dtype: str, max_model_len: int) -> VllmEngine:
+    """The engine on ``folder``, as a training run launches one (launch.py: its GPUs, or the
+    CPU), with the workers' fingerprint extension and LoRA slots for every client's rank."""
+    cuda = torch.cuda.is_available()
+    launch = serve_launch(cfg.vllm, cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0)
+    options = attrs.evolve(cfg.vllm, weight_transfer="file")
     lora = lora_engine_kwargs(LoraConfig(rank=cfg.max_lora_rank))
     extra = {
         **launch.llm_kwargs(),
