@@ -96,17 +96,17 @@ def test_sampler_weights_saved_again_under_one_name_share_no_prefix_cache(tmp_pa
     saved = tmp_path / "sampler_weights" / "step"
     os.makedirs(saved.parent)
 
-    def save() -> None:  # as save_weights_for_sampler does: a new folder renamed into place
-        with PartialWrite(saved) as tmp:
+    def save(value: float) -> None:  # as save_weights_for_sampler does: a new folder renamed
+        with PartialWrite(saved) as tmp:  # into place, its adapter's fingerprint in meta.json
             (tmp / state.ADAPTER).mkdir()
-            meta = {"adapter_dtype": "fp32", "adapter_fingerprint": {}}
+            meta = {"adapter_dtype": "fp32", "adapter_fingerprint": {"a": [value]}}
             (tmp / state.META).write_text(json.dumps(meta))
 
     uri = "tinker://m/sampler_weights/step"
-    save()
+    save(1.0)
     first = engine.adapter(saved, uri)
     assert engine.adapter(saved, uri) is first  # the same weights: loaded once
-    save()
+    save(2.0)
     second = engine.adapter(saved, uri)
     assert removed == [first.lora_int_id]  # the old adapter left the engine
     keys = {("lora", r.lora_name, r.lora_path) for r in (first, second)}
@@ -181,3 +181,38 @@ def test_the_serve_engine_takes_tensor_parallel_size_gpus_of_the_server(monkeypa
     assert serve_launch(VllmOptions(tensor_parallel_size=2), cuda=False, gpus=0).devices is None
     with pytest.raises(ConfigError, match=r"^serve.vllm.tensor_parallel_size=4 .* 2 GPUs"):
         serve_launch(VllmOptions(tensor_parallel_size=4), cuda=True, gpus=2)
+
+
+def test_new_sampler_weights_whose_meta_json_took_a_freed_inode_are_loaded_anew(
+    tmp_path, monkeypatch
+):
+    """A file system gives a freed inode to a later file (ext4 does): weights saved again under
+    one name whose meta.json gets the inode of the meta.json of weights loaded earlier are new
+    weights, loaded and checked, not answered by the earlier adapter. Written here in place,
+    which keeps the inode as such a reuse does."""
+    import json
+    from collections import OrderedDict
+
+    pytest.importorskip("vllm")
+    from unirl.serve import state, vllm_engine
+    from unirl.serve.vllm_engine import ServeEngine
+
+    engine = object.__new__(ServeEngine)
+    engine.dtype, engine.receiver, engine.base = "fp32", "the engine", None
+    engine.adapters, engine._next_id = OrderedDict(), 1
+    engine.engine = SimpleNamespace(
+        llm=SimpleNamespace(llm_engine=SimpleNamespace(remove_lora=lambda lora_id: None))
+    )
+    checked: list[dict] = []
+    monkeypatch.setattr(ServeEngine, "_deliver_adapter", lambda self, request: None)
+    monkeypatch.setattr(vllm_engine, "check_served_adapter", lambda *a, **k: checked.append(a))
+    saved = tmp_path / "step"
+    (saved / state.ADAPTER).mkdir(parents=True)
+    meta = saved / state.META
+    meta.write_text(json.dumps({"adapter_dtype": "fp32", "adapter_fingerprint": {"a": [1.0]}}))
+    first = engine.adapter(saved, "tinker://m/sampler_weights/step")
+    inode = meta.stat().st_ino
+    meta.write_text(json.dumps({"adapter_dtype": "fp32", "adapter_fingerprint": {"a": [2.0]}}))
+    assert meta.stat().st_ino == inode
+    second = engine.adapter(saved, "tinker://m/sampler_weights/step")
+    assert second.lora_int_id != first.lora_int_id and len(checked) == 2

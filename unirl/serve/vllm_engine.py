@@ -16,6 +16,7 @@ again when loaded again).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections import OrderedDict
@@ -109,7 +110,7 @@ class ServeEngine:
         except Exception:
             self.engine.close()
             raise
-        self.adapters: OrderedDict[tuple[Path, int], Any] = OrderedDict()
+        self.adapters: OrderedDict[tuple[Path, str], Any] = OrderedDict()
         self._next_id = 1  # vLLM's LoRA id 0 is no adapter
 
     @property
@@ -122,12 +123,13 @@ class ServeEngine:
         """The LoRA request of the sampler weights saved in ``saved`` (``model_path``), loaded
         and checked the first time (module docstring). Saved again under the same name (a
         new folder renamed into place, `state.PartialWrite`), they are new weights: the key
-        is the folder and its meta.json's inode."""
-        key = (saved, (saved / state.META).stat().st_ino)
+        is the folder and its meta.json's content, which holds the adapter's fingerprint (not
+        its inode: a file system gives a freed inode to a later file)."""
+        meta = state.read_meta(saved, "model_path")
+        key = (saved, hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest())
         if key in self.adapters:
             self.adapters.move_to_end(key)
             return self.adapters[key]
-        meta = state.read_meta(saved, "model_path")
         if meta.get("adapter_dtype") != self.dtype:
             raise SyncVerificationError(
                 f"the sampler weights {model_path} were saved for an engine of dtype "
