@@ -216,3 +216,30 @@ def test_new_sampler_weights_whose_meta_json_took_a_freed_inode_are_loaded_anew(
     assert meta.stat().st_ino == inode
     second = engine.adapter(saved, "tinker://m/sampler_weights/step")
     assert second.lora_int_id != first.lora_int_id and len(checked) == 2
+
+
+def test_an_engine_that_does_not_start_names_serve_vllm(tmp_path, monkeypatch):
+    """The start's error names the settings a serve config has (serve.vllm.*), not the
+    rollout.vllm section unirl serve refuses."""
+    import json
+
+    pytest.importorskip("vllm")
+    from unirl.core.errors import RunError
+    from unirl.serve import vllm_engine
+    from unirl.serve.config import serve_config_from_dict
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2, "vocab_size": 8}))
+    data = {"base_models": {"m": str(tmp_path)}, "train": {}, "state_dir": str(tmp_path / "s")}
+    cfg = serve_config_from_dict(
+        {**data, "api_key": "tml-k", "sampling": "vllm", "vllm": {"dtype": "fp32"}}
+    )
+
+    def fails(*args, **kwargs):  # the error VllmEngine.start raises (engine.py)
+        raise RunError("the vLLM engine did not start (ValueError: no KV cache). Check "
+                       "rollout.vllm (dtype=fp32, kv_cache_gb=auto, ...)")  # fmt: skip
+
+    monkeypatch.setattr(vllm_engine.VllmEngine, "start", fails)
+    with pytest.raises(RunError) as err:
+        vllm_engine.ServeEngine(cfg, "m")
+    assert "Check serve.vllm (dtype=fp32" in str(err.value)
+    assert "rollout.vllm" not in str(err.value)

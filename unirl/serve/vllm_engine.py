@@ -97,7 +97,8 @@ class ServeEngine:
         try:
             self.engine = _start(cfg, self.folder, self.dtype, self.max_model_len)
         except RunError as exc:  # it names rollout.vllm's keys: here they are serve.vllm's
-            raise RunError(f"serve.sampling: vllm, base model {base_model!r}: {exc}") from exc
+            named = str(exc).replace("rollout.vllm", "serve.vllm")
+            raise RunError(f"serve.sampling: vllm, base model {base_model!r}: {named}") from exc
         try:  # the base weights it serves are the folder's, and stay so (checked per adapter)
             self.base = engine_fingerprint(self.engine.llm)
             compare(
