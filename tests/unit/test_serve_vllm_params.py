@@ -113,7 +113,16 @@ def test_sampler_weights_saved_again_under_one_name_share_no_prefix_cache(tmp_pa
     assert len(keys) == 2
 
 
-def test_an_engine_that_fails_loading_the_adapter_is_closed_and_named(monkeypatch):
+@pytest.mark.parametrize(
+    "kind, detail, named",
+    [
+        ("died", "its process 7 is gone (killed, or out of memory)", "its process 7 is gone"),
+        # a hung engine's detail names the serve engine's key (serve.vllm, not rollout.vllm)
+        ("hung", "it made no progress for rollout.vllm.stall_timeout_s=300 s",
+         "it made no progress for serve.vllm.stall_timeout_s=300 s"),
+    ],
+)  # fmt: skip
+def test_an_engine_that_fails_loading_the_adapter_is_closed_and_named(kind, detail, named):
     """An engine that dies (or hangs) while it loads the sampler weights' adapter fails that
     request naming the base model's engine and is closed at once (its processes gone), as one
     that fails while it generates: not left running until some later sample request."""
@@ -130,15 +139,16 @@ def test_an_engine_that_fails_loading_the_adapter_is_closed_and_named(monkeypatc
 
         def adapter(self, saved, model_path):
             self.failed = True
-            raise EngineFailure("died", "its process 7 is gone (killed, or out of memory)")
+            raise EngineFailure(kind, detail)
 
         def close(self) -> None:
             closed.append("m")
 
     sampling = VllmSampling(cfg=None)  # type: ignore[arg-type]
     sampling.engines["m"] = DeadEngine()  # type: ignore[assignment]
-    with pytest.raises(RunError, match=r"^the vLLM engine of 'm' failed \(its process 7 is gone"):
+    with pytest.raises(RunError) as err:
         sampling.run(_job(model_path="tinker://m/sampler_weights/step"))
+    assert str(err.value).startswith(f"the vLLM engine of 'm' failed ({named}")
     assert closed == ["m"] and sampling.engines == {}
 
 

@@ -59,8 +59,9 @@ class VllmSampling:
                 raise
             self.engines.pop(job.base_model, None)
             engine.close()
+            detail = str(exc).replace("rollout.vllm", "serve.vllm")  # the serve engine's keys
             raise RunError(
-                f"{engine.receiver} failed ({exc}); the next sample request starts a new one"
+                f"{engine.receiver} failed ({detail}); the next sample request starts a new one"
             ) from exc
         prompt_lp = None
         if job.prompt_logprobs:
