@@ -5,8 +5,10 @@ and never a process that has since been given one of their PIDs."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
+import time
 
 import psutil
 
@@ -44,3 +46,21 @@ def test_the_reaper_ends_when_its_processes_ended_also_with_their_pid_reused():
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_reaper_outlives_a_ctrl_c_that_its_owner_survives():
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group, the reaper
+    included: it keeps watching (its owner decides whether the run ends; should the owner then be
+    killed, the engine is still reaped)."""
+    engine = subprocess.Popen(["sleep", "60"])
+    watcher = reaper.watch([engine.pid])
+    try:
+        time.sleep(1.0)  # started: Python's own SIGINT handler is installed by then
+        watcher.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert watcher.poll() is None
+    finally:
+        watcher.kill()
+        watcher.wait()
+        engine.kill()
+        engine.wait()

@@ -18,6 +18,7 @@ longer the engine's and is neither killed nor waited for.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,4 +88,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # Ctrl-C reaches the terminal's whole process group: the owner decides whether the run ends,
+    # and the reaper keeps watching in case it is killed on the way out
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(main(sys.argv[1:]))
