@@ -59,6 +59,8 @@ needs_vllm = pytest.mark.skipif(
         ({"vllm": {"engines": 2, "sleep": "offload"}}, r"\['engines', 'sleep'\] configure"),
         ({"vllm": {"dtype": "fp8"}}, "serve.vllm.dtype"),
         ({"sampling": "sampler", "vllm": {"dtype": "fp32"}}, "serve.sampling='sampler'"),
+        # vLLM 0.32 reserves adapter slots of rank 512 at most (its LoRAConfig.max_lora_rank)
+        ({"max_lora_rank": 513}, r"serve.max_lora_rank=513: .* at most 512"),
     ],
 )
 def test_the_vllm_section_refused_with_the_key_named(over, match):

@@ -117,6 +117,9 @@ def test_vllm_samples_the_saved_adapter_and_the_base_and_catches_a_bad_sync(
             sampler.sample(
                 types.ModelInput.from_ints(PROMPT), 1, every, topk_prompt_logprobs=2
             ).result()
+        cold = types.SamplingParams(max_tokens=2, seed=0, temperature=0.005)  # vLLM: 0.01
+        with pytest.raises(tinker.BadRequestError, match=r"sampling_params\.temperature is 0\.005"):
+            sampler.sample(types.ModelInput.from_ints(PROMPT), 1, cold).result()
 
         plain = transformers.AutoModelForCausalLM.from_pretrained(vllm_folder, dtype=torch.float32)
         _check_model(service.create_sampling_client(base_model=BASE), plain.eval())

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("psutil")
 
-from unirl.rollouts.vllm.health import POLL_S, EngineFailure, EngineWatch
+from unirl.rollouts.vllm.health import POLL_S, WATCHED, EngineFailure, EngineWatch
 
 
 @pytest.fixture
@@ -63,3 +63,33 @@ def test_progress_keeps_a_long_call_alive_and_idle_time_between_calls_is_no_stal
     assert watch.call(steps, what="generate") == "done"
     time.sleep(1.5)  # the trainer trains; the engine waits
     assert watch.call(lambda: 7, what="collective_rpc") == 7
+
+
+def test_the_engines_adapter_calls_are_watched_too(child):
+    """``llm.llm_engine.add_lora`` / ``remove_lora`` / ``list_loras`` wait for the engine core as
+    generate does (unirl serve loads every sampler weights' adapter with them, unirl train each
+    policy version's): on a hung engine they fail after the stall timeout, not never."""
+    from types import SimpleNamespace
+
+    blocks = threading.Event().wait  # a hung engine core: the call never returns
+    llm_engine = SimpleNamespace(step=lambda: [], add_lora=lambda request: blocks(),
+                                 remove_lora=lambda lora_id: blocks(), list_loras=blocks)  # fmt: skip
+    llm = SimpleNamespace(llm_engine=llm_engine, **{n: blocks for n in WATCHED})
+    watch = EngineWatch({child.pid}, stall_timeout_s=0.5)
+    watch.install(llm)
+    outcome: list[BaseException] = []
+
+    def add() -> None:
+        try:
+            llm.llm_engine.add_lora("request")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=add, daemon=True)
+    caller.start()
+    caller.join(timeout=0.5 + 3 * POLL_S + 1.0)
+    assert not caller.is_alive(), "add_lora on a hung engine waited past the stall timeout"
+    assert isinstance(outcome[0], EngineFailure) and outcome[0].kind == "hung"
+    for call in (lambda: llm.llm_engine.remove_lora(1), llm.llm_engine.list_loras):
+        with pytest.raises(EngineFailure):  # the failed engine fails them at once
+            call()

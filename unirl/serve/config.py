@@ -26,7 +26,11 @@ import yaml
 from unirl.core.config.from_data import _convert
 from unirl.core.config.sections.model import ModelConfig
 from unirl.core.errors import ConfigError
-from unirl.rollouts.vllm.plugin import INSTALL_HINT, VllmOptions  # neither torch nor vLLM
+from unirl.rollouts.vllm.plugin import (  # neither torch nor vLLM
+    INSTALL_HINT,
+    MAX_LORA_RANKS,
+    VllmOptions,
+)
 
 # The SDK refuses an API key without this prefix before it sends anything.
 API_KEY_PREFIX = "tml-"
@@ -175,7 +179,13 @@ def serve_config_from_dict(data: Mapping[str, Any]) -> ServeConfig:
             "serve.train.batch: the server packs its own microbatches from the queued requests; "
             "remove it and set serve.tokens_per_microbatch"
         )
-    return ServeConfig(**{**data, "vllm": _vllm_section(data)})
+    cfg = ServeConfig(**{**data, "vllm": _vllm_section(data)})
+    if cfg.sampling == "vllm" and cfg.max_lora_rank > MAX_LORA_RANKS[-1]:
+        raise ConfigError(
+            f"serve.max_lora_rank={cfg.max_lora_rank}: a vLLM engine reserves adapter slots of "
+            f"rank at most {MAX_LORA_RANKS[-1]} (serve.sampling: vllm); lower it"
+        )
+    return cfg
 
 
 def load_serve_config(path: str | os.PathLike[str]) -> ServeConfig:

@@ -16,6 +16,7 @@ from unirl.serve.runtime import Runtime, SamplingSession
 from unirl.serve.sampling import sample_job
 from unirl.serve.sessions import base_model_folder
 from unirl.serve.stability import sequence_id
+from unirl.serve.vllm_params import check_sample
 
 
 def _session_for(cfg: ServeConfig, body: dict[str, Any]) -> SamplingSession:
@@ -80,6 +81,8 @@ def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
             seeds=rt.seeds,
             top_k=cfg.sampling == "vllm",
         )
+        if cfg.sampling == "vllm":
+            check_sample(job)
         record = bool(body.get("record_stability_info"))
         answer: dict[str, Any] = rt.queue(SampleWork, job=job, record_stability=record)
         # the SDK stamps each sampled sequence with one of these ids

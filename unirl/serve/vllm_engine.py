@@ -16,6 +16,7 @@ again when loaded again).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections import OrderedDict
@@ -23,12 +24,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors.torch import load_file
 
 from unirl.core.config.from_data import _convert
 from unirl.core.config.sections.lora import LoraConfig
-from unirl.core.errors import RunError
+from unirl.core.errors import ConfigError, RunError
 from unirl.core.weights.adapter import adapter_fingerprint
 from unirl.core.weights.fingerprint import (
     Fingerprint,
@@ -40,7 +42,8 @@ from unirl.core.weights.stream import as_buckets, drain
 from unirl.rollouts.vllm.adapter import check_served_adapter, lora_engine_kwargs
 from unirl.rollouts.vllm.engine import VllmEngine
 from unirl.rollouts.vllm.fingerprint import WORKER_EXTENSION, engine_fingerprint
-from unirl.rollouts.vllm.launch import plan_launch
+from unirl.rollouts.vllm.launch import EngineLaunch, plan_launch
+from unirl.rollouts.vllm.plugin import VllmOptions
 from unirl.serve import state
 from unirl.serve.config import ServeConfig
 
@@ -94,7 +97,8 @@ class ServeEngine:
         try:
             self.engine = _start(cfg, self.folder, self.dtype, self.max_model_len)
         except RunError as exc:  # it names rollout.vllm's keys: here they are serve.vllm's
-            raise RunError(f"serve.sampling: vllm, base model {base_model!r}: {exc}") from exc
+            named = str(exc).replace("rollout.vllm", "serve.vllm")
+            raise RunError(f"serve.sampling: vllm, base model {base_model!r}: {named}") from exc
         try:  # the base weights it serves are the folder's, and stay so (checked per adapter)
             self.base = engine_fingerprint(self.engine.llm)
             compare(
@@ -107,7 +111,7 @@ class ServeEngine:
         except Exception:
             self.engine.close()
             raise
-        self.adapters: OrderedDict[tuple[Path, int], Any] = OrderedDict()
+        self.adapters: OrderedDict[tuple[Path, str], Any] = OrderedDict()
         self._next_id = 1  # vLLM's LoRA id 0 is no adapter
 
     @property
@@ -120,12 +124,13 @@ class ServeEngine:
         """The LoRA request of the sampler weights saved in ``saved`` (``model_path``), loaded
         and checked the first time (module docstring). Saved again under the same name (a
         new folder renamed into place, `state.PartialWrite`), they are new weights: the key
-        is the folder and its meta.json's inode."""
-        key = (saved, (saved / state.META).stat().st_ino)
+        is the folder and its meta.json's content, which holds the adapter's fingerprint (not
+        its inode: a file system gives a freed inode to a later file)."""
+        meta = state.read_meta(saved, "model_path")
+        key = (saved, hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest())
         if key in self.adapters:
             self.adapters.move_to_end(key)
             return self.adapters[key]
-        meta = state.read_meta(saved, "model_path")
         if meta.get("adapter_dtype") != self.dtype:
             raise SyncVerificationError(
                 f"the sampler weights {model_path} were saved for an engine of dtype "
@@ -146,8 +151,13 @@ class ServeEngine:
         against ``saved`` (the fingerprint kept at the save) and its base weights."""
         from vllm.lora.request import LoRARequest
 
+        # vLLM keys prefix-cache blocks by the LoRA name and path (not its id): weights saved
+        # again under one name have the same path, so each load gets a name of its own, else a
+        # prompt seen before is answered from the keys and values of the replaced adapter
         request = LoRARequest(
-            lora_name=model_path, lora_int_id=self._next_id, lora_path=str(folder)
+            lora_name=f"{model_path}#{self._next_id}",
+            lora_int_id=self._next_id,
+            lora_path=str(folder),
         )
         self._next_id += 1
         self._deliver_adapter(request)
@@ -177,16 +187,30 @@ class ServeEngine:
         self.engine.close()
 
 
-def _start(cfg: ServeConfig, folder: Path, dtype: str, max_model_len: int) -> VllmEngine:
-    """The engine on ``folder``, as a training run launches one (launch.py: its GPU, or the
-    CPU), with the workers' fingerprint extension and LoRA slots for every client's rank."""
-    import attrs
-
-    options = attrs.evolve(cfg.vllm, weight_transfer="file")  # loads the folder, no stream
-    cuda = torch.cuda.is_available()
-    launch = plan_launch(
-        options, engine=0, cuda=cuda, local_rank=0, world_size=1, local_world_size=1
+def serve_launch(options: VllmOptions, *, cuda: bool, gpus: int) -> EngineLaunch:
+    """The engine's launch on a server that sees ``gpus`` GPUs: it loads the folder (no weight
+    stream) and, on GPUs, takes the first ``tensor_parallel_size`` of them (the training
+    clients' backends run on the first)."""
+    tp = options.tensor_parallel_size
+    if cuda and tp > gpus:
+        raise ConfigError(
+            f"serve.vllm.tensor_parallel_size={tp} > the {gpus} GPUs this server sees; lower it "
+            "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    options = attrs.evolve(options, weight_transfer="file")
+    # the engine's GPUs are the server's, as a training run's engine takes its ranks' GPUs
+    machine = gpus if cuda else 1
+    return plan_launch(
+        options, engine=0, cuda=cuda, local_rank=0, world_size=machine, local_world_size=machine
     )
+
+
+def _start(cfg: ServeConfig, folder: Path, dtype: str, max_model_len: int) -> VllmEngine:
+    """The engine on ``folder``, as a training run launches one (launch.py: its GPUs, or the
+    CPU), with the workers' fingerprint extension and LoRA slots for every client's rank."""
+    cuda = torch.cuda.is_available()
+    launch = serve_launch(cfg.vllm, cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0)
+    options = attrs.evolve(cfg.vllm, weight_transfer="file")
     lora = lora_engine_kwargs(LoraConfig(rank=cfg.max_lora_rank))
     extra = {
         **launch.llm_kwargs(),

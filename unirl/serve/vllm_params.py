@@ -4,8 +4,9 @@ without an engine; importing this module imports neither torch nor vLLM.
 
     SDK (`SampleJob`)            vLLM SamplingParams
     num_samples                  n (vLLM seeds sample i with seed + i)
-    max_tokens, temperature,     max_tokens, temperature, top_p, top_k (-1: none)
-    top_p, top_k, seed
+    max_tokens, temperature,     max_tokens, temperature (>= 0.01: vLLM raises a lower one to
+                                 0.01, so it is refused), top_p, top_k (-1: none)
+    top_p, top_k, seed           seed (>= 0: vLLM reads -1 as none, so negatives are refused)
     stop None                    stop_token_ids = the model's EOS ids (the engine has no
                                  tokenizer, so vLLM knows no EOS of its own)
     stop [ids]                   stop_token_ids = ids; [] never stops before max_tokens
@@ -21,12 +22,34 @@ from typing import Any
 
 import numpy as np
 
+from unirl.serve.errors import BadRequest
 from unirl.serve.sampling import SampleJob
 from unirl.serve.wire import WireSequence
 
+# vLLM samples any temperature in (0, this) at this one (vllm/sampling_params.py _MAX_TEMP),
+# and reports that distribution's log-probs.
+MIN_TEMPERATURE = 0.01
+
+
+def check_sample(job: SampleJob) -> None:
+    """Refuse (400, before the request is queued) what vLLM would answer otherwise than asked."""
+    if job.temperature < MIN_TEMPERATURE:
+        raise BadRequest(
+            "sampling_params.temperature",
+            f"is {job.temperature:g}; vLLM samples below {MIN_TEMPERATURE} at {MIN_TEMPERATURE} "
+            f"(serve.sampling: vllm): use {MIN_TEMPERATURE} or more",
+        )
+    if job.seed < 0:  # vLLM reads -1 as no seed: sampled unseeded, unlike any other seed
+        raise BadRequest(
+            "sampling_params.seed",
+            f"is {job.seed}; vLLM reads -1 as no seed (serve.sampling: vllm): use 0 or more, "
+            "or send none (serve.sample_seed then decides)",
+        )
+
 
 def sampling_kwargs(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
-    """The `vllm.SamplingParams` arguments of ``job``; ``eos_ids``: the base model's EOS ids."""
+    """The `vllm.SamplingParams` arguments of ``job`` (checked by `check_sample`); ``eos_ids``:
+    the base model's EOS ids."""
     stop = list(eos_ids) if job.stop_tokens is None else list(job.stop_tokens)
     return {
         "n": job.num_samples,

@@ -49,18 +49,19 @@ class VllmSampling:
 
         engine = self.engine(job.base_model)
         _check_prompt(job, engine)
-        lora = None if job.model_path is None else engine.adapter(job.weights, job.model_path)
         params = SamplingParams(**sampling_kwargs(job, engine.eos_ids))
         prompt = {"prompt_token_ids": list(job.prompt)}
-        try:
+        try:  # the engine may die or hang loading the adapter as well as generating
+            lora = None if job.model_path is None else engine.adapter(job.weights, job.model_path)
             (out,) = engine.engine.llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
         except RunError as exc:
             if not engine.failed:
                 raise
             self.engines.pop(job.base_model, None)
             engine.close()
+            detail = str(exc).replace("rollout.vllm", "serve.vllm")  # the serve engine's keys
             raise RunError(
-                f"{engine.receiver} failed ({exc}); the next sample request starts a new one"
+                f"{engine.receiver} failed ({detail}); the next sample request starts a new one"
             ) from exc
         prompt_lp = None
         if job.prompt_logprobs:

@@ -44,19 +44,18 @@ from unirl.core.weights.fingerprint import (
     compare,
     layer_key,
 )
+from unirl.rollouts.vllm.plugin import MAX_LORA_RANKS
 
-# vLLM 0.32's LoRAConfig.max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
-_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def lora_engine_kwargs(lora: LoraConfig) -> dict[str, Any]:
     """The `vllm.LLM` arguments of an engine serving ``lora``'s adapters: two slots, so that the
     next version's adapter is loaded beside the one in use before that one is removed."""
-    fits = [r for r in _MAX_RANKS if r >= lora.rank]
+    fits = [r for r in MAX_LORA_RANKS if r >= lora.rank]
     if not fits:
         raise ConfigError(
-            f"model.lora.rank={lora.rank}: vLLM serves adapters of rank at most {_MAX_RANKS[-1]}; "
+            f"model.lora.rank={lora.rank}: vLLM serves adapters of rank at most {MAX_LORA_RANKS[-1]}; "
             "lower model.lora.rank"
         )
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 2}

@@ -3,8 +3,8 @@
 vLLM's calls block until the engine core answers: a core that was killed (out of memory, a
 signal) or that stopped making progress (stopped, wedged) leaves the caller waiting for ever, or
 until ``rollout.vllm.generation_timeout_s`` (an hour). So every blocking call into the engine
-(`WATCHED`: generate, a weight sync's calls, sleep mode's) runs in a thread of its own while the
-caller polls the engine: any of its processes gone is a dead engine, noticed within `POLL_S`; no
+(`WATCHED`: generate, a weight sync's calls, sleep mode's; `WATCHED_ENGINE`: the LoRA adapters')
+runs in a thread of its own while the caller polls the engine: any of its processes gone is a dead engine, noticed within `POLL_S`; no
 engine step and no call returned for ``rollout.vllm.stall_timeout_s`` is a hung engine. Either
 raises `EngineFailure`, which the source answers with a restart (source.py) up to
 ``rollout.vllm.max_restarts``. The engine is alive or not by its processes, not by vLLM's own
@@ -42,6 +42,9 @@ WATCHED = (
     "update_weights",
     "finish_weight_update",
 )
+# The `llm.llm_engine` methods that wait for the engine core: the LoRA adapters (unirl serve's
+# sampler weights, unirl train's policy versions under model.lora).
+WATCHED_ENGINE = ("add_lora", "remove_lora", "list_loras")
 
 
 class EngineFailure(RunError):
@@ -79,6 +82,8 @@ class EngineWatch:
         llm.llm_engine.step = counted_step
         for name in WATCHED:
             setattr(llm, name, self.watched(getattr(llm, name), name))
+        for name in WATCHED_ENGINE:
+            setattr(llm.llm_engine, name, self.watched(getattr(llm.llm_engine, name), name))
 
     def watched(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -40,6 +40,9 @@ def _auto_or(inner: Any) -> Any:
     return check
 
 
+# vLLM 0.32's LoRAConfig.max_lora_rank values (vllm/config/lora.py MaxLoRARanks): the ranks an
+# engine can reserve its adapter slots at
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # The KV cache of a CPU engine under kv_cache_gb: auto (vLLM's CPU build has no memory fraction).
 CPU_KV_CACHE_GB = 0.25
 
