@@ -158,6 +158,32 @@ def test_engine_killed_during_a_sync_is_restarted_with_the_new_weights(source):
     assert _samples(source.next_rollout(1)) == expected
 
 
+def test_engine_killed_while_its_sync_is_verified_is_restarted_and_verified(source):
+    """Killed between the reload and the verification (the fingerprint's collective_rpc): the
+    engine restarts from the folder the sync wrote and the restarted engine is verified; the
+    rollout is the new weights'. (Found by the job-level kill landing there: one error line.)"""
+    w0, w1 = _weights(source, 4), _weights(source, 5)
+    state, expected = _reference(source, w0, w1)
+    source.load_state_dict(state)
+    source.sync_weights(as_buckets(w0), policy_version=0)
+    source.next_rollout(0)
+    restarts, verified = source._restarts, source.last_verify_s
+    worker = max(source._engine._pids)
+    engine = source._engine.llm.llm_engine
+    real = engine.collective_rpc
+
+    def faulty(method, *args, **kwargs):
+        if method == "unirl_fingerprint" and source._restarts == restarts:
+            os.kill(worker, signal.SIGKILL)
+        return real(method, *args, **kwargs)
+
+    engine.collective_rpc = faulty
+    source.sync_weights(as_buckets(w1), policy_version=1)
+    assert source._restarts == restarts + 1
+    assert source.last_verify_s > 0 and source.last_verify_s != verified
+    assert _samples(source.next_rollout(1)) == expected
+
+
 def test_past_max_restarts_one_error_names_the_engine_and_no_process_is_left(source):
     source.sync_weights(as_buckets(_weights(source, 0)), policy_version=0)
     source._restarts = source.options.max_restarts  # the restarts are spent

@@ -282,7 +282,7 @@ def test_long_packs_go_to_cudnn_one_call_per_sequence(monkeypatch, lengths):
 
     def cudnn_causal(q, k, v, scale):
         calls.append(q.shape[0])
-        if q.shape[0] == 1:  # as torch 2.11's cuDNN on an H100 refuses a 1-token sequence
+        if q.shape[0] == 1:  # a sequence cuDNN refuses (torch 2.11's did, in such a pack)
             raise RuntimeError("No available kernel. Aborting execution.")
         return _cudnn_stand_in(q, k, v, scale)
 

@@ -86,9 +86,9 @@ def cudnn_packed(
     fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Causal attention within each sequence of a pack (``bounds``: the host copy of
-    ``cu_seqlens``), one cuDNN call per sequence; a sequence cuDNN has no kernel for (on an
-    H100, torch 2.11: a pack of short sequences such as one of length 1) runs ``fallback``
-    (the caller's flash path on that one sequence)."""
+    ``cu_seqlens``), one cuDNN call per sequence; a sequence cuDNN has no kernel for (seen on an
+    H100, torch 2.11, in a pack of 1-, 3-, 8- and 37-token sequences) runs ``fallback`` (the
+    caller's flash path on that one sequence)."""
     if len(bounds) == 2:
         return _one(q, k, v, scale, fallback)
     pieces = [
@@ -99,7 +99,13 @@ def cudnn_packed(
     return torch.cat(pieces)
 
 
-def _one(q, k, v, scale: float, fallback) -> torch.Tensor:
+def _one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     try:
         return cudnn_causal(q, k, v, scale)
     except RuntimeError as exc:  # SDPA's "No available kernel": refused before any launch

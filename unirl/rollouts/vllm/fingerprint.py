@@ -125,17 +125,20 @@ def verified_sync(
     dtype: str,
     receiver: str,
     version: int,
+    surviving: Callable[[Callable[[], Fingerprint]], Fingerprint] | None = None,
 ) -> float:
     """``sync(buckets)`` with the trainer's fingerprint taken as the buckets pass, then the
     engine's (``llm_of()``, the `vllm.LLM` the sync started or updated) compared with it
     (`unirl.core.weights.fingerprint.compare` raises on a difference). A transport that did not
     take every bucket leaves the rest to be fingerprinted here, so a skipped bucket shows as a
-    layer that did not land. Returns the verification's seconds (both fingerprints)."""
+    layer that did not land. ``surviving`` runs the engine's fingerprint (the source's restart
+    on an engine that dies meanwhile: the restarted engine is fingerprinted instead). Returns
+    the verification's seconds (both fingerprints)."""
     sent = Fingerprint(dtype=_TORCH_DTYPES[dtype])
     stream = fingerprinted(buckets, sent)
     sync(stream)
     drain(stream)
     t0 = time.perf_counter()
-    held = engine_fingerprint(llm_of())
+    held = (surviving or (lambda f: f()))(lambda: engine_fingerprint(llm_of()))
     compare(sent, held, receiver=receiver, version=version)
     return sent.seconds + time.perf_counter() - t0

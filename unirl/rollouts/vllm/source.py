@@ -355,6 +355,9 @@ class VllmRolloutSource(GeneratingSource):
             dtype=self.dtype,
             receiver=self._name(engine),
             version=version,
+            # an engine that dies while it is fingerprinted is restarted from the folder the
+            # sync wrote, and the restarted one is fingerprinted
+            surviving=lambda held: self._surviving(engine, "a sync's verification", held),
         )
 
     def _sync(self, buckets: Iterator[Bucket], engine: int) -> None:
