@@ -65,9 +65,12 @@ def expert_name(layer: int, expert: int, proj: str, which: str) -> str:
 class LoraExperts(torch.nn.Module):
     """transformers' eager Qwen3-MoE experts (``base``, frozen) with a LoRA adapter on each
     expert's gate, up and down projection: ``lora_A[p][e]`` ``[r, in]``, ``lora_B[p][e]``
-    ``[out, r]`` (stacked over experts; every use indexes one expert)."""
+    ``[out, r]`` (stacked over experts; every use indexes one expert). Zero at the start, or
+    ``0.3 * randn`` from ``gen`` (a non-zero adapter whose gradients reach A and B)."""
 
-    def __init__(self, base: torch.nn.Module, scale: float) -> None:
+    def __init__(
+        self, base: torch.nn.Module, scale: float, gen: torch.Generator | None = None
+    ) -> None:
         super().__init__()
         self.base, self.scale = base, scale
         experts, two_f, hidden = base.gate_up_proj.shape
@@ -76,8 +79,14 @@ class LoraExperts(torch.nn.Module):
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         for p, (fan_in, fan_out) in shapes.items():
-            self.lora_A[p] = torch.nn.Parameter(torch.zeros(experts, RANK, fan_in, dtype=F32))
-            self.lora_B[p] = torch.nn.Parameter(torch.zeros(experts, fan_out, RANK, dtype=F32))
+            for which, shape in (
+                ("lora_A", (experts, RANK, fan_in)),
+                ("lora_B", (experts, fan_out, RANK)),
+            ):
+                init = (
+                    torch.zeros(shape) if gen is None else 0.3 * torch.randn(shape, generator=gen)
+                )
+                getattr(self, which)[p] = torch.nn.Parameter(init.to(F32))
 
     def _proj(self, x: torch.Tensor, weight: torch.Tensor, p: str, e: int) -> torch.Tensor:
         out = torch.nn.functional.linear(x, weight)

@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 
+from tests.contract.lora_moe_reference import LoraExperts
 from tests.distributed.test_megatron_lora import (
     ATOL,
     BETAS,
@@ -44,52 +45,6 @@ peft = pytest.importorskip("peft", reason="needs peft (unirl[lora])")
 RANK, ALPHA = 4, 8.0  # the grouped matmul's fp32 rows: a multiple of 4
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TARGETS = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
-PROJ = ("gate_proj", "up_proj", "down_proj")
-
-
-class LoraExperts(torch.nn.Module):
-    """transformers' eager Qwen3-MoE experts with a LoRA adapter on each expert's gate, up and
-    down projection: ``W_e x + scale * B_e A_e x`` per expert, looped."""
-
-    def __init__(self, experts, rank, scale, gen):
-        super().__init__()
-        self.base, self.scale = experts, scale
-        e, two_f, h = experts.gate_up_proj.shape
-        f = two_f // 2
-        shapes = {"gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
-        self.lora_A = torch.nn.ParameterDict()
-        self.lora_B = torch.nn.ParameterDict()
-        for p, (fan_in, fan_out) in shapes.items():
-            self.lora_A[p] = torch.nn.Parameter(0.3 * torch.randn(e, rank, fan_in, generator=gen))
-            self.lora_B[p] = torch.nn.Parameter(0.3 * torch.randn(e, fan_out, rank, generator=gen))
-
-    def _proj(self, x, weight, p, e):
-        out = torch.nn.functional.linear(x, weight)
-        return out + self.scale * (x @ self.lora_A[p][e].t()) @ self.lora_B[p][e].t()
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for e in range(self.base.num_experts):
-            token, slot = torch.where(top_k_index == e)
-            if token.numel() == 0:
-                continue
-            x = hidden_states[token]
-            gate_w, up_w = self.base.gate_up_proj[e].chunk(2)
-            h = self.base.act_fn(self._proj(x, gate_w, "gate_proj", e))
-            h = h * self._proj(x, up_w, "up_proj", e)
-            y = self._proj(h, self.base.down_proj[e], "down_proj", e)
-            out.index_add_(0, token, y * top_k_weights[token, slot, None])
-        return out
-
-    def peft_tensors(self, layer, of):
-        """Each expert's A and B (``of``: the parameter or its gradient) in PEFT names."""
-        out = {}
-        for p in PROJ:
-            for which, stack in (("lora_A", self.lora_A[p]), ("lora_B", self.lora_B[p])):
-                for e, t in enumerate(of(stack)):
-                    name = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{p}"
-                    out[f"{name}.{which}.weight"] = t.detach().clone()
-        return out
 
 
 def _hf_config():
@@ -124,7 +79,7 @@ def _adapted(base):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
     layers = model.base_model.model.model.layers
     for layer in layers:
-        layer.mlp.experts = LoraExperts(layer.mlp.experts, RANK, ALPHA / RANK, gen)
+        layer.mlp.experts = LoraExperts(layer.mlp.experts, ALPHA / RANK, gen=gen)
     return model, layers
 
 
@@ -135,7 +90,7 @@ def _state(model, layers, of):
         if "lora_" in n and "experts" not in n
     }
     for i, layer in enumerate(layers):
-        state |= layer.mlp.experts.peft_tensors(i, of)
+        state |= layer.mlp.experts.tensors(i, of)
     return state
 
 
