@@ -100,15 +100,23 @@ def _ratio_mask(datum: WireDatum, advantages: torch.Tensor, n: int, where: str) 
         raise BadRequest(
             f"{where}.loss_fn_inputs.sequence_ratio_mask", "marks no token; mark the sampled ones"
         )
+    _advantages_inside(
+        advantages, mask, where, "outside sequence_ratio_mask; gspo here needs advantages 0 "
+        "outside the ratio's tokens (the prompt)",
+    )  # fmt: skip
+    return mask
+
+
+def _advantages_inside(advantages: torch.Tensor, mask: torch.Tensor, where: str, why: str) -> None:
+    """A non-zero advantage where ``mask`` is 0 is a term the loss's sum leaves out: a 400
+    naming the first such position (``why``: what the position is and what the loss needs)."""
     outside = (advantages != 0) & (mask == 0)
     if outside.any():
         pos = int(outside.nonzero()[0])
         raise BadRequest(
             f"{where}.loss_fn_inputs.advantages",
-            f"is {float(advantages[pos])} at position {pos}, outside sequence_ratio_mask; gspo "
-            "here needs advantages 0 outside the ratio's tokens (the prompt)",
+            f"is {float(advantages[pos])} at position {pos}, {why}",
         )
-    return mask
 
 
 def _provenance_datum(
@@ -138,14 +146,10 @@ def _provenance_datum(
             f"{where}.loss_fn_input_spans", "marks no target as sampled; train on sampled tokens"
         )
     mask = torch.from_numpy(sampled).float()
-    outside = (advantages != 0) & (mask == 0)
-    if outside.any():
-        pos = int(outside.nonzero()[0])
-        raise BadRequest(
-            f"{where}.loss_fn_inputs.advantages",
-            f"is {float(advantages[pos])} at position {pos}, whose target was not sampled; "
-            "stable_reinforce needs advantages 0 on prompt targets",
-        )
+    _advantages_inside(
+        advantages, mask, where, "whose target was not sampled; stable_reinforce needs "
+        "advantages 0 on prompt targets",
+    )  # fmt: skip
     q = torch.from_numpy(recorded)
     if "logprobs" in datum.inputs:
         sent = _float(_per_position(datum, "logprobs", int(mask.numel()), where))
