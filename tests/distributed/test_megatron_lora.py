@@ -24,6 +24,7 @@ import itertools
 import pytest
 import torch
 
+from tests.contract.lora import adapter_gradients
 from tests.distributed.test_megatron_backend import _microbatch
 from tests.spawn import run_distributed
 from tests.tiny_models import TINY_LLAMA, noisy_hf_model
@@ -146,18 +147,8 @@ def _base_params(backend):
     }
 
 
-def _grads(backend):
-    """The adapter's accumulated gradient in PEFT names (main_grad copied in, then restored)."""
-    params = list(backend.policy.adapters.parameters())
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p in params:
-            p.copy_(p.main_grad)
-    grads = backend.adapter_state_dict()
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    return grads
+# the adapter's accumulated gradient in PEFT names: the contract's probe
+_grads = adapter_gradients
 
 
 def _worker(rank, world_size, base, adapter, parallel, out_dir):
