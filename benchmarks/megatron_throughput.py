@@ -65,12 +65,14 @@ state): the step's speed does not depend on the values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -573,12 +575,28 @@ def wgrad_fusion_state() -> bool | None:
     return wgrad_fusion._state["installed"]
 
 
+# reuse with long sequences' attention on cuDNN or on flash (UNIRL_CUDNN_ATTENTION's value)
+_ATTENTION_MODES = {"reuse-cudnn": "1", "reuse-flash": "0"}
+
+
+@contextlib.contextmanager
+def _attention_env(value: str) -> Iterator[None]:
+    before = os.environ.get("UNIRL_CUDNN_ATTENTION")
+    os.environ["UNIRL_CUDNN_ATTENTION"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("UNIRL_CUDNN_ATTENTION")
+        if before is not None:
+            os.environ["UNIRL_CUDNN_ATTENTION"] = before
+
+
 def cudnn_attention_state() -> str:
-    """Which kernel long sequences' attention runs on (``UNIRL_CUDNN_ATTENTION=1``: cuDNN)."""
+    """Which kernel long sequences' attention runs on (``UNIRL_CUDNN_ATTENTION=0``: flash)."""
     from unirl.backends import cudnn_attention
 
-    if os.environ.get("UNIRL_CUDNN_ATTENTION", "0") != "1":
-        return "flash varlen (UNIRL_CUDNN_ATTENTION=1: cuDNN for long sequences)"
+    if not cudnn_attention.enabled():
+        return "flash varlen (UNIRL_CUDNN_ATTENTION=0)"
     return f"cuDNN for sequences >= {cudnn_attention.MIN_LONGEST} tokens, if its probe passes"
 
 
@@ -677,7 +695,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="reuse,recompute,plain",
-        help="reuse, recompute, plain; reuse-cudnn: reuse with long sequences' attention on cuDNN",
+        help="reuse, recompute, plain; reuse-cudnn / reuse-flash: reuse with long sequences' "
+        "attention on cuDNN / on flash (in one process: the A/B)",
     )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
@@ -816,15 +835,9 @@ def main() -> None:
         reset_peak_memory()
         if mode == "plain":
             res = plain_megatron_steps(backend, cfgs["reuse"], batch, args)
-        elif mode == "reuse-cudnn":  # the same steps with long sequences' attention on cuDNN
-            before = os.environ.get("UNIRL_CUDNN_ATTENTION")
-            os.environ["UNIRL_CUDNN_ATTENTION"] = "1"
-            try:
+        elif mode in _ATTENTION_MODES:  # the same steps, long sequences' attention chosen
+            with _attention_env(_ATTENTION_MODES[mode]):
                 res = run_rl_steps(cfgs["reuse"], backend, batch, args)
-            finally:
-                os.environ.pop("UNIRL_CUDNN_ATTENTION")
-                if before is not None:
-                    os.environ["UNIRL_CUDNN_ATTENTION"] = before
         else:
             res = run_rl_steps(cfgs[mode], backend, batch, args)
         res["peak_memory_gib"] = peak_memory_gib()

@@ -54,6 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.megatron_throughput import cudnn_attention_state  # noqa: E402
 from benchmarks.result_files import new_result_path  # noqa: E402
 from benchmarks.run_environment import run_environment  # noqa: E402
 from benchmarks.serve_shapes import (  # noqa: E402
@@ -267,6 +268,7 @@ def _result(args: argparse.Namespace, hf: dict, measured: dict[str, Any]) -> dic
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "dtype": args.dtype,
+        "cudnn_attention": cudnn_attention_state(),
         "direct": args.direct,
         "model": hf,
         "lora_rank": shape.lora_rank,

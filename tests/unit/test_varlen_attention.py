@@ -312,7 +312,9 @@ def test_cudnn_is_not_chosen_off_the_gpu_or_for_short_packs(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert ca.use_cudnn(fake, ca.MIN_LONGEST)
     assert not ca.use_cudnn(fake, ca.MIN_LONGEST - 1)
-    monkeypatch.delenv("UNIRL_CUDNN_ATTENTION")  # opt-in: off unless asked for
+    monkeypatch.delenv("UNIRL_CUDNN_ATTENTION")  # on by default
+    assert ca.use_cudnn(fake, ca.MIN_LONGEST)
+    monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "0")  # the way out
     assert not ca.use_cudnn(fake, ca.MIN_LONGEST)
 
 
@@ -349,3 +351,25 @@ def test_cudnn_path_on_gpu(monkeypatch, lengths):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2, msg=name)
         for got, want in zip(grads, ref_grads):
             torch.testing.assert_close(got.cpu().double(), want, rtol=3e-2, atol=3e-2, msg=name)
+
+
+def test_cudnn_probe_inside_an_activation_checkpoint(monkeypatch):
+    """The first long pack probes cuDNN inside a checkpointed forward; the recompute does not
+    probe again, so the probe's tensors must not count as the checkpoint's (FSDP2 on an H100
+    raised "A different number of tensors was saved")."""
+    from torch.utils.checkpoint import checkpoint
+
+    from unirl.backends import cudnn_attention as ca
+
+    monkeypatch.setattr(ca, "cudnn_causal", _cudnn_stand_in)  # the probe runs on the CPU
+    probed = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        if not probed:  # as use_cudnn's cache: once per device and dtype
+            probed.append(ca._probe(torch.device("cpu"), torch.float32))
+        return (x * x).sin()
+
+    x = torch.randn(5, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert probed == [None]
+    torch.testing.assert_close(x.grad, (2 * x * (x * x).cos()).detach())

@@ -220,7 +220,9 @@ class Worker:
         outcomes, start = [], 0
         for job in jobs:
             end = start + len(job.datums)
-            outputs = [{"logprobs": lp.float().numpy()} for lp in logprobs[start:end]]
+            outputs = [
+                {"logprobs": lp.detach().float().cpu().numpy()} for lp in logprobs[start:end]
+            ]
             total = float(sum(float(x.sum()) for x in losses[start:end]))
             proto = encode_forward_backward_output(outputs, {"loss:sum": total})
             outcomes.append(Outcome(proto=proto))
