@@ -506,3 +506,23 @@ def test_a_server_fault_stops_the_client_instead_of_training_on_partial_gradient
     with pytest.raises(tinker.BadRequestError, match="create_training_client_from_state"):
         tc.optim_step(types.AdamParams(**ADAM)).result()
     assert other.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_yes_no_fields_are_booleans(server):
+    """The SDK sends JSON booleans; another client's string "false" is a 400 naming the field,
+    never read as yes (it would record stability info or compute prompt log-probs)."""
+    import httpx
+
+    body = {
+        "base_model": BASE,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "num_samples": 1,
+        "sampling_params": {"max_tokens": 2, "seed": 0},
+    }
+    for field in ("record_stability_info", "prompt_logprobs"):
+        r = httpx.post(
+            f"{server[0]}/api/v1/asample",
+            json={**body, field: "false"},
+            headers={"X-API-Key": API_KEY},
+        )
+        assert r.status_code == 400 and field in r.text, r.text

@@ -13,7 +13,7 @@ from unirl.serve.errors import BadRequest
 from unirl.serve.jobs import SampleWork
 from unirl.serve.requests import json_body, require
 from unirl.serve.runtime import Runtime, SamplingSession
-from unirl.serve.sampling import sample_job
+from unirl.serve.sampling import flag, sample_job
 from unirl.serve.sessions import base_model_folder
 from unirl.serve.stability import sequence_id
 from unirl.serve.vllm_params import check_sample
@@ -83,7 +83,7 @@ def add_sampling_routes(app: FastAPI, cfg: ServeConfig, rt: Runtime) -> None:
         )
         if cfg.sampling == "vllm":
             check_sample(job)
-        record = bool(body.get("record_stability_info"))
+        record = flag(body, "record_stability_info")
         answer: dict[str, Any] = rt.queue(SampleWork, job=job, record_stability=record)
         # the SDK stamps each sampled sequence with one of these ids
         ids = [sequence_id(answer["request_id"], i) for i in range(job.num_samples)]

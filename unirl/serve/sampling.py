@@ -6,6 +6,7 @@ core's `logprobs_from_logits`."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import zlib
 from collections import OrderedDict
@@ -20,6 +21,7 @@ import torch
 from unirl.core.maths.logprobs import logprobs_from_logits
 from unirl.rollouts.sampler import Sampler
 from unirl.serve.errors import BadRequest
+from unirl.serve.state import META
 from unirl.serve.wire import WireSequence, encode_sample_response
 
 
@@ -52,6 +54,17 @@ def _prompt_tokens(prompt: Any) -> tuple[int, ...]:
             raise BadRequest(f"prompt.chunks[{c}]", "is not a token chunk; send token ids")
         tokens.extend(int(t) for t in chunk.get("tokens", []))
     return tuple(tokens)
+
+
+def flag(body: Mapping[str, Any], field: str) -> bool:
+    """A yes/no field: the SDK sends a JSON boolean (or nothing); anything else is refused, not
+    read by truthiness (the string "false" is no yes)."""
+    value = body.get(field)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(field, f"is {value!r}; send true or false")
+    return value
 
 
 def _stop_tokens(stop: Any) -> tuple[int, ...] | None:
@@ -136,7 +149,7 @@ def sample_job(
         top_k=top_k_value,
         seed=int(seed) if seed is not None else seeds.draw(prompt),
         stop_tokens=_stop_tokens(params.get("stop")),
-        prompt_logprobs=bool(body.get("prompt_logprobs")),
+        prompt_logprobs=flag(body, "prompt_logprobs"),
         prompt_logprobs_last_n=_last_n(body, prompt),
     )
 
@@ -190,9 +203,13 @@ class SamplerPool:
     def __init__(self) -> None:
         self._samplers: OrderedDict[tuple[Path, int], Sampler] = OrderedDict()
 
-    def sampler(self, weights: Path) -> Sampler:
-        # weights saved again under one name are a new folder renamed into place: a new inode
-        key = (weights, (weights / "config.json").stat().st_ino)
+    def sampler(self, weights: Path, *, saved: bool) -> Sampler:
+        """``saved``: weights a client saved (``weights`` inside a save's folder), else a base
+        model's folder, which does not change."""
+        # a save is known by its meta.json's content, which holds the save's own id (weights
+        # saved again under one name are another sampler; an inode could be reused by a later save)
+        meta = weights.parent / META
+        key = (weights, hashlib.sha256(meta.read_bytes()).hexdigest() if saved else "")
         if key in self._samplers:
             self._samplers.move_to_end(key)
             return self._samplers[key]
@@ -217,7 +234,7 @@ class SamplerPool:
         self._samplers.clear()
 
     def run(self, job: SampleJob) -> bytes:
-        base = self.sampler(job.weights)
+        base = self.sampler(job.weights, saved=job.model_path is not None)
         vocab = int(base.model.config.vocab_size)
         bad = [t for t in job.prompt if not 0 <= t < vocab]
         if bad:

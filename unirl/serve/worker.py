@@ -18,6 +18,7 @@ import json
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,7 @@ class Worker:
             "base_model": session.base_model,
             "optimizer_steps": session.optimizer_steps,
             "lora": dict(session.lora),
+            "save_id": uuid.uuid4().hex,  # each save's own: what samplers know it by
         }
         rank = 0 if self.relay is None else self.relay.rank
         barrier = self.relay.barrier if self.relay is not None else None
