@@ -68,6 +68,7 @@ declare -A ROWS=(
   [m4b18-16k-lora-norc]="$M --model qwen3-4b --layers 18 $(at 16384 2) --steps 2 --lora-rank 16 \
 |$M --model qwen3-4b --layers 18 $(at 16384 2) --fused-head --steps 2 --lora-rank 16"
   [f4b-16k-lora]="$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --steps 2 --lora-rank 16"
+  [f4b-16k-lora-norc]="$F --model qwen3-4b $(at 16384 2) --fused-head --steps 2 --lora-rank 16"
   [f06b-64k-gc]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --steps 2"
   [m4b-128k]="$M --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"
   [f4b-128k]="$F --model qwen3-4b $(at 131072 1) --recompute-activations --steps 1 --warmup 0"
