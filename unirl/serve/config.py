@@ -105,10 +105,14 @@ class ServeConfig:
         model = dict(self.train.get("model") or {})
         return model.get(key, getattr(attrs.fields(ModelConfig), key).default)
 
+    def train_model_dtype(self) -> str:
+        """``train.model.dtype``: the built-in sampler's on a GPU."""
+        return str(self._train_model("dtype"))
+
     def engine_dtype(self) -> str:
         """The vLLM engine's weights dtype: ``serve.vllm.dtype``, "model" = ``train.model.dtype``."""
         dtype = self.vllm.dtype
-        return str(self._train_model("dtype")) if dtype == "model" else dtype
+        return self.train_model_dtype() if dtype == "model" else dtype
 
     def engine_max_model_len(self) -> int:
         """The vLLM engine's longest prompt + sample: ``serve.vllm.max_model_len``, else

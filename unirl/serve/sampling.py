@@ -200,8 +200,13 @@ class SamplerPool:
     """The most recently used samplers, one per weights folder (a folder saved again is another);
     each request samples from a `Sampler.variant` of its folder's (the model is not copied)."""
 
-    def __init__(self) -> None:
-        self._samplers: OrderedDict[tuple[Path, int], Sampler] = OrderedDict()
+    def __init__(self, model_dtype: str = "fp32") -> None:
+        # on a GPU node the samplers run on this process's GPU in the training model's dtype
+        # (``train.model.dtype``); on a CPU in fp32, as the CPU backends train
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+        self.dtype = torch.bfloat16 if cuda and model_dtype == "bf16" else torch.float32
+        self._samplers: OrderedDict[tuple[Path, str], Sampler] = OrderedDict()
 
     def sampler(self, weights: Path, *, saved: bool) -> Sampler:
         """``saved``: weights a client saved (``weights`` inside a save's folder), else a base
@@ -215,10 +220,11 @@ class SamplerPool:
             return self._samplers[key]
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=self.dtype)
         eos = model.config.eos_token_id
         sampler = Sampler(
             model,
+            device=self.device,
             temperature=1.0,
             top_p=1.0,
             max_new_tokens=1,
@@ -250,7 +256,9 @@ class SamplerPool:
         gens = sampler.generate([list(job.prompt)] * job.num_samples)
         sequences = [
             WireSequence(
-                tokens=g.response_tokens.numpy(), logprobs=g.logprobs.numpy(), stopped=g.finished
+                tokens=g.response_tokens.cpu().numpy(),
+                logprobs=g.logprobs.float().cpu().numpy(),
+                stopped=g.finished,
             )
             for g in gens
         ]
@@ -265,7 +273,7 @@ class SamplerPool:
 @torch.no_grad()
 def _prompt_logprobs(model: torch.nn.Module, prompt: tuple[int, ...]) -> np.ndarray:
     """``[len(prompt)]``: NaN for the first token (no context), then log p(token | before)."""
-    ids = torch.tensor([prompt], dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
     logits = model(input_ids=ids).logits[0, :-1].float()
     logp = logprobs_from_logits(logits, ids[0, 1:])
-    return np.concatenate([[np.nan], logp.numpy()]).astype(np.float32)
+    return np.concatenate([[np.nan], logp.cpu().numpy()]).astype(np.float32)

@@ -50,7 +50,7 @@ def build_sampling(cfg: ServeConfig) -> SamplerPool | VllmSampling:
     when its first engine starts)."""
     if cfg.sampling == "vllm":
         return VllmSampling(cfg)
-    return SamplerPool()
+    return SamplerPool(cfg.train_model_dtype())
 
 
 def batch_rounds(jobs: Sequence[Job]) -> list[list[Job]]:
