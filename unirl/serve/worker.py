@@ -211,6 +211,7 @@ class Worker:
             if jobs[0].forward_only:
                 logps = backend.forward_logprobs(mbs, role="policy", spec=spec, progress=progress)
                 for mb, lp in zip(mbs, logps, strict=False):  # [] off the last pipeline stage
+                    lp = lp.detach().cpu()  # beside the microbatch's tensors (on a GPU: not)
                     loss_fn.records.append((lp, loss_fn.per_token(mb, lp)))
             else:
                 backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=progress)
