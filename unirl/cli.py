@@ -101,6 +101,7 @@ def _verify_note(cfg: UnirlConfig) -> str:
 
 
 def check_report(cfg: UnirlConfig) -> dict[str, Any]:
+    from unirl.backends.cudnn_attention import plan_note
     from unirl.backends.lora_summary import lora_summary
     from unirl.core.config.derived import head_path
     from unirl.core.config.optimizer_offload import choose_optimizer_offload
@@ -142,6 +143,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
             "staleness_warning": uncorrected_staleness(cfg, staleness),
         },
         "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
+        "attention": plan_note(cfg.model.max_seq_len),
         "optimizer_state": {"offload": offload.offload, "reason": offload.reason},
         "critic": critic_summary(cfg),
         "lora": lora_summary(cfg),
@@ -167,6 +169,7 @@ def _print_report(report: dict[str, Any]) -> None:
     if report["old_logprobs"]["staleness_warning"]:
         out.write("WARNING: " + report["old_logprobs"]["staleness_warning"] + "\n")
     out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
+    out.write("\n# attention\n" + report["attention"] + "\n")
     out.write("\n# optimizer state\n" + report["optimizer_state"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
     if report["lora"]:

@@ -118,3 +118,27 @@ def test_check_reports_the_head_path(overrides, in_head, words, capsys):
     assert head["loss_in_head"] is in_head and words in head["reason"], head
     assert main(["check", str(tiny)] + [a for o in overrides for a in ("--set", o)]) == 0
     assert "# LM head and loss\n" + head["reason"] in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("env", "max_seq_len", "words"),
+    [
+        (None, 512, "flash varlen for every pack on a GPU: no sequence reaches 8,192 tokens"),
+        (None, 65536, "8,192 tokens or more (model.max_seq_len 65,536 allows them) on cuDNN"),
+        ("0", 65536, "flash varlen for every pack on a GPU (UNIRL_CUDNN_ATTENTION=0)"),
+    ],
+)
+def test_check_reports_the_attention_kernel(env, max_seq_len, words, capsys, monkeypatch):
+    """`unirl check` says which kernel long sequences' attention takes on a GPU: cuDNN from
+    8,192 tokens (unirl/backends/cudnn_attention.py) unless turned off."""
+    if env is None:
+        monkeypatch.delenv("UNIRL_CUDNN_ATTENTION", raising=False)
+    else:
+        monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", env)
+    tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
+    argv = ["check", str(tiny), "--set", f"model.max_seq_len={max_seq_len}"]
+    assert main([*argv, "--json"]) == 0
+    note = json.loads(capsys.readouterr().out)["attention"]
+    assert words in note, note
+    assert main(argv) == 0
+    assert "# attention\n" + note in capsys.readouterr().out

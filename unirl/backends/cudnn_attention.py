@@ -48,6 +48,24 @@ def enabled() -> bool:
     return os.environ.get(_ENV, "1") != "0"
 
 
+def plan_note(max_seq_len: int) -> str:
+    """What a run whose sequences reach ``max_seq_len`` tokens attends with on a GPU (for
+    ``unirl check``; the probe's answer is known only on the GPU)."""
+    if not enabled():
+        return f"flash varlen for every pack on a GPU ({_ENV}=0)"
+    if max_seq_len < MIN_LONGEST:
+        return (
+            f"flash varlen for every pack on a GPU: no sequence reaches {MIN_LONGEST:,} tokens "
+            f"(model.max_seq_len {max_seq_len:,}), where cuDNN would take over"
+        )
+    return (
+        f"on a GPU a pack whose longest sequence has {MIN_LONGEST:,} tokens or more (model."
+        f"max_seq_len {max_seq_len:,} allows them) on cuDNN through SDPA, one call per sequence, "
+        "once its probe has matched an fp32 reference on the card (else flash varlen); shorter "
+        f"packs on flash varlen; {_ENV}=0 keeps every pack on flash"
+    )
+
+
 def use_cudnn(q: torch.Tensor, longest: int) -> bool:
     """Whether a pack whose longest sequence has ``longest`` tokens runs on cuDNN here."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) or longest < MIN_LONGEST:
