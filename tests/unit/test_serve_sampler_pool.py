@@ -49,3 +49,40 @@ def test_a_base_model_folder_is_loaded_once(tmp_path):
     pool = SamplerPool()
     folder = save_tiny_model(tmp_path / "base")
     assert pool.sampler(folder, saved=False) is pool.sampler(folder, saved=False)
+
+
+def test_prompt_logprobs_in_chunks_equal_one_forward(tmp_path, monkeypatch):
+    """A long prompt's log-probs come from the head in chunks (never all its logits at once):
+    the same as log_softmax over one whole forward's logits, written out here."""
+    from unirl.serve import sampling
+
+    folder = save_tiny_model(tmp_path / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompt = tuple(int(t) for t in torch.randint(0, model.config.vocab_size, (11,)))
+    monkeypatch.setattr(sampling, "PROMPT_CHUNK", 3)
+    got = sampling._prompt_logprobs(model, prompt)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, :-1]
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert got.shape == (11,) and torch.isnan(torch.tensor(got[0]))
+    torch.testing.assert_close(torch.tensor(got[1:]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_on_a_gpu_one_sampler_is_kept_and_the_old_one_goes_first(tmp_path, monkeypatch):
+    """On a GPU the samplers share the card with training: the pool keeps one and drops it
+    before the next one loads (no moment with two on the card)."""
+    pool = SamplerPool()
+    monkeypatch.setattr(pool, "_placement", lambda: (None, torch.float32, 1))
+    seen = []
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def counting(*args, **kwargs):
+        seen.append(len(pool._samplers))
+        return load(*args, **kwargs)
+
+    for name, seed in (("a", 1), ("b", 2)):
+        _save(tmp_path / name, seed, name)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counting)
+    for name in ("a", "b"):
+        pool.sampler(tmp_path / name / "hf", saved=True)
+    assert seen == [0, 0] and len(pool._samplers) == 1

@@ -307,15 +307,21 @@ def test_cudnn_is_not_chosen_off_the_gpu_or_for_short_packs(monkeypatch):
     monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "1")
     q = torch.zeros(4, HQ, D)
     assert not ca.use_cudnn(q, 1 << 20)  # the CPU
-    monkeypatch.setattr(ca, "_WORKS", {(0, torch.bfloat16): True})
+    monkeypatch.setattr(ca, "_WORKS", {(0, torch.bfloat16, D): True})
     fake = torch.zeros(4, HQ, D, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert ca.use_cudnn(fake, ca.MIN_LONGEST)
     assert not ca.use_cudnn(fake, ca.MIN_LONGEST - 1)
     monkeypatch.delenv("UNIRL_CUDNN_ATTENTION")  # on by default
     assert ca.use_cudnn(fake, ca.MIN_LONGEST)
-    monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "0")  # the way out
-    assert not ca.use_cudnn(fake, ca.MIN_LONGEST)
+    for off in ("0", "false", "Off", "no"):  # the way out
+        monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", off)
+        assert not ca.use_cudnn(fake, ca.MIN_LONGEST), off
+    other = torch.zeros(4, HQ, 2 * D, dtype=torch.bfloat16)  # another head dim: probed anew
+    monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "1")
+    monkeypatch.setattr(ca, "_probe", lambda device, dtype, head_dim: f"no kernel at {head_dim}")
+    assert not ca.use_cudnn(other, ca.MIN_LONGEST)
+    assert ca._WORKS[(0, torch.bfloat16, 2 * D)] is False
 
 
 @pytest.mark.gpu

@@ -39,13 +39,17 @@ logger = logging.getLogger(__name__)
 # call per sequence (and the host sync for the bounds) is noise beside the attention itself.
 MIN_LONGEST = 8192
 _ENV = "UNIRL_CUDNN_ATTENTION"
-_WORKS: dict[tuple[int, torch.dtype], bool] = {}
+_WORKS: dict[tuple[int, torch.dtype, int], bool] = {}  # (device, dtype, head dim): probed
 _REFUSED: set[int] = set()  # lengths cuDNN had no kernel for (logged once each)
 
 
+_OFF = ("0", "false", "off", "no")
+
+
 def enabled() -> bool:
-    """Whether long packs may use cuDNN (``UNIRL_CUDNN_ATTENTION=0``: never)."""
-    return os.environ.get(_ENV, "1") != "0"
+    """Whether long packs may use cuDNN (``UNIRL_CUDNN_ATTENTION=0``, ``false``, ``off`` or
+    ``no``: never)."""
+    return os.environ.get(_ENV, "1").strip().lower() not in _OFF
 
 
 def plan_note(max_seq_len: int) -> str:
@@ -72,9 +76,9 @@ def use_cudnn(q: torch.Tensor, longest: int) -> bool:
         return False
     if not enabled():
         return False
-    key = (q.device.index or 0, q.dtype)
+    key = (q.device.index or 0, q.dtype, q.shape[-1])
     if key not in _WORKS:
-        why = _probe(q.device, q.dtype)
+        why = _probe(q.device, q.dtype, head_dim=q.shape[-1])
         if why is not None:
             logger.info("attention stays on flash attention (cuDNN: %s)", why)
         else:
@@ -141,9 +145,9 @@ def _one(
         return fallback(q, k, v)
 
 
-def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
+def _probe(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str | None:
     """None when cuDNN's output and gradients match an fp32 causal reference on odd lengths with
-    grouped heads, else why not."""
+    grouped heads of the model's ``head_dim``, else why not."""
     try:
         # the first long pack probes, often inside an activation checkpoint's forward: the
         # identity hooks keep the probe's tensors out of what the checkpoint saves (else its
@@ -151,12 +155,12 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
         with (
             torch.inference_mode(False),
             torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(_same, _same),
+            torch.autograd.graph.saved_tensors_hooks(_detached, _same),
         ):
             gen = torch.Generator().manual_seed(0)
             for length in (19, 333):
                 q, k, v, g = (
-                    torch.randn(length, h, 64, generator=gen).to(device) for h in (4, 2, 2, 4)
+                    torch.randn(length, h, head_dim, generator=gen).to(device) for h in (4, 2, 2, 4)
                 )
                 got = _out_and_grads(q, k, v, g, dtype, cudnn=True)
                 ref = _out_and_grads(q, k, v, g, torch.float32, cudnn=False)
@@ -168,6 +172,10 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # the saved tensor itself would be a reference cycle (torch's docs)
+
+
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -175,14 +183,14 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 def _out_and_grads(q, k, v, g, dtype: torch.dtype, *, cudnn: bool) -> list[torch.Tensor]:
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     if cudnn:
-        out = cudnn_causal(*leaves, scale=0.125)
+        out = cudnn_causal(*leaves, scale=q.shape[-1] ** -0.5)
     else:
         rep = q.shape[1] // k.shape[1]
         qq, kk, vv = (
             t.transpose(0, 1) if i == 0 else t.repeat_interleave(rep, dim=1).transpose(0, 1)
             for i, t in enumerate(leaves)
         )
-        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=0.125)
+        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=q.shape[-1] ** -0.5)
         out = out.transpose(0, 1)
     grads = torch.autograd.grad(out, leaves, g.to(dtype))
     return [out.detach(), *(x.detach() for x in grads)]

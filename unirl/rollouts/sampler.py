@@ -148,6 +148,8 @@ class Sampler:
         # transformers >= 5.x names the KV cache argument `cache`, earlier `past_key_values`.
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # only the last position's logits: a prompt's would be [rows, P, vocab]
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
@@ -273,7 +275,7 @@ class Sampler:
 
     def _forward(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         kwargs = {self._cache_arg: cache} if cache is not None else {}
-        out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
+        out = self.model(input_ids=input_ids, use_cache=True, **kwargs, **self._last_only)
         new_cache = out.cache if self._cache_arg == "cache" else out.past_key_values
         return out.logits[:, -1, :], new_cache
 

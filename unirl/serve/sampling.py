@@ -192,8 +192,10 @@ def keep_last(prompt_lp: np.ndarray, n: int | None) -> np.ndarray:
 
 
 # Samplers kept loaded: an RL loop saves new sampler weights every step and samples the newest,
-# so older ones are dropped (a later request for one loads it again from disk).
+# so older ones are dropped (a later request for one loads it again from disk). On a GPU one: the
+# samplers share the card with the training clients.
 KEPT_SAMPLERS = 2
+KEPT_SAMPLERS_GPU = 1
 
 
 class SamplerPool:
@@ -201,12 +203,17 @@ class SamplerPool:
     each request samples from a `Sampler.variant` of its folder's (the model is not copied)."""
 
     def __init__(self, model_dtype: str = "fp32") -> None:
-        # on a GPU node the samplers run on this process's GPU in the training model's dtype
-        # (``train.model.dtype``); on a CPU in fp32, as the CPU backends train
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-        self.dtype = torch.bfloat16 if cuda and model_dtype == "bf16" else torch.float32
+        # on a GPU node the samplers run on the serving rank's GPU in the training model's
+        # dtype (``train.model.dtype``; the device is read at the first load, after the rank
+        # set its GPU); on a CPU in fp32, as the CPU backends train
+        self.model_dtype = model_dtype
         self._samplers: OrderedDict[tuple[Path, str], Sampler] = OrderedDict()
+
+    def _placement(self) -> tuple[torch.device | None, torch.dtype, int]:
+        if not torch.cuda.is_available():
+            return None, torch.float32, KEPT_SAMPLERS
+        dtype = torch.bfloat16 if self.model_dtype == "bf16" else torch.float32
+        return torch.device("cuda", torch.cuda.current_device()), dtype, KEPT_SAMPLERS_GPU
 
     def sampler(self, weights: Path, *, saved: bool) -> Sampler:
         """``saved``: weights a client saved (``weights`` inside a save's folder), else a base
@@ -220,11 +227,14 @@ class SamplerPool:
             return self._samplers[key]
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(weights, dtype=self.dtype)
+        device, dtype, kept = self._placement()
+        while len(self._samplers) >= kept:  # dropped before the new one loads
+            self._samplers.popitem(last=False)
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype)
         eos = model.config.eos_token_id
         sampler = Sampler(
             model,
-            device=self.device,
+            device=device,
             temperature=1.0,
             top_p=1.0,
             max_new_tokens=1,
@@ -232,8 +242,6 @@ class SamplerPool:
             eos_id=eos if isinstance(eos, int) else -1,
         )
         self._samplers[key] = sampler
-        while len(self._samplers) > KEPT_SAMPLERS:
-            self._samplers.popitem(last=False)
         return sampler
 
     def close(self) -> None:
@@ -270,10 +278,25 @@ class SamplerPool:
         return encode_sample_response(sequences, prompt_lp)
 
 
+# Prompt positions scored per head matmul: a long prompt's logits never exist all at once.
+PROMPT_CHUNK = 2048
+
+
 @torch.no_grad()
 def _prompt_logprobs(model: torch.nn.Module, prompt: tuple[int, ...]) -> np.ndarray:
-    """``[len(prompt)]``: NaN for the first token (no context), then log p(token | before)."""
+    """``[len(prompt)]``: NaN for the first token (no context), then log p(token | before); the
+    decoder's hidden states through the output head in chunks of `PROMPT_CHUNK` positions."""
     ids = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
-    logits = model(input_ids=ids).logits[0, :-1].float()
-    logp = logprobs_from_logits(logits, ids[0, 1:])
+    head = model.get_output_embeddings()
+    if getattr(model.config, "final_logit_softcapping", None) or head is None:
+        logits = model(input_ids=ids).logits[0, :-1].float()  # the head is more than a matmul
+        logp = logprobs_from_logits(logits, ids[0, 1:])
+    else:
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, :-1]
+        targets = ids[0, 1:]
+        logp = torch.cat([
+            logprobs_from_logits(head(hidden[a : a + PROMPT_CHUNK]).float(),
+                                 targets[a : a + PROMPT_CHUNK])
+            for a in range(0, hidden.shape[0], PROMPT_CHUNK)
+        ])  # fmt: skip
     return np.concatenate([[np.nan], logp.cpu().numpy()]).astype(np.float32)

@@ -217,14 +217,13 @@ class Worker:
                 backend.forward_backward(mbs, loss_fn=loss_fn, spec=spec, progress=progress)
         if len(loss_fn.records) != len(mbs):  # a pipeline stage before the last: rank 0 of
             return None  # the torchrun ranks takes the last stage's outcomes (`JobRelay.agree`)
-        logprobs = split_per_datum(mbs, [r[0] for r in loss_fn.records])
-        losses = split_per_datum(mbs, [r[1] for r in loss_fn.records])
+        # to the host once per microbatch (not per datum)
+        logprobs = split_per_datum(mbs, [r[0].detach().float().cpu() for r in loss_fn.records])
+        losses = split_per_datum(mbs, [r[1].detach().cpu() for r in loss_fn.records])
         outcomes, start = [], 0
         for job in jobs:
             end = start + len(job.datums)
-            outputs = [
-                {"logprobs": lp.detach().float().cpu().numpy()} for lp in logprobs[start:end]
-            ]
+            outputs = [{"logprobs": lp.numpy()} for lp in logprobs[start:end]]
             total = float(sum(float(x.sum()) for x in losses[start:end]))
             proto = encode_forward_backward_output(outputs, {"loss:sum": total})
             outcomes.append(Outcome(proto=proto))
