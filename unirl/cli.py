@@ -143,7 +143,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
             "staleness_warning": uncorrected_staleness(cfg, staleness),
         },
         "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
-        "attention": plan_note(cfg.model.max_seq_len),
+        "attention": plan_note(cfg.model.max_seq_len, cfg.model.dtype, cfg.parallel.cp),
         "optimizer_state": {"offload": offload.offload, "reason": offload.reason},
         "critic": critic_summary(cfg),
         "lora": lora_summary(cfg),

@@ -121,22 +121,23 @@ def test_check_reports_the_head_path(overrides, in_head, words, capsys):
 
 
 @pytest.mark.parametrize(
-    ("env", "max_seq_len", "words"),
+    ("env", "sets", "words"),
     [
-        (None, 512, "flash varlen for every pack on a GPU: no sequence reaches 8,192 tokens"),
-        (None, 65536, "8,192 tokens or more (model.max_seq_len 65,536 allows them) on cuDNN"),
-        ("0", 65536, "flash varlen for every pack on a GPU (UNIRL_CUDNN_ATTENTION=0)"),
+        (None, ["model.max_seq_len=512"], "flash varlen for every pack on a GPU: no sequence"),
+        (None, ["model.max_seq_len=65536"], "(model.max_seq_len 65,536 allows them) on cuDNN"),
+        ("off", ["model.max_seq_len=65536"], "every pack on a GPU (UNIRL_CUDNN_ATTENTION=off)"),
+        (None, ["model.max_seq_len=65536", "model.dtype=fp32"], "without flash or cuDNN"),
     ],
 )
-def test_check_reports_the_attention_kernel(env, max_seq_len, words, capsys, monkeypatch):
+def test_check_reports_the_attention_kernel(env, sets, words, capsys, monkeypatch):
     """`unirl check` says which kernel long sequences' attention takes on a GPU: cuDNN from
-    8,192 tokens (unirl/backends/cudnn_attention.py) unless turned off."""
+    8,192 tokens in bf16 (unirl/backends/cudnn_attention.py) unless turned off; fp32 neither."""
     if env is None:
         monkeypatch.delenv("UNIRL_CUDNN_ATTENTION", raising=False)
     else:
         monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", env)
     tiny = next(p for p in EXAMPLES if p.name == "tiny_grpo.yaml")
-    argv = ["check", str(tiny), "--set", f"model.max_seq_len={max_seq_len}"]
+    argv = ["check", str(tiny)] + [a for s in ["model.dtype=bf16", *sets] for a in ("--set", s)]
     assert main([*argv, "--json"]) == 0
     note = json.loads(capsys.readouterr().out)["attention"]
     assert words in note, note

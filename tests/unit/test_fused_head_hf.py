@@ -67,6 +67,7 @@ def test_request_gives_logprobs_and_entropy_of_the_logits(tied) -> None:
     ("overrides", "message"),
     [
         (dict(model_type="gemma2", final_logit_softcapping=30.0), "final_logit_softcapping"),
+        (dict(model_type="granite", logits_scaling=8.0), "logits_scaling"),
     ],
 )
 def test_heads_that_transform_logits_are_refused(overrides, message) -> None:

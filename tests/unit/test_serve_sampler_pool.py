@@ -86,3 +86,37 @@ def test_on_a_gpu_one_sampler_is_kept_and_the_old_one_goes_first(tmp_path, monke
     for name in ("a", "b"):
         pool.sampler(tmp_path / name / "hf", saved=True)
     assert seen == [0, 0] and len(pool._samplers) == 1
+
+
+def _reference_prompt_logprobs(model, prompt) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def test_prompt_logprobs_of_a_family_that_scales_its_logits():
+    """Granite divides its logits by ``logits_scaling`` after the head: its prompt log-probs
+    come from the whole forward, as the model computes them (the chunked head would not)."""
+    from unirl.serve import sampling
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "granite", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, logits_scaling=8.0,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prompt = (3, 9, 27, 17, 51, 26)
+    got = sampling._prompt_logprobs(model, prompt)
+    want = _reference_prompt_logprobs(model, prompt)
+    torch.testing.assert_close(torch.tensor(got[1:]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt(tmp_path):
+    """One token has no context: its one entry is NaN (the SDK's None), not an error."""
+    from unirl.serve import sampling
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        save_tiny_model(tmp_path / "base"), dtype=torch.float32
+    )
+    got = sampling._prompt_logprobs(model, (5,))
+    assert got.shape == (1,) and torch.isnan(torch.tensor(got[0]))

@@ -52,11 +52,19 @@ def enabled() -> bool:
     return os.environ.get(_ENV, "1").strip().lower() not in _OFF
 
 
-def plan_note(max_seq_len: int) -> str:
+def plan_note(max_seq_len: int, dtype: str, cp: int = 1) -> str:
     """What a run whose sequences reach ``max_seq_len`` tokens attends with on a GPU (for
-    ``unirl check``; the probe's answer is known only on the GPU)."""
+    ``unirl check``; the probe's answer is known only on the GPU). ``dtype``: the model's
+    (``fp32`` runs neither kernel); ``cp``: context-parallel ranks (their ring takes flash)."""
+    if dtype not in ("bf16", "fp16"):
+        return (
+            f"on a GPU SDPA without flash or cuDNN (model.dtype {dtype}: both kernels take "
+            "bf16 / fp16 only)"
+        )
     if not enabled():
-        return f"flash varlen for every pack on a GPU ({_ENV}=0)"
+        return f"flash varlen for every pack on a GPU ({_ENV}={os.environ.get(_ENV)})"
+    if cp > 1:
+        return f"flash varlen for every pack on a GPU (context parallel, cp {cp}, runs on it)"
     if max_seq_len < MIN_LONGEST:
         return (
             f"flash varlen for every pack on a GPU: no sequence reaches {MIN_LONGEST:,} tokens "

@@ -282,21 +282,33 @@ class SamplerPool:
 PROMPT_CHUNK = 2048
 
 
+# Families whose logits are exactly the decoder's last hidden state through the output head
+# (their ForCausalLM forwards, transformers 5), when `head_problem` finds no transform either.
+_PLAIN_HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+
+
 @torch.no_grad()
 def _prompt_logprobs(model: torch.nn.Module, prompt: tuple[int, ...]) -> np.ndarray:
-    """``[len(prompt)]``: NaN for the first token (no context), then log p(token | before); the
-    decoder's hidden states through the output head in chunks of `PROMPT_CHUNK` positions."""
+    """``[len(prompt)]``: NaN for the first token (no context), then log p(token | before); for
+    the plain-head families the decoder's hidden states through the output head in chunks of
+    `PROMPT_CHUNK` positions, else one forward."""
+    from unirl.backends.hf.fused_head import head_problem
+
+    first = np.full(1, np.nan, dtype=np.float32)
+    if len(prompt) < 2:
+        return first[: len(prompt)]
     ids = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
-    head = model.get_output_embeddings()
-    if getattr(model.config, "final_logit_softcapping", None) or head is None:
-        logits = model(input_ids=ids).logits[0, :-1].float()  # the head is more than a matmul
-        logp = logprobs_from_logits(logits, ids[0, 1:])
+    targets = ids[0, 1:]
+    plain = model.config.model_type in _PLAIN_HEAD_FAMILIES and head_problem(model) is None
+    if not plain:
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        logp = logprobs_from_logits(logits, targets)
     else:
-        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, :-1]
-        targets = ids[0, 1:]
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        head = model.get_output_embeddings()
         logp = torch.cat([
             logprobs_from_logits(head(hidden[a : a + PROMPT_CHUNK]).float(),
                                  targets[a : a + PROMPT_CHUNK])
             for a in range(0, hidden.shape[0], PROMPT_CHUNK)
         ])  # fmt: skip
-    return np.concatenate([[np.nan], logp.cpu().numpy()]).astype(np.float32)
+    return np.concatenate([first, logp.cpu().numpy()]).astype(np.float32)

@@ -103,27 +103,41 @@ class FusedLMHead(torch.nn.Linear):
         return torch.stack(cols, dim=-1)[None]
 
 
+# Config keys by which a family transforms its logits after the head's matmul (Gemma's
+# softcapping, Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier, ...)
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier_scale",
+    "logits_scaling",
+    "lm_head_multiplier",
+)
+
+
+def head_problem(model: Any) -> str | None:
+    """Why ``model``'s logits are more than its output embedding's ``h @ W.T`` (None: they are
+    exactly that)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return f"its output embedding is {type(head).__name__}, not a torch.nn.Linear"
+    if head.bias is not None:
+        return "its LM head has a bias"
+    for key in _LOGIT_TRANSFORMS:
+        if getattr(model.config, key, None) not in (None, 1.0):
+            return f"it transforms its logits ({key}={getattr(model.config, key)!r})"
+    return None
+
+
 def install_fused_head(model: Any) -> FusedLMHead:
     """Turn ``model``'s output embedding (``lm_head``) into a `FusedLMHead` in place (same
     parameters and state-dict keys); refuses heads whose logits are more than ``h @ W.T``."""
+    problem = head_problem(model)
+    if problem is not None:
+        raise ConfigError(
+            f"model.fused_head: {type(model).__name__}: {problem}, which the fused log-probs do "
+            "not reproduce; set model.fused_head: false for this model"
+        )
     head = model.get_output_embeddings()
-    name = type(model).__name__
-    if not isinstance(head, torch.nn.Linear):
-        raise ConfigError(
-            f"model.fused_head: {name}'s output embedding is {type(head).__name__}, not a "
-            "torch.nn.Linear; set model.fused_head: false for this model"
-        )
-    if head.bias is not None:
-        raise ConfigError(
-            f"model.fused_head: {name}'s LM head has a bias, which the fused log-probs do not "
-            "add; set model.fused_head: false for this model"
-        )
-    for key in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(model.config, key, None) not in (None, 1.0):
-            raise ConfigError(
-                f"model.fused_head: {name} transforms its logits ({key}="
-                f"{getattr(model.config, key)!r}); set model.fused_head: false for this model"
-            )
     if not isinstance(head, FusedLMHead):
         head.__class__ = FusedLMHead
     return head
