@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import torch
 
 from tests.contract import fixture_sets, fixtures, moe_fixture, reference
@@ -69,6 +70,22 @@ class Check:
 
 class SectionFailed(Exception):
     """A harness section raised; the message is its traceback."""
+
+
+def assert_checks(fn: Any, *args: Any) -> None:
+    """Run a clause (``fn(*args)`` -> checks) and fail the test naming its failed checks (the
+    first 40), or the harness section that raised."""
+    try:
+        checks = fn(*args)
+    except SectionFailed as err:
+        pytest.fail(str(err), pytrace=False)
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        pytest.fail(
+            f"{len(failed)} of {len(checks)} checks failed:\n"
+            + "\n".join(c.describe() for c in failed[:40]),
+            pytrace=False,
+        )
 
 
 # -- comparisons ------------------------------------------------------------------------------

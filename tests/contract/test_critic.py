@@ -112,18 +112,7 @@ def group(case: tuple, critic_runs: CriticRuns) -> clauses.Measured:
     return critic_runs.get(*case)
 
 
-def _assert(fn, *args) -> None:
-    try:
-        checks = fn(*args)
-    except clauses.SectionFailed as err:
-        pytest.fail(str(err), pytrace=False)
-    failed = [c for c in checks if not c.ok]
-    if failed:
-        pytest.fail(
-            f"{len(failed)} of {len(checks)} checks failed:\n"
-            + "\n".join(c.describe() for c in failed[:40]),
-            pytrace=False,
-        )
+_assert = clauses.assert_checks
 
 
 def test_critic_c1_values(group, critic_reference):

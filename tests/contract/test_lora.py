@@ -124,18 +124,7 @@ def data(case: tuple, lora_fixtures: lora.LoraFixtures) -> tuple[Path, list[dict
     return lora_fixtures.data(case[1].fixture)
 
 
-def _assert(fn, *args) -> None:
-    try:
-        checks = fn(*args)
-    except clauses.SectionFailed as err:
-        pytest.fail(str(err), pytrace=False)
-    failed = [c for c in checks if not c.ok]
-    if failed:
-        pytest.fail(
-            f"{len(failed)} of {len(checks)} checks failed:\n"
-            + "\n".join(c.describe() for c in failed[:40]),
-            pytrace=False,
-        )
+_assert = clauses.assert_checks
 
 
 def test_lora_l1_forward(group, reference):

@@ -45,16 +45,10 @@ def test_router_gradient_at_transformers_init(case, router_init_data, tmp_path):
     m = router_init.run_group(
         entry, layout, model_dir=model_dir, records=records, work_dir=tmp_path
     )
-    try:
+
+    def checks() -> list[clauses.Check]:
         split = clauses.training_split(m, lambda r: r["splits"])
         ref = router_init.reference_step(model_dir, records, split)
-        checks = router_init.checks(m, ref, TOL)
-    except clauses.SectionFailed as err:
-        pytest.fail(str(err), pytrace=False)
-    failed = [c for c in checks if not c.ok]
-    if failed:
-        pytest.fail(
-            f"{len(failed)} of {len(checks)} checks failed:\n"
-            + "\n".join(c.describe() for c in failed[:40]),
-            pytrace=False,
-        )
+        return router_init.checks(m, ref, TOL)
+
+    clauses.assert_checks(checks)
