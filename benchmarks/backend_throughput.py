@@ -284,6 +284,7 @@ def main() -> None:
             "max_len": max(lengths),
             "tokens_per_microbatch": args.tokens_per_microbatch,
             "activation_recompute": args.recompute_activations,
+            "attention_kept": args.recompute_activations and args.keep_attention,
             "cudnn_attention": cudnn_attention_state(),
             "fused_head": args.fused_head,
             "optimizer_offload": args.optimizer_offload,

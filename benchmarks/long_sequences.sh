@@ -80,6 +80,18 @@ declare -A ROWS=(
   # what the offload costs: the measured m4b18-64k / f4b-16k rows with their state offloaded
   [m4b18-64k-offload]="$M --model qwen3-4b --layers 18 $(at 65536 1) --recompute-activations --optimizer-offload cpu --steps 1"
   [f4b-16k-offload]="$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --optimizer-offload cpu --steps 2"
+  # the recomputed layers keeping attention's output (--keep-attention: model.recompute_attention:
+  # false, unirl.backends.kept_attention): attention's forward runs once. x2 / x8: that many
+  # sequences per optimizer step (the host's Adam step paid once for all of them)
+  [m4b-64k-keep]="$M --model qwen3-4b $(at 65536 1) --recompute-activations --keep-attention --optimizer-offload cpu --steps 1"
+  [m4b-64k-keep-x2]="$M --model qwen3-4b $(at 65536 2) --recompute-activations --keep-attention --optimizer-offload cpu --steps 1"
+  [m4b-16k-keep-x8]="$M --model qwen3-4b $(at 16384 8) --fused-head --recompute-activations --recompute-layers 8 --keep-attention --optimizer-offload cpu --steps 1 \
+|$M --model qwen3-4b $(at 16384 8) --fused-head --recompute-activations --recompute-layers 12 --keep-attention --optimizer-offload cpu --steps 1"
+  [f4b-64k-keep]="$F --model qwen3-4b $(at 65536 1) --recompute-activations --keep-attention --optimizer-offload cpu --liger-kernels --steps 1"
+  [f4b-16k-keep]="$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --keep-attention --liger-kernels --steps 2 \
+|$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --liger-kernels --steps 2"
+  [m06b-64k-keep]="$M --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --steps 2"
+  [f06b-64k-keep]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --liger-kernels --steps 2"
   # run with LIMIT=300 or more: the search's budget is LIMIT - 10 s, each length's LIMIT - 20 s
   [m4b-longest]="$L $(lengths 98304 131072 196608 262144) --out $OUT/m4b-longest.json -- \
 $M --model qwen3-4b --recompute-activations --optimizer-offload cpu --steps 1 --warmup 0"

@@ -67,6 +67,12 @@ LAYOUTS = (
     Layout.of("pp2-vpp2", 2, options=PADDED, pp=2, vpp=2),
     Layout.of("dp2", 2, options=PADDED),
     Layout.of("packed", 1),
+    # whole-layer recompute keeping attention's output (model.recompute_attention: false)
+    Layout.of(
+        "packed-kept-attention",
+        1,
+        model={"gradient_checkpointing": True, "recompute_attention": False},
+    ),
     Layout.of("packed-tp2", 2, tp=2),
     Layout.of("packed-tp2-sp", 2, tp=2, sequence_parallel=True),  # torch norms, no TE
     Layout.of("packed-cp2", 2, cp=2),

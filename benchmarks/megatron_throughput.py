@@ -282,6 +282,9 @@ def config_dict(
             "dtype": getattr(args, "dtype", "bf16"),
             "max_seq_len": args.max_len,
             "gradient_checkpointing": args.recompute_activations,
+            # --keep-attention: the recomputed layers keep attention's output (unirl.backends.
+            # kept_attention); its forward runs once
+            "recompute_attention": not getattr(args, "keep_attention", False),
             # auto: the loss inside the head when the logits would exceed the budget
             "fused_head": True if args.fused_head else "auto",
             **model,
@@ -620,6 +623,12 @@ def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="megatron.recompute_layers: with --recompute-activations, only the first N layers",
     )
+    parser.add_argument(
+        "--keep-attention",
+        action="store_true",
+        help="model.recompute_attention: false: with --recompute-activations the recomputed "
+        "layers keep attention's output and run only the rest again",
+    )
 
 
 def add_lora_argument(parser: argparse.ArgumentParser) -> None:
@@ -645,7 +654,8 @@ def add_offload_argument(parser: argparse.ArgumentParser) -> None:
 def recompute_summary(args: argparse.Namespace) -> str:
     if args.recompute_activations:
         n = args.recompute_layers
-        return "full, every layer" if n is None else f"full, the first {n} layers (block)"
+        which = "full, every layer" if n is None else f"full, the first {n} layers (block)"
+        return which + (", attention kept" if args.keep_attention else "")
     if args.recompute_modules:
         return f"selective: {args.recompute_modules}"
     return "none"

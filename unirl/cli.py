@@ -105,6 +105,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
     from unirl.backends.lora_summary import lora_summary
     from unirl.core.config.derived import head_path
     from unirl.core.config.optimizer_offload import choose_optimizer_offload
+    from unirl.core.config.recompute_plan import recompute_note
     from unirl.core.critic import critic_summary
     from unirl.core.mismatch import mismatch_note
     from unirl.core.old_logprobs import (
@@ -144,6 +145,7 @@ def check_report(cfg: UnirlConfig) -> dict[str, Any]:
         },
         "head": {"loss_in_head": head.loss_in_head, "reason": head.reason},
         "attention": plan_note(cfg.model.max_seq_len, cfg.model.dtype, cfg.parallel.cp),
+        "recompute": recompute_note(cfg),
         "optimizer_state": {"offload": offload.offload, "reason": offload.reason},
         "critic": critic_summary(cfg),
         "lora": lora_summary(cfg),
@@ -170,6 +172,7 @@ def _print_report(report: dict[str, Any]) -> None:
         out.write("WARNING: " + report["old_logprobs"]["staleness_warning"] + "\n")
     out.write("\n# LM head and loss\n" + report["head"]["reason"] + "\n")
     out.write("\n# attention\n" + report["attention"] + "\n")
+    out.write("\n# activation recompute\n" + report["recompute"] + "\n")
     out.write("\n# optimizer state\n" + report["optimizer_state"]["reason"] + "\n")
     out.write("\n# critic\n" + report["critic"] + "\n")
     if report["lora"]:

@@ -92,10 +92,33 @@ def load_policy(model_cfg: ModelConfig) -> Any:
         model = build_from_config(model_cfg.hf_config, model_cfg.init_seed, dtype)
     model.config.use_cache = False  # training never decodes; the KV cache only costs memory
     if model_cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing works with ZeRO-3's parameter hooks and frozen inputs.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, model_cfg)
     model.train()
     return model
+
+
+def enable_checkpointing(model: Any, model_cfg: ModelConfig) -> None:
+    """transformers' per-layer activation checkpoint, non-reentrant (it works with ZeRO-3's
+    parameter hooks and frozen inputs); under ``model.recompute_attention: false`` selective,
+    keeping attention's outputs (`unirl.backends.kept_attention`), the cuDNN probe run from the
+    embedding's output, before the first checkpointed layer."""
+    from unirl.backends import kept_attention
+    from unirl.backends.cudnn_attention import probe_ahead
+
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if not model_cfg.recompute_attention:
+        kwargs["context_fn"] = kept_attention.contexts
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+
+        def probe(_module: Any, _inputs: Any, out: torch.Tensor) -> None:
+            if torch.is_grad_enabled():
+                probe_ahead(out.device, out.dtype, head_dim)
+
+        model.get_input_embeddings().register_forward_hook(probe)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def load_reference(model_cfg: ModelConfig) -> Any:
@@ -181,6 +204,6 @@ def load_critic(model_cfg: ModelConfig, critic_cfg: CriticConfig) -> Any:
             model = model.to(dtype)
     model.config.architectures = [type(model).__name__]  # what an export's config names
     if model_cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, model_cfg)
     model.train()
     return model

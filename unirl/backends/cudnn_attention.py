@@ -84,15 +84,30 @@ def use_cudnn(q: torch.Tensor, longest: int) -> bool:
         return False
     if not enabled():
         return False
-    key = (q.device.index or 0, q.dtype, q.shape[-1])
+    return probed(q.device, q.dtype, q.shape[-1])
+
+
+def probed(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether cuDNN gave the reference's numbers at ``head_dim`` on ``device`` in ``dtype``,
+    probing once per key. Callers that run attention under a selective activation checkpoint
+    call it before entering one (`unirl.backends.kept_attention`): a probe inside would put its
+    own attention outputs in the checkpoint's cache, which the recompute (no probe) would then
+    hand to the layer's real attention."""
+    key = (device.index or 0, dtype, head_dim)
     if key not in _WORKS:
-        why = _probe(q.device, q.dtype, head_dim=q.shape[-1])
+        why = _probe(device, dtype, head_dim=head_dim)
         if why is not None:
             logger.info("attention stays on flash attention (cuDNN: %s)", why)
         else:
             logger.info("attention of sequences >= %d tokens on cuDNN", MIN_LONGEST)
         _WORKS[key] = why is None
     return _WORKS[key]
+
+
+def probe_ahead(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Run the probe now if a long pack could take cuDNN here (CUDA, bf16 / fp16, turned on)."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and enabled():
+        probed(device, dtype, head_dim)
 
 
 def cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -172,6 +172,12 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("full-dp2", 2),
         ContractLayout.of("sp2", 2, options={"sp": 2}, critic=True),
         ContractLayout.of("full-dp1-fused", 1, model={"fused_head": True}),
+        # per-layer checkpoint keeping attention's output (unirl.backends.kept_attention)
+        ContractLayout.of(
+            "full-dp1-kept-attention",
+            1,
+            model={"gradient_checkpointing": True, "recompute_attention": False},
+        ),
         # the tiny Qwen3-MoE through transformers' own Qwen3MoeForCausalLM (no expert parallel)
         ContractLayout.of("moe-full-dp2", 2, fixture="moe"),
     ),

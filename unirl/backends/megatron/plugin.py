@@ -311,6 +311,12 @@ PLUGIN = BackendPlugin(
             model={"gradient_checkpointing": True},
             options={"recompute_layers": 1},
         ),
+        # whole-layer recompute keeping attention's output (unirl.backends.kept_attention)
+        ContractLayout.of(
+            "recompute-kept-attention",
+            1,
+            model={"gradient_checkpointing": True, "recompute_attention": False},
+        ),
         ContractLayout.of("dp2", 2),
         ContractLayout.of("tp2", 2, tp=2, critic=True),
         ContractLayout.of("tp2-sp", 2, tp=2, sequence_parallel=True, lora=True),

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from unirl.backends.kept_attention import keep_attention_in
 from unirl.backends.megatron.checkpoint import ExtraModel
 from unirl.backends.megatron.fused_head import emit_hidden
 from unirl.backends.megatron.heads import Head, install_value_head
@@ -57,6 +59,8 @@ def recompute_overrides(cfg: UnirlConfig, recompute: bool) -> dict[str, Any]:
     runs again in backward), or the first ``megatron.recompute_layers`` of each stage (block);
     otherwise ``megatron.recompute_modules`` selectively, or none."""
     options = cfg.backend_options
+    if recompute and not cfg.model.recompute_attention:
+        return {}  # unirl's checkpoint keeping attention instead (`keep_attention_layers`)
     if recompute:
         n = options.recompute_layers
         return {
@@ -102,7 +106,19 @@ def build_chunks(
         load_hf_weights(chunks, source.weights, source.hf_config, topology)
     if fused_head(cfg) and not value_head:
         emit_hidden(chunks)
+    if recompute and not cfg.model.recompute_attention:
+        keep_attention_layers(chunks, cfg.backend_options.recompute_layers)
     return chunks
+
+
+def keep_attention_layers(chunks: Sequence[torch.nn.Module], first: int | None) -> None:
+    """``model.recompute_attention: false``: each chunk's layers (its ``first`` ones, as
+    megatron's block recompute under ``megatron.recompute_layers``) checkpointed keeping their
+    attention's output (`unirl.backends.kept_attention`), in place of megatron's full recompute."""
+    for chunk in chunks:
+        layers = list(chunk.decoder.layers)
+        for layer in layers[: len(layers) if first is None else first]:
+            keep_attention_in(layer, layer.config.kv_channels)
 
 
 @attrs.frozen(kw_only=True)

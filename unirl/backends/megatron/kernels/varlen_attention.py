@@ -183,12 +183,13 @@ def _repeat_kv(t: torch.Tensor, q_heads: int) -> torch.Tensor:
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw: Any
 ) -> torch.Tensor:
-    """SDPA on [N, H, D] tensors (heads as batch)."""
+    """SDPA on [N, H, D] tensors, as one batch of 4-D ``[1, H, N, D]`` (a 3-D input takes SDPA's
+    math path everywhere: no fused kernel, whose outputs `unirl.backends.kept_attention` keeps)."""
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale, **kw
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale, **kw
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 # --- packed, no CP ---------------------------------------------------------------------------

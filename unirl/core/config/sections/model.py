@@ -25,6 +25,12 @@ class ModelConfig:
     init_seed: int = 0
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
+    # With gradient_checkpointing: whether the checkpointed layers run their attention again in
+    # backward (true) or keep its output and recompute only the rest (false; dense models;
+    # `unirl.backends.kept_attention`): at 64k tokens attention is ~70% of a 4B model's FLOPs,
+    # kept it costs query heads x (head_dim x 2 + 4) bytes per token per layer in bf16
+    # (`unirl.core.config.recompute_plan`; unirl check prints the figure).
+    recompute_attention: bool = True
     # Log-probs straight from the final hidden states and the LM head's weight, in token chunks
     # (`unirl.core.maths.head_loss`, `logprobs_hidden`): the [tokens, vocab] logits and their
     # gradient are never held (4.6 GiB each in bf16 at 16k tokens x 152k vocabulary). Below a few
