@@ -24,16 +24,23 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_grpo.yaml"
 
 
 class AttentionCalls(TorchDispatchMode):
-    """Counts the attention kernels that actually run (forward and backward ops apart)."""
+    """Counts the forward attention kernels that actually run, the outermost only (torch's
+    varlen custom op calls the flash kernel inside: one call)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.forward = 0
+        self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if is_attention_op(func):
-            self.forward += 1
-        return func(*args, **(kwargs or {}))
+        if not is_attention_op(func):
+            return func(*args, **(kwargs or {}))
+        self.forward += self._depth == 0
+        self._depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self._depth -= 1
 
 
 class Block(torch.nn.Module):
