@@ -58,9 +58,10 @@ def _loss_fn(mb, logprobs, entropy, /, **_):
     return (mb.loss_mask * logprobs).sum(), {}
 
 
-def _worker(rank, world_size, recompute_attention, parallel):
+def _worker(rank, world_size, recompute_attention, parallel, attention="packed"):
     from unirl.backends.megatron import build_backend
     from unirl.core.config.run_config import config_from_dict
+    from unirl.core.errors import ConfigError
     from unirl.core.maths.logprob_spec import LogprobSpec
     from unirl.core.progress.bars import MicrobatchProgress
 
@@ -73,12 +74,16 @@ def _worker(rank, world_size, recompute_attention, parallel):
             "gradient_checkpointing": True,
             "recompute_attention": recompute_attention,
         },
+        "megatron": {"attention": attention},
         "batch": dict(TINY_BATCH),
         "parallel": parallel,
         "logging": {"tensorboard": False},
     }
     cfg = config_from_dict(data, world_size=world_size)
-    backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
+    try:
+        backend = build_backend(cfg, total_optimizer_steps=1, needs_reference=False)
+    except ConfigError as err:
+        return str(err)
     spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
     counter = _AttentionCalls()
     with counter, MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
@@ -96,3 +101,11 @@ def test_attention_runs_once_per_layer_and_sequence(parallel):
     whole = run_distributed(_worker, ranks, True, parallel)
     assert kept == [LAYERS * len(LENGTHS)] * ranks
     assert whole == [2 * LAYERS * len(LENGTHS)] * ranks
+
+
+def test_an_attention_that_keeps_nothing_is_refused_at_build():
+    """megatron.attention: unfused (matmuls and a softmax, no attention kernel) would keep
+    nothing: refused naming the key, not run as whole-layer recompute."""
+    [err] = run_distributed(_worker, 1, False, {}, "unfused")
+    assert "model.recompute_attention: false keeps the outputs of torch's attention" in err
+    assert "megatron.attention: unfused" in err

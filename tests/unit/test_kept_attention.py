@@ -7,6 +7,7 @@ backends' layers take it from the config, the config refuses it where it changes
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -96,11 +97,19 @@ def test_kept_attention_gives_autograds_gradients_and_runs_attention_once():
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
 
 
-def test_forward_only_runs_without_a_checkpoint():
+def test_forward_only_runs_without_a_checkpoint(monkeypatch):
+    from unirl.backends import kept_attention
+
+    def no_checkpoint(*args, **kwargs):
+        raise AssertionError("a forward-only pass went through the checkpoint")
+
+    monkeypatch.setattr(kept_attention, "checkpoint", no_checkpoint)
     block = Block()
+    x = torch.randn(1, 5, 16)
     with torch.no_grad():
-        out = checkpoint_keeping_attention(block, torch.randn(1, 5, 16))
-    assert out.grad_fn is None
+        torch.testing.assert_close(checkpoint_keeping_attention(block, x), block(x))
+    with pytest.raises(AssertionError, match="went through the checkpoint"):
+        checkpoint_keeping_attention(block, x)  # with autograd: the checkpoint
 
 
 def _hf_grads(recompute_attention: bool | None):
@@ -153,6 +162,15 @@ def test_hugging_face_layers_keep_attention_from_the_config():
             ],
             "model.recompute_attention: false with a mixture-of-experts model",
         ),
+        (
+            [
+                "backend=deepspeed",
+                "parallel.zero_stage=3",
+                "model.gradient_checkpointing=true",
+                "model.recompute_attention=false",
+            ],
+            "model.recompute_attention: false with backend: deepspeed and parallel.zero_stage: 3",
+        ),
     ],
 )
 def test_settings_that_change_nothing_are_refused_naming_the_key(overrides, words):
@@ -183,7 +201,7 @@ def test_check_prints_the_kept_memory_computed_by_hand():
     note = check_report(cfg)["recompute"]
     # 36 layers x 65,536 tokens x 32 heads x (128 x 2 bytes + 4 bytes of statistics)
     expected = 36 * 65536 * 32 * (128 * 2 + 4) / 2**30
-    assert f"{expected:.2f} GiB per rank (36 layers x 65,536 tokens)" in note, note
+    assert f"{expected:.2f} GiB per rank and microbatch (36 layers x 65,536 tokens)" in note, note
     assert "model.recompute_attention: false" in note
     whole = check_report(load_config(TINY, ["model.gradient_checkpointing=true"]))["recompute"]
     assert "attention included" in whole
@@ -220,6 +238,7 @@ def test_kept_attention_on_gpu_kernels(monkeypatch, lengths):
     runs once per layer."""
     from unirl.backends import cudnn_attention as ca
     from unirl.backends.kept_attention import keep_attention_in
+    from unirl.backends.megatron.kernels import varlen_attention as va
 
     monkeypatch.setenv("UNIRL_CUDNN_ATTENTION", "1")
     monkeypatch.setattr(ca, "_WORKS", {})
@@ -241,11 +260,13 @@ def test_kept_attention_on_gpu_kernels(monkeypatch, lengths):
             m.zero_grad(set_to_none=True)
         return grads, calls.forward
 
-    ca.probe_ahead(x.device, x.dtype, 128)  # outside the counted runs
+    va.probe_ahead(x, 128)  # outside the counted runs
     ref, plain_calls = run()
     for layer in layers:
-        keep_attention_in(layer, head_dim=128)
-    monkeypatch.setattr(ca, "_WORKS", {})  # the first kept run probes (in the wrapper)
+        keep_attention_in(layer, functools.partial(va.probe_ahead, head_dim=128))
+    # the first kept run probes (in the wrapper): cuDNN's and torch 2.11's grouped-heads check
+    monkeypatch.setattr(ca, "_WORKS", {})
+    monkeypatch.setattr(va, "_NATIVE_GQA", {})
     kept, _ = run()
     for a, b in zip(kept, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-6)

@@ -104,9 +104,11 @@ def enable_checkpointing(model: Any, model_cfg: ModelConfig) -> None:
     embedding's output, before the first checkpointed layer."""
     from unirl.backends import kept_attention
     from unirl.backends.cudnn_attention import probe_ahead
+    from unirl.core.config.recompute_rules import refuse_experts
 
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if not model_cfg.recompute_attention:
+        refuse_experts(model.config.to_dict())  # the loaded model's config, checked again
         kwargs["context_fn"] = kept_attention.contexts
         config = model.config
         head_dim = getattr(config, "head_dim", None) or (

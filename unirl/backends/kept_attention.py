@@ -35,8 +35,6 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from unirl.backends.cudnn_attention import probe_ahead
-
 # Forward attention kernels whose outputs the checkpoint keeps, by the op's qualified name.
 ATTENTION_OPS = frozenset(
     {
@@ -54,18 +52,21 @@ ATTENTION_OPS = frozenset(
 
 
 def is_attention_op(func: Any) -> bool:
-    """Whether ``func`` (an op overload) is one of `ATTENTION_OPS`."""
+    """Whether ``func`` (an op overload) is one of `ATTENTION_OPS`, by name: the kernels a torch
+    build has differ (cuDNN, flash, the CPU's), and a missing one must not fail the import."""
     return func.name().split(".")[0] in ATTENTION_OPS
 
 
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Only attention's outputs are kept: anything more (the projections' outputs, the MLP's) is
+    what whole-layer recompute exists to drop, and costs far less to run again."""
     return (
         CheckpointPolicy.MUST_SAVE if is_attention_op(func) else CheckpointPolicy.PREFER_RECOMPUTE
     )
 
 
 def contexts() -> tuple[Any, Any]:
-    """The checkpoint's ``context_fn``: a fresh pair of caching modes per checkpointed call."""
+    """The checkpoint's ``context_fn``: each checkpointed call needs its own cache."""
     return create_selective_checkpoint_contexts(_policy)
 
 
@@ -77,17 +78,19 @@ def checkpoint_keeping_attention(function: Callable[..., Any], *args: Any, **kwa
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
-def keep_attention_in(layer: torch.nn.Module, head_dim: int) -> None:
-    """Make ``layer``'s forward run under `checkpoint_keeping_attention`. Before each call the
-    cuDNN probe runs if it has not (`unirl.backends.cudnn_attention.probed`: inside, its outputs
-    would enter the cache); ``head_dim``: the layer's attention head size, the probe's key."""
+def keep_attention_in(layer: torch.nn.Module, prepare: Callable[[torch.Tensor], None]) -> None:
+    """Make ``layer``'s forward run under `checkpoint_keeping_attention`. ``prepare`` gets the
+    first tensor argument before each training call, outside the checkpoint: the attention's
+    one-time kernel probes run there (`unirl.backends.cudnn_attention.probed`, Megatron's grouped
+    heads check), since inside their kernel outputs would enter the cache and the recompute,
+    which does not probe, would hand them to the layer's real attention."""
     inner = layer.forward
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
         if first is not None and torch.is_grad_enabled():
-            probe_ahead(first.device, first.dtype, head_dim)
+            prepare(first)
         return checkpoint_keeping_attention(inner, *args, **kwargs)
 
     layer.forward = forward  # type: ignore[method-assign]

@@ -43,6 +43,15 @@ def check(cfg: UnirlConfig) -> None:
         raise ConfigError(
             "parallel.etp is set but backend: deepspeed has no expert parallel; remove it"
         )
+    if p.zero_stage == 3 and not cfg.model.recompute_attention:
+        # ZeRO-3 gathers and releases each layer's parameters inside the checkpointed layer;
+        # under the selective checkpoint a released parameter is left in flight (seen in the
+        # contract suite on gloo: "expected to be released")
+        raise ConfigError(
+            "model.recompute_attention: false with backend: deepspeed and parallel.zero_stage: "
+            "3: ZeRO-3's parameter gathers do not survive the selective checkpoint; use "
+            "zero_stage 0-2, backend: fsdp2, or remove model.recompute_attention"
+        )
 
 
 def _gpu_bytes(cfg: UnirlConfig, offloaded: bool) -> float:
@@ -98,6 +107,14 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("zero3-dp2", 2, zero_stage=3, critic=True, lora=True),
         # model.fused_head: the log-probs from the LM head's input (ZeRO-3 gathers its weight)
         ContractLayout.of("zero3-dp1-fused", 1, model={"fused_head": True}, zero_stage=3),
+        # per-layer checkpoint keeping attention's output (unirl.backends.kept_attention), with
+        # ZeRO-3's parameter gathers inside the checkpointed layers
+        ContractLayout.of(
+            "zero1-dp2-kept-attention",
+            2,
+            model={"gradient_checkpointing": True, "recompute_attention": False},
+            zero_stage=1,
+        ),
         # the tiny Qwen3-MoE through transformers' own Qwen3MoeForCausalLM (no expert parallel)
         ContractLayout.of("moe-zero1-dp2", 2, fixture="moe", zero_stage=1),
     ),

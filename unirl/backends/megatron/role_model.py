@@ -10,6 +10,7 @@ between passes (``model.ref_offload``). The microbatch loop that runs any of the
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -23,9 +24,10 @@ from unirl.backends.kept_attention import keep_attention_in
 from unirl.backends.megatron.checkpoint import ExtraModel
 from unirl.backends.megatron.fused_head import emit_hidden
 from unirl.backends.megatron.heads import Head, install_value_head
+from unirl.backends.megatron.kernels.varlen_attention import probe_ahead
 from unirl.backends.megatron.lora.install import LoraAdapters
 from unirl.backends.megatron.lora.state import MergedParameters, adapter_state_dict
-from unirl.backends.megatron.model import build_model_chunks
+from unirl.backends.megatron.model import SDPACoreAttention, build_model_chunks
 from unirl.backends.megatron.optimizer import (
     apply_schedule,
     apply_step_settings,
@@ -45,7 +47,9 @@ from unirl.backends.megatron.weights.hf_layout import (
 from unirl.backends.megatron.weights_folder import MegatronWeights
 from unirl.core.backend import AdamStepSettings, OptimizerStepStats
 from unirl.core.config.derived import fused_head
+from unirl.core.config.recompute_rules import refuse_experts
 from unirl.core.config.run_config import OptimizerConfig, UnirlConfig
+from unirl.core.errors import ConfigError
 from unirl.core.run.lr_schedule import check_schedule
 from unirl.core.topology import Topology
 from unirl.core.weights.stream import HOST, WeightBuckets
@@ -107,6 +111,7 @@ def build_chunks(
     if fused_head(cfg) and not value_head:
         emit_hidden(chunks)
     if recompute and not cfg.model.recompute_attention:
+        refuse_experts(source.hf_config.to_dict())  # the loaded model's config, checked again
         keep_attention_layers(chunks, cfg.backend_options.recompute_layers)
     return chunks
 
@@ -114,11 +119,23 @@ def build_chunks(
 def keep_attention_layers(chunks: Sequence[torch.nn.Module], first: int | None) -> None:
     """``model.recompute_attention: false``: each chunk's layers (its ``first`` ones, as
     megatron's block recompute under ``megatron.recompute_layers``) checkpointed keeping their
-    attention's output (`unirl.backends.kept_attention`), in place of megatron's full recompute."""
+    attention's output (`unirl.backends.kept_attention`), in place of megatron's full recompute.
+    Only unirl's SDPA core attention runs kernels the checkpoint knows: Transformer Engine's and
+    megatron's unfused attention would keep nothing, so they are refused."""
     for chunk in chunks:
         layers = list(chunk.decoder.layers)
         for layer in layers[: len(layers) if first is None else first]:
-            keep_attention_in(layer, layer.config.kv_channels)
+            core = layer.self_attention.core_attention
+            if not isinstance(core, SDPACoreAttention):
+                raise ConfigError(
+                    f"model.recompute_attention: false keeps the outputs of torch's attention "
+                    f"kernels; this model's core attention is {type(core).__name__} (megatron."
+                    "attention: unfused, or Transformer Engine's), which runs none of them: use "
+                    "megatron.attention: packed or padded without Transformer Engine, or remove "
+                    "model.recompute_attention"
+                )
+            head_dim = layer.config.kv_channels
+            keep_attention_in(layer, functools.partial(probe_ahead, head_dim=head_dim))
 
 
 @attrs.frozen(kw_only=True)

@@ -1,5 +1,5 @@
 """Activation recompute of the policy (``model.gradient_checkpointing``, ``model.recompute_attention``):
-its rules, and what `unirl check` reports of it.
+what `unirl check` reports of it (its rules: `unirl.core.config.recompute_rules`).
 
 With ``model.recompute_attention: false`` the checkpointed layers keep their attention's output
 and recompute only the rest (`unirl.backends.kept_attention`); that costs, per rank,
@@ -9,7 +9,8 @@ and recompute only the rest (`unirl.backends.kept_attention`); that costs, per r
 
 ``tokens`` being the largest microbatch per rank (`head_memory.microbatch_tokens`, divided by
 parallel.cp), the layers those of one pipeline stage (all its chunks), or the first
-``megatron.recompute_layers`` of each chunk. It saves the attention forward that whole-layer
+``megatron.recompute_layers`` of each chunk; per microbatch: under pipeline parallel a stage
+holds up to ``parallel.pp`` microbatches in flight (1F1B), and the report gives that bound. It saves the attention forward that whole-layer
 recompute runs a second time: at 65,536 tokens about 70% of a Qwen3-4B forward. The choice is
 the user's: what else a step holds (the layers not recomputed, the head, the optimizer's
 buffers) is not counted here, so the plan does not decide it; it prints the figure.
@@ -22,30 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from unirl.core.config.head_memory import DTYPE_BYTES, GIB, microbatch_tokens
 from unirl.core.config.model_shape import hf_config_fields
-from unirl.core.config.param_count import moe_keys
-from unirl.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
-
-
-def check_recompute_attention(cfg: UnirlConfig) -> None:
-    """``model.recompute_attention: false`` narrows whole-layer recompute of a dense model."""
-    m = cfg.model
-    if m.recompute_attention:
-        return
-    if not m.gradient_checkpointing:
-        raise ConfigError(
-            "model.recompute_attention: false keeps attention's output in the layers "
-            "model.gradient_checkpointing recomputes, which is off; set "
-            "model.gradient_checkpointing: true or remove model.recompute_attention"
-        )
-    keys = moe_keys(hf_config_fields(m) or {})
-    if keys:
-        raise ConfigError(
-            f"model.recompute_attention: false with a mixture-of-experts model ({keys}): kept "
-            "attention is built for dense layers only; remove model.recompute_attention"
-        )
 
 
 def kept_attention_bytes(cfg: UnirlConfig, hf: dict[str, Any]) -> tuple[int, int, int] | None:
@@ -98,10 +78,16 @@ def recompute_note(cfg: UnirlConfig) -> str:
             "keeps attention's output instead)"
         )
     kept = kept_attention_bytes(cfg, hf_config_fields(m) or {})
+    pp = cfg.parallel.pp
     size = (
         "its size unknown (the model's config lacks the shape)"
         if kept is None
-        else f"{_size(kept[0])} per rank ({kept[1]} layers x {kept[2]:,} tokens)"
+        else f"{_size(kept[0])} per rank and microbatch ({kept[1]} layers x {kept[2]:,} tokens)"
+        + (
+            f", up to {_size(pp * kept[0])} with parallel.pp={pp} microbatches in flight"
+            if pp > 1
+            else ""
+        )
     )
     return (
         f"model.gradient_checkpointing: true, model.recompute_attention: false: {which} keeps "

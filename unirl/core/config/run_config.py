@@ -20,7 +20,7 @@ import yaml
 
 from unirl.core.config.from_data import _convert, _structure
 from unirl.core.config.overrides import apply_overrides
-from unirl.core.config.recompute_plan import check_recompute_attention
+from unirl.core.config.recompute_rules import check_recompute_attention
 from unirl.core.config.routing_replay import check_routing_replay
 from unirl.core.config.rules import check_registered_rules
 from unirl.core.config.sections.algorithm import (
@@ -242,7 +242,7 @@ def _check_combinations(cfg: UnirlConfig) -> None:
     _check_critic(cfg)
     _check_lora(cfg)
     _check_offload(cfg)
-    check_recompute_attention(cfg)
+    check_recompute_attention(cfg.model)
     check_routing_replay(cfg)
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from unirl.backends.cudnn_attention import cudnn_packed, use_cudnn
+from unirl.backends.cudnn_attention import probe_ahead as cudnn_probe_ahead
 from unirl.core.data.context_parallel import CPLayout, cp_local_indices
 from unirl.core.errors import LossInputError
 
@@ -88,6 +89,17 @@ def _takes_gqa(q: torch.Tensor) -> bool:
             logger.info("packed attention repeats the key/value heads (%s): %s", q.dtype, why)
         _NATIVE_GQA[key] = why is None
     return _NATIVE_GQA[key]
+
+
+def probe_ahead(x: torch.Tensor, head_dim: int) -> None:
+    """Run this path's one-time kernel probes now for tensors like ``x`` (device and dtype):
+    cuDNN's (`unirl.backends.cudnn_attention.probe_ahead`) and, on a torch whose varlen_attn
+    has no ``enable_gqa``, `_takes_gqa`'s. For a training forward under a selective checkpoint
+    (`unirl.backends.kept_attention`), which must not see a probe's kernels."""
+    cudnn_probe_ahead(x.device, x.dtype, head_dim)
+    q = x.new_empty(1, 1, head_dim)
+    if varlen_available(q) and "enable_gqa" not in _VARLEN_PARAMS:
+        _takes_gqa(q)
 
 
 def _native_gqa_probe(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -26,8 +26,8 @@ class ModelConfig:
     dtype: Dtype = "fp32"
     gradient_checkpointing: bool = False
     # With gradient_checkpointing: whether the checkpointed layers run their attention again in
-    # backward (true) or keep its output and recompute only the rest (false; dense models;
-    # `unirl.backends.kept_attention`): at 64k tokens attention is ~70% of a 4B model's FLOPs,
+    # backward (true) or keep its output and recompute only the rest (false; dense models, not
+    # under DeepSpeed ZeRO-3; `unirl.backends.kept_attention`): at 64k tokens attention is ~70% of a 4B model's FLOPs,
     # kept it costs query heads x (head_dim x 2 + 4) bytes per token per layer in bf16
     # (`unirl.core.config.recompute_plan`; unirl check prints the figure).
     recompute_attention: bool = True
