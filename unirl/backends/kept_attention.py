@@ -1,6 +1,7 @@
 """Activation recompute that keeps each layer's attention output (``model.recompute_attention:
-false``), shared by the Megatron layers (`unirl.backends.megatron.role_model.keep_attention_layers`) and the Hugging
-Face backends' decoder layers (`unirl.backends.causal_lm`).
+false``), shared by the Megatron layers (`keep_attention_layers` in
+`unirl.backends.megatron.role_model`) and the Hugging Face backends' decoder layers
+(`enable_checkpointing` in `unirl.backends.causal_lm`).
 
 Why: whole-layer recompute (``model.gradient_checkpointing``) keeps a layer's input and runs its
 forward again in backward, attention included. At long sequences attention is most of the work
