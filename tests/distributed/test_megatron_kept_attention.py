@@ -10,8 +10,8 @@ import importlib.util
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.attention_calls import AttentionCalls
 from tests.spawn import run_distributed
 from tests.tiny_models import TINY_BATCH, TINY_LLAMA
 
@@ -22,18 +22,6 @@ pytestmark = pytest.mark.skipif(
 
 LAYERS = 3
 LENGTHS = (5, 3, 8)  # 16 tokens: no padding segment under sequence parallel (a multiple of tp)
-
-
-class _AttentionCalls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from unirl.backends.kept_attention import is_attention_op
-
-        self.calls += is_attention_op(func)
-        return func(*args, **(kwargs or {}))
 
 
 def _microbatch():
@@ -85,11 +73,11 @@ def _worker(rank, world_size, recompute_attention, parallel, attention="packed")
     except ConfigError as err:
         return str(err)
     spec = LogprobSpec(temperature=1.0, vocab_size=backend.vocab_size)
-    counter = _AttentionCalls()
+    counter = AttentionCalls()
     with counter, MicrobatchProgress("test", 1, backend.topology, enabled=False) as bar:
         backend.forward_backward([_microbatch()], loss_fn=_loss_fn, spec=spec, progress=bar)
     backend.close()
-    return counter.calls
+    return counter.forward
 
 
 @pytest.mark.parametrize(

@@ -13,35 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from tests.attention_calls import AttentionCalls
 from tests.tiny_models import TINY_LLAMA
-from unirl.backends.kept_attention import checkpoint_keeping_attention, is_attention_op
+from unirl.backends.kept_attention import checkpoint_keeping_attention
 from unirl.core.config.run_config import load_config
 from unirl.core.errors import ConfigError
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_grpo.yaml"
-
-
-class AttentionCalls(TorchDispatchMode):
-    """Counts the forward attention kernels that actually run, the outermost only (an attention
-    op that calls another inside counts once)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forward = 0
-        self._depth = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not is_attention_op(func):
-            return func(*args, **(kwargs or {}))
-        self.forward += self._depth == 0
-        self._depth += 1
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self._depth -= 1
 
 
 class Block(torch.nn.Module):

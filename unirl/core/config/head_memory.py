@@ -47,7 +47,8 @@ def plain_head_bytes(tokens: int, vocab: int, tp: int, dtype: str) -> int:
     return 2 * tokens * math.ceil(vocab / tp) * DTYPE_BYTES[dtype]
 
 
-def _gib(size: int) -> str:
+def size_text(size: int) -> str:
+    """``size`` bytes as GiB, or MiB below a hundredth of one (the plans' reports)."""
     return f"{size / GIB:.2f} GiB" if size >= GIB // 100 else f"{size / 2**20:.3f} MiB"
 
 
@@ -77,7 +78,7 @@ def choose_fused_head(cfg: UnirlConfig) -> FusedHeadChoice:
     size = plain_head_bytes(tokens, vocab, cfg.parallel.tp, m.dtype)
     shape = (
         f"{tokens:,} tokens x {math.ceil(vocab / cfg.parallel.tp):,} vocabulary per rank in "
-        f"{m.dtype}: logits + gradient {_gib(size)}"
+        f"{m.dtype}: logits + gradient {size_text(size)}"
     )
     fused = size > m.fused_head_logits_gib * GIB
     verdict = "above" if fused else "within"

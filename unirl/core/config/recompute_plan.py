@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from unirl.core.config.head_memory import DTYPE_BYTES, GIB, microbatch_tokens
+from unirl.core.config.head_memory import DTYPE_BYTES, microbatch_tokens, size_text
 from unirl.core.config.model_shape import hf_config_fields
 
 if TYPE_CHECKING:
@@ -46,10 +46,6 @@ def kept_attention_bytes(cfg: UnirlConfig, hf: dict[str, Any]) -> tuple[int, int
         per_stage * tokens * math.ceil(heads / p.tp) * (head_dim * DTYPE_BYTES[cfg.model.dtype] + 4)
     )
     return size, per_stage, tokens
-
-
-def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB // 100 else f"{n / 2**20:.3f} MiB"
 
 
 def recompute_note(cfg: UnirlConfig) -> str:
@@ -82,9 +78,9 @@ def recompute_note(cfg: UnirlConfig) -> str:
     size = (
         "its size unknown (the model's config lacks the shape)"
         if kept is None
-        else f"{_size(kept[0])} per rank and microbatch ({kept[1]} layers x {kept[2]:,} tokens)"
+        else f"{size_text(kept[0])} per rank and microbatch ({kept[1]} layers x {kept[2]:,} tokens)"
         + (
-            f", up to {_size(pp * kept[0])} with parallel.pp={pp} microbatches in flight"
+            f", up to {size_text(pp * kept[0])} with parallel.pp={pp} microbatches in flight"
             if pp > 1
             else ""
         )
