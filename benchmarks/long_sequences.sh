@@ -92,6 +92,12 @@ declare -A ROWS=(
 |$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --liger-kernels --steps 2"
   [m06b-64k-keep]="$M --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --steps 2"
   [f06b-64k-keep]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --liger-kernels --steps 2"
+  # the same on an H200 (141 GB): the state on the GPU (--optimizer-offload none), no host Adam
+  # step; two sequences per step at 64k (one would have a zero loss: one sample in its group)
+  [m4b-64k-keep-gpu]="$M --model qwen3-4b $(at 65536 2) --recompute-activations --keep-attention --optimizer-offload none --steps 1"
+  [m4b-16k-keep-gpu]="$M --model qwen3-4b $(at 16384 8) --fused-head --recompute-activations --recompute-layers 8 --keep-attention --optimizer-offload none --steps 1 \
+|$M --model qwen3-4b $(at 16384 8) --fused-head --recompute-activations --recompute-layers 12 --keep-attention --optimizer-offload none --steps 1"
+  [f4b-64k-keep-gpu]="$F --model qwen3-4b $(at 65536 2) --recompute-activations --keep-attention --optimizer-offload none --liger-kernels --steps 1"
   # run with LIMIT=300 or more: the search's budget is LIMIT - 10 s, each length's LIMIT - 20 s
   [m4b-longest]="$L $(lengths 98304 131072 196608 262144) --out $OUT/m4b-longest.json -- \
 $M --model qwen3-4b --recompute-activations --optimizer-offload cpu --steps 1 --warmup 0"
