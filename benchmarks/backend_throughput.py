@@ -57,6 +57,7 @@ from benchmarks.megatron_throughput import (
     rollout_records,
     summary,
 )
+from benchmarks.optimizer_timing import time_optimizer_steps
 from benchmarks.profile_gaps import add_profile_gaps_argument
 from benchmarks.run_environment import run_environment
 from unirl.backends.deepspeed.engine import deep_merge
@@ -131,20 +132,23 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     backend = build_backend(cfgs[modes[0]], total_optimizer_steps=1000, needs_reference=False)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "results": {}}
+    optimizer_calls = time_optimizer_steps(backend, functools.partial(_sync, args.device))
     try:
         for mode in modes:
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             step = RLStep(cfgs[mode], backend)
-            times, metrics = [], []
+            times, metrics, optimizer_s = [], [], []
             for i in range(args.warmup + args.steps):
                 _sync(args.device)
                 t = time.perf_counter()
+                first = len(optimizer_calls)
                 result = step.run(batch)
                 _sync(args.device)
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t)
                     metrics.append(result.metrics)
+                    optimizer_s.append(sum(optimizer_calls[first:]))
             res: dict[str, Any] = {
                 "step_s": times,
                 "actor_phase_s": [
@@ -152,6 +156,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                 ],
                 "actor_forward_s": [m.get("time/actor_forward_s", 0.0) for m in metrics],
                 "train_s": [m["time/train_s"] for m in metrics],
+                # the optimizer step alone (offloaded: the host's Adam step and copies)
+                "optimizer_s": optimizer_s,
                 "old_logprob_source": result.decision.source,
                 # with --fused-head: the loss inside the head (3 matmuls) or after it (4)
                 "head_path": head_path(cfgs[mode]).reason,

@@ -92,6 +92,11 @@ declare -A ROWS=(
 |$F --model qwen3-4b $(at 16384 2) --fused-head --recompute-activations --liger-kernels --steps 2"
   [m06b-64k-keep]="$M --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --steps 2"
   [f06b-64k-keep]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --liger-kernels --steps 2"
+  # more sequences per optimizer step (an RL step trains many): the host's Adam step, a fixed
+  # cost per optimizer step (its time is in each row's optimizer_s), shared by 4 x 64k / 16 x 16k
+  [m4b-64k-keep-x4]="$M --model qwen3-4b $(at 65536 4) --recompute-activations --keep-attention --optimizer-offload cpu --steps 1"
+  [m4b-16k-keep-x16]="$M --model qwen3-4b $(at 16384 16) --fused-head --recompute-activations --recompute-layers 12 --keep-attention --optimizer-offload cpu --steps 1"
+  [f4b-64k-keep-x4]="$F --model qwen3-4b $(at 65536 4) --recompute-activations --keep-attention --optimizer-offload cpu --liger-kernels --steps 1"
   # the same on an H200 (141 GB): the state on the GPU (--optimizer-offload none), no host Adam
   # step; two sequences per step at 64k (one would have a zero loss: one sample in its group)
   [m4b-64k-keep-gpu]="$M --model qwen3-4b $(at 65536 2) --recompute-activations --keep-attention --optimizer-offload none --steps 1"
