@@ -32,8 +32,14 @@ def test_offloaded_rows_run_on_the_cpu(tmp_path):
     assert "HybridDeviceOptimizer" in megatron["memory_plan"]["optimizer_state"]
     assert reuse["summary"]["train_mfu"] > 0 and reuse["peak_host_rss_gib"] > 0
     assert megatron["flops"]["train_pass"] > 0  # 6N + attention (megatron_throughput.model_flops)
+    # the host's Adam step timed apart: one per timed RL step, a part of its training phase
+    (opt,), (train,) = reuse["optimizer_s"], reuse["train_s"]
+    assert 0 < opt < train
     fsdp2 = json.loads((tmp_path / "f4b-64k-offload.json").read_text())
     row = fsdp2["table"]["fsdp2"]
     assert row["optimizer_offload"] is True and row["mfu"] > 0
     plan = fsdp2["engines"]["fsdp2"]["results"]["reuse"]["memory_plan"]
     assert "CPUOffloadPolicy" in plan["optimizer_state"]
+    reuse = fsdp2["engines"]["fsdp2"]["results"]["reuse"]
+    assert len(reuse["optimizer_s"]) == len(reuse["train_s"])
+    assert all(0 < o < t for o, t in zip(reuse["optimizer_s"], reuse["train_s"], strict=True))
