@@ -97,6 +97,10 @@ declare -A ROWS=(
   [m4b-64k-keep-x4]="$M --model qwen3-4b $(at 65536 4) --recompute-activations --keep-attention --optimizer-offload cpu --steps 1"
   [m4b-16k-keep-x16]="$M --model qwen3-4b $(at 16384 16) --fused-head --recompute-activations --recompute-layers 12 --keep-attention --optimizer-offload cpu --steps 1"
   [f4b-64k-keep-x4]="$F --model qwen3-4b $(at 65536 4) --recompute-activations --keep-attention --optimizer-offload cpu --liger-kernels --steps 1"
+  # reuse against recompute at 64k: the old log-probs from the training pass, or from a
+  # forward-only pass first (the saved forward: attention is most of it at 64k)
+  [m06b-64k-keep-modes]="$M --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --steps 2 --modes reuse,recompute"
+  [f06b-64k-keep-modes]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --liger-kernels --steps 2 --modes reuse,recompute"
   # the same on an H200 (141 GB): the state on the GPU (--optimizer-offload none), no host Adam
   # step; two sequences per step at 64k (one would have a zero loss: one sample in its group)
   [m4b-64k-keep-gpu]="$M --model qwen3-4b $(at 65536 2) --recompute-activations --keep-attention --optimizer-offload none --steps 1"
