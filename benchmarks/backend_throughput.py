@@ -57,7 +57,7 @@ from benchmarks.megatron_throughput import (
     rollout_records,
     summary,
 )
-from benchmarks.optimizer_timing import time_optimizer_steps
+from benchmarks.optimizer_timing import optimizer_steps_timed
 from benchmarks.profile_gaps import add_profile_gaps_argument
 from benchmarks.run_environment import run_environment
 from unirl.backends.deepspeed.engine import deep_merge
@@ -132,23 +132,24 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     backend = build_backend(cfgs[modes[0]], total_optimizer_steps=1000, needs_reference=False)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "results": {}}
-    optimizer_calls = time_optimizer_steps(backend, functools.partial(_sync, args.device))
     try:
         for mode in modes:
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             step = RLStep(cfgs[mode], backend)
             times, metrics, optimizer_s = [], [], []
-            for i in range(args.warmup + args.steps):
-                _sync(args.device)
-                t = time.perf_counter()
-                first = len(optimizer_calls)
-                result = step.run(batch)
-                _sync(args.device)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t)
-                    metrics.append(result.metrics)
-                    optimizer_s.append(sum(optimizer_calls[first:]))
+            sync = functools.partial(_sync, args.device)
+            with optimizer_steps_timed(backend, sync) as optimizer:
+                for i in range(args.warmup + args.steps):
+                    sync()
+                    t = time.perf_counter()
+                    mark = optimizer.mark()
+                    result = step.run(batch)
+                    sync()
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t)
+                        metrics.append(result.metrics)
+                        optimizer_s.append(optimizer.since(mark))
             res: dict[str, Any] = {
                 "step_s": times,
                 "actor_phase_s": [

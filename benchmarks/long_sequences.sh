@@ -30,7 +30,8 @@ OUT=${OUT:?set OUT to the folder for the JSON}
 mkdir -p "$OUT"
 EXTRA=${EXTRA:-}
 SHRINK=${SHRINK:-1}
-M="python benchmarks/megatron_throughput.py --modes reuse"
+MT="python benchmarks/megatron_throughput.py"
+M="$MT --modes reuse"
 LIMIT=${LIMIT:-240}
 TOTAL=${TOTAL:-100000}
 # the parent's own timeout ends its child engine process (a killed parent would leave it running)
@@ -99,8 +100,8 @@ declare -A ROWS=(
   [f4b-64k-keep-x4]="$F --model qwen3-4b $(at 65536 4) --recompute-activations --keep-attention --optimizer-offload cpu --liger-kernels --steps 1"
   # reuse against recompute at 64k: the old log-probs from the training pass, or from a
   # forward-only pass first (the saved forward: attention is most of it at 64k)
-  [m06b-64k-keep-modes]="$M --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --steps 2 --modes reuse,recompute"
-  [f06b-64k-keep-modes]="$F --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --liger-kernels --steps 2 --modes reuse,recompute"
+  [m06b-64k-keep-modes]="$MT --modes reuse,recompute --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --steps 2"
+  [f06b-64k-keep-modes]="$F --modes reuse,recompute --model qwen3-0.6b $(at 65536 2) --recompute-activations --keep-attention --liger-kernels --steps 2"
   # the same on an H200 (141 GB): the state on the GPU (--optimizer-offload none), no host Adam
   # step; two sequences per step at 64k (one would have a zero loss: one sample in its group)
   [m4b-64k-keep-gpu]="$M --model qwen3-4b $(at 65536 2) --recompute-activations --keep-attention --optimizer-offload none --steps 1"

@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.optimizer_timing import time_optimizer_steps
+from benchmarks.optimizer_timing import optimizer_steps_timed
 from benchmarks.profile_gaps import add_profile_gaps_argument
 from benchmarks.run_environment import run_environment
 
@@ -411,21 +411,22 @@ def run_rl_steps(cfg: Any, backend: Any, batch: Any, args: argparse.Namespace) -
 
     step = RLStep(cfg, backend)
     phases: list[dict[str, float]] = []
-    optimizer_calls = time_optimizer_steps(backend, sync)
     optimizer_s: list[float] = []  # per RL step: its optimizer steps' time
 
-    def one() -> Any:
-        first = len(optimizer_calls)
-        result = step.run(batch)
-        phases.append(result.metrics)
-        optimizer_s.append(sum(optimizer_calls[first:]))
-        return result
+    with optimizer_steps_timed(backend, sync) as optimizer:
 
-    times, result = timed(one, args.warmup, args.steps)
+        def one() -> Any:
+            mark = optimizer.mark()
+            result = step.run(batch)
+            phases.append(result.metrics)
+            optimizer_s.append(optimizer.since(mark))
+            return result
+
+        times, result = timed(one, args.warmup, args.steps)
     timed_phases = phases[args.warmup : args.warmup + args.steps]
-    optimizer_s = optimizer_s[args.warmup : args.warmup + args.steps]
+    timed_optimizer = optimizer_s[args.warmup : args.warmup + args.steps]
     if PROFILE["dir"]:
-        profiled(one, cfg.old_logprobs)
+        profiled(lambda: step.run(batch), cfg.old_logprobs)
     actor = [m.get("time/actor_forward_s", 0.0) + m["time/train_s"] for m in timed_phases]
     return {
         "step_s": times,
@@ -433,7 +434,7 @@ def run_rl_steps(cfg: Any, backend: Any, batch: Any, args: argparse.Namespace) -
         "actor_forward_s": [m.get("time/actor_forward_s", 0.0) for m in timed_phases],
         "train_s": [m["time/train_s"] for m in timed_phases],
         # the optimizer step alone (with the state offloaded: the host's Adam step and copies)
-        "optimizer_s": optimizer_s,
+        "optimizer_s": timed_optimizer,
         "old_logprob_source": result.decision.source,
         "loss": result.metrics.get("loss"),
         "grad_norm": result.metrics.get("grad_norm"),
