@@ -104,20 +104,18 @@ def enable_checkpointing(model: Any, model_cfg: ModelConfig) -> None:
     embedding's output, before the first checkpointed layer."""
     from unirl.backends import kept_attention
     from unirl.backends.cudnn_attention import probe_ahead
+    from unirl.core.config.model_shape import head_dim
     from unirl.core.config.recompute_rules import refuse_experts
 
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if not model_cfg.recompute_attention:
         refuse_experts(model.config.to_dict())  # the loaded model's config, checked again
         kwargs["context_fn"] = kept_attention.contexts
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        width = head_dim(model.config.to_dict())
 
         def probe(_module: Any, _inputs: Any, out: torch.Tensor) -> None:
             if torch.is_grad_enabled():
-                probe_ahead(out.device, out.dtype, head_dim)
+                probe_ahead(out.device, out.dtype, width)
 
         model.get_input_embeddings().register_forward_hook(probe)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

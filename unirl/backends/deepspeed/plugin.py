@@ -107,8 +107,8 @@ PLUGIN = BackendPlugin(
         ContractLayout.of("zero3-dp2", 2, zero_stage=3, critic=True, lora=True),
         # model.fused_head: the log-probs from the LM head's input (ZeRO-3 gathers its weight)
         ContractLayout.of("zero3-dp1-fused", 1, model={"fused_head": True}, zero_stage=3),
-        # per-layer checkpoint keeping attention's output (unirl.backends.kept_attention), with
-        # ZeRO-3's parameter gathers inside the checkpointed layers
+        # per-layer checkpoint keeping attention's output (unirl.backends.kept_attention), under
+        # ZeRO-1 (ZeRO-3 refuses it: `check`)
         ContractLayout.of(
             "zero1-dp2-kept-attention",
             2,

@@ -24,13 +24,19 @@ from unirl.core.data.routed_experts import MoeShape
 from unirl.core.errors import ConfigError
 from unirl.core.registry import Registry
 
-__all__ = ["MOE_SHAPES", "MoeShape", "hf_config_fields", "moe_shape"]
+__all__ = ["MOE_SHAPES", "MoeShape", "head_dim", "hf_config_fields", "moe_shape"]
 
 # model_type -> reads a Hugging Face config dict into its `MoeShape`.
 MoeReader = Callable[[Mapping[str, Any]], MoeShape]
 MOE_SHAPES: Registry[MoeReader] = Registry(
     "mixture-of-experts model type", key="model.hf_config.model_type"
 )
+
+
+def head_dim(hf: Mapping[str, Any]) -> int:
+    """One attention head's width: ``head_dim`` where the config sets it (Qwen3-4B: 128, not
+    2,560 / 32), else ``hidden_size / num_attention_heads``, Hugging Face's default."""
+    return int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
 
 
 def _int(hf: Mapping[str, Any], key: str, default: int) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from unirl.core.config.model_shape import MOE_SHAPES
+from unirl.core.config.model_shape import MOE_SHAPES, head_dim
 from unirl.core.errors import ConfigError
 
 
@@ -43,8 +43,8 @@ def _attention(hf: Mapping[str, Any]) -> int:
     """q and o, k and v of one layer (grouped-query: ``num_key_value_heads``)."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or h // heads
-    return 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+    d = head_dim(hf)
+    return 2 * h * heads * d + 2 * h * kv_heads * d
 
 
 def _qwen3_moe(hf: Mapping[str, Any]) -> tuple[int, int]:

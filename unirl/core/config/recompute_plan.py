@@ -10,8 +10,9 @@ and recompute only the rest (`unirl.backends.kept_attention`); that costs, per r
 ``tokens`` being the largest microbatch per rank (`head_memory.microbatch_tokens`, divided by
 parallel.cp), the layers those of one pipeline stage (all its chunks), or the first
 ``megatron.recompute_layers`` of each chunk; per microbatch: under pipeline parallel a stage
-holds up to ``parallel.pp`` microbatches in flight (1F1B), and the report gives that bound. It saves the attention forward that whole-layer
-recompute runs a second time: at 65,536 tokens about 70% of a Qwen3-4B forward. The choice is
+holds up to ``parallel.pp`` microbatches in flight (1F1B), and the report gives that bound. It
+saves the attention forward that whole-layer recompute runs a second time: at 65,536 tokens
+about 70% of a Qwen3-4B forward. The choice is
 the user's: what else a step holds (the layers not recomputed, the head, the optimizer's
 buffers) is not counted here, so the plan does not decide it; it prints the figure.
 """
@@ -22,7 +23,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from unirl.core.config.head_memory import DTYPE_BYTES, microbatch_tokens, size_text
-from unirl.core.config.model_shape import hf_config_fields
+from unirl.core.config.model_shape import head_dim, hf_config_fields
 
 if TYPE_CHECKING:
     from unirl.core.config.run_config import UnirlConfig
@@ -33,7 +34,7 @@ def kept_attention_bytes(cfg: UnirlConfig, hf: dict[str, Any]) -> tuple[int, int
     docstring); None when the config lacks the shape."""
     try:
         layers, heads = int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+        width = head_dim(hf)
     except (KeyError, TypeError, ValueError):
         return None
     p = cfg.parallel
@@ -42,9 +43,7 @@ def kept_attention_bytes(cfg: UnirlConfig, hf: dict[str, Any]) -> tuple[int, int
     if narrowed is not None:
         per_stage = min(per_stage, narrowed * (p.vpp or 1))
     tokens = microbatch_tokens(cfg)
-    size = (
-        per_stage * tokens * math.ceil(heads / p.tp) * (head_dim * DTYPE_BYTES[cfg.model.dtype] + 4)
-    )
+    size = per_stage * tokens * math.ceil(heads / p.tp) * (width * DTYPE_BYTES[cfg.model.dtype] + 4)
     return size, per_stage, tokens
 
 

@@ -27,9 +27,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # With gradient_checkpointing: whether the checkpointed layers run their attention again in
     # backward (true) or keep its output and recompute only the rest (false; dense models, not
-    # under DeepSpeed ZeRO-3; `unirl.backends.kept_attention`): at 64k tokens attention is ~70% of a 4B model's FLOPs,
-    # kept it costs query heads x (head_dim x 2 + 4) bytes per token per layer in bf16
-    # (`unirl.core.config.recompute_plan`; unirl check prints the figure).
+    # under DeepSpeed ZeRO-3; `unirl.backends.kept_attention`): at 64k tokens attention is ~70%
+    # of a 4B model's FLOPs; kept, it costs query heads x (head_dim x 2 + 4) bytes per token per
+    # layer in bf16 (`unirl.core.config.recompute_plan`; unirl check prints the figure).
     recompute_attention: bool = True
     # Log-probs straight from the final hidden states and the LM head's weight, in token chunks
     # (`unirl.core.maths.head_loss`, `logprobs_hidden`): the [tokens, vocab] logits and their
